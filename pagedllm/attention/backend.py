@@ -1,0 +1,36 @@
+"""The attention backend hook: one narrow interface, chosen once by the model runner.
+
+Backends: `TorchAttentionBackend` (plain PyTorch; the CPU path and the reference) and, on CUDA,
+the Triton backend in `pagedllm.attention.triton_backend`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_ref import paged_attention
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        ...
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, md, scale):  # noqa: D102 - see Protocol
+        return paged_attention(query, key, value, kv_cache, md, scale)

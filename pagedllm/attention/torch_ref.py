@@ -1,0 +1,112 @@
+"""Plain PyTorch paged attention: the CPU execution path and the reference for the GPU kernels.
+
+No per-request Python loop: requests are split into two groups (decodes, query_len == 1, and
+prefill chunks, query_len > 1) and each group runs as one padded, masked SDPA call over K/V
+gathered through the block table. Splitting keeps one long prefill from padding every decode to
+its length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor,  # int64 (num_tokens,), -1 = skip (padding)
+) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    else:
+        slots = slot_mapping[valid]
+        flat[0].index_copy_(0, slots, key[valid].to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+
+
+def _group_attention(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    key_src: torch.Tensor,  # (G, S, num_kv_heads, head_dim) padded keys of the group
+    value_src: torch.Tensor,  # (G, S, num_kv_heads, head_dim)
+    q_start: torch.Tensor,  # (G,) first token row of each request in `query`
+    q_len: torch.Tensor,  # (G,)
+    seq_len: torch.Tensor,  # (G,) context length including the new tokens
+    max_q: int,
+    scale: float,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written in place
+) -> None:
+    device = query.device
+    ar_q = torch.arange(max_q, device=device)
+    # Token row of every (request, query slot); padded slots point at the request's first row.
+    # q_start [0, 3], q_len [3, 1], max_q 3 -> rows [[0, 1, 2], [3, 3, 3]], valid [[T,T,T],[T,F,F]]
+    q_valid = ar_q[None, :] < q_len[:, None]
+    rows = torch.where(q_valid, q_start[:, None] + ar_q[None, :], q_start[:, None])
+    q = query[rows]  # (G, max_q, H, D)
+    # Absolute position of each query slot; keys up to and including it are visible.
+    q_pos = (seq_len - q_len)[:, None] + ar_q[None, :]  # (G, max_q)
+    k_pos = torch.arange(key_src.shape[1], device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (G, max_q, S)
+    mask &= k_pos[None, None, :] < seq_len[:, None, None]
+    mask[:, :, 0] |= ~q_valid  # keep padded rows finite; they are dropped below
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        key_src.transpose(1, 2).to(q.dtype),
+        value_src.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)  # (G, max_q, H, D)
+    out[rows[q_valid]] = o[q_valid]
+
+
+def paged_attention(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), this step's keys
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. Returns (num_tokens, num_heads, head_dim).
+
+    With kv_cache None (the memory-profiling pass before the cache exists) each request attends
+    causally over its own new tokens only.
+    """
+    n = md.num_actual_tokens
+    out = torch.zeros_like(query)
+    if kv_cache is not None:
+        write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n])
+    qsl = md.query_start_loc[: md.num_reqs + 1].long()
+    q_lens = qsl[1:] - qsl[:-1]
+    seq_lens = md.seq_lens[: md.num_reqs].long()
+    q_lens_cpu = md.query_start_loc_cpu[1 : md.num_reqs + 1] - md.query_start_loc_cpu[: md.num_reqs]
+    for is_decode in (True, False):
+        sel_cpu = (q_lens_cpu == 1) if is_decode else (q_lens_cpu > 1)
+        if not bool(sel_cpu.any()):
+            continue
+        idx = torch.nonzero(sel_cpu).flatten().to(query.device)
+        max_q = 1 if is_decode else int(q_lens_cpu[sel_cpu].max())
+        if kv_cache is None:
+            # Keys are the new tokens themselves, padded like the queries.
+            ar = torch.arange(max_q, device=query.device)
+            rows = (qsl[idx][:, None] + ar[None, :]).clamp(max=n - 1)
+            k_src, v_src, s_len = key[rows], value[rows], q_lens[idx]
+        else:
+            block_size = kv_cache.shape[2]
+            max_seq = int(md.seq_lens_cpu[: md.num_reqs][sel_cpu].max())
+            num_blocks = -(-max_seq // block_size)
+            tables = md.block_table[idx, :num_blocks].long()  # (G, nb)
+            g = tables.shape[0]
+            k_src = kv_cache[0][tables].reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
+            v_src = kv_cache[1][tables].reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
+            s_len = seq_lens[idx]
+        _group_attention(query, k_src, v_src, qsl[idx], q_lens[idx], s_len, max_q, scale, out)
+    return out

@@ -1,0 +1,173 @@
+"""Frozen, validated engine configuration.
+
+`EngineArgs` (engine/arg_utils.py) holds what a user typed; `create_engine_config()` resolves it into
+these frozen objects once. Values discovered at run time (the number of KV blocks found by
+profiling) live in `KVCacheSpec`, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
+    """Resolve the run dtype: "auto" -> float32 on CPU (fastest exact path there), else the
+    checkpoint's dtype with float32 checkpoints run in bfloat16 on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cpu":
+            return torch.float32
+        if config_dtype in (torch.float16, torch.bfloat16):
+            return config_dtype
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user passed (or the embedded default's path)
+    served_model_name: tuple[str, ...]
+    hf_config: Any  # transformers.PretrainedConfig
+    source: Any  # pagedllm.loader.source.ModelSource
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    seed: int = 0
+    quantization: str | None = None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must name at least one model.")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.generation_config.get("eos_token_id"), getattr(self.hf_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return ids
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    cpu_kvcache_space: float | None = None  # GiB for the KV cache when running on the CPU
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
+        if self.cpu_kvcache_space is not None and self.cpu_kvcache_space <= 0:
+            raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space}.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len})."
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; only 1 is built."
+            )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; only 1 is built."
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str  # "cpu" or "cuda"
+    enforce_eager: bool = False
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    preemption_mode: str = "recompute"
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}.")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}.")

@@ -1,0 +1,70 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+The runner keeps its own per-request state (token ids, block table row, sampling rows), so a step
+only carries what changed: new requests in full, running ones as deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resuming after preemption (state rebuilt)."""
+
+    req_id: str
+    token_ids: list[int]  # every known token: prompt plus any output before a preemption
+    num_prompt_tokens: int
+    output_token_ids: list[int]  # the output part of token_ids (for penalties)
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # batch order
+    sampled_token_ids: list[int]  # one per request; ignored for requests still mid-prefill
+    # Per request: (token ids, logprobs, rank of sampled) with column 0 the sampled token.
+    logprobs: list[tuple[list[int], list[float], int]] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,248 @@
+"""Token-budget scheduler: no prefill or decode phases, only tokens.
+
+Each step hands out up to `max_num_batched_tokens` new tokens: running requests first (a decode
+is one token, a prefill chunk many), then waiting requests in arrival order. A prompt longer than
+the budget left simply gets a chunk now and the rest on later steps (chunked prefill). When the
+pool has no block for a running request, the newest running request is preempted: its blocks
+are freed and it goes back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative, tokens
+    prefix_cache_hits: int  # cumulative, tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the runner must drop state for, reported on the next schedule().
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        # Requests the runner has state for (seen since their last (re)admission).
+        self._runner_knows: set[str] = set()
+
+    # -- admission ---------------------------------------------------------------------------------
+    def max_tokens_that_fit(self) -> int:
+        return self.kv_cache_manager.num_blocks * self.block_size
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never run, so it is never left waiting."""
+        max_total = request.num_prompt_tokens + (request.max_tokens or 0)
+        if request.num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty; it needs at least one token.")
+        if max_total > self.config.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
+                f"requested {max_total} tokens ({request.num_prompt_tokens} in the prompt, "
+                f"{request.max_tokens} for the completion). Please reduce the prompt or max_tokens."
+            )
+        if cdiv(max_total, self.block_size) > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"the request needs up to {max_total} tokens of KV cache but the whole cache holds "
+                f"{self.max_tokens_that_fit()} tokens ({self.kv_cache_manager.num_blocks} blocks of "
+                f"{self.block_size}); it could never be scheduled."
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_any = False
+        kv = self.kv_cache_manager
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            while True:
+                new_blocks = kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                preempted_any = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break  # req itself was preempted; everything after it too
+            num_scheduled[req.request_id] = n
+            budget -= n
+            if req.request_id in self._runner_knows:
+                cached_reqs.append(
+                    CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+                )
+            else:
+                new_reqs.append(self._new_request_data(req))
+            i += 1
+
+        # 2. Waiting requests, in order, while there is budget, room and no preemption this step.
+        while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            if kv.allocate_slots(req, n, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            new_reqs.append(self._new_request_data(req))
+
+        # 3. Advance num_computed_tokens now, so the next schedule() already sees this step's work.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        if kv.debug:
+            kv.check_invariants()
+        return out
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        self._runner_knows.add(req.request_id)
+        return NewRequestData(
+            req_id=req.request_id,
+            token_ids=list(req.all_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.sampling_params,
+            generator=req.generator,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        if req.request_id in self._runner_knows:
+            self._runner_knows.discard(req.request_id)
+            self.finished_req_ids.add(req.request_id)
+
+    # -- results -----------------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for row, req_id in enumerate(runner_output.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill: the sampled token belongs to no position yet
+            token = runner_output.sampled_token_ids[row]
+            req.append_output_token_ids(token)
+            self._check_stop(req, token)
+            lp = [runner_output.logprobs[row]] if runner_output.logprobs is not None else None
+            out = EngineCoreOutput(req_id, [token], lp, num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.is_finished():
+                out.finish_reason = req.get_finished_reason()
+                out.stop_reason = req.stop_reason
+                self._free_request(req)
+            outputs.append(out)
+        self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            # vLLM reports the stop token id for stop_token_ids, None for plain EOS.
+            req.stop_reason = token if token in (params.stop_token_ids or []) else None
+        elif req.max_tokens is not None and req.num_output_tokens >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        elif req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None) -> None:
+        """Abort (or stop, for stop strings found by the frontend) requests wherever they are."""
+        assert RequestStatus.is_finished(status)
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            req.stop_reason = stop_reason
+            self._free_request(req)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        if req.request_id in self._runner_knows:
+            self._runner_knows.discard(req.request_id)
+            self.finished_req_ids.add(req.request_id)
+
+    # -- introspection -----------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )

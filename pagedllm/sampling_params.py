@@ -1,0 +1,165 @@
+"""`SamplingParams`: vLLM's names, defaults and validation.
+
+Every invalid value raises ValueError naming the field and the allowed range, so the server can
+turn it into a 400 without guessing.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+# Limits that protect the engine from requests that would exhaust it (named in docs/LIMITS.md).
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries all tokens so far
+    DELTA = 1  # every output carries only the new tokens
+    FINAL_ONLY = 2  # only the finished output is returned
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine from the tokenizer / generation_config, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    # -- validation -----------------------------------------------------------------------------
+    def _verify(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            raise bad("best_of", "None or equal to n (beam-style best_of is not supported)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "a finite number > 0")
+        if not _is_number(self.temperature) or math.isnan(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", "a number in [0, 2]")
+        if not _is_number(self.top_p) or math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 1, or 0 / -1 for no limit")
+        if not _is_number(self.min_p) or math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "a number in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise bad(name, "an integer >= 0 or None")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}.")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(f"each stop string may be at most {MAX_STOP_STRING_LEN} characters long.")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries.")
+            clean: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids (integers), got {k!r}.") from None
+                if not _is_number(v) or math.isnan(v) or not -100.0 <= v <= 100.0:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}.")
+                clean[tok] = float(v)
+            self.logit_bias = clean
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids inside the vocabulary."""
+        for t in self.stop_token_ids or []:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size}).")
+        for t in self.logit_bias or {}:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"logit_bias contains token id {t}, outside the vocabulary [0, {vocab_size}).")
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def sampling_type_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def update_from_generation_config(self, generation_config: dict[str, Any], eos_token_ids: set[int]) -> None:
+        """Stop on the model's EOS ids (unless ignore_eos), as vLLM does with generation_config."""
+        if not self.ignore_eos:
+            self.all_stop_token_ids |= set(eos_token_ids)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments where None means "use the default" (server requests)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
