@@ -1,0 +1,38 @@
+"""RMSNorm with the fused residual add that the decoder layers chain through."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back to x's dtype.
+
+    forward(x) -> y. forward(x, residual) first adds: s = x + residual, and returns (norm(s), s) —
+    the decoder layer carries `s` to the next residual add, so the sum is never materialised twice.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype or torch.get_default_dtype()),
+                                   requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        orig_dtype = x.dtype
+        x = x.float()
+        if residual is not None:
+            x = x + residual.float()
+            residual = x.to(orig_dtype)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        x = (x * torch.rsqrt(variance + self.variance_epsilon)).to(orig_dtype) * self.weight
+        if residual is None:
+            return x
+        return x, residual
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

@@ -1,0 +1,26 @@
+"""hidden states -> vocabulary logits through the LM head (gather over TP ranks, drop padding)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.tp import tensor_model_parallel_all_gather
+from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.scale = scale
+
+    def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states (T', hidden) -> float32 logits (T', vocab_size)."""
+        logits = lm_head.quant_method.apply(lm_head, hidden_states, lm_head.bias)
+        logits = tensor_model_parallel_all_gather(logits)
+        # (T', num_embeddings_padded) -> (T', vocab_size): padded rows are not tokens.
+        logits = logits[..., : self.vocab_size].float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits

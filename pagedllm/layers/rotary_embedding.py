@@ -1,0 +1,196 @@
+"""Rotary position embedding (RoPE) with a precomputed cos/sin cache.
+
+Supported `rope_type`s: "default", "linear" (position interpolation) and "llama3" (Llama 3.1's
+frequency-dependent scaling). Settings come from `get_rope_parameters(config)`, which reads both
+the transformers 5.x form (`config.rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}`)
+and the older one (`config.rope_theta` + `config.rope_scaling = {"type"/"rope_type": ..., ...}`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_parameters(config: Any) -> dict[str, Any]:
+    """One flat dict with at least rope_type and rope_theta, from either config format.
+
+    LlamaConfig(rope_parameters={"rope_type": "llama3", "factor": 8.0, ...}) -> the same dict plus
+    rope_theta; an old config with rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}
+    -> {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
+    legacy_type = params.pop("type", None)
+    params.setdefault("rope_type", legacy_type or "default")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    if params["rope_type"] == "llama3" and params.get("original_max_position_embeddings") is None:
+        # Same fallback as transformers: the pretraining length is the model's max length.
+        params["original_max_position_embeddings"] = config.max_position_embeddings
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first `rotary_dim` features of every head by position-dependent angles.
+
+    neox style (HF Llama/Qwen) pairs feature i with i + rotary_dim/2; GPT-J style pairs 2i with 2i+1.
+    cos_sin_cache is (max_position, rotary_dim): [cos(p * inv_freq) | sin(p * inv_freq)].
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool = True,
+    ) -> None:
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_size:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_size {head_size}")
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.base = base
+        self.is_neox_style = is_neox_style
+        # float32 regardless of the model dtype: angles p * inv_freq reach 1e5 and need the precision.
+        self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache(), persistent=False)
+
+    def _compute_inv_freq(self, base: float) -> torch.Tensor:
+        # (rotary_dim / 2,): base^(-2i / rotary_dim)
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        return 1.0 / (base**exponent)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        inv_freq = self._compute_inv_freq(self.base)
+        t = torch.arange(self.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_position, rotary_dim / 2)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, num_heads, self.head_size)
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if self.is_neox_style:
+            rot = torch.cat((o1, o2), dim=-1)
+        else:
+            rot = torch.stack((o1, o2), dim=-1).flatten(-2)
+        return torch.cat((rot, passthrough), dim=-1).reshape(t, num_heads * self.head_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # (num_tokens,) absolute positions
+        query: torch.Tensor,  # (num_tokens, num_heads * head_size)
+        key: torch.Tensor,  # (num_tokens, num_kv_heads * head_size)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (num_tokens, 1, rotary_dim / 2) each
+        q = self._rotate(query, cos, sin, query.shape[-1] // self.head_size)
+        k = self._rotate(key, cos, sin, key.shape[-1] // self.head_size)
+        return q, k
+
+    def extra_repr(self) -> str:
+        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
+                f"max_position_embeddings={self.max_position_embeddings}, base={self.base}, "
+                f"is_neox_style={self.is_neox_style}")
+
+
+class LinearScalingRotaryEmbedding(RotaryEmbedding):
+    """Position interpolation: angles of position p are those of p / factor; the cache covers
+    max_position * factor positions."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
+                 is_neox_style: bool, scaling_factor: float) -> None:
+        self.scaling_factor = scaling_factor
+        super().__init__(head_size, rotary_dim, int(max_position_embeddings * scaling_factor), base,
+                         is_neox_style)
+
+    def _compute_inv_freq(self, base: float) -> torch.Tensor:
+        return super()._compute_inv_freq(base) / self.scaling_factor
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+
+    With original_max_position 8192, low_freq_factor 1, high_freq_factor 4: wavelengths above 8192
+    are divided by 8, below 2048 unchanged, in between interpolated linearly in 8192 / wavelength.
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
+                 is_neox_style: bool, scaling_factor: float, low_freq_factor: float, high_freq_factor: float,
+                 orig_max_position: int) -> None:
+        self.scaling_factor = scaling_factor
+        self.low_freq_factor = low_freq_factor
+        self.high_freq_factor = high_freq_factor
+        self.orig_max_position = orig_max_position
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _compute_inv_freq(self, base: float) -> torch.Tensor:
+        inv_freq = super()._compute_inv_freq(base)
+        low_freq_wavelen = self.orig_max_position / self.low_freq_factor
+        high_freq_wavelen = self.orig_max_position / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (self.orig_max_position / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / self.scaling_factor + smooth * inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.scaling_factor, inv_freq)
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+
+
+def get_rope(
+    head_size: int,
+    max_position: int,
+    rope_parameters: dict[str, Any] | None = None,
+    is_neox_style: bool = True,
+    rotary_dim: int | None = None,
+    base: float | None = None,
+) -> RotaryEmbedding:
+    """Build the rotary embedding for `rope_parameters` (as returned by `get_rope_parameters`).
+
+    `base` is the theta to use when rope_parameters has no rope_theta (default 10000);
+    `rotary_dim` defaults to head_size * partial_rotary_factor.
+    """
+    params = dict(rope_parameters or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta") or base or 10000.0
+    if rotary_dim is None:
+        rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+    if rope_type == "default":
+        return RotaryEmbedding(head_size, rotary_dim, max_position, theta, is_neox_style)
+    if rope_type == "linear":
+        return LinearScalingRotaryEmbedding(head_size, rotary_dim, max_position, theta, is_neox_style,
+                                            float(_require(params, "factor", rope_type)))
+    if rope_type == "llama3":
+        return Llama3RotaryEmbedding(
+            head_size, rotary_dim, max_position, theta, is_neox_style,
+            float(_require(params, "factor", rope_type)),
+            float(_require(params, "low_freq_factor", rope_type)),
+            float(_require(params, "high_freq_factor", rope_type)),
+            int(params.get("original_max_position_embeddings") or max_position),
+        )
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+
+
+def _require(params: dict[str, Any], key: str, rope_type: str) -> Any:
+    if params.get(key) is None:
+        raise ValueError(f"rope_type {rope_type!r} needs {key!r} in rope_parameters, got {params}")
+    return params[key]
