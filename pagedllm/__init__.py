@@ -1,0 +1,19 @@
+"""pagedllm: a vLLM-style LLM inference and serving engine (paged KV cache, continuous batching)."""
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]

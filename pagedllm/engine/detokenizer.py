@@ -1,0 +1,77 @@
+"""Incremental detokenization and stop strings.
+
+Decoding token by token loses leading spaces (SentencePiece's "▁") and splits multibyte
+characters across tokens. So each step decodes a short window twice — the tokens already shown
+(prefix..read) and the same window plus the new ones — and emits only the difference, and only
+once it no longer ends in an incomplete character (U+FFFD):
+
+    ids = [..., "▁The", "▁capital"], prefix window "▁The" -> "The"; with "▁capital" -> "The capital"
+    new text = " capital"   (the space survives because "▁The" is in the window)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+# How many already-shown tokens to keep in the window; enough for any merge/space effect.
+_WINDOW = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_WINDOW:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.output_text = ""
+        self.stop = stop or []
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # Streaming holds back the tail that could still grow into a stop string, so streamed
+        # text never shows characters the final text will not have.
+        self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1
+        self._sent_len = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Add tokens; returns the stop string if one appeared (output_text is then cut there)."""
+        start_len = len(self.output_text)
+        for tok in new_token_ids:
+            self.ids.append(tok)
+            prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full_text = self._decode(self.ids[self.prefix_offset :])
+            if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+                self.output_text += full_text[len(prefix_text) :]
+                self.prefix_offset = max(self.read_offset, len(self.ids) - _WINDOW)
+                self.read_offset = len(self.ids)
+        return self._check_stop_strings(start_len) if self.stop else None
+
+    def _check_stop_strings(self, start_len: int) -> str | None:
+        for s in self.stop:
+            # Only a match that ends inside the new text can be new.
+            idx = self.output_text.find(s, max(0, start_len - len(s) + 1))
+            if idx != -1:
+                end = idx + len(s) if self.include_stop_str_in_output else idx
+                self.output_text = self.output_text[:end]
+                return s
+        return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """Text to show now: all of it, or only what is new since the last delta."""
+        hold = 0 if finished or self.include_stop_str_in_output else self.stop_buffer_length
+        end = max(len(self.output_text) - hold, self._sent_len if delta else 0)
+        if not delta:
+            return self.output_text[:end]
+        text = self.output_text[self._sent_len : end]
+        self._sent_len = end
+        return text

@@ -1,0 +1,80 @@
+"""EngineCore: schedule -> execute -> update, the one step loop. No sockets, no asyncio, no text.
+
+The frontends (LLMEngine for `LLM`, AsyncLLM for the server) own tokenization, detokenization and
+stop strings; the core sees token ids only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.request import Request, RequestStatus
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.monotonic()
+        threads = config.device_config.cpu_threads
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"cpu_threads must be >= 1, got {threads}.")
+            torch.set_num_threads(threads)
+        self.model_runner = ModelRunner(config)
+        num_blocks = self.model_runner.determine_num_blocks()
+        bs = config.cache_config.block_size
+        max_len = config.model_config.max_model_len
+        if num_blocks * bs < max_len:
+            raise ValueError(
+                f"The model's max_model_len ({max_len}) is larger than the {num_blocks * bs} tokens "
+                f"({num_blocks} blocks of {bs}) that fit in the KV cache. Increase gpu_memory_utilization / "
+                f"cpu_kvcache_space / num_gpu_blocks_override, or set max_model_len <= {num_blocks * bs}."
+            )
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.step_count = 0
+        logger.info(
+            "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
+            time.monotonic() - t0, num_blocks, bs, num_blocks * bs,
+            config.model_config.dtype, config.device_config.device,
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue; raises ValueError (nothing queued) when the request can never run."""
+        if request.sampling_params.seed is not None and request.generator is None:
+            gen = torch.Generator(device=self.model_runner.device)
+            gen.manual_seed(request.sampling_params.seed)
+            request.generator = gen
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, stops: dict[str, str]) -> None:
+        """Finish requests whose text hit a stop string (found by the frontend's detokenizer)."""
+        for req_id, stop_str in stops.items():
+            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        so = self.scheduler.schedule()
+        runner_out = self.model_runner.execute_model(so)
+        self.step_count += 1
+        return self.scheduler.update_from_output(so, runner_out)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

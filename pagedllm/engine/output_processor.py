@@ -1,0 +1,196 @@
+"""Turns EngineCoreOutputs (token ids) into RequestOutputs (text, logprobs, finish reasons).
+
+Shared by LLMEngine and AsyncLLM. Requests with n > 1 run as n child requests in the core
+(`"{index}_{parent_id}"`); a ParentRequest gathers them back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    n: int
+    output_kind: RequestOutputKind
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+    def child_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        parent: ParentRequest | None,
+        index: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.parent = parent
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.output_kind = params.output_kind
+        self.detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
+            if tokenizer is not None and params.detokenize
+            else None
+        )
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.num_sent_tokens = 0
+        self.num_sent_logprobs = 0
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def _decode_token(self, tok: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([tok], skip_special_tokens=False)
+
+    def add(self, out: EngineCoreOutput) -> str | None:
+        """Apply one core output; returns a stop string if the text hit one."""
+        now = time.time()
+        if self.metrics.first_token_time is None and out.new_token_ids:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.num_cached_tokens = out.num_cached_tokens
+        self.token_ids.extend(out.new_token_ids)
+        if self.logprobs is not None and out.new_logprobs:
+            for ids, lps, rank in out.new_logprobs:
+                entry: dict[int, Logprob] = {}
+                for j, (t, lp) in enumerate(zip(ids, lps)):
+                    if t not in entry:  # column 0 is the sampled token; it may repeat in the top-k
+                        entry[t] = Logprob(lp, rank if j == 0 else j, self._decode_token(t))
+                self.logprobs.append(entry)
+                self.cumulative_logprob = (self.cumulative_logprob or 0.0) + lps[0]
+        stop_str = self.detokenizer.update(out.new_token_ids) if self.detokenizer else None
+        if stop_str is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_str
+        elif out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        if self.finish_reason is not None:
+            self.metrics.finished_time = now
+        return stop_str
+
+    def completion(self) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer else ""
+        if delta:
+            token_ids = self.token_ids[self.num_sent_tokens :]
+            logprobs = self.logprobs[self.num_sent_logprobs :] if self.logprobs is not None else None
+            self.num_sent_tokens = len(self.token_ids)
+            self.num_sent_logprobs = len(self.logprobs or [])
+        else:
+            token_ids, logprobs = list(self.token_ids), (list(self.logprobs) if self.logprobs is not None else None)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        self.request_states[state.request_id] = state
+        if state.parent is not None:
+            self.parents[state.parent.request_id] = state.parent
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests (parent ids expand to their children); returns the core ids to abort."""
+        core_ids: list[str] = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            ids = [parent.child_id(i) for i in range(parent.n)] if parent else [rid]
+            for cid in ids:
+                if self.request_states.pop(cid, None) is not None:
+                    core_ids.append(cid)
+        return core_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
+        """Returns the RequestOutputs to deliver and {core id: stop string} the core must stop."""
+        results: list[RequestOutput] = []
+        stops: dict[str, str] = {}
+        for out in outputs:
+            st = self.request_states.get(out.request_id)
+            if st is None:
+                continue  # aborted by the frontend while the step ran
+            stop_str = st.add(out)
+            if stop_str is not None and not out.finished:
+                stops[out.request_id] = stop_str
+            finished = st.finish_reason is not None
+            if finished:
+                del self.request_states[out.request_id]
+            ro = self._make_output(st, finished)
+            if ro is not None:
+                results.append(ro)
+        return results, stops
+
+    def _make_output(self, st: RequestState, finished: bool) -> RequestOutput | None:
+        kind = st.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        comp = st.completion()
+        parent = st.parent
+        if parent is None:
+            return self._request_output(st.request_id, st, [comp], finished)
+        # n > 1: gather children under the parent's id.
+        if finished:
+            parent.num_finished += 1
+        all_done = parent.num_finished == parent.n
+        if all_done:
+            self.parents.pop(parent.request_id, None)
+        if kind == RequestOutputKind.DELTA:
+            return self._request_output(parent.request_id, st, [comp], all_done)
+        parent.completions[comp.index] = comp
+        if kind == RequestOutputKind.FINAL_ONLY and not all_done:
+            return None
+        comps = [parent.completions[i] for i in sorted(parent.completions)]
+        return self._request_output(parent.request_id, st, comps, all_done)
+
+    @staticmethod
+    def _request_output(rid: str, st: RequestState, comps: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=rid,
+            prompt=st.prompt,
+            prompt_token_ids=st.prompt_token_ids,
+            outputs=comps,
+            finished=finished,
+            metrics=st.metrics,
+            num_cached_tokens=st.num_cached_tokens,
+        )

@@ -1,0 +1,109 @@
+"""Input processing shared by every frontend: prompt -> token ids, validation, fan-out of n > 1.
+
+Everything that can be rejected is rejected here, with a ValueError naming the problem, before
+anything reaches the engine core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.sampling_params import SamplingParams
+
+# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
+PromptType = Union[str, Mapping[str, Any], list[int]]
+
+# Keys of generation_config.json that become default sampling parameters (as in vLLM).
+_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model_config.vocab_size
+        self.max_model_len = config.model_config.max_model_len
+        eos = set(config.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = eos
+
+    def default_sampling_params(self) -> SamplingParams:
+        gen = self.config.model_config.generation_config
+        return SamplingParams(**{k: gen[k] for k in _GEN_DEFAULT_KEYS if gen.get(k) is not None})
+
+    def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        salt = None
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, Mapping):
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            salt = prompt.get("cache_salt")
+            if text is None and ids is None:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
+        elif isinstance(prompt, list):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}.")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt text must be a string, got {type(text).__name__}.")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init); pass prompt_token_ids.")
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = list(ids)
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size}).")
+        if not ids:
+            raise ValueError("the prompt is empty; it needs at least one token.")
+        return ProcessedPrompt(text, ids, salt)
+
+    def finalize_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Copy, check against the model, and fill the engine-derived fields."""
+        params = params.clone()
+        params.verify_vocab(self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise ValueError(f"{name}={v} is more than the server's max_logprobs ({self.config.max_logprobs}).")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet.")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room for output. Please shorten the prompt."
+            )
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt_tokens
+        elif num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens."
+            )
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens}).")
+        params.all_stop_token_ids = set(params.stop_token_ids or [])
+        params.update_from_generation_config(self.config.model_config.generation_config, self.eos_token_ids)
+        return params
+
+    @staticmethod
+    def child_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Parameters of the index-th of n samples: n=1, and a distinct seed when seeded."""
+        child = params.clone()
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        return child

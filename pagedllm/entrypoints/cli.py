@@ -1,0 +1,145 @@
+"""`pagedllm serve | generate | chat | bench` — vLLM's command line, same flag names."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(llm, args: argparse.Namespace):
+    params = llm.get_default_sampling_params()
+    params.max_tokens = args.max_tokens
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(args, name) is not None:
+            setattr(params, name, getattr(args, name))
+    params.seed = args.sampling_seed
+    params.__post_init__()  # validate the overrides
+    return params
+
+
+def _make_llm(args: argparse.Namespace):
+    from pagedllm.entrypoints.llm import LLM
+
+    engine_args = EngineArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
+    return LLM(engine_args.model, **kwargs)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(llm, args)
+    prompt = args.prompt
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompt, params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat: tokens stream to the terminal as they are generated."""
+    from pagedllm.entrypoints.chat_utils import render_chat
+    from pagedllm.sampling_params import RequestOutputKind
+
+    llm = _make_llm(args)
+    engine = llm.llm_engine
+    tok = engine.get_tokenizer()
+    history: list[dict[str, str]] = []
+    if args.system_prompt:
+        history.append({"role": "system", "content": args.system_prompt})
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        text = render_chat(tok, history)
+        params = _sampling_params(llm, args)
+        params.output_kind = RequestOutputKind.DELTA
+        rid = f"chat-{turn}"
+        turn += 1
+        engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params)
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = out.outputs[0].text
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    try:
+        from pagedllm.entrypoints.openai.api_server import make_arg_parser
+    except ImportError:  # the server extra is not importable: say so when serve is used
+        make_arg_parser = None
+    if make_arg_parser is not None:
+        make_arg_parser(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the chat template (default on)")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--system-prompt", default=None)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    try:
+        from pagedllm.benchmarks.cli import add_bench_parser
+    except ImportError:
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The runner's own per-request state and the flat inputs of one step.
+
+The runner remembers each running request's tokens and block ids, so a step only needs the
+scheduler's deltas. `prepare_inputs` turns a SchedulerOutput into flat numpy arrays:
+
+    requests A (prefill chunk of 3 at position 0) and B (decode at position 9), block_size 4
+    input_ids    [a0, a1, a2, b9]
+    positions    [0, 1, 2, 9]
+    query_lens   [3, 1]   -> query_start_loc [0, 3, 4]
+    seq_lens     [3, 10]
+    slot_mapping [A0*4+0, A0*4+1, A0*4+2, B2*4+1]     # block ids from each block table
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    input_ids: np.ndarray  # int64 (T,)
+    positions: np.ndarray  # int64 (T,)
+    query_start_loc: np.ndarray  # int32 (R + 1,)
+    seq_lens: np.ndarray  # int32 (R,)
+    block_table: np.ndarray  # int32 (R, max_blocks)
+    slot_mapping: np.ndarray  # int64 (T,)
+    sample_rows: list[int]  # rows whose last known token is computed this step: they sample
+
+
+class InputBatch:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                generator=new.generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            st = self.requests[cached.req_id]
+            st.block_ids.extend(cached.new_block_ids)
+            st.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        req_ids = list(so.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=num_reqs)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        starts = np.fromiter(
+            (self.requests[r].num_computed_tokens for r in req_ids), dtype=np.int64, count=num_reqs
+        )
+        seq_lens = (starts + q_lens).astype(np.int32)
+        # positions: per request arange(start, start + q_len), without a Python loop over tokens.
+        # q_lens [3, 1], starts [0, 9] -> offsets [0, 1, 2, 0] -> positions [0, 1, 2, 9]
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        offsets = np.arange(total, dtype=np.int64) - qsl[:-1].astype(np.int64)[req_of_token]
+        positions = starts[req_of_token] + offsets
+
+        max_blocks = max((len(self.requests[r].block_ids) for r in req_ids), default=1)
+        block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
+        input_ids = np.empty(total, dtype=np.int64)
+        sample_rows: list[int] = []
+        for i, r in enumerate(req_ids):
+            st = self.requests[r]
+            block_table[i, : len(st.block_ids)] = st.block_ids
+            s, e = int(starts[i]), int(seq_lens[i])
+            input_ids[qsl[i] : qsl[i + 1]] = st.token_ids[s:e]
+            if e == len(st.token_ids):
+                sample_rows.append(i)
+        bs = self.block_size
+        block_ids = block_table[req_of_token, positions // bs].astype(np.int64)
+        slot_mapping = block_ids * bs + positions % bs
+        return StepInputs(req_ids, input_ids, positions, qsl, seq_lens, block_table, slot_mapping, sample_rows)
+
+    def append_sampled(self, req_id: str, token_id: int) -> None:
+        st = self.requests[req_id]
+        st.token_ids.append(token_id)
+        st.output_token_ids.append(token_id)

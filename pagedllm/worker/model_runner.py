@@ -1,0 +1,147 @@
+"""Runs one scheduled step: flat inputs -> forward -> logits of the last token per request -> sample.
+
+Device-agnostic: on the CPU it uses the torch reference attention; on CUDA the Triton backend and,
+for decode-only steps, CUDA graphs (worker/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.loader.model_loader import load_model
+from pagedllm.sample.metadata import RowInputs, SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.input_batch import InputBatch, StepInputs
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def kv_cache_bytes_per_block(config: EngineConfig) -> int:
+    mc = config.model_config
+    elem = torch.empty((), dtype=mc.dtype).element_size()
+    return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device_config.device)
+        self.dtype = config.model_config.dtype
+        self.block_size = config.cache_config.block_size
+        self.model = load_model(config.model_config, self.device)
+        self.vocab_size = config.model_config.vocab_size
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = self._pick_backend()
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(self.block_size)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def _pick_backend(self):
+        if self.device.type == "cuda":
+            from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        from pagedllm.attention.backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+
+    # -- KV cache ----------------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit: the override, else the CPU budget (cpu_kvcache_space GiB, default 4),
+        else what profiling leaves on the GPU under gpu_memory_utilization."""
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        per_block = kv_cache_bytes_per_block(self.config)
+        if self.device.type == "cpu":
+            space = cc.cpu_kvcache_space if cc.cpu_kvcache_space is not None else 4.0
+            return max(int(space * GiB) // per_block, 1)
+        from pagedllm.worker.gpu_memory import profile_available_kv_bytes
+
+        available = profile_available_kv_bytes(self, cc.gpu_memory_utilization)
+        return max(available // per_block, 0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.config.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # torch.zeros on the CPU maps pages lazily: untouched blocks cost no memory.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
+        for layer, cache in zip(self.attn_layers, self.kv_caches):
+            layer.bind_kv_cache(cache, self.backend)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def _metadata(self, inp: StepInputs) -> AttentionMetadata:
+        dev = self.device
+        qsl = torch.from_numpy(inp.query_start_loc)
+        seq = torch.from_numpy(inp.seq_lens)
+        q_lens = inp.query_start_loc[1:] - inp.query_start_loc[:-1]
+        return AttentionMetadata(
+            num_actual_tokens=int(inp.query_start_loc[-1]),
+            num_reqs=len(inp.req_ids),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(inp.seq_lens.max()),
+            query_start_loc=qsl.to(dev, non_blocking=True),
+            seq_lens=seq.to(dev, non_blocking=True),
+            block_table=torch.from_numpy(inp.block_table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(inp.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq,
+        )
+
+    def forward(self, inp: StepInputs, md: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the last token of each request that samples: (len(sample_rows), hidden)."""
+        input_ids = torch.from_numpy(inp.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(inp.positions).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, positions, md)
+        last = torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1).to(self.device, non_blocking=True)
+        return hidden[last]
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inp = self.input_batch.prepare_inputs(so)
+        md = self._metadata(inp)
+        hidden = self.forward(inp, md)
+        sampled: list[int] = [0] * len(inp.req_ids)
+        logprobs: list | None = None
+        if inp.sample_rows:
+            logits = self.model.compute_logits(hidden)
+            states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+            smd = SamplingMetadata.build(
+                [
+                    RowInputs(
+                        params=st.sampling_params,
+                        prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
+                        output_token_ids=st.output_token_ids,
+                        generator=st.generator,
+                    )
+                    for st in states
+                ],
+                self.vocab_size,
+                self.device,
+            )
+            out = self.sampler(logits, smd)
+            ids = out.sampled_token_ids.tolist()  # the step's one host sync
+            for row, st, tok in zip(inp.sample_rows, states, ids):
+                sampled[row] = tok
+                self.input_batch.append_sampled(st.req_id, tok)
+            if out.logprobs is not None:
+                lp_ids = out.logprobs.logprob_token_ids.tolist()
+                lps = out.logprobs.logprobs.tolist()
+                ranks = out.logprobs.selected_token_ranks.tolist()
+                logprobs = [([], [], 0)] * len(inp.req_ids)
+                for j, (row, st) in enumerate(zip(inp.sample_rows, states)):
+                    k = st.sampling_params.logprobs
+                    if k is not None:
+                        logprobs[row] = (lp_ids[j][: k + 1], lps[j][: k + 1], ranks[j])
+        return ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
