@@ -1,0 +1,109 @@
+"""The batched sampler: (R, V) logits + SamplingMetadata -> one token per row (+ logprobs).
+
+Order, as in vLLM v1:
+  1. raw logprobs = log_softmax(logits)        (only if a row asked; the model's distribution)
+  2. logit_bias, 3. min_tokens (stop ids -> -inf), 4. penalties (repetition, frequency, presence)
+  5. greedy rows: argmax                        (all-greedy batch stops here: no softmax, no sort)
+  6. temperature, 7. min_p, 8. top_k / top_p, 9. softmax + exponential race
+  10. logprobs of the sampled token, its rank and the batch's top-k, all from step 1
+
+Everything stays on the logits' device; the only host read is the caller's, once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.penalties import apply_all_penalties, apply_logit_bias, apply_min_tokens
+from pagedllm.sample.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
+from pagedllm.sampling_params import _SAMPLING_EPS
+
+
+class LogprobsTensors(NamedTuple):
+    """Column 0 is the sampled token, columns 1..k the k most likely tokens (k = max_num_logprobs).
+
+    Rows that asked for fewer than k keep their first 1 + n columns.
+    """
+
+    logprob_token_ids: torch.Tensor  # int64 (R, k + 1)
+    logprobs: torch.Tensor  # float32 (R, k + 1)
+    selected_token_ranks: torch.Tensor  # int64 (R,): 1 + number of tokens with a strictly higher logprob
+
+    def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """Host lists (one device->host copy per tensor)."""
+        return (
+            self.logprob_token_ids.tolist(),
+            self.logprobs.tolist(),
+            self.selected_token_ranks.tolist(),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 (R,)
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+class Sampler(nn.Module):
+    """Stateless; forward may overwrite `logits` in place (as vLLM's does) to save (R, V) copies."""
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        md = sampling_metadata
+        if logits.dim() != 2 or logits.shape[0] != md.num_reqs or logits.shape[1] != md.vocab_size:
+            raise ValueError(
+                f"logits must be (num_reqs={md.num_reqs}, vocab_size={md.vocab_size}), "
+                f"got {tuple(logits.shape)}."
+            )
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = self.compute_logprobs(logits)
+        logits = logits.to(torch.float32)
+        logits = apply_logit_bias(logits, md)
+        logits = apply_min_tokens(logits, md)
+        logits = apply_all_penalties(logits, md)
+        sampled = self.sample(logits, md)
+        logprobs_tensors = None
+        if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None
+            logprobs_tensors = self.gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs_tensors)
+
+    @staticmethod
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            assert greedy_sampled is not None
+            return greedy_sampled
+        is_greedy = md.temperature < _SAMPLING_EPS  # (R,) bool, device-side
+        # Greedy rows are replaced by their argmax below; divide them by 1, not by 0.
+        temperature = md.temperature if md.all_random else md.temperature.masked_fill(is_greedy, 1.0)
+        logits = logits.div_(temperature.unsqueeze(1))
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        random_sampled = random_sample(probs, md.generators)
+        if greedy_sampled is None:
+            return random_sampled
+        return torch.where(is_greedy, greedy_sampled, random_sampled)
+
+    @staticmethod
+    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+        """(R, V) logprobs, sampled ids (R,) -> LogprobsTensors with k = num_logprobs columns of top-k."""
+        token_ids = token_ids.unsqueeze(1)  # (R, 1)
+        token_logprobs = logprobs.gather(1, token_ids)  # (R, 1)
+        ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # (R,)
+        if num_logprobs > 0:
+            topk_logprobs, topk_ids = logprobs.topk(num_logprobs, dim=-1)
+            token_ids = torch.cat((token_ids, topk_ids), dim=1)
+            token_logprobs = torch.cat((token_logprobs, topk_logprobs), dim=1)
+        return LogprobsTensors(token_ids, token_logprobs, ranks)

@@ -1,0 +1,75 @@
+"""Truncation (min_p, top_k, top_p) and the random draw, on temperature-scaled (R, V) logits.
+
+Truncated tokens get -inf, so they keep probability 0 in the final softmax. Every function
+writes into `logits` and returns it; none reads a device value back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * (probability of the most likely token).
+
+    probs [0.5, 0.3, 0.15, 0.05], min_p 0.2 -> threshold 0.1 -> the 0.05 token is dropped.
+    A row with min_p 0 keeps everything (no probability is < 0).
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """top_k without a full sort: one topk(max_top_k) gives each row's k-th largest logit.
+
+    k holds vocab_size for rows without a limit; `max_top_k` is the host copy of the largest
+    real k, so topk's size never comes from the device. Ties with the k-th value are kept.
+    """
+    vocab_size = logits.shape[1]
+    top_values = logits.topk(max_top_k, dim=1).values  # (R, max_top_k), descending
+    kth = top_values.gather(1, (k.clamp(max=max_top_k) - 1).unsqueeze(1))  # (R, 1)
+    kth.masked_fill_((k >= vocab_size).unsqueeze(1), float("-inf"))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, max_top_k: int
+) -> torch.Tensor:
+    """vLLM's top-k / top-p: one ascending sort, mask in sorted order, scatter back.
+
+    top_p keeps the smallest set of most likely tokens whose mass reaches p, and always the
+    most likely one: sorted probs [0.1, 0.2, 0.3, 0.4], p 0.6 -> cumsum [0.1, 0.3, 0.6, 1.0];
+    drop cumsum <= 1 - p = 0.4 -> keeps 0.3 and 0.4.
+    """
+    if p is None:
+        if k is None:
+            return logits
+        return apply_top_k_only(logits, k, max_top_k)
+    vocab_size = logits.shape[1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        # k = vocab_size (no limit) points at column 0, the smallest logit: nothing is dropped.
+        kth = logits_sort.gather(1, (vocab_size - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
+    top_p_mask[:, -1] = False  # the most likely token always stays
+    logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return logits.scatter_(1, logits_idx, logits_sort)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row by the exponential race: argmax(probs / q), q ~ Exp(1) i.i.d.
+
+    P(argmax = i) = probs_i (the race is won by the smallest q_i / probs_i, an Exp(probs_i)
+    variable), and it needs no cumsum and no host sync. A seeded row draws its whole q row
+    from its own generator, so its tokens depend only on its seed and its own probabilities,
+    not on the batch around it or on its row index. Overwrites `probs`.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for i, generator in generators.items():
+        q[i].exponential_(generator=generator)
+    return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,49 @@
+import math
+
+import pytest
+import torch
+
+from pagedllm.sample.topk_topp import apply_min_p, apply_top_k_only, apply_top_k_top_p, random_sample
+
+NEG = float("-inf")
+
+
+def test_min_p_threshold():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]).log()
+    out = apply_min_p(logits.clone(), torch.tensor([0.2, 0.0]))
+    # row 0: threshold 0.2 * 0.5 = 0.1 drops the 0.05 token; row 1 (min_p 0) keeps everything.
+    assert torch.isinf(out[0]).tolist() == [False, False, False, True]
+    assert torch.equal(out[1], logits[1])
+
+
+def test_top_k_only_matches_sort_path():
+    logits = torch.randn(6, 50)
+    k = torch.tensor([1, 3, 50, 7, 50, 49])  # 50 = vocab_size = no limit
+    fast = apply_top_k_only(logits.clone(), k, max_top_k=49)
+    sort_path = apply_top_k_top_p(logits.clone(), k, torch.ones(6), max_top_k=49)
+    assert torch.equal(torch.isinf(fast), torch.isinf(sort_path))
+    assert (~torch.isinf(fast)).sum(dim=1).tolist() == [1, 3, 50, 7, 50, 49]
+    kept = torch.where(torch.isinf(fast), 0.0, fast)
+    assert torch.equal(kept, torch.where(torch.isinf(fast), 0.0, logits))
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    out = apply_top_k_top_p(probs.log(), None, torch.tensor([0.6]), max_top_k=0)
+    assert torch.isinf(out[0]).tolist() == [True, True, False, False]
+    out = apply_top_k_top_p(probs.log(), None, torch.tensor([0.75]), max_top_k=0)
+    assert torch.isinf(out[0]).tolist() == [True, False, False, False]
+
+
+def test_top_k_and_top_p_together():
+    probs = torch.tensor([[0.05, 0.15, 0.2, 0.25, 0.35]])
+    # top_k 3 keeps {0.2, 0.25, 0.35}, renormalised to {0.25, 0.3125, 0.4375}; top_p 0.5 keeps the top two.
+    out = apply_top_k_top_p(probs.log(), torch.tensor([3]), torch.tensor([0.5]), max_top_k=3)
+    assert torch.isinf(out[0]).tolist() == [True, True, True, False, False]
+    assert out[0, 3:].tolist() == pytest.approx([math.log(0.25), math.log(0.35)])
+
+
+def test_random_sample_never_picks_zero_probability():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).repeat(2000, 1)
+    picked = random_sample(probs, {})
+    assert set(picked.tolist()) == {1, 3}
