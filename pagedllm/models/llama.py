@@ -1,0 +1,250 @@
+"""Llama-family decoder: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2 (same graph, different biases).
+
+    embed_tokens -> N x [RMSNorm -> attention(qkv_proj, rope, paged attn, o_proj) -> +residual
+                         RMSNorm -> mlp(gate_up_proj, SiluAndMul, down_proj)     -> +residual]
+                 -> RMSNorm -> (compute_logits) lm_head
+
+Inputs are one flat batch of tokens from many requests; `attn_metadata` says which request each
+token belongs to. The residual stream is carried beside the hidden states so every RMSNorm can
+fuse the residual add (vLLM's layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
+from pagedllm.layers.tp import get_tensor_model_parallel_world_size
+from pagedllm.layers.utils import divide
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping
+from pagedllm.quantization.base import QuantizationConfig
+
+
+def get_head_dim(config: PretrainedConfig) -> int:
+    """config.head_dim when set (Qwen3: 128 with hidden 1024 / 16 heads = 64), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        quant_config: QuantizationConfig | None = None,
+        bias: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"{prefix}: unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.num_heads = divide(self.total_num_heads, tp_size, f"{prefix}: num_attention_heads")
+        # Fewer KV heads than ranks: each rank keeps one (replicated) KV head.
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.head_dim = get_head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+
+        self.qkv_proj = QKVParallelLinear(
+            self.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=bias,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim, self.hidden_size, bias=bias_o_proj,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = rotary_emb  # one instance shared by all layers (its cache can be 64 MB)
+        self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
+                              prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v, attn_metadata)  # (T, q_size)
+        return self.o_proj(attn_output)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.self_attn = self.attention_cls(
+            config, rotary_emb, quant_config, bias=qkv_bias, bias_o_proj=o_bias, prefix=f"{prefix}.self_attn"
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, quant_config,
+            bias=getattr(config, "mlp_bias", False), prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    @staticmethod
+    def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
+        """(bias of q/k/v, bias of o_proj). Llama: both follow config.attention_bias."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # first layer: the residual stream starts as the embeddings
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    @staticmethod
+    def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
+        return True, False  # Qwen2 always has q/k/v biases and no o_proj bias
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
+        rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings,
+                              get_rope_parameters(config), is_neox_style=True)
+        self.layers = nn.ModuleList(
+            decoder_layer_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live fused in one parameter here (used by quantization configs).
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    stacked_params_mapping: StackedParamsMapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.quant_config = quant_config
+        self.model = LlamaModel(config, quant_config, prefix=_join(prefix, "model"),
+                                decoder_layer_cls=self.decoder_layer_cls)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                      prefix=_join(prefix, "lm_head"))
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) int64 -> hidden_states (T, hidden)."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states (T', hidden), usually one row per request -> float32 logits (T', vocab_size)."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (model.layers.0.self_attn.q_proj.weight, ...) in one call."""
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+
+        def skip(name: str) -> bool:
+            # rotary_emb.inv_freq: a buffer old checkpoints saved; the cache here is recomputed.
+            return "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head."))
+
+        return load_weights_with_mapping(self, weights, self.stacked_params_mapping, skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral has Llama's graph. Its sliding window (4096 in v0.1) is not applied: outputs match
+    up to that many tokens of context."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = Qwen2DecoderLayer
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

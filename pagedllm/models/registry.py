@@ -1,0 +1,33 @@
+"""Architecture name (config.architectures[0]) -> model class, imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+from transformers import PretrainedConfig
+
+# architecture -> (module under pagedllm.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def get_supported_archs() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_cls(hf_config: PretrainedConfig) -> type[nn.Module]:
+    """LlamaConfig(architectures=["LlamaForCausalLM"]) -> pagedllm.models.llama.LlamaForCausalLM."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"model config has no 'architectures' entry; supported: {get_supported_archs()}")
+    arch = architectures[0]
+    if arch not in _MODELS:
+        raise ValueError(f"model architecture {arch!r} is not supported; supported: {get_supported_archs()}")
+    module_name, cls_name = _MODELS[arch]
+    module = importlib.import_module(f"pagedllm.models.{module_name}")
+    return getattr(module, cls_name)

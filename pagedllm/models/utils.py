@@ -1,0 +1,70 @@
+"""Checkpoint-name -> parameter loading shared by the decoder-only models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.utils import default_weight_loader
+
+# (fused param name, checkpoint name, shard id): checkpoint tensors that load into one slice of a
+# fused parameter. "model.layers.0.self_attn.k_proj.weight" -> "model.layers.0.self_attn.qkv_proj.weight"
+# with shard "k".
+StackedParamsMapping = list[tuple[str, str, str | int]]
+
+
+def load_weights_with_mapping(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params_mapping: StackedParamsMapping,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> set[str]:
+    """Load HF-named checkpoint tensors into `model`; returns the parameter names loaded.
+
+    ValueError for a tensor no parameter takes, and — after all weights — for parameters that got
+    nothing or fused parameters missing some of their shards (a qkv_proj with q and k but no v).
+    """
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    expected_shards: dict[str, set[str | int]] = {}
+    for fused, _, shard_id in stacked_params_mapping:
+        expected_shards.setdefault(fused, set()).add(shard_id)
+    loaded: set[str] = set()
+    shards_seen: dict[str, set[str | int]] = {}
+
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        for fused, ckpt_name, shard_id in stacked_params_mapping:
+            if ckpt_name not in name:
+                continue
+            param_name = name.replace(ckpt_name, fused)
+            param = _lookup(params, param_name, name)
+            param.weight_loader(param, tensor, shard_id)
+            shards_seen.setdefault(param_name, set()).add(shard_id)
+            break
+        else:
+            param_name = name
+            param = _lookup(params, param_name, name)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            shards_seen.setdefault(param_name, set()).add(None)  # the whole tensor: every shard
+        loaded.add(param_name)
+
+    missing = sorted(set(params) - loaded)
+    partial = []
+    for param_name, seen in shards_seen.items():
+        if None in seen:  # loaded from an already fused checkpoint tensor
+            continue
+        for fused, need in expected_shards.items():
+            if fused in param_name and not need <= seen:
+                partial.append(f"{param_name} (has shards {sorted(map(str, seen))})")
+    if missing or partial:
+        raise ValueError(f"checkpoint is incomplete; parameters without weights: {missing + partial}")
+    return loaded
+
+
+def _lookup(params: dict[str, nn.Parameter], param_name: str, ckpt_name: str) -> nn.Parameter:
+    if param_name not in params:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter ({param_name!r})")
+    return params[param_name]
