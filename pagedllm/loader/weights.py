@@ -1,0 +1,102 @@
+"""`iter_weights(source, load_format)`: the checkpoint's tensors under their HF names.
+
+    load_format   reads                                    valid for
+    auto          safetensors for hf_dir, gguf for gguf    hf_dir, gguf
+    safetensors   *.safetensors (index-aware)              hf_dir
+    gguf          the .gguf file, dequantized to float32   gguf
+    dummy         nothing: use initialize_dummy_weights    any (presets have no weights at all)
+
+The model's `load_weights` consumes the iterator; nothing here knows about model classes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from pagedllm.loader.gguf_weights import gguf_weights_iterator
+from pagedllm.loader.source import ModelSource
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def resolve_load_format(source: ModelSource, load_format: str = "auto") -> str:
+    """The concrete format ("safetensors", "gguf" or "dummy") for `source`; ValueError if impossible."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"Unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}.")
+    if load_format == "dummy":
+        return "dummy"
+    if source.kind == "preset":
+        raise ValueError(
+            f"Model {source.default_name!r} is a bundled config without weights; "
+            f"use load_format='dummy' (--load-format dummy), not {load_format!r}."
+        )
+    natural = "gguf" if source.kind == "gguf" else "safetensors"
+    if load_format == "auto":
+        return natural
+    if load_format != natural:
+        raise ValueError(
+            f"load_format={load_format!r} is impossible for {source.path}: it is "
+            f"{'a GGUF file' if source.kind == 'gguf' else 'an HF checkpoint directory'}, "
+            f"which holds {natural} weights; use load_format='auto' or {natural!r}."
+        )
+    return natural
+
+
+def iter_weights(
+    source: ModelSource, load_format: str = "auto", use_tqdm: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, CPU tensor) for every tensor of the checkpoint.
+
+    Validation happens here, at call time, not at the first `next()`. Safetensors tensors keep their
+    stored dtype; GGUF tensors are dequantized to float32. The caller casts to the model's dtype.
+    """
+    fmt = resolve_load_format(source, load_format)
+    if fmt == "dummy":
+        raise ValueError(
+            "load_format='dummy' reads no checkpoint, so there are no weights to iterate; "
+            "fill the model with pagedllm.loader.initialize_dummy_weights(model) instead."
+        )
+    if fmt == "gguf":
+        return gguf_weights_iterator(source.path, source.hf_config, use_tqdm=use_tqdm)
+    return safetensors_weights_iterator(safetensors_files(source.path), use_tqdm=use_tqdm)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards to read: those named in model.safetensors.index.json, else every *.safetensors.
+
+    With an index, stray files next to the shards (e.g. a `consolidated.safetensors` copy of the whole
+    model in some repos) are not read twice.
+    """
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map'; the checkpoint index is damaged.")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are not in {model_dir}: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {', '.join(others)}; only safetensors are supported)" if others else ""
+        raise ValueError(f"No *.safetensors files in {model_dir}{hint}.")
+    return files
+
+
+def safetensors_weights_iterator(
+    files: list[Path], use_tqdm: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from each safetensors file in turn, one progress step per file."""
+    for file in tqdm(files, desc="Loading safetensors checkpoint shards", disable=not use_tqdm):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
