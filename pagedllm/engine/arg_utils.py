@@ -79,7 +79,7 @@ class EngineArgs:
         device = self.resolve_device()
         source = resolve_model(self.model)
         hf = source.hf_config
-        config_dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
+        config_dtype = getattr(hf, "dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
         dtype = parse_dtype(self.dtype, config_dtype, device)

@@ -72,8 +72,12 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        # torch.zeros on the CPU maps pages lazily: untouched blocks cost no memory.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
+        # On the CPU, torch.empty of this size is a fresh anonymous mapping: the OS hands out
+        # zeroed pages on first touch, so start-up does not wait for a multi-GiB memset and unused
+        # blocks cost no memory. On a GPU the caching allocator may return old activations
+        # (possibly NaN, which masked attention would still multiply by 0), so zero it there.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.backend)
 
