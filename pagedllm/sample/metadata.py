@@ -77,6 +77,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # float32 (R,); None when every sampled row has top_p == 1
     top_k: torch.Tensor | None  # int64 (R,); rows without a limit hold vocab_size; None when none has one
     max_top_k: int  # host copy of the largest active top_k, so top-k needs no device->host read
+    all_rows_top_k: bool  # every sampled row has a top_k: top-p then looks at max_top_k candidates only
     min_p: torch.Tensor | None  # float32 (R,); None when every sampled row has min_p == 0
     presence_penalties: torch.Tensor | None  # float32 (R,); None when all are 0
     frequency_penalties: torch.Tensor | None  # float32 (R,); None when all are 0
@@ -126,6 +127,7 @@ class SamplingMetadata:
         # Truncation only matters for sampled rows; a greedy row counts as "off" there.
         top_p = top_k = min_p = None
         max_top_k = 0
+        all_rows_top_k = False
         if not all_greedy:
             top_p = column([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)], 1.0, torch.float32)
             min_p = column([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)], 0.0, torch.float32)
@@ -133,6 +135,7 @@ class SamplingMetadata:
             ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k for p, g in zip(params, greedy, strict=True)]
             top_k = column(ks, vocab_size, torch.int64)
             max_top_k = max((k for k in ks if k < vocab_size), default=0)
+            all_rows_top_k = all(g or k < vocab_size for k, g in zip(ks, greedy, strict=True))
 
         presence = column([p.presence_penalty for p in params], 0.0, torch.float32)
         frequency = column([p.frequency_penalty for p in params], 0.0, torch.float32)
@@ -176,6 +179,7 @@ class SamplingMetadata:
             top_p=top_p,
             top_k=top_k,
             max_top_k=max_top_k,
+            all_rows_top_k=all_rows_top_k,
             min_p=min_p,
             presence_penalties=presence,
             frequency_penalties=frequency,

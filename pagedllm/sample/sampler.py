@@ -89,7 +89,7 @@ class Sampler(nn.Module):
         logits = logits.div_(temperature.unsqueeze(1))
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k, md.all_rows_top_k)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         random_sampled = random_sample(probs, md.generators)
         if greedy_sampled is None:

@@ -122,6 +122,16 @@ def test_top_k_distribution_renormalises(make_md):
     assert torch.all((_frequencies(picked, 4) - target).abs() < 0.04)
 
 
+def test_top_k_top_p_distribution(make_md):
+    n = 3000
+    probs = torch.tensor([0.45, 0.25, 0.2, 0.1])
+    logits = probs.log().repeat(n, 1)
+    # top_k 3 -> [0.5, 0.278, 0.222]; top_p 0.7 keeps the first two -> [0.643, 0.357].
+    picked = sample(make_md, logits, [SP(temperature=1.0, top_k=3, top_p=0.7)] * n).sampled_token_ids
+    target = torch.tensor([0.45 / 0.7, 0.25 / 0.7, 0.0, 0.0], dtype=torch.double)
+    assert torch.all((_frequencies(picked, 4) - target).abs() < 0.04)
+
+
 def _seeded_run(make_md, row_logits, seed, others, position, steps=6):
     """Sample `steps` tokens for a seeded request placed at `position` among `others` rows."""
     gen = new_generator(seed, "cpu")

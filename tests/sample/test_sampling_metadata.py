@@ -35,6 +35,7 @@ def test_mixed_batch_columns(make_md):
     assert not md.all_greedy and not md.all_random
     assert md.top_k.tolist() == [V, 5, V]  # 100 >= V means "no limit"
     assert md.max_top_k == 5
+    assert not md.all_rows_top_k  # row 2 samples with no limit
     assert md.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0])
     assert md.min_p.tolist() == pytest.approx([0.0, 0.0, 0.05])
     assert md.repetition_penalties.tolist() == pytest.approx([1.0, 1.0, 1.5])
@@ -42,6 +43,11 @@ def test_mixed_batch_columns(make_md):
     assert md.prompt_token_ids.tolist() == [[1, 2, V], [3, V, V], [4, 5, 6]]
     assert list(md.generators) == [1]
     assert md.max_num_logprobs == 4
+
+
+def test_all_rows_top_k_ignores_greedy_rows(make_md):
+    md = make_md([SP(temperature=0.0), SP(top_k=4, top_p=0.9), SP(top_k=7)], V)
+    assert md.all_rows_top_k and md.max_top_k == 7 and md.top_k.tolist() == [V, 4, 7]
 
 
 def test_logprobs_capped_at_vocab_and_zero_kept(make_md):

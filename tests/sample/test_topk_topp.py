@@ -47,3 +47,25 @@ def test_random_sample_never_picks_zero_probability():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).repeat(2000, 1)
     picked = random_sample(probs, {})
     assert set(picked.tolist()) == {1, 3}
+
+
+def test_bounded_top_k_top_p_matches_sort_path():
+    # Every row has a top_k: top-p on the max_top_k candidates must drop the same tokens as the
+    # full-vocabulary sort (random logits, so no ties at the k-th value).
+    logits = torch.randn(8, 200) * 2
+    k = torch.tensor([1, 5, 20, 40, 40, 3, 17, 40])
+    p = torch.tensor([0.9, 0.5, 0.95, 0.3, 1.0, 0.01, 0.8, 0.99])
+    bounded = apply_top_k_top_p(logits.clone(), k, p, max_top_k=40, all_rows_top_k=True)
+    sort_path = apply_top_k_top_p(logits.clone(), k, p, max_top_k=40, all_rows_top_k=False)
+    assert torch.equal(torch.isinf(bounded), torch.isinf(sort_path))
+    kept = ~torch.isinf(bounded)
+    assert torch.equal(bounded[kept], logits[kept])
+    assert kept.sum(dim=1).tolist()[0] == 1 and kept[4].sum().item() == 40
+
+
+def test_bounded_path_keeps_candidates_of_unlimited_rows():
+    # A greedy row (k = vocab_size) keeps its max_top_k best tokens, so its argmax is untouched.
+    logits = torch.randn(2, 30)
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 30]), torch.tensor([0.9, 1.0]), 2, True)
+    assert out[1].argmax() == logits[1].argmax()
+    assert (~torch.isinf(out[1])).sum().item() == 2
