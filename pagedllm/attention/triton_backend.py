@@ -1,0 +1,43 @@
+"""`TritonAttentionBackend`: the CUDA path of the attention hook (see `backend.py`).
+
+Per layer and step: scatter this step's K/V into the paged cache, then run the unified
+prefill + decode kernel over the cache. Both launches read only host ints from the metadata, so a
+decode-only step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention import torch_ref
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.kv_cache_write import write_kv_cache
+from pagedllm.kernels.paged_attention import paged_attention
+
+
+class TritonAttentionBackend:
+    """num_splits: None lets `choose_num_splits` decide per step; 1 disables split-K; k > 1 forces it."""
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        self.num_splits = num_splits
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        if kv_cache is None:
+            # Memory-profiling pass before the cache exists: attention over the new tokens only,
+            # which the reference does without a cache; it runs once, so speed does not matter.
+            return torch_ref.paged_attention(query, key, value, None, md, scale)
+        n = md.num_actual_tokens
+        write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n])
+        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)

@@ -1,0 +1,394 @@
+"""Unified paged attention for a flat batch of prefill chunks and decodes (one Triton kernel).
+
+Work split. A program owns (a tile of BLOCK_Q query tokens of one request) x (one kv head) and
+computes all QUERIES_PER_KV query heads of that kv head at once: the tile's rows are
+(token, head-in-group) pairs flattened into BLOCK_M = BLOCK_Q * QUERIES_PER_KV (+ padding) rows, so
+every K/V tile read from the cache feeds the whole GQA group. Example, 4 query heads per kv head,
+BLOCK_M 16: BLOCK_Q = 4 tokens, row r = (token r // 4, head kv_head * 4 + r % 4).
+
+Keys. The program walks the request's keys 0..kv_end in tiles of TILE_N positions; position p
+lives at kv_cache[:, block_table[req, p // block_size], p % block_size]. Because each key looks up
+its own block, TILE_N is independent of the cache's block_size (any block size works, even 4).
+Softmax is online (running max m and sum l, in fp32 and base 2); query token i of a request sits at
+absolute position seq_len - query_len + i and sees keys 0..that position.
+
+Finding the request. Query tiles are numbered request by request; request r's first tile is
+query_start_loc[r] // BLOCK_Q + r (an upper bound of the tiles before it), so the grid
+num_tokens // BLOCK_Q + num_reqs is known on the host and each program binary-searches its
+request. Numbers left over by the bound land past their request's last token and exit at once.
+Decode-only batches skip the search: program r is request r.
+
+Split-K (flash decoding). With few requests and long contexts, (requests x kv heads) programs
+cannot fill the GPU, so the keys of every tile are cut into num_splits chunks handled by separate
+programs, which write unnormalised partial results (acc, m, l); a second small kernel merges them:
+out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s.
+
+Host syncs. The grid depends only on num_tokens, num_reqs, max_query_len and max_seq_len, all
+Python ints in AttentionMetadata, so a decode-only launch is CUDA-graph capturable. When
+capturing, give the metadata the static maxima the graph must cover (max_seq_len = max_model_len):
+programs past a request's real length exit early.
+
+Reference: `paged_attention_ref` below (the plain PyTorch path of `pagedllm.attention.torch_ref`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.attention import torch_ref
+from pagedllm.attention.metadata import AttentionMetadata
+
+__all__ = ["paged_attention", "paged_attention_ref", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+
+# Split-K heuristic: aim for about two waves of programs on an H200 (132 SMs), give each split at
+# least this many keys (fewer and the merge costs more than it saves), and cap the split count.
+_TARGET_PROGRAMS = 256
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.constexpr):
+    # Largest r in [0, num_reqs) with query_start_loc[r] // BLOCK_Q + r <= q_block_global.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        go_right = first_block <= q_block_global
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _paged_attention_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim); unused when USE_SPLIT
+    part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD); only when USE_SPLIT
+    part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    part_l_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    q_ptr,  # (num_tokens, num_heads, head_dim)
+    k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache_ptr,  # same shape and strides as k_cache
+    block_table_ptr,  # int32 (>= num_reqs, max_blocks_per_req)
+    seq_lens_ptr,  # int32 (>= num_reqs,)
+    query_start_loc_ptr,  # int32 (>= num_reqs + 1,)
+    num_reqs,
+    num_heads,
+    num_splits,
+    scale_log2,  # softmax scale * log2(e): scores live in base 2
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_h,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if DECODE_ONLY:
+        seq_idx = q_block_global
+        q_block_local = q_block_global * 0
+    else:
+        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q)
+        q_block_local = q_block_global - (tl.load(query_start_loc_ptr + seq_idx) // BLOCK_Q + seq_idx)
+
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_len = seq_len - q_len
+
+    # Rows of the tile: (token within the request, query head).
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block_local * BLOCK_Q + offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_valid = (offs_m // QUERIES_PER_KV < BLOCK_Q) & (tok < q_len)
+    q_pos = context_len + tok  # absolute position: sees keys 0..q_pos
+    q_row = (q_start + tok).to(tl.int64)
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    # Keys visible to any row of this tile: 0 .. position of its last token.
+    kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    if USE_SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    else:
+        kv_lo = kv_end * 0
+        kv_hi = kv_end
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_c_h
+
+    for start_n in range(kv_lo, kv_hi, TILE_N):
+        k_pos = start_n + offs_n
+        k_valid = k_pos < kv_hi
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
+        # Masked lanes read 0, never stale cache memory (which may hold NaN/inf bit patterns).
+        k = tl.load(
+            k_cache_ptr + slot_off[None, :] + offs_d[:, None],
+            mask=k_valid[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # (HEAD_DIM_PAD, TILE_N)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slot_off[:, None] + offs_d[None, :],
+            mask=k_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (TILE_N, HEAD_DIM_PAD)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if USE_SPLIT:
+        part = (q_row * num_heads + head) * num_splits + split  # (BLOCK_M,)
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        # Every valid row sees at least key 0, so l > 0 there; the guard only covers padding rows.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + q_row[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim)
+    part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD)
+    part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    part_l_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    num_heads,
+    num_splits,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    # One program per (token, query head).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    base = (t * num_heads + h) * num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: m = -inf -> 0
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(
+        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(
+        out_ptr + t * stride_o_t + h * stride_o_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+    """How many key partitions per query tile: 1 (no split) unless a decode-only batch is too
+    small to fill the GPU and its contexts are long. Uses host ints only.
+
+    Example: 1 request, 8 kv heads, 4096-token context -> min(256 / 8, 4096 / 256) = 16 splits.
+    """
+    if max_query_len != 1 or num_reqs == 0:
+        return 1
+    programs = num_reqs * num_kv_heads
+    splits = min(
+        triton.cdiv(_TARGET_PROGRAMS, programs),
+        max_seq_len // _MIN_KEYS_PER_SPLIT,
+        _MAX_SPLITS,
+    )
+    if splits < 2:
+        return 1
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two: fewer kernel variants
+
+
+def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps) for the H200.
+
+    Decode rows are memory bound: the smallest MMA tile (16 rows) holds the GQA group of one token.
+    Prefill tiles use 64 rows so each K/V tile is reused by up to 64 (token, head) rows.
+    tl.dot needs every dimension >= 16.
+    """
+    rows = 16 if decode_only else 64
+    block_m = max(rows, triton.next_power_of_2(queries_per_kv))
+    block_q = max(1, block_m // queries_per_kv)
+    tile_n = 64 if head_dim_pad <= 128 else 32
+    num_warps = 4 if head_dim_pad <= 128 else 8
+    return block_m, block_q, tile_n, num_warps
+
+
+def paged_attention(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    md: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    """Attend every query token to its request's cached keys 0..its position.
+
+    This step's K/V must already be in the cache (`write_kv_cache`). Rows past
+    md.num_actual_tokens (CUDA-graph padding) come back as zeros, as in the reference.
+    num_splits: None picks with `choose_num_splits`; 1 disables split-K; k > 1 forces k partitions.
+    """
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"expected query (tokens, heads, head_dim) and kv_cache (2, blocks, block_size, kv_heads, head_dim), "
+            f"got {tuple(query.shape)} and {tuple(kv_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads {num_heads} x {head_dim} do not fit kv_cache heads {num_kv_heads} x {cache_head_dim}"
+        )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    n = md.num_actual_tokens
+    out = torch.empty_like(query)
+    if num_tokens > n:
+        out[n:].zero_()
+    if n == 0 or md.num_reqs == 0:
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if k_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous along head_dim")
+
+    queries_per_kv = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    decode_only = md.max_query_len == 1
+    block_m, block_q, tile_n, num_warps = _tile_config(queries_per_kv, head_dim_pad, decode_only)
+    if num_splits is None:
+        num_splits = choose_num_splits(md.num_reqs, num_kv_heads, md.max_query_len, md.max_seq_len)
+    use_split = num_splits > 1
+    # Upper bound of query tiles; see the module docstring.
+    num_q_blocks = md.num_reqs if decode_only else n // block_q + md.num_reqs
+
+    if use_split:
+        part_acc = torch.empty(
+            (n, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        query,
+        k_cache,
+        v_cache,
+        md.block_table,
+        md.seq_lens,
+        md.query_start_loc,
+        md.num_reqs,
+        num_heads,
+        num_splits,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        md.block_table.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        BLOCK_SIZE=block_size,
+        DECODE_ONLY=decode_only,
+        USE_SPLIT=use_split,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    if use_split:
+        _merge_splits_kernel[(n, num_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=1 if head_dim_pad * num_splits <= 2048 else 4,
+        )
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """`torch_ref.paged_attention` without its cache write, for holding the kernel to it.
+
+    The reference first writes key/value through slot_mapping; handing it the very rows already
+    stored at those slots makes that write a no-op (slots of -1 are skipped either way).
+    """
+    n = md.num_actual_tokens
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    slots = md.slot_mapping[:n].clamp(min=0)
+    return torch_ref.paged_attention(query, flat[0][slots], flat[1][slots], kv_cache, md, scale)

@@ -1,0 +1,139 @@
+"""Compile every kernel launch the wrappers make, for an H100/H200 (sm_90), on a machine without a GPU.
+
+The interpreter runs kernels as NumPy and so accepts code that the real compiler rejects, and it
+says nothing of registers. This script calls each wrapper on small bf16 CPU tensors with the
+kernels swapped for recorders, then compiles each recorded launch exactly as Triton's JIT would
+(argument types from the values, 16-divisible pointers and ints marked so) down to a cubin with
+Triton's bundled ptxas, and prints one line per launch. A launch that spills registers to the stack
+(a slow kernel) is an error. Run as a script (TRITON_INTERPRET=0); `test_compile_sm90.py` does.
+Exit status 0 = all compiled without spills.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagedllm.attention.metadata import build_metadata  # noqa: E402
+from pagedllm.kernels import activation, kv_cache_write, paged_attention, rmsnorm, rotary  # noqa: E402
+
+_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+_OPTION_KEYS = ("num_warps", "num_stages")
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records instead of launching."""
+
+    def __init__(self, kernel: Any, launches: list) -> None:
+        self.kernel = kernel
+        self.launches = launches
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append((self.kernel, args, kwargs))
+
+        return launch
+
+
+def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    names = kernel.arg_names
+    values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k not in _OPTION_KEYS}
+    no_spec = {names[i] if isinstance(i, int) else i for i in getattr(kernel, "do_not_specialize", ())}
+    const_names = {names[p.num] for p in kernel.params if p.is_constexpr}
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        v = values[name]
+        if name in const_names:
+            sig[name], consts[name] = "constexpr", v
+            continue
+        if isinstance(v, torch.Tensor):
+            sig[name] = "*" + _TYPES[v.dtype]
+            aligned = v.data_ptr() % 16 == 0
+        elif isinstance(v, bool):
+            sig[name], aligned = "i1", False
+        elif isinstance(v, int):
+            sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            aligned = v % 16 == 0 and name not in no_spec
+        else:
+            sig[name], aligned = "fp32", False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
+def _stack_bytes(cubin: bytes) -> tuple[int, int]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(tok.split(":") for tok in text.split() if tok.startswith(("REG:", "STACK:")))
+    return int(fields["REG"]), int(fields["STACK"])
+
+
+def _record(launches: list) -> None:
+    """Call every wrapper in the configurations a model uses."""
+    for mod, name in [
+        (paged_attention, "_paged_attention_kernel"),
+        (paged_attention, "_merge_splits_kernel"),
+        (kv_cache_write, "_write_kv_cache_kernel"),
+        (rmsnorm, "_rms_norm_kernel"),
+        (rotary, "_rotary_kernel"),
+        (activation, "_silu_and_mul_kernel"),
+    ]:
+        setattr(mod, name, _Recorder(getattr(mod, name), launches))
+    bf16 = torch.bfloat16
+    # (num_heads, num_kv_heads, head_dim): Llama-3-8B's GQA; MHA with a padded head_dim of 80.
+    for heads, kv_heads, head_dim in [(32, 8, 128), (32, 32, 80)]:
+        cache = torch.zeros(2, 8, 16, kv_heads, head_dim, dtype=bf16)
+        mixed = build_metadata([5, 1], [20, 30], [[0, 1], [2, 3]], 16)
+        decode = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
+        for md, splits in [(mixed, 1), (decode, 1), (decode, 4)]:
+            q = torch.zeros(md.num_actual_tokens, heads, head_dim, dtype=bf16)
+            paged_attention.paged_attention(q, cache, md, 0.1, num_splits=splits)
+        kv = torch.zeros(2, kv_heads, head_dim, dtype=bf16)
+        kv_cache_write.write_kv_cache(kv, kv, cache, torch.tensor([0, 1]))
+    x = torch.zeros(3, 4096, dtype=bf16)
+    rmsnorm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-5)
+    rmsnorm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-5, residual=x)
+    q, k = torch.zeros(3, 32 * 128, dtype=bf16), torch.zeros(3, 8 * 128, dtype=bf16)
+    rotary.rotary_embedding(torch.arange(3), q, k, 128, rotary.build_cos_sin_cache(128, 16))
+    activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=bf16))
+
+
+def main() -> int:
+    launches: list = []
+    _record(launches)
+    failures = 0
+    for kernel, args, kwargs in launches:
+        sig, consts, attrs = _signature(kernel, args, kwargs)
+        options = {k: kwargs[k] for k in _OPTION_KEYS if k in kwargs}
+        src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        regs, stack = _stack_bytes(compiled.asm["cubin"])
+        shown = {k: v for k, v in consts.items() if k.isupper() and k not in ("DOT_PRECISION",)}
+        print(f"{kernel.fn.__name__} {shown} {options}: {regs} registers, {stack} bytes of stack")
+        if stack:
+            print("  ^ spills registers", file=sys.stderr)
+            failures += 1
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
