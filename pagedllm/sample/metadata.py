@@ -17,6 +17,7 @@ building the metadata never waits for the GPU.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +31,9 @@ class RowInputs:
     """What the builder needs from one request of the batch."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens generated so far (the live list; not copied)
+    # Lists or int numpy arrays; arrays (as a runner's persistent token buffer gives) pad faster.
+    prompt_token_ids: list[int] | np.ndarray
+    output_token_ids: list[int] | np.ndarray  # tokens generated so far (the live list; not copied)
     # The request's own generator (made once, from params.seed, on the logits' device); it is
     # required for seeded requests and advances by one draw per step.
     generator: torch.Generator | None = None
@@ -44,29 +46,50 @@ def new_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
-def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> device without a host sync: pinned memory + non_blocking on accelerators.
+def _pinned(device: torch.device) -> bool:
+    # Host buffers bound for a GPU are pinned, so the copy can be queued without a host sync
+    # (a copy from pageable memory makes the host wait for the stream).
+    return device.type == "cuda"
 
-    A copy from pageable memory would make the host wait for the stream; a pinned one is queued.
-    """
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> device without a host sync: pinned memory + non_blocking on CUDA."""
     if device.type == "cpu":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    if not _pinned(device):
+        return t.to(device)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
-def make_tensor_with_pad(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Ragged token lists -> int64 (R, max_len) padded with `pad`; numpy, no per-row Python copy.
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A Python list as a tensor on `device`, through pinned memory when that is an accelerator."""
+    return to_device_async(torch.tensor(values, dtype=dtype, pin_memory=_pinned(device)), device)
+
+
+def make_tensor_with_pad(
+    token_lists: Sequence[list[int] | np.ndarray], pad: int, device: torch.device
+) -> torch.Tensor:
+    """Ragged token lists -> int64 (R, max_len) padded with `pad`, with no per-row Python copy.
 
     [[5, 6, 7], [9]] with pad 8 -> [[5, 6, 7], [9, 8, 8]]
+    Rows may be Python lists or numpy arrays (arrays skip the slow per-element conversion).
     """
     num_rows = len(token_lists)
     lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_rows)
     max_len = int(lens.max()) if num_rows else 0
-    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))
-    out = np.full((num_rows, max_len), pad, dtype=np.int64)
+    if num_rows and all(isinstance(x, np.ndarray) for x in token_lists):
+        flat = np.concatenate(token_lists).astype(np.int64, copy=False)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))
+    # Written straight into the (pinned) host buffer that the device copy reads.
+    out_t = torch.empty((num_rows, max_len), dtype=torch.int64, pin_memory=_pinned(device))
+    out = out_t.numpy()
+    out.fill(pad)
     # Row-major boolean assignment fills each row's first len(row) slots in order.
     out[np.arange(max_len) < lens[:, None]] = flat
-    return to_device_async(torch.from_numpy(out), device)
+    return to_device_async(out_t, device)
 
 
 @dataclass
@@ -83,7 +106,7 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None  # float32 (R,); None when all are 0
     repetition_penalties: torch.Tensor | None  # float32 (R,); None when all are 1
     prompt_token_ids: torch.Tensor | None  # int64 (R, Lp) padded with vocab_size; only with repetition
-    output_token_ids: list[list[int]]  # per row, for the penalties
+    output_token_ids: list[list[int] | np.ndarray]  # per row, for the penalties
     generators: dict[int, torch.Generator]  # row -> generator, for seeded sampled (non-greedy) rows
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch (capped at vocab_size)
     # row -> (min_tokens still to generate, stop ids to mask); only rows with something to mask.
@@ -122,7 +145,7 @@ class SamplingMetadata:
             # None when every row holds the neutral value: the sampler then skips the op.
             if all(v == neutral for v in values):
                 return None
-            return to_device_async(torch.tensor(values, dtype=dtype), device)
+            return host_tensor(values, dtype, device)
 
         # Truncation only matters for sampled rows; a greedy row counts as "off" there.
         top_p = top_k = min_p = None
@@ -173,7 +196,7 @@ class SamplingMetadata:
                 logit_bias[i] = p.logit_bias
 
         return cls(
-            temperature=to_device_async(torch.tensor(temperature, dtype=torch.float32), device),
+            temperature=host_tensor(temperature, torch.float32, device),
             all_greedy=all_greedy,
             all_random=all_random,
             top_p=top_p,

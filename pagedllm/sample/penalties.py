@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata, make_tensor_with_pad, to_device_async
+from pagedllm.sample.metadata import SamplingMetadata, host_tensor, make_tensor_with_pad
 
 
 def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -23,8 +23,8 @@ def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
             rows.extend([r] * len(bias))
             cols.extend(bias.keys())
             vals.extend(bias.values())
-    idx = to_device_async(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
-    values = to_device_async(torch.tensor(vals, dtype=logits.dtype), logits.device)
+    idx = host_tensor([rows, cols], torch.int64, logits.device)
+    values = host_tensor(vals, logits.dtype, logits.device)
     return logits.index_put_((idx[0], idx[1]), values, accumulate=True)
 
 
@@ -37,7 +37,7 @@ def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     for r, (_, stop_ids) in md.min_tokens.items():
         rows.extend([r] * len(stop_ids))
         cols.extend(stop_ids)
-    idx = to_device_async(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
+    idx = host_tensor([rows, cols], torch.int64, logits.device)
     # A 0-dim fill made on the device: a Python scalar here would cost a host->device copy.
     neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
     return logits.index_put_((idx[0], idx[1]), neg_inf)

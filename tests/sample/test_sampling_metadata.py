@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,14 @@ def test_make_tensor_with_pad():
     assert t.dtype == torch.int64
     assert t.tolist() == [[5, 6, 7], [8, 8, 8], [9, 8, 8]]
     assert make_tensor_with_pad([[], []], 8, torch.device("cpu")).shape == (2, 0)
+    assert make_tensor_with_pad([], 8, torch.device("cpu")).shape == (0, 0)
+    arrays = [np.array([5, 6, 7], dtype=np.int32), np.array([], dtype=np.int32), np.array([9])]
+    assert make_tensor_with_pad(arrays, 8, torch.device("cpu")).tolist() == [[5, 6, 7], [8, 8, 8], [9, 8, 8]]
+
+
+def test_numpy_rows_build_like_lists(make_md):
+    p = [SP(repetition_penalty=1.2, frequency_penalty=0.5, min_tokens=3, stop_token_ids=[1])] * 2
+    lists = make_md(p, V, prompts=[[1, 2], [3]], outputs=[[4], []])
+    arrays = make_md(p, V, prompts=[np.array([1, 2]), np.array([3])], outputs=[np.array([4]), np.array([])])
+    assert torch.equal(lists.prompt_token_ids, arrays.prompt_token_ids)
+    assert lists.min_tokens == arrays.min_tokens == {0: (2, {1}), 1: (3, {1})}
