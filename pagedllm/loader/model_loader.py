@@ -37,5 +37,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             (name, t.to(device=device, dtype=model_config.dtype)) for name, t in iter_weights(
                 model_config.source, model_config.load_format)
         )
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)
     logger.info("loaded %s (%s) on %s in %s", cls.__name__, model_config.model, device, model_config.dtype)
     return model.eval()
