@@ -127,9 +127,7 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def build(
-        cls, rows: list[RowInputs], vocab_size: int, device: torch.device | str
-    ) -> SamplingMetadata:
+    def build(cls, rows: list[RowInputs], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
         device = torch.device(device)
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
@@ -152,10 +150,11 @@ class SamplingMetadata:
         max_top_k = 0
         all_rows_top_k = False
         if not all_greedy:
-            top_p = column([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)], 1.0, torch.float32)
-            min_p = column([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)], 0.0, torch.float32)
+            pairs = list(zip(params, greedy, strict=True))
+            top_p = column([1.0 if g else p.top_p for p, g in pairs], 1.0, torch.float32)
+            min_p = column([0.0 if g else p.min_p for p, g in pairs], 0.0, torch.float32)
             # top_k 0 (off) or >= vocab_size keeps every token: store vocab_size ("no limit").
-            ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k for p, g in zip(params, greedy, strict=True)]
+            ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k for p, g in pairs]
             top_k = column(ks, vocab_size, torch.int64)
             max_top_k = max((k for k in ks if k < vocab_size), default=0)
             all_rows_top_k = all(g or k < vocab_size for k, g in zip(ks, greedy, strict=True))
@@ -172,7 +171,7 @@ class SamplingMetadata:
         logit_bias: list[dict[int, float] | None] | None = None
         max_num_logprobs: int | None = None
         for i, (row, p, g) in enumerate(zip(rows, params, greedy, strict=True)):
-            if p.seed is not None and row.generator is None:
+            if p.seed is not None and row.generator is None and not g:
                 raise ValueError(
                     f"row {i} has seed={p.seed} but no generator; make one per request with "
                     "new_generator(seed, device) and pass the same one every step."

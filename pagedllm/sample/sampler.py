@@ -97,7 +97,9 @@ class Sampler(nn.Module):
         return torch.where(is_greedy, greedy_sampled, random_sampled)
 
     @staticmethod
-    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    def gather_logprobs(
+        logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+    ) -> LogprobsTensors:
         """(R, V) logprobs, sampled ids (R,) -> LogprobsTensors with k = num_logprobs columns of top-k."""
         token_ids = token_ids.unsqueeze(1)  # (R, 1)
         token_logprobs = logprobs.gather(1, token_ids)  # (R, 1)

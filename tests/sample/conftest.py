@@ -21,7 +21,8 @@ def _make_md(
     outputs = outputs or [[] for _ in range(n)]
     if generators is None:
         generators = [None if p.seed is None else new_generator(p.seed, "cpu") for p in params]
-    rows = [RowInputs(p, pr, out, g) for p, pr, out, g in zip(params, prompts, outputs, generators, strict=True)]
+    columns = zip(params, prompts, outputs, generators, strict=True)
+    rows = [RowInputs(p, prompt, out, g) for p, prompt, out, g in columns]
     return SamplingMetadata.build(rows, vocab_size, "cpu")
 
 

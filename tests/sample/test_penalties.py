@@ -19,7 +19,9 @@ def test_penalties_by_hand():
     prompt = torch.tensor([[0, 1, V]])  # tokens 0 and 1 in the prompt
     output = torch.tensor([[2, 2, 3]])  # token 2 twice, token 3 once
     out = apply_penalties(
-        logits.clone(), prompt, output,
+        logits.clone(),
+        prompt,
+        output,
         presence_penalties=torch.tensor([0.5]),
         frequency_penalties=torch.tensor([0.25]),
         repetition_penalties=torch.tensor([2.0]),
@@ -70,7 +72,11 @@ def test_min_tokens_masks_for_sampled_rows(make_md):
 
 def test_logit_bias_forces_a_token(make_md):
     logits = torch.tensor([[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]).repeat(3, 1)
-    params = [SP(temperature=0, logit_bias={4: 100}), SP(temperature=1.0, logit_bias={3: 100}), SP(temperature=0)]
+    params = [
+        SP(temperature=0, logit_bias={4: 100}),
+        SP(temperature=1.0, logit_bias={3: 100}),
+        SP(temperature=0),
+    ]
     assert Sampler()(logits, make_md(params, V)).sampled_token_ids.tolist() == [4, 3, 0]
 
 

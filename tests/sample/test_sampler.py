@@ -23,8 +23,14 @@ def test_greedy_is_argmax(make_md):
 
 def test_greedy_rows_in_mixed_batch(make_md):
     logits = torch.randn(6, V)
-    params = [SP(temperature=0.0), SP(temperature=1.5), SP(temperature=0.0, seed=4),
-              SP(temperature=0.9, top_k=5), SP(temperature=1e-6), SP(temperature=1.0, top_p=0.5)]
+    params = [
+        SP(temperature=0.0),
+        SP(temperature=1.5),
+        SP(temperature=0.0, seed=4),
+        SP(temperature=0.9, top_k=5),
+        SP(temperature=1e-6),
+        SP(temperature=1.0, top_p=0.5),
+    ]
     out = sample(make_md, logits, params).sampled_token_ids
     for r in (0, 2, 4):
         assert out[r].item() == logits[r].argmax().item()
@@ -151,8 +157,13 @@ def _seeded_run(make_md, row_logits, seed, others, position, steps=6):
 def test_seeded_row_is_batch_independent(make_md):
     row_logits = torch.randn(6, V)  # flat enough that the seed decides the token
     a = _seeded_run(make_md, row_logits, 42, [SP(temperature=0.0), SP(temperature=0.8)], position=0)
-    others = [SP(temperature=1.0, top_k=3), SP(temperature=0.5, seed=7), SP(temperature=0.0),
-              SP(temperature=1.2, top_p=0.9), SP(temperature=0.9, min_p=0.1)]
+    others = [
+        SP(temperature=1.0, top_k=3),
+        SP(temperature=0.5, seed=7),
+        SP(temperature=0.0),
+        SP(temperature=1.2, top_p=0.9),
+        SP(temperature=0.9, min_p=0.1),
+    ]
     torch.manual_seed(123)  # the unseeded rows' draws change too
     b = _seeded_run(make_md, row_logits, 42, others, position=3)
     assert a == b
@@ -165,7 +176,10 @@ def test_seeded_row_alone_matches_batch(make_md):
     logits = torch.randn(3, V)
     params = [SP(temperature=1.0, seed=s) for s in (1, 2, 3)]
     together = Sampler()(logits.clone(), make_md(params, V)).sampled_token_ids.tolist()
-    alone = [Sampler()(logits[i : i + 1].clone(), make_md([params[i]], V)).sampled_token_ids.item() for i in range(3)]
+    alone = [
+        Sampler()(logits[i : i + 1].clone(), make_md([params[i]], V)).sampled_token_ids.item()
+        for i in range(3)
+    ]
     assert together == alone
 
 

@@ -79,6 +79,11 @@ def test_bad_inputs_raise_value_error(make_md):
         SamplingMetadata.build([], 0, "cpu")
 
 
+def test_seeded_greedy_row_needs_no_generator():
+    md = SamplingMetadata.build([RowInputs(SP(temperature=0.0, seed=1), [0], [], None)], V, "cpu")
+    assert md.all_greedy and md.generators == {}
+
+
 def test_generator_device_checked():
     gen = new_generator(0, "cpu")
     with pytest.raises(ValueError, match="generator is on"):
