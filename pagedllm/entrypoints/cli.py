@@ -17,6 +17,16 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-seed", type=int, default=None)
 
 
+def _check_sampling_args(args: argparse.Namespace) -> None:
+    """Reject bad sampling flags before the model loads (ValueError naming the field)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    SamplingParams.from_optional(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
+
+
 def _sampling_params(llm, args: argparse.Namespace):
     params = llm.get_default_sampling_params()
     params.max_tokens = args.max_tokens
@@ -37,6 +47,7 @@ def _make_llm(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    _check_sampling_args(args)
     llm = _make_llm(args)
     params = _sampling_params(llm, args)
     prompt = args.prompt
@@ -53,6 +64,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.chat_utils import render_chat
     from pagedllm.sampling_params import RequestOutputKind
 
+    _check_sampling_args(args)
     llm = _make_llm(args)
     engine = llm.llm_engine
     tok = engine.get_tokenizer()
