@@ -194,6 +194,7 @@ def _gguf_source(path: Path, name: str) -> ModelSource:
         return AutoConfig.from_pretrained(entry), read_generation_config(entry)
 
     config, sampling = load_or_create(path, "config", load=load, create=create, save=save)
+    config.name_or_path = str(path)  # the same whether built now or read from the cache
     return ModelSource(
         kind="gguf",
         path=path,
