@@ -1,0 +1,219 @@
+"""POST /v1/chat/completions: messages -> chat template -> tokens -> engine -> OpenAI's chat shapes.
+
+A stream starts with one chunk per choice carrying `role: "assistant"` (and `content: ""`), then
+content deltas, the last delta of each choice carrying its finish_reason; with
+`stream_options.include_usage` a final chunk has `choices: []` and the usage; then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestOutputStream
+from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, EventStream, OpenAIServing, sse, sse_error
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.sampling_params import SamplingParams
+
+# apply_chat_template arguments a request may not set through chat_template_kwargs: they would
+# change what rendering returns (token ids, tensors, dicts) instead of the template's variables.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "add_generation_prompt", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents"}
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        *,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+        log_requests: bool = True,
+    ) -> None:
+        super().__init__(engine, models, log_requests=log_requests)
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, arrival_time: float | None = None
+    ) -> ChatCompletionResponse | EventStream:
+        """A full response, or (stream=true) the SSE events. Raises APIError before any
+        work is queued when the request is invalid."""
+        arrival_time = arrival_time or time.time()
+        model_name = self.models.resolve(request.model)
+        self.check_engine()
+        request_id = f"chatcmpl-{request.request_id or random_uuid()}"
+        self.log_unknown_fields(request, request_id)
+        self._check_supported(request)
+        params = self.sampling_params(request)
+        self.require_tokenizer()
+        try:
+            normalize_messages(request.messages)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        try:
+            prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(self._render, request)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
+        self.log_request(request_id, len(prompt_ids), params)
+        stream = await self.add_request(
+            request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params, arrival_time
+        )
+        if request.stream:
+            events = self._stream(request, stream, request_id, model_name, len(prompt_ids), params, echo_text)
+            return EventStream(events, [stream])
+        return await self._full(stream, request_id, model_name, params, echo_text)
+
+    # -- input -------------------------------------------------------------------------------------
+    def _check_supported(self, request: ChatCompletionRequest) -> None:
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                "A chat_template in the request is refused; start the server with --trust-request-chat-template "
+                "to allow it.",
+                param="chat_template",
+            )
+        if request.add_generation_prompt and request.continue_final_message:
+            raise APIError(
+                "add_generation_prompt and continue_final_message cannot both be true; set add_generation_prompt"
+                " to false to continue the final message.",
+                param="continue_final_message",
+            )
+        fmt = request.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise APIError(
+                f"response_format type {fmt.get('type')!r} is not supported; only 'text' is.", param="response_format"
+            )
+        if request.chat_template_kwargs:
+            bad = sorted(set(request.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
+            if bad:
+                raise APIError(
+                    f"chat_template_kwargs may not set {', '.join(bad)}.", param="chat_template_kwargs"
+                )
+
+    def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int], str]:
+        """Runs in the tokenizer pool: (prompt text, prompt token ids, text to echo)."""
+        tokenizer = self.tokenizer
+        messages = normalize_messages(request.messages)
+        kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+        if request.continue_final_message:
+            kwargs["continue_final_message"] = True
+        text = render_chat(
+            tokenizer, messages, request.chat_template or self.chat_template, request.add_generation_prompt, kwargs
+        )
+        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        # vLLM's echo: the last message is repeated at the start of the answer when it is the
+        # assistant's own (a continuation).
+        echo = messages[-1]["content"] if request.echo and messages[-1]["role"] == "assistant" else ""
+        return text, ids, echo
+
+    # -- output ------------------------------------------------------------------------------------
+    async def _full(
+        self, stream: RequestOutputStream, request_id: str, model_name: str, params: SamplingParams, echo_text: str
+    ) -> ChatCompletionResponse:
+        created = int(time.time())
+        final = None
+        try:
+            async for out in stream:
+                final = out
+        finally:
+            stream.abort()
+        assert final is not None and final.finished
+        choices = []
+        num_generated = 0
+        for c in final.outputs:
+            num_generated += len(c.token_ids)
+            logprobs = (
+                self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
+                if params.logprobs is not None and c.logprobs is not None
+                else None
+            )
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=ChatMessage(role="assistant", content=echo_text + c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=model_name,
+            choices=choices,
+            usage=self.usage(len(final.prompt_token_ids), num_generated),
+        )
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        stream: RequestOutputStream,
+        request_id: str,
+        model_name: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        echo_text: str,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
+        completion_tokens = [0] * params.n
+
+        def chunk(choice: ChatCompletionResponseStreamChoice | None) -> str:
+            usage = None
+            if continuous_usage or choice is None:
+                usage = self.usage(num_prompt_tokens, sum(completion_tokens))
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[choice] if choice else [], usage=usage
+                )
+            )
+
+        try:
+            for i in range(params.n):
+                yield chunk(
+                    ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo_text))
+                )
+            async for out in stream:
+                for c in out.outputs:
+                    completion_tokens[c.index] += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not c.logprobs:
+                        continue  # nothing to show yet (e.g. half of a multibyte character)
+                    logprobs = (
+                        self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
+                        if params.logprobs is not None and c.logprobs is not None
+                        else None
+                    )
+                    yield chunk(
+                        ChatCompletionResponseStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=c.text),
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+            if include_usage:
+                yield chunk(None)
+        except Exception as e:  # an engine failure mid-stream: tell the client in-band
+            yield sse_error(e)
+        finally:
+            stream.abort()
+        yield SSE_DONE

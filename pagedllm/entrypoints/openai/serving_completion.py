@@ -1,0 +1,200 @@
+"""POST /v1/completions: prompt(s) -> tokens -> engine -> OpenAI's (legacy) completion shapes.
+
+`prompt` may be a string, a list of strings, a list of token ids or a list of token-id lists;
+with P prompts and n samples each, choice `index` is `prompt_index * n + sample_index` (as OpenAI).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestOutputStream
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EventStream,
+    OpenAIServing,
+    merge_streams,
+    sse,
+    sse_error,
+)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+TextOrTokens = str | list[int]
+
+
+def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[TextOrTokens]:
+    """[["a"]] forms -> one entry per prompt: "text" or [token ids]."""
+    if isinstance(prompt, str):
+        prompts: list[TextOrTokens] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    if not prompts:
+        raise APIError("prompt is empty; give a string, a list of strings or a list of token ids.", param="prompt")
+    for i, p in enumerate(prompts):
+        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(f"{where} is empty; a prompt needs at least one token.", param="prompt")
+    return prompts
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, *, log_requests: bool = True) -> None:
+        super().__init__(engine, models, log_requests=log_requests)
+
+    async def create_completion(
+        self, request: CompletionRequest, arrival_time: float | None = None
+    ) -> CompletionResponse | EventStream:
+        arrival_time = arrival_time or time.time()
+        model_name = self.models.resolve(request.model)
+        self.check_engine()
+        request_id = f"cmpl-{request.request_id or random_uuid()}"
+        self.log_unknown_fields(request, request_id)
+        if request.suffix:
+            raise APIError("suffix is not supported.", param="suffix")
+        if request.echo and request.logprobs is not None:
+            raise APIError(
+                "echo together with logprobs needs prompt logprobs, which are not supported yet.", param="echo"
+            )
+        params = self.sampling_params(request)
+        prompts = normalize_prompts(request.prompt)
+        try:
+            encoded = await self.engine.run_in_tokenizer_pool(self._encode, prompts, request)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+
+        streams: list[RequestOutputStream] = []
+        try:
+            for i, (text, ids, _) in enumerate(encoded):
+                sub_id = request_id if len(encoded) == 1 else f"{request_id}-{i}"
+                self.log_request(sub_id, len(ids), params)
+                prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
+                streams.append(await self.add_request(sub_id, prompt, params, arrival_time))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        echoes = [echo for _, _, echo in encoded] if request.echo else ["" for _ in encoded]
+        if request.stream:
+            num_prompt_tokens = sum(len(ids) for _, ids, _ in encoded)
+            events = self._stream(request, streams, request_id, model_name, num_prompt_tokens, params, echoes)
+            return EventStream(events, streams)
+        return await self._full(streams, request_id, model_name, params, echoes)
+
+    def _encode(
+        self, prompts: list[TextOrTokens], request: CompletionRequest
+    ) -> list[tuple[str | None, list[int], str]]:
+        """Runs in the tokenizer pool: (text or None, token ids, text to echo) per prompt."""
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                tok = self.require_tokenizer()
+                out.append((p, tok.encode(p, add_special_tokens=request.add_special_tokens), p))
+            else:
+                echo = ""
+                if request.echo:
+                    tok = self.require_tokenizer()
+                    self.engine.processor.tokenize_prompt(p)  # out-of-vocabulary ids: ValueError, not garbage
+                    echo = tok.decode(p, skip_special_tokens=False)
+                out.append((None, p, echo))
+        return out
+
+    # -- output ------------------------------------------------------------------------------------
+    async def _full(
+        self,
+        streams: list[RequestOutputStream],
+        request_id: str,
+        model_name: str,
+        params: SamplingParams,
+        echoes: list[str],
+    ) -> CompletionResponse:
+        created = int(time.time())
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for i in range(len(streams)):
+            final = finals[i]
+            prompt_tokens += len(final.prompt_token_ids)
+            for c in final.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(self._choice(i * params.n + c.index, c, params, echoes[i], 0))
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model_name,
+            choices=choices,
+            usage=self.usage(prompt_tokens, completion_tokens),
+        )
+
+    def _choice(
+        self, index: int, c: CompletionOutput, params: SamplingParams, prefix: str, text_offset: int
+    ) -> CompletionResponseChoice:
+        logprobs = (
+            self.completion_logprobs(c.token_ids, c.logprobs, params.logprobs, text_offset + len(prefix))
+            if params.logprobs is not None and c.logprobs is not None
+            else None
+        )
+        return CompletionResponseChoice(
+            index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        streams: list[RequestOutputStream],
+        request_id: str,
+        model_name: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        echoes: list[str],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
+        completion_tokens = 0
+        # Per choice index: characters sent so far (for logprobs' text_offset) and whether the
+        # echoed prompt went out.
+        sent_chars: dict[int, int] = {}
+
+        def chunk(choice: CompletionResponseStreamChoice | None) -> str:
+            usage = self.usage(num_prompt_tokens, completion_tokens) if continuous_usage or choice is None else None
+            return sse(
+                CompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[choice] if choice else [], usage=usage
+                )
+            )
+
+        try:
+            async for i, out in merge_streams(streams):
+                for c in out.outputs:
+                    index = i * params.n + c.index
+                    completion_tokens += len(c.token_ids)
+                    first = index not in sent_chars
+                    prefix = echoes[i] if first else ""
+                    if not c.text and not prefix and c.finish_reason is None and not c.logprobs:
+                        continue
+                    choice = self._choice(index, c, params, prefix, sent_chars.get(index, 0))
+                    sent_chars[index] = sent_chars.get(index, 0) + len(choice.text)
+                    yield chunk(CompletionResponseStreamChoice(**choice.model_dump()))
+            if include_usage:
+                yield chunk(None)
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            for s in streams:
+                s.abort()
+        yield SSE_DONE

@@ -1,0 +1,238 @@
+"""What the chat and completions endpoints share: model check, sampling parameters, queueing a
+request in the engine (errors -> OpenAI 400s), logprob formatting, request logging, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputStream
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+    OpenAIBaseModel,
+    StreamOptions,
+    UsageInfo,
+)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
+SSE_DONE = "data: [DONE]\n\n"
+# JSON has no -inf; OpenAI and vLLM clamp impossible tokens' logprobs to this.
+MIN_LOGPROB = -9999.0
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def error_to_api_error(e: BaseException) -> APIError:
+    """Errors raised while a request runs -> the status a client should see."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return APIError(str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR, code="engine_dead")
+    return APIError(f"Internal server error: {type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def sse_error(e: BaseException) -> str:
+    return sse(error_to_api_error(e).to_response())
+
+
+@dataclass
+class EventStream:
+    """A streaming answer: SSE events, and the engine requests behind them. The HTTP layer calls
+    close() when the response ends for any reason (even before the first event was pulled), so a
+    client that leaves early never leaves its requests running."""
+
+    events: AsyncIterator[str]
+    request_streams: list[RequestOutputStream]
+
+    def close(self) -> None:
+        for s in self.request_streams:
+            s.abort()
+
+
+async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the stream's position.
+
+    Every stream is aborted when the consumer stops early (exception, cancellation, aclose).
+    """
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    # Bounded: a pump waits while the consumer is behind; its collector merges deltas meanwhile.
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(i: int, s: RequestOutputStream) -> None:
+        try:
+            async for out in s:
+                await q.put((i, out))
+            await q.put((i, None))
+        except Exception as e:
+            await q.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def clamp_logprob(lp: float) -> float:
+    return lp if math.isfinite(lp) and lp > MIN_LOGPROB else MIN_LOGPROB
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, *, log_requests: bool = True) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        self.default_sampling_params = engine.processor.default_sampling_params()
+        self.log_requests = log_requests
+
+    # -- request checks ----------------------------------------------------------------------------
+    def check_engine(self) -> None:
+        if self.engine.errored:
+            raise APIError(str(self.engine.dead_error), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead")
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError("This server runs without a tokenizer (skip_tokenizer_init); send token ids.")
+        return self.tokenizer
+
+    def log_unknown_fields(self, request: OpenAIBaseModel, request_id: str) -> None:
+        extra = request.model_extra
+        if extra:
+            logger.warning("%s: ignoring unknown or unsupported fields: %s", request_id, ", ".join(sorted(extra)))
+
+    def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if self.log_requests:
+            logger.info(
+                "received request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
+                request_id, num_prompt_tokens, params.n, params.max_tokens, params.temperature,
+                params.output_kind.name,
+            )
+
+    def sampling_params(self, request: Any) -> SamplingParams:
+        try:
+            return request.to_sampling_params(self.default_sampling_params)
+        except ValueError as e:
+            # SamplingParams' messages start with the field: "temperature must be ..." -> param.
+            msg = str(e)
+            first = msg.split(" ", 1)[0]
+            param = first if first in type(request).model_fields else None
+            raise APIError(msg, param=param) from None
+
+    async def add_request(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, arrival_time: float
+    ) -> RequestOutputStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params, arrival_time)
+        except ValueError as e:
+            msg = str(e)
+            code = "context_length_exceeded" if "maximum context length" in msg else None
+            raise APIError(msg, code=code) from None
+        except EngineDeadError as e:
+            raise APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead") from None
+
+    # -- output formatting -------------------------------------------------------------------------
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        )
+
+    @staticmethod
+    def stream_usage_flags(stream_options: StreamOptions | None) -> tuple[bool, bool]:
+        if stream_options is None:
+            return False, False
+        include = bool(stream_options.include_usage)
+        return include, include and bool(stream_options.continuous_usage_stats)
+
+    def token_str(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int
+    ) -> ChatCompletionLogProbs:
+        """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+        content = []
+        for tid, entry in zip(token_ids, logprobs, strict=True):
+            sampled = entry.get(tid)
+            tok = self.token_str(tid, sampled)
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=tok,
+                    logprob=clamp_logprob(sampled.logprob) if sampled is not None else MIN_LOGPROB,
+                    bytes=list(tok.encode("utf-8", errors="replace")),
+                    top_logprobs=[
+                        ChatCompletionLogProb(
+                            token=(s := self.token_str(t, lp)),
+                            logprob=clamp_logprob(lp.logprob),
+                            bytes=list(s.encode("utf-8", errors="replace")),
+                        )
+                        for t, lp in ranked
+                    ],
+                )
+            )
+        return ChatCompletionLogProbs(content=content)
+
+    def completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int, initial_text_offset: int
+    ) -> CompletionLogProbs:
+        """The legacy completions shape: parallel lists tokens / token_logprobs / top_logprobs /
+        text_offset (character offset of each token in the choice's text)."""
+        out = CompletionLogProbs()
+        offset = initial_text_offset
+        for tid, entry in zip(token_ids, logprobs, strict=True):
+            sampled = entry.get(tid)
+            tok = self.token_str(tid, sampled)
+            out.tokens.append(tok)
+            out.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled is not None else MIN_LOGPROB)
+            out.text_offset.append(offset)
+            offset += len(tok)
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+            top = {self.token_str(t, lp): clamp_logprob(lp.logprob) for t, lp in ranked}
+            if sampled is not None:
+                top.setdefault(tok, clamp_logprob(sampled.logprob))  # vLLM: the sampled token is always listed
+            out.top_logprobs.append(top)
+        return out

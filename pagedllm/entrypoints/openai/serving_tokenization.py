@@ -1,0 +1,74 @@
+"""POST /tokenize and /detokenize (vLLM's endpoints): the server's own tokenizer and chat template."""
+
+from __future__ import annotations
+
+import jinja2
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.chat_utils import render_chat
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        *,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
+        super().__init__(engine, models, log_requests=False)
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+
+    async def create_tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.models.resolve(request.model)
+        tokenizer = self.require_tokenizer()
+        self.log_unknown_fields(request, "tokenize")
+        if isinstance(request, TokenizeChatRequest) and request.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(
+                    "A chat_template in the request is refused; start the server with "
+                    "--trust-request-chat-template to allow it.",
+                    param="chat_template",
+                )
+
+        def work() -> list[int]:
+            if isinstance(request, TokenizeChatRequest):
+                kwargs = dict(request.chat_template_kwargs or {})
+                if request.continue_final_message:
+                    kwargs["continue_final_message"] = True
+                text = render_chat(
+                    tokenizer, request.messages, request.chat_template or self.chat_template,
+                    request.add_generation_prompt, kwargs,
+                )
+            else:
+                text = request.prompt
+            return tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+        try:
+            ids = await self.engine.run_in_tokenizer_pool(work)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise APIError(str(e)) from None
+        token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs)
+
+    async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.models.resolve(request.model)
+        tokenizer = self.require_tokenizer()
+        vocab = self.engine.model_config.vocab_size
+        for t in request.tokens:
+            if not 0 <= t < vocab:
+                raise APIError(f"token id {t} is outside the vocabulary [0, {vocab}).", param="tokens")
+        text = await self.engine.run_in_tokenizer_pool(tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text)

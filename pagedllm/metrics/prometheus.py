@@ -1,0 +1,126 @@
+"""Prometheus exporter with vLLM's metric names under the `pagedllm:` prefix.
+
+    pagedllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 3.0
+    pagedllm:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.125
+    pagedllm:request_success_total{finished_reason="stop",model_name="..."} 17.0
+
+Each logger owns its own CollectorRegistry, so several servers (or tests) in one process do not
+collide in prometheus_client's global registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.metrics.stats import IterationStats
+
+PREFIX = "pagedllm:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus_client adds the `_total` suffix to counters.
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests (one per sequence, n > 1 counts each choice).",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._success_family = success
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        if cache_info:
+            info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.", sorted(cache_info),
+                         registry=r)
+            info.labels(**cache_info).set(1)
+        # SchedulerStats' counters are cumulative; Prometheus counters take increments.
+        self._last_preemptions = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            s = scheduler_stats
+            self.num_requests_running.set(s.num_running_reqs)
+            self.num_requests_waiting.set(s.num_waiting_reqs)
+            self.kv_cache_usage_perc.set(s.kv_cache_usage)
+            self._last_preemptions = self._inc(self.num_preemptions, s.num_preemptions, self._last_preemptions)
+            self._last_queries = self._inc(self.prefix_cache_queries, s.prefix_cache_queries, self._last_queries)
+            self._last_hits = self._inc(self.prefix_cache_hits, s.prefix_cache_hits, self._last_hits)
+        if iteration_stats is None:
+            return
+        it = iteration_stats
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        for v in it.time_to_first_tokens:
+            self.time_to_first_token.observe(v)
+        for v in it.inter_token_latencies:
+            self.inter_token_latency.observe(v)
+        for v in it.queue_times:
+            self.request_queue_time.observe(v)
+        for f in it.finished_requests:
+            counter = self.request_success.get(f.finish_reason)
+            if counter is None:
+                counter = self.request_success[f.finish_reason] = self._success_family.labels(
+                    self.model_name, f.finish_reason
+                )
+            counter.inc()
+            self.e2e_request_latency.observe(f.e2e_latency)
+
+    @staticmethod
+    def _inc(counter: Counter, cumulative: int, last: int) -> int:
+        if cumulative > last:
+            counter.inc(cumulative - last)
+        return max(cumulative, last)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
