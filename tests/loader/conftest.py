@@ -17,7 +17,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "o r", "Ġ w"]
-SAMPLING = {"general.sampling.temp": 0.25, "general.sampling.top_k": 7}
+SAMPLING = {"general.sampling.temp": 0.7, "general.sampling.top_k": 7}
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:

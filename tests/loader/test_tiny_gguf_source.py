@@ -56,8 +56,8 @@ def test_config_generation_config_and_cache(
     reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     reference.update(architectures=["LlamaForCausalLM"], _name_or_path=str(path.resolve()))
     assert cfg.to_dict() == reference
-    # llama.cpp's general.sampling.* keys, under HF names (temp is stored as float32)
-    assert src.generation_config == {"temperature": pytest.approx(0.25), "top_k": 7}
+    # llama.cpp's general.sampling.* keys under HF names; 0.7 stored as float32 comes back as 0.7
+    assert src.generation_config == {"temperature": 0.7, "top_k": 7}
 
     entry = gguf_cache_dir(path, "config")
     assert entry.is_relative_to(isolated_cache) and (entry / "config.json").is_file()
