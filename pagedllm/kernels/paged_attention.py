@@ -194,12 +194,14 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim)
     part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD)
     part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
     part_l_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    query_start_loc_ptr,  # int32 (>= num_reqs + 1,)
+    num_reqs,
     num_heads,
     num_splits,
     stride_o_t,
@@ -208,9 +210,12 @@ def _merge_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    # One program per (token, query head).
+    # One program per (token, query head); rows past the last request's tokens (padding) hold no
+    # partial results and keep the zeros the wrapper wrote.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if t >= tl.load(query_start_loc_ptr + num_reqs):
+        return
     offs_s = tl.arange(0, SPLITS_PAD)
     s_mask = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -278,7 +283,8 @@ def paged_attention(
     """Attend every query token to its request's cached keys 0..its position.
 
     This step's K/V must already be in the cache (`write_kv_cache`). Rows past
-    md.num_actual_tokens (CUDA-graph padding) come back as zeros, as in the reference.
+    md.num_actual_tokens (CUDA-graph padding) come back as zeros, as in the reference, unless a
+    (dummy) request in md claims them: rows are attended exactly where query_start_loc says.
     num_splits: None picks with `choose_num_splits`; 1 disables split-K; k > 1 forces k partitions.
     """
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -298,7 +304,7 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_tokens > n:
         out[n:].zero_()
-    if n == 0 or md.num_reqs == 0:
+    if num_tokens == 0 or md.num_reqs == 0:
         return out
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -314,13 +320,13 @@ def paged_attention(
         num_splits = choose_num_splits(md.num_reqs, num_kv_heads, md.max_query_len, md.max_seq_len)
     use_split = num_splits > 1
     # Upper bound of query tiles; see the module docstring.
-    num_q_blocks = md.num_reqs if decode_only else n // block_q + md.num_reqs
+    num_q_blocks = md.num_reqs if decode_only else num_tokens // block_q + md.num_reqs
 
     if use_split:
         part_acc = torch.empty(
-            (n, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=query.device
+            (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=query.device
         )
-        part_m = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
@@ -360,11 +366,13 @@ def paged_attention(
         num_warps=num_warps,
     )
     if use_split:
-        _merge_splits_kernel[(n, num_heads)](
+        _merge_splits_kernel[(num_tokens, num_heads)](
             out,
             part_acc,
             part_m,
             part_l,
+            md.query_start_loc,
+            md.num_reqs,
             num_heads,
             num_splits,
             out.stride(0),

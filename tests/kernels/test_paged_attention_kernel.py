@@ -39,12 +39,14 @@ def test_mixed_prefill_and_decode(make_batch, device, num_heads, num_kv_heads, h
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", CONFIGS)
 def test_split_k_decode(make_batch, device, num_heads, num_kv_heads, head_dim, block_size):
-    md, kv_cache = make_batch([1, 1, 1], DECODE_S, block_size, num_kv_heads, head_dim, device, num_blocks=120)
-    query = torch.randn(md.num_actual_tokens, num_heads, head_dim, device=device)
+    # A CUDA-graph style batch: a dummy request (no tokens, empty context) and two padding rows.
+    md, kv_cache = make_batch([1, 1, 1, 0], DECODE_S + [0], block_size, num_kv_heads, head_dim, device, 120)
+    query = torch.randn(md.num_actual_tokens + 2, num_heads, head_dim, device=device)
     # 4 partitions of the 37-key context leave splits with one tile or none: the empty ones
     # must drop out of the merge.
-    _check(query, kv_cache, md, num_splits=4)
-    _check(query, kv_cache, md, num_splits=1)
+    for num_splits in (4, 1):
+        out = _check(query, kv_cache, md, num_splits=num_splits)
+        assert torch.count_nonzero(out[md.num_actual_tokens :]) == 0
 
 
 def test_split_k_mixed_batch(make_batch, device):
