@@ -40,6 +40,7 @@ class EngineCore:
                 f"cpu_kvcache_space / num_gpu_blocks_override, or set max_model_len <= {num_blocks * bs}."
             )
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.capture_model()
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.step_count = 0

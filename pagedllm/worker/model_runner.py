@@ -7,6 +7,7 @@ for decode-only steps, CUDA graphs (worker/cuda_graphs.py).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -17,6 +18,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_loader import load_model
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size)
         self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: CudaGraphRunner | None = None
 
     def _pick_backend(self):
         if self.device.type == "cuda":
@@ -72,14 +75,29 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        # On the CPU, torch.empty of this size is a fresh anonymous mapping: the OS hands out
-        # zeroed pages on first touch, so start-up does not wait for a multi-GiB memset and unused
-        # blocks cost no memory. On a GPU the caching allocator may return old activations
-        # (possibly NaN, which masked attention would still multiply by 0), so zero it there.
-        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        # Unwritten slots are masked out of attention, but a masked value still meets a 0 weight,
+        # so they must hold finite numbers: zeros. On the CPU a large torch.empty is a fresh
+        # anonymous mapping (glibc mmaps anything over 32 MiB) that the OS zero-fills on first
+        # touch, so start-up skips a multi-GiB memset and unused blocks cost no memory. Smaller
+        # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
+        alloc = torch.empty if fresh_mapping else torch.zeros
         self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.backend)
+
+    def release_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            layer.bind_kv_cache(None, self.backend)
+        self.kv_caches = []
+
+    def capture_model(self) -> None:
+        """CUDA graphs for decode steps (GPU only; enforce_eager turns them off)."""
+        if self.device.type != "cuda" or self.config.device_config.enforce_eager:
+            return
+        self.graph_runner = CudaGraphRunner(self)
+        self.graph_runner.capture()
 
     # -- one step ----------------------------------------------------------------------------------
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
@@ -100,8 +118,12 @@ class ModelRunner:
             seq_lens_cpu=seq,
         )
 
-    def forward(self, inp: StepInputs, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states of the last token of each request that samples: (len(sample_rows), hidden)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(inp):
+            # Decode only: one token per request, and every request samples.
+            return self.graph_runner.run(inp)
+        md = self._metadata(inp)
         input_ids = torch.from_numpy(inp.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(inp.positions).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, positions, md)
@@ -114,8 +136,7 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inp = self.input_batch.prepare_inputs(so)
-        md = self._metadata(inp)
-        hidden = self.forward(inp, md)
+        hidden = self.forward(inp)
         sampled: list[int] = [0] * len(inp.req_ids)
         logprobs: list | None = None
         if inp.sample_rows:
