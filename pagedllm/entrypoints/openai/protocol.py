@@ -119,6 +119,8 @@ class _SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     request_id: str | None = None
     cache_salt: str | None = None
+    # vLLM: also return the prompt's and each choice's token ids.
+    return_token_ids: bool | None = False
 
     def _sampling_kwargs(self, default: SamplingParams) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -206,6 +208,7 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -216,6 +219,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):
@@ -224,6 +228,7 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this delta's tokens
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -234,6 +239,7 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 # -- completions ----------------------------------------------------------------------------------------
@@ -266,6 +272,9 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # with return_token_ids (prompt_token_ids only on a choice's first chunk when streaming)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -284,6 +293,9 @@ class CompletionResponseStreamChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # with return_token_ids (prompt_token_ids only on a choice's first chunk when streaming)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(BaseModel):

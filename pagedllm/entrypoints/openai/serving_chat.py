@@ -78,9 +78,9 @@ class OpenAIServingChat(OpenAIServing):
             request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params, arrival_time
         )
         if request.stream:
-            events = self._stream(request, stream, request_id, model_name, len(prompt_ids), params, echo_text)
+            events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text)
             return EventStream(events, [stream])
-        return await self._full(stream, request_id, model_name, params, echo_text)
+        return await self._full(stream, request_id, model_name, params, echo_text, bool(request.return_token_ids))
 
     # -- input -------------------------------------------------------------------------------------
     def _check_supported(self, request: ChatCompletionRequest) -> None:
@@ -126,7 +126,13 @@ class OpenAIServingChat(OpenAIServing):
 
     # -- output ------------------------------------------------------------------------------------
     async def _full(
-        self, stream: RequestOutputStream, request_id: str, model_name: str, params: SamplingParams, echo_text: str
+        self,
+        stream: RequestOutputStream,
+        request_id: str,
+        model_name: str,
+        params: SamplingParams,
+        echo_text: str,
+        return_token_ids: bool,
     ) -> ChatCompletionResponse:
         created = int(time.time())
         final = None
@@ -152,6 +158,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if return_token_ids else None,
                 )
             )
         return ChatCompletionResponse(
@@ -160,6 +167,7 @@ class OpenAIServingChat(OpenAIServing):
             model=model_name,
             choices=choices,
             usage=self.usage(len(final.prompt_token_ids), num_generated),
+            prompt_token_ids=list(final.prompt_token_ids) if return_token_ids else None,
         )
 
     async def _stream(
@@ -168,33 +176,39 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestOutputStream,
         request_id: str,
         model_name: str,
-        num_prompt_tokens: int,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         echo_text: str,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
+        return_token_ids = bool(request.return_token_ids)
         completion_tokens = [0] * params.n
 
-        def chunk(choice: ChatCompletionResponseStreamChoice | None) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice | None, first: bool = False) -> str:
             usage = None
             if continuous_usage or choice is None:
-                usage = self.usage(num_prompt_tokens, sum(completion_tokens))
+                usage = self.usage(len(prompt_token_ids), sum(completion_tokens))
             return sse(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model_name, choices=[choice] if choice else [], usage=usage
+                    id=request_id, created=created, model=model_name, choices=[choice] if choice else [], usage=usage,
+                    prompt_token_ids=prompt_token_ids if first and return_token_ids else None,
                 )
             )
 
         try:
             for i in range(params.n):
                 yield chunk(
-                    ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo_text))
+                    ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content=echo_text),
+                        token_ids=[] if return_token_ids else None,
+                    ),
+                    first=True,
                 )
             async for out in stream:
                 for c in out.outputs:
                     completion_tokens[c.index] += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not c.logprobs:
+                    if not c.text and c.finish_reason is None and not c.logprobs and not return_token_ids:
                         continue  # nothing to show yet (e.g. half of a multibyte character)
                     logprobs = (
                         self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
@@ -208,6 +222,7 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            token_ids=list(c.token_ids) if return_token_ids else None,
                         )
                     )
             if include_usage:

@@ -92,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt_tokens = sum(len(ids) for _, ids, _ in encoded)
             events = self._stream(request, streams, request_id, model_name, num_prompt_tokens, params, echoes)
             return EventStream(events, streams)
-        return await self._full(streams, request_id, model_name, params, echoes)
+        return await self._full(streams, request_id, model_name, params, echoes, bool(request.return_token_ids))
 
     def _encode(
         self, prompts: list[TextOrTokens], request: CompletionRequest
@@ -120,6 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name: str,
         params: SamplingParams,
         echoes: list[str],
+        return_token_ids: bool,
     ) -> CompletionResponse:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -132,7 +133,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens += len(final.prompt_token_ids)
             for c in final.outputs:
                 completion_tokens += len(c.token_ids)
-                choices.append(self._choice(i * params.n + c.index, c, params, echoes[i], 0))
+                choice = self._choice(i * params.n + c.index, c, params, echoes[i], 0)
+                if return_token_ids:
+                    choice.prompt_token_ids = list(final.prompt_token_ids)
+                    choice.token_ids = list(c.token_ids)
+                choices.append(choice)
         return CompletionResponse(
             id=request_id,
             created=created,
@@ -185,9 +190,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     completion_tokens += len(c.token_ids)
                     first = index not in sent_chars
                     prefix = echoes[i] if first else ""
-                    if not c.text and not prefix and c.finish_reason is None and not c.logprobs:
+                    if not (c.text or prefix or c.finish_reason or c.logprobs or request.return_token_ids):
                         continue
                     choice = self._choice(index, c, params, prefix, sent_chars.get(index, 0))
+                    if request.return_token_ids:
+                        choice.prompt_token_ids = list(out.prompt_token_ids) if first else None
+                        choice.token_ids = list(c.token_ids)
                     sent_chars[index] = sent_chars.get(index, 0) + len(choice.text)
                     yield chunk(CompletionResponseStreamChoice(**choice.model_dump()))
             if include_usage:

@@ -1,0 +1,117 @@
+"""Models, tokenizer endpoints, auth, OpenAI-shaped errors, health / version — raw HTTP and `openai`."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from pagedllm import __version__
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    for w in words:
+        assert w in body["error"]["message"], body
+    return body["error"]
+
+
+def test_models_lists_every_served_name(tiny_server, client):
+    names = [m.id for m in client.models.list().data]
+    assert names == ["tiny", "tiny-alias"]
+    r = client.chat.completions.create(model="tiny-alias", messages=CHAT["messages"], max_tokens=2)
+    assert r.model == "tiny-alias"
+    err = assert_openai_error(tiny_server.post("/v1/chat/completions", {**CHAT, "model": "nope"}), 404, "nope")
+    assert err["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_tokenize_and_detokenize_match_the_tokenizer(tiny_server, tiny_tokenizer):
+    text = "Hello, world! Ünïcödé and 中文 too."
+    r = tiny_server.post("/tokenize", {"model": "tiny", "prompt": text})
+    ids = tiny_tokenizer.encode(text)
+    assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    assert r.json()["max_model_len"] == 1024
+    msgs = [{"role": "user", "content": text}]
+    r = tiny_server.post("/tokenize", {"model": "tiny", "messages": msgs, "return_token_strs": True})
+    rendered = tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    chat_ids = tiny_tokenizer.encode(rendered, add_special_tokens=False)
+    assert r.json()["tokens"] == chat_ids and r.json()["token_strs"] == tiny_tokenizer.convert_ids_to_tokens(chat_ids)
+    # the chat endpoint counts exactly these tokens
+    usage = tiny_server.post("/v1/chat/completions", {**CHAT, "messages": msgs}).json()["usage"]
+    assert usage["prompt_tokens"] == len(chat_ids)
+    r = tiny_server.post("/detokenize", {"model": "tiny", "tokens": ids})
+    assert r.json()["prompt"] == tiny_tokenizer.decode(ids)
+    assert_openai_error(tiny_server.post("/detokenize", {"tokens": [10**7]}), 400, "vocabulary")
+
+
+def test_api_key(tiny_server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-pagedllm-test"}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize")):
+            r = httpx.request(method, tiny_server.url(path), headers=headers, json=CHAT, timeout=10)
+            assert_openai_error(r, 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=tiny_server.base_url, api_key="wrong", max_retries=0).models.list()
+    # probes and monitoring stay open
+    assert httpx.get(tiny_server.url("/health")).status_code == 200
+    assert httpx.get(tiny_server.url("/metrics")).status_code == 200
+    assert httpx.get(tiny_server.url("/version")).json() == {"version": __version__}
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (b"{not json", ["not valid JSON"]),
+        (b"[]", ["JSON object", "array"]),
+        (b"null", ["JSON object"]),
+        (b"", ["empty"]),
+        ({"model": "tiny"}, ["messages"]),
+        ({**CHAT, "messages": []}, ["empty"]),
+        ({**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, ["role"]),
+        ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, ["image_url"]),
+        ({**CHAT, "max_tokens": "100"}, ["max_tokens"]),
+        ({**CHAT, "max_tokens": 1.5}, ["max_tokens"]),
+        ({**CHAT, "max_tokens": 0}, ["max_tokens"]),
+        ({**CHAT, "temperature": 2.5}, ["temperature"]),
+        ({**CHAT, "top_p": 0}, ["top_p"]),
+        ({**CHAT, "n": 0}, ["n must be"]),
+        ({**CHAT, "stop": ["ok", ""]}, ["stop"]),
+        ({**CHAT, "top_logprobs": 2}, ["logprobs"]),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, ["max_logprobs"]),
+        ({**CHAT, "stop_token_ids": [49152]}, ["stop_token_ids"]),
+        ({**CHAT, "logit_bias": {"x": 1}}, ["logit_bias"]),
+        ({**CHAT, "chat_template": "{{ 'x' }}"}, ["--trust-request-chat-template"]),
+    ],
+)
+def test_invalid_chat_requests_get_400_not_422(tiny_server, body, words):
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {}
+    r = tiny_server.post("/v1/chat/completions", None if isinstance(body, bytes) else body, **kwargs)
+    assert_openai_error(r, 400, *words)
+
+
+def test_other_http_errors(tiny_server):
+    assert_openai_error(tiny_server.post("/v1/chat/completions", content=b"hi", headers={"Content-Type": "text/plain"}),
+                        400, "application/json")
+    assert_openai_error(tiny_server.get("/v1/nothing"), 404)
+    assert_openai_error(tiny_server.get("/v1/chat/completions"), 405)
+    for prompt in ("", [], [[]], [999999]):
+        assert_openai_error(tiny_server.post("/v1/completions", {"model": "tiny", "prompt": prompt}), 400, "prompt")
+
+
+def test_prompt_too_long_states_the_limit_and_counts(tiny_server):
+    r = tiny_server.post("/v1/completions", {"model": "tiny", "prompt": [5] * 1000, "max_tokens": 100})
+    err = assert_openai_error(r, 400, "1024", "1100", "1000", "100")
+    assert err["code"] == "context_length_exceeded"
+    r = tiny_server.post("/v1/completions", {"model": "tiny", "prompt": [5] * 1024, "max_tokens": 1, "stream": True})
+    assert_openai_error(r, 400, "1024")
+
+
+def test_unknown_fields_are_accepted_and_logged(tiny_server):
+    r = tiny_server.post("/v1/chat/completions", {**CHAT, "surprise_field": 1, "tools": []})
+    assert r.status_code == 200
+    assert "surprise_field" in tiny_server.log() and "ignoring unknown" in tiny_server.log()
