@@ -63,6 +63,9 @@ M = TypeVar("M", bound=BaseModel)
 
 # Paths that answer without an API key (probes and monitoring), as the issue and vLLM specify.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# When the engine dies: /health says 503 and in-flight requests get their error for this long, then
+# the process exits with status 1 (so a supervisor restarts it instead of it hanging).
+ENGINE_DEAD_EXIT_DELAY_S = 2.0
 
 
 # -- request bodies -----------------------------------------------------------------------------------
@@ -322,7 +325,7 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
         exit_code = 1
         logger.error("%s; shutting the server down", err)
         # A moment for in-flight requests to receive their error, then stop.
-        asyncio.get_running_loop().call_later(0.5, setattr, server, "should_exit", True)
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
     engine.add_dead_callback(on_engine_dead)
     await server.serve()

@@ -1,0 +1,31 @@
+"""An exception inside a model step: in-flight requests get an error, /health turns 503, and the
+process exits with status 1 (the fault comes from the test-only hook PAGEDLLM_TEST_FAIL_AT_STEP)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from pagedllm.engine.async_llm import FAULT_INJECT_ENV
+
+
+def test_engine_fault_fails_requests_turns_health_503_and_exits_1(tiny_model_dir, remote_server):
+    server = remote_server(
+        ["--model", str(tiny_model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "256",
+         "--cpu-threads", "1"],
+        env={FAULT_INJECT_ENV: "6"},
+    )
+    assert httpx.get(server.url("/health")).status_code == 200
+    body = {"model": str(tiny_model_dir), "prompt": "doomed", "max_tokens": 100, "stream": True}
+    events = []
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "injected fault" in error["message"] and error["type"] == "server_error"
+    assert 1 <= len(events) - 2 <= 5  # some tokens streamed before the fault
+    health = httpx.get(server.url("/health"))
+    assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+    assert server.proc.wait(timeout=30) == 1
