@@ -325,7 +325,7 @@ class AsyncLLM:
             item = self._inputs.get(block=block)
         except queue.Empty:
             return True
-        failed: list[tuple[str, ValueError]] = []
+        failed: list[tuple[str, Exception]] = []
         while True:
             kind, payload = item
             if kind == "shutdown":
@@ -335,7 +335,9 @@ class AsyncLLM:
                     try:
                         self.engine_core.add_request(req)
                         unscheduled[req.request_id] = req
-                    except ValueError as e:
+                    except Exception as e:  # a request the core refuses fails alone, the engine lives on
+                        if not isinstance(e, ValueError):
+                            logger.exception("engine core refused request %s", req.request_id)
                         failed.append((req.request_id, e))
             elif kind == "abort":
                 self.engine_core.abort_requests(payload)
@@ -402,7 +404,7 @@ class AsyncLLM:
         for log in self.stat_loggers:
             log(stats, it)
 
-    def _fail_requests(self, failed: list[tuple[str, ValueError]]) -> None:
+    def _fail_requests(self, failed: list[tuple[str, Exception]]) -> None:
         """The engine core refused requests (it checks what the frontend cannot): fail their owners."""
         for core_id, err in failed:
             st = self.output_processor.request_states.get(core_id)

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.cli_args import (
     api_keys,
     load_chat_template,
@@ -234,6 +234,10 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     app.state.engine = engine
     app.state.stat_logger = stat_logger
     install_error_handlers(app)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, code="engine_dead").to_json_response()
 
     def respond(result: BaseModel | EventStream | None) -> Response:
         if result is None:  # the client left; nobody reads this

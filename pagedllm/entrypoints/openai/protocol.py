@@ -96,7 +96,8 @@ class _SamplingRequest(OpenAIBaseModel):
     model: str | None = None
     n: int | None = 1
     best_of: int | None = None
-    seed: int | None = None
+    # torch generators take 64-bit seeds; vLLM bounds the field the same way.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

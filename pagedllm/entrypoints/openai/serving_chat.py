@@ -63,6 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
         self.log_unknown_fields(request, request_id)
         self._check_supported(request)
+        self.check_stream_options(request)
         params = self.sampling_params(request)
         self.require_tokenizer()
         try:
@@ -139,6 +140,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for out in stream:
                 final = out
+        except ValueError as e:  # refused by the engine core after queueing
+            raise APIError(str(e)) from None
         finally:
             stream.abort()
         assert final is not None and final.finished

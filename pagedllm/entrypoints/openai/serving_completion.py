@@ -63,6 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         request_id = f"cmpl-{request.request_id or random_uuid()}"
         self.log_unknown_fields(request, request_id)
+        self.check_stream_options(request)
         if request.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         if request.echo and request.logprobs is not None:
@@ -124,8 +125,11 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge_streams(streams):
-            finals[i] = out
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        except ValueError as e:  # refused by the engine core after queueing
+            raise APIError(str(e)) from None
         choices = []
         prompt_tokens = completion_tokens = 0
         for i in range(len(streams)):

@@ -129,6 +129,11 @@ class OpenAIServing:
         if self.engine.errored:
             raise APIError(str(self.engine.dead_error), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead")
 
+    @staticmethod
+    def check_stream_options(request: Any) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
+
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise APIError("This server runs without a tokenizer (skip_tokenizer_init); send token ids.")

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 TINY_API_KEY = "sk-pagedllm-test"
 TINY_NAMES = ("tiny", "tiny-alias")
+TINY_MAX_BODY = 1_000_000
 
 
 def free_port() -> int:
@@ -129,11 +130,21 @@ class RemoteOpenAIServer:
 
 
 @pytest.fixture(scope="package")
-def tiny_server(tiny_model_dir: Path):
+def tiny_chat_template(tiny_tokenizer: Any) -> str:
+    """The server's --chat-template: the model's own with a marker line first, so tests can tell
+    which template rendered a prompt."""
+    return "{{ 'CUSTOM TEMPLATE\\n' }}" + tiny_tokenizer.chat_template
+
+
+@pytest.fixture(scope="package")
+def tiny_server(tiny_model_dir: Path, tiny_chat_template: str, tmp_path_factory: pytest.TempPathFactory):
+    template_file = tmp_path_factory.mktemp("template") / "chat_template.jinja"
+    template_file.write_text(tiny_chat_template)
     server = RemoteOpenAIServer(
         [
             "--model", str(tiny_model_dir), "--served-model-name", *TINY_NAMES, "--max-model-len", "1024",
             "--max-num-seqs", "64", "--num-gpu-blocks-override", "2048", "--cpu-threads", "1", "--seed", "0",
+            "--chat-template", str(template_file), "--max-request-body-bytes", str(TINY_MAX_BODY),
             "--disable-uvicorn-access-log",
         ],
         api_key=TINY_API_KEY,

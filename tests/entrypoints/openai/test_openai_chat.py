@@ -19,14 +19,17 @@ def stream_chat(client: openai.OpenAI, **kwargs):
     return list(client.chat.completions.create(stream=True, **kwargs))
 
 
-def test_stream_equals_non_stream_at_temperature_0(client, tiny_tokenizer):
+def test_stream_equals_non_stream_at_temperature_0(client, tiny_tokenizer, tiny_chat_template):
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
     choice = full.choices[0]
     assert choice.index == 0 and choice.message.role == "assistant"
     assert choice.finish_reason == "length"
-    # usage: the chat template's tokens, exactly
-    text = tiny_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    # usage: the tokens of the server's chat template (--chat-template), exactly
+    text = tiny_tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, chat_template=tiny_chat_template
+    )
+    assert text.startswith("CUSTOM TEMPLATE\n")
     prompt_ids = tiny_tokenizer.encode(text, add_special_tokens=False)
     assert full.usage.prompt_tokens == len(prompt_ids)
     assert full.usage.completion_tokens == 24

@@ -4,6 +4,7 @@ process exits with status 1 (the fault comes from the test-only hook PAGEDLLM_TE
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -17,11 +18,14 @@ def test_engine_fault_fails_requests_turns_health_503_and_exits_1(tiny_model_dir
         env={FAULT_INJECT_ENV: "6"},
     )
     assert httpx.get(server.url("/health")).status_code == 200
-    body = {"model": str(tiny_model_dir), "prompt": "doomed", "max_tokens": 100, "stream": True}
-    events = []
-    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=30) as r:
-        assert r.status_code == 200
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    body = {"model": str(tiny_model_dir), "prompt": "doomed", "max_tokens": 100}
+    with ThreadPoolExecutor(1) as pool:
+        non_stream = pool.submit(httpx.post, server.url("/v1/completions"), json=body, timeout=30)
+        with httpx.stream("POST", server.url("/v1/completions"), json={**body, "stream": True}, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        failed = non_stream.result()
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_dead"
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "injected fault" in error["message"] and error["type"] == "server_error"

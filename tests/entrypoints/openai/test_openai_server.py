@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -31,7 +34,7 @@ def test_models_lists_every_served_name(tiny_server, client):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
-def test_tokenize_and_detokenize_match_the_tokenizer(tiny_server, tiny_tokenizer):
+def test_tokenize_and_detokenize_match_the_tokenizer(tiny_server, tiny_tokenizer, tiny_chat_template):
     text = "Hello, world! Ünïcödé and 中文 too."
     r = tiny_server.post("/tokenize", {"model": "tiny", "prompt": text})
     ids = tiny_tokenizer.encode(text)
@@ -39,7 +42,10 @@ def test_tokenize_and_detokenize_match_the_tokenizer(tiny_server, tiny_tokenizer
     assert r.json()["max_model_len"] == 1024
     msgs = [{"role": "user", "content": text}]
     r = tiny_server.post("/tokenize", {"model": "tiny", "messages": msgs, "return_token_strs": True})
-    rendered = tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    rendered = tiny_tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=False, chat_template=tiny_chat_template
+    )
+    assert rendered.startswith("CUSTOM TEMPLATE")  # --chat-template is what the server renders with
     chat_ids = tiny_tokenizer.encode(rendered, add_special_tokens=False)
     assert r.json()["tokens"] == chat_ids and r.json()["token_strs"] == tiny_tokenizer.convert_ids_to_tokens(chat_ids)
     # the chat endpoint counts exactly these tokens
@@ -86,6 +92,8 @@ def test_api_key(tiny_server):
         ({**CHAT, "stop_token_ids": [49152]}, ["stop_token_ids"]),
         ({**CHAT, "logit_bias": {"x": 1}}, ["logit_bias"]),
         ({**CHAT, "chat_template": "{{ 'x' }}"}, ["--trust-request-chat-template"]),
+        ({**CHAT, "seed": 2**64}, ["seed"]),
+        ({**CHAT, "stream_options": {"include_usage": True}}, ["stream_options"]),
     ],
 )
 def test_invalid_chat_requests_get_400_not_422(tiny_server, body, words):
@@ -103,6 +111,21 @@ def test_other_http_errors(tiny_server):
         assert_openai_error(tiny_server.post("/v1/completions", {"model": "tiny", "prompt": prompt}), 400, "prompt")
 
 
+def test_body_over_the_limit_is_413(tiny_server):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 1_100_000}]}
+    assert_openai_error(tiny_server.post("/v1/chat/completions", big), 413, "1000000")
+
+    def chunked():  # no Content-Length: the limit holds while the body streams in
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(200):
+            yield b"y" * 10_000
+        yield b'"}'
+
+    r = tiny_server.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    assert_openai_error(r, 413, "1000000")
+    assert tiny_server.post("/v1/completions", {"model": "tiny", "prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
 def test_prompt_too_long_states_the_limit_and_counts(tiny_server):
     r = tiny_server.post("/v1/completions", {"model": "tiny", "prompt": [5] * 1000, "max_tokens": 100})
     err = assert_openai_error(r, 400, "1024", "1100", "1000", "100")
@@ -115,3 +138,18 @@ def test_unknown_fields_are_accepted_and_logged(tiny_server):
     r = tiny_server.post("/v1/chat/completions", {**CHAT, "surprise_field": 1, "tools": []})
     assert r.status_code == 200
     assert "surprise_field" in tiny_server.log() and "ignoring unknown" in tiny_server.log()
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2", "not supported"]),
+        (["--chat-template", "no/such/file.jinja"], ["--chat-template"]),
+    ],
+)
+def test_unbuilt_or_bad_flags_fail_at_start(tiny_model_dir, flags, words):
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir), *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    for w in words:
+        assert w in r.stderr

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+from pathlib import Path
+
+import httpx
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -73,3 +77,18 @@ def test_real_model_answers_and_streams_the_same_text(smollm2_server):
     assert not any("\ufffd" in d for d in deltas)
     count = smollm2_server.post("/tokenize", {"model": MODEL, "messages": msgs}).json()["count"]
     assert full.usage.prompt_tokens == count
+
+
+def test_readme_server_examples_work(smollm2_server):
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme[readme.index("## The server"):]
+    curl = section[section.index("```bash"):section.index("```", section.index("```bash") + 3)]
+    body = json.loads(curl[curl.index("-d '") + 4:curl.rindex("'")])
+    r = httpx.post(smollm2_server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    start = section.index("```python") + len("```python")
+    code = section[start:section.index("```", start)].replace("http://127.0.0.1:8000/v1", smollm2_server.base_url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "readme_snippet", "exec"), {})
+    assert out.getvalue().strip()  # sampled with the model's default temperature: any answer
