@@ -48,6 +48,9 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still running on the device (async scheduling): they count as
+        # known for scheduling, and become real in update_from_output.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -60,6 +63,22 @@ class Request:
         # Seeded requests draw from their own generator so the batch around them does not matter.
         # The engine core creates it on the model's device (see EngineCore.add_request).
         self.generator: torch.Generator | None = None
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Sampling reads this request's past outputs (penalties, min_tokens): the runner must
+        hold every sampled token, so the previous step is collected before this one runs."""
+        p = self.sampling_params
+        return (
+            p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+            or self.num_output_tokens + self.num_output_placeholders < p.min_tokens
+        )
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_tokens(self) -> int:

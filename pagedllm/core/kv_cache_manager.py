@@ -74,6 +74,17 @@ class KVCacheManager:
 
         Returns the newly allocated blocks, or None (and changes nothing) if the pool is short.
         """
+        if not new_computed_blocks:
+            # Fast path, most decode steps: the tokens fit the blocks the request already holds
+            # and no block fills up, so nothing changes.
+            held = self.req_to_blocks.get(request.request_id)
+            end = request.num_computed_tokens + num_new_tokens
+            if (
+                held is not None
+                and end <= len(held) * self.block_size
+                and (not self.enable_caching or end // self.block_size <= self.num_cached_block.get(request.request_id, 0))
+            ):
+                return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

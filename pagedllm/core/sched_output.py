@@ -42,6 +42,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Requests whose last scheduled token is their newest one: this step samples for them.
+    sampling_req_ids: set[str] = field(default_factory=set)
+    # Some request's sampling reads its past outputs: collect the step in flight before this one.
+    needs_output_history: bool = False
 
     @property
     def is_empty(self) -> bool:

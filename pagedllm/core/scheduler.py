@@ -88,12 +88,15 @@ class Scheduler:
         preempted_any = False
         kv = self.kv_cache_manager
 
-        # 1. Running requests, oldest first.
+        # 1. Running requests, oldest first. A token sampled by the step still in flight counts
+        #    as known (a placeholder), so the next decode is scheduled before it arrives.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            if n == 0 or self._output_complete(req):
+                i += 1  # its last token is still in flight and it may well be its last
+                continue
             while True:
                 new_blocks = kv.allocate_slots(req, n)
                 if new_blocks is not None:
@@ -132,9 +135,17 @@ class Scheduler:
             budget -= n
             new_reqs.append(self._new_request_data(req))
 
-        # 3. Advance num_computed_tokens now, so the next schedule() already sees this step's work.
+        # 3. Advance num_computed_tokens now, so the next schedule() already sees this step's work;
+        #    a request whose newest token is computed samples, and holds a placeholder until then.
+        sampling: set[str] = set()
+        needs_history = False
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+                sampling.add(req_id)
+                needs_history |= req.needs_output_history
+                req.num_output_placeholders += 1
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -142,6 +153,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
+            sampling_req_ids=sampling,
+            needs_output_history=needs_history,
         )
         self.finished_req_ids = set()
         if kv.debug:
@@ -177,12 +190,16 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        sampling = scheduler_output.sampling_req_ids
         for row, req_id in enumerate(runner_output.req_ids):
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if req.num_computed_tokens < req.num_tokens:
+            if req_id not in sampling:
                 continue  # mid-prefill: the sampled token belongs to no position yet
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished():
+                continue  # finished or aborted while the step ran
+            # A request preempted after this step was scheduled keeps the token: it was
+            # sampled from a complete context.
+            req.num_output_placeholders -= 1
             token = runner_output.sampled_token_ids[row]
             req.append_output_token_ids(token)
             self._check_stop(req, token)
@@ -193,8 +210,16 @@ class Scheduler:
                 out.stop_reason = req.stop_reason
                 self._free_request(req)
             outputs.append(out)
-        self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _output_complete(self, req: Request) -> bool:
+        """With a placeholder in flight, the request may already have all it may produce."""
+        if req.num_output_placeholders == 0:
+            return False
+        total = req.num_tokens_with_placeholders
+        return (req.max_tokens is not None and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens) or (
+            total >= self.config.max_model_len
+        )
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.sampling_params
@@ -214,15 +239,15 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished():
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
             req.status = status
             req.stop_reason = stop_reason
             self._free_request(req)
 
     def _free_request(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         if req.request_id in self._runner_knows:

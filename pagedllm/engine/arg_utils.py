@@ -52,6 +52,7 @@ class EngineArgs:
     preemption_mode: str | None = None
     max_logprobs: int = 20
     cpu_threads: int | None = None
+    async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU (nothing to overlap)
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -124,6 +125,7 @@ class EngineArgs:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
+                async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager, cpu_threads=self.cpu_threads),
@@ -160,6 +162,8 @@ class EngineArgs:
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
         g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
         g.add_argument("--max-logprobs", type=int, default=20)
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="overlap scheduling with the running step (default: on for CUDA)")
         g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: all cores)")
         return parser
 

@@ -12,10 +12,10 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.request import Request, RequestStatus
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class EngineCore:
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.step_count = 0
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.inflight: tuple[SchedulerOutput, PendingOutput] | None = None
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
             time.monotonic() - t0, num_blocks, bs, num_blocks * bs,
@@ -67,15 +69,37 @@ class EngineCore:
             self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        so = self.scheduler.schedule()
-        runner_out = self.model_runner.execute_model(so)
-        self.step_count += 1
-        return self.scheduler.update_from_output(so, runner_out)
+        """Schedule and launch one step; return the outputs of the step that just completed.
+
+        Synchronous: that is this step. With async scheduling the previous step's results are
+        collected after this step is launched, so the host prepares step N+1 while the device
+        runs step N. A batch whose sampling reads past outputs (penalties, min_tokens) first
+        collects the step in flight, so the runner holds every token.
+        """
+        outputs: list[EngineCoreOutput] = []
+        so = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        if so is not None and so.is_empty:
+            so = None
+        if self.inflight is not None and (so is None or not self.async_scheduling or so.needs_output_history):
+            outputs += self._collect_inflight()
+        if so is not None:
+            pending = self.model_runner.execute_model(so)
+            self.step_count += 1
+            if self.inflight is not None:
+                outputs += self._collect_inflight()
+            self.inflight = (so, pending)
+            if not self.async_scheduling:
+                outputs += self._collect_inflight()
+        return outputs
+
+    def _collect_inflight(self) -> list[EngineCoreOutput]:
+        assert self.inflight is not None
+        so, pending = self.inflight
+        self.inflight = None
+        return self.scheduler.update_from_output(so, pending.get())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.inflight is not None or self.scheduler.has_unfinished_requests()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

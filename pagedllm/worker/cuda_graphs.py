@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,9 +53,12 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev)
-        self.h_tokens = torch.zeros((3, b), dtype=torch.int64).pin_memory()  # ids, positions, slots
-        self.h_seq_lens = torch.ones(b, dtype=torch.int32).pin_memory()
-        self.h_block_table = torch.zeros((b, self.max_blocks), dtype=torch.int32).pin_memory()
+        # Two sets of host buffers, used by alternate steps: with async scheduling the copies of
+        # step N may still be queued while step N+1 is prepared, but step N-1's are done.
+        self.h_tokens = torch.zeros((2, 3, b), dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self.h_seq_lens = torch.ones((2, b), dtype=torch.int32).pin_memory()
+        self.h_block_table = torch.zeros((2, b, self.max_blocks), dtype=torch.int32).pin_memory()
+        self.parity = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -102,26 +106,29 @@ class CudaGraphRunner:
             and inp.block_table.shape[1] <= self.max_blocks
         )
 
-    def run(self, inp: StepInputs) -> torch.Tensor:
+    def run(self, inp: StepInputs, fill_pending: Callable[[torch.Tensor, StepInputs], None]) -> torch.Tensor:
         """Hidden states (num_reqs, hidden) of a decode-only step."""
         n = len(inp.req_ids)
         bs = next(s for s in self.sizes if s >= n)
-        tokens = self.h_tokens.numpy()
+        self.parity ^= 1
+        h_tokens, h_seq, h_table = self.h_tokens[self.parity], self.h_seq_lens[self.parity], self.h_block_table[self.parity]
+        tokens = h_tokens.numpy()
         tokens[0, :n] = inp.input_ids
         tokens[1, :n] = inp.positions
         tokens[2, :n] = inp.slot_mapping
         tokens[2, n:bs] = -1  # padding rows write nothing
-        seq = self.h_seq_lens.numpy()
+        seq = h_seq.numpy()
         seq[:n] = inp.seq_lens
         seq[n:bs] = 1
         width = inp.block_table.shape[1]
-        table = self.h_block_table.numpy()
+        table = h_table.numpy()
         table[:n, :width] = inp.block_table
         table[n:bs, :width] = 0
-        self.input_ids[:bs].copy_(self.h_tokens[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(self.h_tokens[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.h_tokens[2, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self.h_seq_lens[:bs], non_blocking=True)
-        self.block_table[:bs, :width].copy_(self.h_block_table[:bs, :width], non_blocking=True)
+        self.input_ids[:bs].copy_(h_tokens[0, :bs], non_blocking=True)
+        fill_pending(self.input_ids, inp)
+        self.positions[:bs].copy_(h_tokens[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(h_tokens[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(h_seq[:bs], non_blocking=True)
+        self.block_table[:bs, :width].copy_(h_table[:bs, :width], non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -32,6 +32,10 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    # Async scheduling: the token after token_ids was sampled by a step whose result has not
+    # been collected yet; it sits at row `pending_row` of that step's sampled-ids tensor.
+    pending_step: int | None = None
+    pending_row: int = 0
 
 
 @dataclass
@@ -44,6 +48,10 @@ class StepInputs:
     block_table: np.ndarray  # int32 (R, max_blocks)
     slot_mapping: np.ndarray  # int64 (T,)
     sample_rows: list[int]  # rows whose last known token is computed this step: they sample
+    # Flat positions whose input token is still on the device (async scheduling), and the rows
+    # of the previous step's sampled ids that hold them.
+    pending_positions: list[int]
+    pending_rows: list[int]
 
 
 class InputBatch:
@@ -91,19 +99,43 @@ class InputBatch:
         block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
         input_ids = np.empty(total, dtype=np.int64)
         sample_rows: list[int] = []
+        pending_positions: list[int] = []
+        pending_rows: list[int] = []
         for i, r in enumerate(req_ids):
             st = self.requests[r]
             block_table[i, : len(st.block_ids)] = st.block_ids
             s, e = int(starts[i]), int(seq_lens[i])
-            input_ids[qsl[i] : qsl[i + 1]] = st.token_ids[s:e]
-            if e == len(st.token_ids):
+            known = len(st.token_ids)
+            q0 = int(qsl[i])
+            if e > known:
+                # Only the newest token can be in flight: [s, known) from the host, then one.
+                assert st.pending_step is not None and e == known + 1, f"{r}: tokens missing"
+                input_ids[q0 : q0 + known - s] = st.token_ids[s:known]
+                pending_positions.append(q0 + known - s)
+                pending_rows.append(st.pending_row)
                 sample_rows.append(i)
+            else:
+                input_ids[q0 : q0 + e - s] = st.token_ids[s:e]
+                if e == known and st.pending_step is None:
+                    sample_rows.append(i)
         bs = self.block_size
         block_ids = block_table[req_of_token, positions // bs].astype(np.int64)
         slot_mapping = block_ids * bs + positions % bs
-        return StepInputs(req_ids, input_ids, positions, qsl, seq_lens, block_table, slot_mapping, sample_rows)
+        return StepInputs(
+            req_ids, input_ids, positions, qsl, seq_lens, block_table, slot_mapping, sample_rows,
+            pending_positions, pending_rows,
+        )
 
-    def append_sampled(self, req_id: str, token_id: int) -> None:
+    def mark_pending(self, req_id: str, step_id: int, row: int) -> None:
         st = self.requests[req_id]
+        st.pending_step, st.pending_row = step_id, row
+
+    def append_sampled(self, req_id: str, token_id: int, step_id: int) -> None:
+        """The token sampled by step `step_id` is known now (a no-op for a dropped request)."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return
         st.token_ids.append(token_id)
         st.output_token_ids.append(token_id)
+        if st.pending_step == step_id:
+            st.pending_step = None

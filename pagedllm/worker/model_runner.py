@@ -17,7 +17,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_loader import load_model
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 
@@ -46,6 +46,8 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CudaGraphRunner | None = None
+        self.step_id = 0
+        self.last_sampled: torch.Tensor | None = None  # device ids of the newest step's samples
 
     def _pick_backend(self):
         if self.device.type == "cuda":
@@ -118,55 +120,106 @@ class ModelRunner:
             seq_lens_cpu=seq,
         )
 
+    def _fill_pending(self, input_ids: torch.Tensor, inp: StepInputs) -> None:
+        """Async scheduling: tokens the previous step sampled go from device to device."""
+        if inp.pending_positions:
+            assert self.last_sampled is not None
+            pos = torch.tensor(inp.pending_positions, dtype=torch.int64).to(self.device, non_blocking=True)
+            rows = torch.tensor(inp.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            input_ids[pos] = self.last_sampled[rows]
+
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states of the last token of each request that samples: (len(sample_rows), hidden)."""
         if self.graph_runner is not None and self.graph_runner.can_run(inp):
             # Decode only: one token per request, and every request samples.
-            return self.graph_runner.run(inp)
+            return self.graph_runner.run(inp, self._fill_pending)
         md = self._metadata(inp)
         input_ids = torch.from_numpy(inp.input_ids).to(self.device, non_blocking=True)
+        self._fill_pending(input_ids, inp)
         positions = torch.from_numpy(inp.positions).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, positions, md)
         last = torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1).to(self.device, non_blocking=True)
         return hidden[last]
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
+        """Launch one step. On a GPU this returns as soon as the work is queued; `get()` on the
+        result waits for the sampled ids (the step's one host sync)."""
         self.input_batch.update_states(so)
+        self.step_id += 1
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return PendingOutput(self, self.step_id, [], [], None, None, [])
         inp = self.input_batch.prepare_inputs(so)
         hidden = self.forward(inp)
-        sampled: list[int] = [0] * len(inp.req_ids)
+        if not inp.sample_rows:
+            return PendingOutput(self, self.step_id, inp.req_ids, [], None, None, [])
+        logits = self.model.compute_logits(hidden)
+        states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        smd = SamplingMetadata.build(
+            [
+                RowInputs(
+                    params=st.sampling_params,
+                    prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
+                    output_token_ids=st.output_token_ids,
+                    generator=st.generator,
+                )
+                for st in states
+            ],
+            self.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, smd)
+        self.last_sampled = out.sampled_token_ids
+        for j, st in enumerate(states):
+            self.input_batch.mark_pending(st.req_id, self.step_id, j)
+        return PendingOutput(self, self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids,
+                             out.logprobs, [st.sampling_params.logprobs for st in states])
+
+
+class PendingOutput:
+    """A launched step's results, copied to the host in the background; `get()` waits for them."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        step_id: int,
+        req_ids: list[str],
+        sample_rows: list[int],
+        sampled: torch.Tensor | None,
+        logprobs: LogprobsTensors | None,
+        num_logprobs: list[int | None],
+    ) -> None:
+        self.runner = runner
+        self.step_id = step_id
+        self.req_ids = req_ids
+        self.sample_rows = sample_rows
+        self.num_logprobs = num_logprobs
+        self.event = None
+        if sampled is not None and sampled.is_cuda:
+            sampled = sampled.to("cpu", non_blocking=True)
+            if logprobs is not None:
+                logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in logprobs))
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.sampled = sampled
+        self.logprobs = logprobs
+
+    def get(self) -> ModelRunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        sampled = [0] * len(self.req_ids)
         logprobs: list | None = None
-        if inp.sample_rows:
-            logits = self.model.compute_logits(hidden)
-            states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
-            smd = SamplingMetadata.build(
-                [
-                    RowInputs(
-                        params=st.sampling_params,
-                        prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
-                        output_token_ids=st.output_token_ids,
-                        generator=st.generator,
-                    )
-                    for st in states
-                ],
-                self.vocab_size,
-                self.device,
-            )
-            out = self.sampler(logits, smd)
-            ids = out.sampled_token_ids.tolist()  # the step's one host sync
-            for row, st, tok in zip(inp.sample_rows, states, ids):
-                sampled[row] = tok
-                self.input_batch.append_sampled(st.req_id, tok)
-            if out.logprobs is not None:
-                lp_ids = out.logprobs.logprob_token_ids.tolist()
-                lps = out.logprobs.logprobs.tolist()
-                ranks = out.logprobs.selected_token_ranks.tolist()
-                logprobs = [([], [], 0)] * len(inp.req_ids)
-                for j, (row, st) in enumerate(zip(inp.sample_rows, states)):
-                    k = st.sampling_params.logprobs
-                    if k is not None:
-                        logprobs[row] = (lp_ids[j][: k + 1], lps[j][: k + 1], ranks[j])
-        return ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        if self.sampled is None:
+            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled)
+        ids = self.sampled.tolist()
+        batch = self.runner.input_batch
+        for row, tok in zip(self.sample_rows, ids):
+            sampled[row] = tok
+            batch.append_sampled(self.req_ids[row], tok, self.step_id)
+        if self.logprobs is not None:
+            lp_ids, lps, ranks = self.logprobs.tolists()
+            logprobs = [([], [], 0)] * len(self.req_ids)
+            for j, (row, k) in enumerate(zip(self.sample_rows, self.num_logprobs)):
+                if k is not None:
+                    logprobs[row] = (lp_ids[j][: k + 1], lps[j][: k + 1], ranks[j])
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
