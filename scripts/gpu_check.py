@@ -129,6 +129,45 @@ def latency_run(preset: str, label: str, **kw) -> None:
     free_engine(llm)
 
 
+def profile_run(preset: str, label: str, batch: int = 256, ctx: int = 800) -> None:
+    """Steady decode at `batch` requests of `ctx` tokens: wall time per step and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
+
+    llm = LLM(preset, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
+    eng = llm.llm_engine
+    rng = random.Random(2)
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=200, detokenize=False,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    for i in range(batch):
+        eng.add_request(str(i), {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]}, sp)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.engine_core.scheduler.requests.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(40):
+        eng.step()
+    torch.cuda.synchronize()
+    record(f"{label} decode step wall, batch {batch} ctx ~{ctx}", f"{(time.perf_counter() - t) / 40 * 1000:.2f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            eng.step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    record(f"{label} GPU kernel time per step (profiled)", f"{gpu_us / 10 / 1000:.2f} ms")
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    eng.abort_request([str(i) for i in range(batch)])
+    while eng.has_unfinished_requests():
+        eng.step()
+    free_engine(llm)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=None)
@@ -138,6 +177,7 @@ def main() -> None:
         "correctness": correctness,
         "w1-0.6b": lambda: w1_run("qwen3-0.6b", "qwen3-0.6b"),
         "latency-0.6b": lambda: latency_run("qwen3-0.6b", "qwen3-0.6b"),
+        "profile-0.6b": lambda: profile_run("qwen3-0.6b", "qwen3-0.6b"),
         "w1-8b": lambda: w1_run("llama3-8b", "llama3-8b"),
         "latency-8b": lambda: latency_run("llama3-8b", "llama3-8b"),
     }
@@ -146,6 +186,8 @@ def main() -> None:
             continue
         if args.skip_8b and "8b" in name:
             continue
+        gc.collect()
+        torch.cuda.empty_cache()
         try:
             fn()
         except Exception as e:  # keep going: one call, every section
