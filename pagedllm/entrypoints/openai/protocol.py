@@ -122,6 +122,7 @@ class _SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     # vLLM: also return the prompt's and each choice's token ids.
     return_token_ids: bool | None = False
+    use_beam_search: bool = False  # vLLM's field; refused when true (beam search is not built)
 
     def _sampling_kwargs(self, default: SamplingParams) -> dict[str, Any]:
         kwargs: dict[str, Any] = {

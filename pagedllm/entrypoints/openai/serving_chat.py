@@ -63,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
         self.log_unknown_fields(request, request_id)
         self._check_supported(request)
-        self.check_stream_options(request)
+        self.check_common(request)
         params = self.sampling_params(request)
         self.require_tokenizer()
         try:

@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         request_id = f"cmpl-{request.request_id or random_uuid()}"
         self.log_unknown_fields(request, request_id)
-        self.check_stream_options(request)
+        self.check_common(request)
         if request.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         if request.echo and request.logprobs is not None:

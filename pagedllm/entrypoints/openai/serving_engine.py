@@ -130,9 +130,11 @@ class OpenAIServing:
             raise APIError(str(self.engine.dead_error), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead")
 
     @staticmethod
-    def check_stream_options(request: Any) -> None:
+    def check_common(request: Any) -> None:
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
+        if request.use_beam_search:
+            raise APIError("use_beam_search is not supported.", param="use_beam_search")
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -67,6 +67,11 @@ def test_api_key(tiny_server):
     assert httpx.get(tiny_server.url("/health")).status_code == 200
     assert httpx.get(tiny_server.url("/metrics")).status_code == 200
     assert httpx.get(tiny_server.url("/version")).json() == {"version": __version__}
+    # CORS preflights are answered before auth (browsers send no Authorization on them)
+    r = httpx.options(tiny_server.url("/v1/chat/completions"), headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.com")
 
 
 @pytest.mark.parametrize(
@@ -94,6 +99,7 @@ def test_api_key(tiny_server):
         ({**CHAT, "chat_template": "{{ 'x' }}"}, ["--trust-request-chat-template"]),
         ({**CHAT, "seed": 2**64}, ["seed"]),
         ({**CHAT, "stream_options": {"include_usage": True}}, ["stream_options"]),
+        ({**CHAT, "use_beam_search": True}, ["use_beam_search"]),
     ],
 )
 def test_invalid_chat_requests_get_400_not_422(tiny_server, body, words):
