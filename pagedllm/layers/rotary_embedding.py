@@ -100,6 +100,12 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # (num_tokens, num_heads * head_size)
         key: torch.Tensor,  # (num_tokens, num_kv_heads * head_size)
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.is_cuda and self.is_neox_style:
+            # Triton kernel, in place on the q/k views of the fused qkv output (same cache layout).
+            from pagedllm.kernels.rotary import rotary_embedding
+
+            rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache)
+            return query, key
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (num_tokens, 1, rotary_dim / 2) each
         q = self._rotate(query, cos, sin, query.shape[-1] // self.head_size)
