@@ -1,6 +1,7 @@
 """pagedllm: a vLLM-style LLM inference and serving engine (paged KV cache, continuous batching)."""
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "EngineArgs",
     "SamplingParams",
     "RequestOutputKind",

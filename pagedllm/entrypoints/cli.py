@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.api_server import make_arg_parser
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -112,12 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    try:
-        from pagedllm.entrypoints.openai.api_server import make_arg_parser
-    except ImportError:  # the server extra is not importable: say so when serve is used
-        make_arg_parser = None
-    if make_arg_parser is not None:
-        make_arg_parser(p)
+    make_arg_parser(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -134,12 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    try:
-        from pagedllm.benchmarks.cli import add_bench_parser
-    except ImportError:
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
