@@ -66,8 +66,8 @@ def main() -> int:
         )
     model.eval()
     gen = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    warm = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    model.generate_batch(prompts[:4], generation_config=warm)
+    # Warm-up exactly as peer_hf_cb.py calls it (the manager below then starts the way it did there).
+    model.generate_batch(prompts[:4], generation_config=gen, max_new_tokens=16)
     if args.device == "cuda":
         torch.cuda.synchronize()
 
