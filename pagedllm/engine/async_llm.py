@@ -1,23 +1,31 @@
 """AsyncLLM: the asyncio frontend used by the server. Many requests stream at once.
 
-Two threads share the work:
+Three threads share the work, so neither the event loop nor the step loop waits on text work:
 
-    asyncio loop (server)                         engine thread
-    ---------------------                         -------------
-    add_request: tokenize (worker pool),          loop: apply queued adds / aborts / stops
-      validate, RequestState, put("add") ------>        step() -> EngineCoreOutputs
-    output handler: detokenize, stop strings, <------  call_soon_threadsafe(outputs, stats)
-      per-request collectors, metrics
-    abort (disconnect) put("abort") ----------->  applied before the next step
+    asyncio loop (server)               output thread                  engine thread
+    ---------------------               -------------                  -------------
+    add_request: tokenize, states and
+      Requests built in the worker pool
+      states --------------------------> register
+      Requests ------------------------------------------------ add -> apply adds / aborts / stops
+                                                                        step() -> EngineCoreOutputs
+                                        detokenize, stop strings, <---- outputs (at most
+                                        RequestOutputs, IterationStats   MAX_PENDING_BATCHES behind)
+    mailboxes, metrics <--------------- call_soon_threadsafe
+    abort (disconnect): forget now;
+      "abort" -------------------------> forget states
+      "abort" (core ids) ---------------------------------------------> applied before the next step
 
-The EngineCore stays pure and single-threaded: only the engine thread touches it, and it learns of
-new work through a thread-safe queue between steps. Torch releases the GIL inside the model's
-kernels, so HTTP handling and detokenization on the loop overlap the forward pass.
+The EngineCore stays pure and single-threaded: only the engine thread touches it. The
+OutputProcessor is touched only by the output thread. The loop owns the mailboxes. Every request
+gets an internal id (`"{request_id}-{seq}"`), so a caller may reuse a request id the moment its
+previous request ended, without outputs of the old one still in flight reaching the new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -25,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.config import EngineConfig
@@ -47,6 +56,9 @@ StatLogger = Callable[[SchedulerStats | None, IterationStats | None], None]
 # Test-only fault injection: raise inside the N-th engine step (1-based). Lets tests check that a
 # dying engine fails in-flight requests, turns /health to 503 and ends the server.
 FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
+# How many steps' outputs may wait for the output thread before the engine thread waits for it:
+# backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
+MAX_PENDING_BATCHES = 4
 
 
 class EngineDeadError(RuntimeError):
@@ -57,7 +69,8 @@ class RequestOutputCollector:
     """Mailbox between the output handler and one request's consumer.
 
     With DELTA outputs a slow consumer does not make a queue grow: new deltas merge into the one
-    pending output (text and tokens appended), so memory per request stays bounded.
+    pending output (text and tokens appended), so what waits for a consumer is at most the request's
+    own tokens and text (max_tokens per choice), never a queue of outputs.
     """
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
@@ -115,14 +128,34 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     into.num_cached_tokens = new.num_cached_tokens
 
 
+@dataclass
+class _LiveRequest:
+    """A request between add_request and its final output (or abort), as the event loop sees it."""
+
+    request_id: str  # the caller's id
+    internal_id: str  # unique for this engine's lifetime; the parent id of n > 1 children
+    core_ids: list[str]
+    collector: RequestOutputCollector
+
+
+@dataclass
+class _Prepared:
+    """What the worker pool builds for one request (tokens, validated params, per-choice state)."""
+
+    states: list[RequestState]
+    requests: list[Request]
+    output_kind: RequestOutputKind
+
+
 class RequestOutputStream:
     """Async iterator over one request's outputs; aborting it (or dropping out of the loop through
     an exception or cancellation) aborts the request in the engine and frees its KV blocks."""
 
-    def __init__(self, engine: AsyncLLM, request_id: str, collector: RequestOutputCollector) -> None:
+    def __init__(self, engine: AsyncLLM, live: _LiveRequest) -> None:
         self.engine = engine
-        self.request_id = request_id
-        self.collector = collector
+        self.live = live
+        self.request_id = live.request_id
+        self.collector = live.collector
         self.finished = False
 
     def __aiter__(self) -> RequestOutputStream:
@@ -144,7 +177,7 @@ class RequestOutputStream:
         """Idempotent; a no-op once the request finished."""
         if not self.finished:
             self.finished = True
-            self.engine.abort_now([self.request_id])
+            self.engine._abort_live(self.live)
 
     async def aclose(self) -> None:
         self.abort()
@@ -156,16 +189,25 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
         self.processor = Processor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)  # the output thread's alone
+        self.engine_core = EngineCore(config)  # the engine thread's alone
         self.stat_loggers: list[StatLogger] = []
         self.dead_error: EngineDeadError | None = None
+        # Set by refuse_new_requests (a draining server): add_request raises it.
+        self.refusal: BaseException | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
-        # Frontend request id -> mailbox. Children of n > 1 share their parent's mailbox.
-        self._collectors: dict[str, RequestOutputCollector] = {}
-        self._inputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Event-loop state: internal id -> request; caller's id -> internal id; core id -> internal id.
+        self._live: dict[str, _LiveRequest] = {}
+        self._ids_in_use: dict[str, str | None] = {}
+        self._core_owner: dict[str, str] = {}
+        self._seq = itertools.count()
+        self._inputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # -> engine thread
+        self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # -> output thread
+        self._pending_batches = threading.Semaphore(MAX_PENDING_BATCHES)
+        self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._output_thread: threading.Thread | None = None
         # Tokenization and chat-template rendering run here, never on the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="pagedllm-tokenizer")
         fail_at = os.environ.get(FAULT_INJECT_ENV)
@@ -190,7 +232,7 @@ class AsyncLLM:
             raise self.dead_error
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        """Called on the event loop once, when the engine thread dies."""
+        """Called on the event loop once, when the engine (or output) thread dies."""
         self._dead_callbacks.append(callback)
 
     def get_tokenizer(self) -> Any:
@@ -199,7 +241,7 @@ class AsyncLLM:
         return self.tokenizer
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._collectors)
+        return len(self._live)
 
     async def run_in_tokenizer_pool(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU-bound text work (tokenize, render a chat template) off the event loop."""
@@ -216,37 +258,57 @@ class AsyncLLM:
     ) -> RequestOutputStream:
         """Validate and queue now (ValueError on a bad request, nothing queued); returns the stream
         of outputs. The caller must iterate it to the end or abort it."""
-        if self.dead_error is not None:
-            raise self.dead_error
+        self._check_accepting()
         self._ensure_started()
-        if request_id in self._collectors:
+        if request_id in self._ids_in_use:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        arrival_time = arrival_time if arrival_time is not None else time.time()
-        pp = await self.run_in_tokenizer_pool(self.processor.tokenize_prompt, prompt)
-        final = self.processor.finalize_params(sampling_params, len(pp.prompt_token_ids))
-        if self.dead_error is not None:
-            raise self.dead_error
-        if request_id in self._collectors:  # taken while we tokenized
-            raise ValueError(f"request id {request_id!r} is already in use.")
+        self._ids_in_use[request_id] = None  # reserved while the pool tokenizes
+        try:
+            internal_id = f"{request_id}-{next(self._seq)}"
+            arrival_time = arrival_time if arrival_time is not None else time.time()
+            prep = await self.run_in_tokenizer_pool(self._prepare, internal_id, prompt, sampling_params, arrival_time)
+            self._check_accepting()
+        except BaseException:
+            self._ids_in_use.pop(request_id, None)
+            raise
+        core_ids = [r.request_id for r in prep.requests]
+        live = _LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
+        self._live[internal_id] = live
+        self._ids_in_use[request_id] = internal_id
+        for cid in core_ids:
+            self._core_owner[cid] = internal_id
+        # Output thread first: its states exist before the engine can produce a token for them.
+        self._outq.put(("states", prep.states))
+        self._inputs.put(("add", prep.requests))
+        return RequestOutputStream(self, live)
 
-        parent = ParentRequest(request_id, final.n, final.output_kind) if final.n > 1 else None
+    def _prepare(
+        self, internal_id: str, prompt: PromptType, sampling_params: SamplingParams, arrival_time: float
+    ) -> _Prepared:
+        """Runs in the worker pool: tokenize, check against the model, fan out n > 1."""
+        pp = self.processor.tokenize_prompt(prompt)
+        final = self.processor.finalize_params(sampling_params, len(pp.prompt_token_ids))
+        parent = ParentRequest(internal_id, final.n, final.output_kind) if final.n > 1 else None
         children: list[tuple[str, SamplingParams]] = (
             [(parent.child_id(i), self.processor.child_params(final, i)) for i in range(final.n)]
             if parent
-            else [(request_id, final)]
+            else [(internal_id, final)]
         )
-        requests = []
-        for index, (core_id, child_params) in enumerate(children):
-            self.output_processor.add_request(
+        states, requests = [], []
+        for index, (core_id, params) in enumerate(children):
+            states.append(
                 RequestState(
-                    core_id, parent, index, pp.prompt, pp.prompt_token_ids, child_params, self.tokenizer, arrival_time
+                    core_id, parent, index, pp.prompt, pp.prompt_token_ids, params, self.tokenizer, arrival_time
                 )
             )
-            requests.append(Request(core_id, pp.prompt_token_ids, child_params, arrival_time, pp.cache_salt))
-        collector = RequestOutputCollector(final.output_kind)
-        self._collectors[request_id] = collector
-        self._inputs.put(("add", requests))
-        return RequestOutputStream(self, request_id, collector)
+            requests.append(Request(core_id, pp.prompt_token_ids, params, arrival_time, pp.cache_salt))
+        return _Prepared(states, requests, final.output_kind)
+
+    def _check_accepting(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.refusal is not None:
+            raise self.refusal
 
     async def generate(
         self,
@@ -268,19 +330,49 @@ class AsyncLLM:
         self.abort_now([request_id] if isinstance(request_id, str) else list(request_id))
 
     def abort_now(self, request_ids: list[str]) -> None:
-        """Forget the requests here and tell the engine thread; their blocks are freed before the
-        next step. Must be called on the event loop's thread."""
+        """Forget the requests (callers' ids) here and tell the engine thread; their blocks are
+        freed before the next step. Must be called on the event loop's thread."""
         for rid in request_ids:
-            self._collectors.pop(rid, None)
-        core_ids = self.output_processor.abort_requests(request_ids)
-        if core_ids and self.dead_error is None:
-            self._inputs.put(("abort", core_ids))
+            internal_id = self._ids_in_use.get(rid)
+            live = self._live.get(internal_id) if internal_id is not None else None
+            if live is not None:
+                self._abort_live(live)
+
+    def _abort_live(self, live: _LiveRequest) -> None:
+        if self._live.get(live.internal_id) is not live:
+            return  # finished or aborted already
+        self._forget(live)
+        if self.dead_error is None:
+            self._outq.put(("abort", [live.internal_id]))
+            self._inputs.put(("abort", live.core_ids))
+
+    def _forget(self, live: _LiveRequest) -> None:
+        del self._live[live.internal_id]
+        if self._ids_in_use.get(live.request_id) == live.internal_id:
+            del self._ids_in_use[live.request_id]
+        for cid in live.core_ids:
+            self._core_owner.pop(cid, None)
+
+    def fail_all_requests(self, error: BaseException) -> int:
+        """End every live request with `error` (their consumers raise it) and free their blocks.
+        Returns how many there were. Used when a draining server runs out of time."""
+        lives = list(self._live.values())
+        for live in lives:
+            live.collector.put(error)
+            self._abort_live(live)
+        return len(lives)
+
+    def refuse_new_requests(self, error: BaseException) -> None:
+        """From now on add_request raises `error` (also for requests still being tokenized)."""
+        self.refusal = error
 
     # -- engine thread -----------------------------------------------------------------------------
     def _ensure_started(self) -> None:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._output_thread = threading.Thread(target=self._run_output_handler, name="pagedllm-output", daemon=True)
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._run_engine_core, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -298,7 +390,8 @@ class AsyncLLM:
                     return
                 if not core.has_unfinished_requests():
                     # Aborts may have emptied the engine: publish the state (0 running, free pool).
-                    self._publish([], core.make_stats(), [])
+                    if not self._publish([], core.make_stats(), []):
+                        return
                     continue
                 step_start = time.time()
                 self._num_steps += 1
@@ -312,12 +405,11 @@ class AsyncLLM:
                     elif req.status != RequestStatus.WAITING:
                         queue_times.append(step_start - req.arrival_time)
                         del unscheduled[rid]
-                self._publish(outputs, core.make_stats(), queue_times)
+                if not self._publish(outputs, core.make_stats(), queue_times):
+                    return
         except BaseException as e:  # noqa: BLE001 - anything that kills the thread kills the engine
             logger.exception("engine thread died")
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._on_engine_dead, e)
+            self._call_on_loop(self._on_engine_dead, e)
 
     def _apply_inputs(self, block: bool, unscheduled: dict[str, Request]) -> bool:
         """Apply every queued command; False on shutdown. Blocks for the first one only when idle."""
@@ -353,8 +445,14 @@ class AsyncLLM:
             self._call_on_loop(self._fail_requests, failed)
         return True
 
-    def _publish(self, outputs: list[Any], stats: SchedulerStats, queue_times: list[float]) -> None:
-        self._call_on_loop(self._process_outputs, outputs, stats, queue_times)
+    def _publish(self, outputs: list[Any], stats: SchedulerStats, queue_times: list[float]) -> bool:
+        """Hand one step's outputs to the output thread; waits while it is MAX_PENDING_BATCHES
+        behind. False when the engine is stopping."""
+        while not self._pending_batches.acquire(timeout=0.2):
+            if self._stopping.is_set():
+                return False
+        self._outq.put(("outputs", outputs, stats, queue_times))
+        return True
 
     def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -364,10 +462,36 @@ class AsyncLLM:
         except RuntimeError:
             pass  # the loop closed under us (interpreter shutdown)
 
-    # -- event-loop side ---------------------------------------------------------------------------
-    def _process_outputs(self, outputs: list[Any], stats: SchedulerStats, queue_times: list[float]) -> None:
-        if self.dead_error is not None:
-            return
+    # -- output thread -----------------------------------------------------------------------------
+    def _run_output_handler(self) -> None:
+        op = self.output_processor
+        try:
+            while True:
+                item = self._outq.get()
+                kind = item[0]
+                if kind == "outputs":
+                    _, outputs, stats, queue_times = item
+                    try:
+                        request_outputs, it = self._process_outputs(outputs, queue_times)
+                    finally:
+                        self._pending_batches.release()
+                    self._call_on_loop(self._deliver, request_outputs, stats, it)
+                elif kind == "states":
+                    for st in item[1]:
+                        op.add_request(st)
+                elif kind == "abort":
+                    op.abort_requests(item[1])
+                elif kind == "shutdown":
+                    return
+                else:
+                    raise AssertionError(f"unknown output command {kind!r}")
+        except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
+            logger.exception("output thread died")
+            self._call_on_loop(self._on_engine_dead, e)
+
+    def _process_outputs(
+        self, outputs: list[Any], queue_times: list[float]
+    ) -> tuple[list[RequestOutput], IterationStats]:
         now = time.time()
         it = IterationStats(queue_times=queue_times)
         op = self.output_processor
@@ -395,33 +519,44 @@ class AsyncLLM:
                 it.finished_requests.append(
                     FinishedRequestStats(st.finish_reason, now - st.metrics.arrival_time, len(st.token_ids))
                 )
+        return request_outputs, it
+
+    # -- event-loop side ---------------------------------------------------------------------------
+    def _deliver(self, request_outputs: list[RequestOutput], stats: SchedulerStats, it: IterationStats) -> None:
+        if self.dead_error is not None:
+            return
         for ro in request_outputs:
-            collector = self._collectors.get(ro.request_id)
-            if collector is not None:
-                collector.put(ro)
+            live = self._live.get(ro.request_id)
+            if live is None:
+                continue  # aborted while the output thread worked on it
+            ro.request_id = live.request_id
+            live.collector.put(ro)
             if ro.finished:
-                self._collectors.pop(ro.request_id, None)
+                self._forget(live)
         for log in self.stat_loggers:
             log(stats, it)
 
     def _fail_requests(self, failed: list[tuple[str, Exception]]) -> None:
         """The engine core refused requests (it checks what the frontend cannot): fail their owners."""
         for core_id, err in failed:
-            st = self.output_processor.request_states.get(core_id)
-            rid = st.parent.request_id if st is not None and st.parent is not None else core_id
-            collector = self._collectors.get(rid)
-            self.abort_now([rid])
-            if collector is not None:
-                collector.put(err)
+            live = self._live.get(self._core_owner.get(core_id, ""))
+            if live is not None:
+                live.collector.put(err)
+                self._abort_live(live)
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         if self.dead_error is not None:
             return
         self.dead_error = EngineDeadError(f"The engine failed and cannot serve requests: {type(exc).__name__}: {exc}")
         self.dead_error.__cause__ = exc
-        for collector in self._collectors.values():
-            collector.put(self.dead_error)
-        self._collectors.clear()
+        self._stopping.set()
+        self._inputs.put(("shutdown", None))
+        self._outq.put(("shutdown",))
+        for live in self._live.values():
+            live.collector.put(self.dead_error)
+        self._live.clear()
+        self._ids_in_use.clear()
+        self._core_owner.clear()
         for cb in self._dead_callbacks:
             try:
                 cb(self.dead_error)
@@ -429,8 +564,10 @@ class AsyncLLM:
                 logger.exception("engine-dead callback failed")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._inputs.put(("shutdown", None))
-            self._thread.join(timeout)
+        self._stopping.set()
+        self._inputs.put(("shutdown", None))
+        self._outq.put(("shutdown",))
+        for t in (self._thread, self._output_thread):
+            if t is not None and t.is_alive():
+                t.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-
