@@ -116,7 +116,10 @@ class CudaGraphRunner:
         tokens[0, :n] = inp.input_ids
         tokens[1, :n] = inp.positions
         tokens[2, :n] = inp.slot_mapping
-        tokens[2, n:bs] = -1  # padding rows write nothing
+        # Padding rows: token 0 at position 0, writing nothing (slot -1). The buffer may hold
+        # anything there from earlier steps, e.g. the -1 of a token that was still in flight.
+        tokens[:2, n:bs] = 0
+        tokens[2, n:bs] = -1
         seq = h_seq.numpy()
         seq[:n] = inp.seq_lens
         seq[n:bs] = 1

@@ -97,7 +97,7 @@ class InputBatch:
 
         max_blocks = max((len(self.requests[r].block_ids) for r in req_ids), default=1)
         block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
-        input_ids = np.empty(total, dtype=np.int64)
+        input_ids = np.full(total, -1, dtype=np.int64)  # -1: a slot left unfilled fails loudly
         sample_rows: list[int] = []
         pending_positions: list[int] = []
         pending_rows: list[int] = []
