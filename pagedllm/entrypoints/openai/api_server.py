@@ -12,35 +12,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
-import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
-from typing import Any, TypeVar
 
-import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.admission import SHUTTING_DOWN_CODE, AdmissionController
 from pagedllm.entrypoints.openai.cli_args import (
     api_keys,
     load_chat_template,
     make_arg_parser,
     validate_parsed_serve_args,
 )
-from pagedllm.entrypoints.openai.errors import APIError, from_validation_error, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.http_io import SSEResponse, cancel_on_disconnect, parse_as, read_json_object
+from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, DrainMiddleware, HeaderLimitMiddleware
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,149 +51,16 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_engine import EventStream
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.shutdown import DrainingServer, drain
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 __all__ = ["build_app", "main", "make_arg_parser", "run_server"]
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 
-M = TypeVar("M", bound=BaseModel)
-
-# Paths that answer without an API key (probes and monitoring), as the issue and vLLM specify.
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # When the engine dies: /health says 503 and in-flight requests get their error for this long, then
 # the process exits with status 1 (so a supervisor restarts it instead of it hanging).
 ENGINE_DEAD_EXIT_DELAY_S = 2.0
-
-
-# -- request bodies -----------------------------------------------------------------------------------
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, or APIError: 413 past max_bytes (checked before buffering when
-    Content-Length says so), 400 for a non-JSON content type, an empty body, invalid JSON or
-    anything but an object."""
-    ctype = request.headers.get("content-type")
-    if ctype is not None:
-        main = ctype.split(";", 1)[0].strip().lower()
-        if main != "application/json" and not main.endswith("+json"):
-            raise APIError(f"Content-Type must be application/json, got {main!r}.")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise APIError(
-            f"The request body is {int(length)} bytes; the limit is {max_bytes} bytes.", HTTPStatus.REQUEST_ENTITY_TOO_LARGE
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(
-                f"The request body is larger than the limit of {max_bytes} bytes.", HTTPStatus.REQUEST_ENTITY_TOO_LARGE
-            )
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body.strip():
-        raise APIError("The request body is empty; send a JSON object.")
-    try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(obj), "a number")
-        raise APIError(f"The request body must be a JSON object, got {kind}.")
-    return obj
-
-
-def parse_as(model_cls: type[M], obj: dict[str, Any]) -> M:
-    try:
-        return model_cls.model_validate(obj)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
-# -- disconnects ----------------------------------------------------------------------------------------
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-T = TypeVar("T")
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Run `work`; if the client disconnects first, cancel it (its requests are aborted) and
-    return None. The body must already have been read."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        return None
-    finally:
-        watcher.cancel()
-        task.cancel()
-
-
-class SSEResponse(StreamingResponse):
-    """text/event-stream that always watches for the client leaving (Starlette only does on ASGI
-    spec < 2.4) and aborts the engine requests behind the stream however it ends."""
-
-    def __init__(self, stream: EventStream) -> None:
-        super().__init__(
-            stream.events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        self.event_stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream_then_stop() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away mid-write
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream_then_stop)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            self.event_stream.close()
-
-
-# -- auth ----------------------------------------------------------------------------------------------
-class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches one of the keys (constant-time compare;
-    every key is compared so timing does not tell which one was close)."""
-
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
-        self.app = app
-        self.keys = [k.encode() for k in keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        auth = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(given, key)
-        if ok:
-            await self.app(scope, receive, send)
-            return
-        message = "Missing API key: send `Authorization: Bearer <key>`." if not auth else "Incorrect API key provided."
-        err = APIError(message, HTTPStatus.UNAUTHORIZED, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await err.to_json_response()(scope, receive, send)
 
 
 # -- the app -------------------------------------------------------------------------------------------
@@ -204,11 +69,16 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     chat_template = load_chat_template(args.chat_template)
     log_requests = not args.disable_log_requests
     models = OpenAIServingModels(list(mc.served_model_name), mc.model, mc.max_model_len)
+    limits = ServerLimits.from_args(args, mc.max_model_len, engine.config.max_logprobs)
+    admission = AdmissionController(engine.config.scheduler_config.max_num_seqs, args.max_num_queued_reqs)
     chat = OpenAIServingChat(
         engine, models, chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template, log_requests=log_requests,
+        limits=limits, admission=admission,
     )
-    completion = OpenAIServingCompletion(engine, models, log_requests=log_requests)
+    completion = OpenAIServingCompletion(
+        engine, models, log_requests=log_requests, limits=limits, admission=admission
+    )
     tokenization = OpenAIServingTokenization(
         engine, models, chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template
     )
@@ -223,6 +93,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     )
     engine.stat_loggers.append(stat_logger.record)
     max_body = args.max_request_body_bytes
+    write_timeout = args.stream_write_timeout or None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -233,6 +104,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.stat_logger = stat_logger
+    app.state.admission = admission
     install_error_handlers(app)
 
     @app.exception_handler(EngineDeadError)
@@ -243,7 +115,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         if isinstance(result, EventStream):
-            return SSEResponse(result)
+            return SSEResponse(result, write_timeout)
         return JSONResponse(result.model_dump())
 
     @app.post("/v1/chat/completions")
@@ -279,6 +151,10 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
             await engine.check_health()
         except Exception as e:
             return APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead").to_json_response()
+        if admission.draining:
+            return APIError(
+                "The server is shutting down.", HTTPStatus.SERVICE_UNAVAILABLE, code=SHUTTING_DOWN_CODE
+            ).to_json_response()
         return Response(status_code=200)
 
     @app.get("/ping")
@@ -296,6 +172,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     keys = api_keys(args)
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
+    app.add_middleware(DrainMiddleware, is_draining=lambda: admission.draining)
+    app.add_middleware(HeaderLimitMiddleware, max_count=args.h11_max_header_count)
     # Added last = outermost: CORS answers preflights before auth sees them.
     app.add_middleware(
         CORSMiddleware,
@@ -309,7 +187,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
 
 # -- running -------------------------------------------------------------------------------------------
 async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
-    """Serve until stopped; returns the exit code (1 when the engine died)."""
+    """Serve until stopped; returns the exit code (0 after a SIGTERM drain, 1 when the engine died)."""
     app = build_app(args, engine)
     config = uvicorn.Config(
         app,
@@ -319,9 +197,14 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
         access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
+        # h11 explicitly (not "auto", which prefers httptools when installed): its header-size
+        # limit is the one --h11-max-incomplete-event-size sets.
+        http="h11",
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server: DrainingServer
+    server = DrainingServer(config, lambda: drain(server, engine, app.state.admission, args.shutdown_timeout))
     exit_code = 0
 
     def on_engine_dead(err: Exception) -> None:

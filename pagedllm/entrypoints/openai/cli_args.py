@@ -12,9 +12,18 @@ import os
 from pathlib import Path
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+# Every limit below is listed, with its reason, in docs/LIMITS.md.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_NUM_QUEUED_REQS = 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
+# h11's own default is 16 KiB; vLLM's is 4 MiB. 64 KiB holds any real header block (big cookies,
+# long bearer tokens) while one connection cannot park megabytes of headers.
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 64 * 1024
+DEFAULT_H11_MAX_HEADER_COUNT = 256  # as vLLM
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -67,8 +76,68 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies get 413 before they are read",
     )
+    add_limit_args(parser)
     EngineArgs.add_cli_args(parser, model_positional=True)
     return parser
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("limits (docs/LIMITS.md)")
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_QUEUED_REQS,
+        help="sequences that may wait beyond the --max-num-seqs running ones; past that, 503 with Retry-After "
+        "(counted before tokenization; a request counts prompts x n)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds in-flight requests may run on (new ones get 503) before they are ended",
+    )
+    g.add_argument(
+        "--stream-write-timeout",
+        type=float,
+        default=DEFAULT_STREAM_WRITE_TIMEOUT_S,
+        help="a streaming client that reads nothing for this many seconds is dropped and its request aborted "
+        "(0: never)",
+    )
+    g.add_argument("--max-n", type=int, default=MAX_N, help=f"largest n per request (at most {MAX_N})")
+    g.add_argument(
+        "--max-stop-strings", type=int, default=MAX_STOP_STRINGS, help=f"stop strings per request (at most {MAX_STOP_STRINGS})"
+    )
+    g.add_argument(
+        "--max-stop-string-len",
+        type=int,
+        default=MAX_STOP_STRING_LEN,
+        help=f"characters per stop string (at most {MAX_STOP_STRING_LEN})",
+    )
+    g.add_argument(
+        "--max-logit-bias-entries",
+        type=int,
+        default=MAX_LOGIT_BIAS_ENTRIES,
+        help=f"logit_bias entries per request (at most {MAX_LOGIT_BIAS_ENTRIES})",
+    )
+    g.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=None,
+        help="bytes of prompt text per request, checked before tokenization (default: 32 per token of "
+        "--max-model-len, at least 64 KiB)",
+    )
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+        help="bytes of request line + headers h11 buffers; a larger header block is refused with 400",
+    )
+    g.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=DEFAULT_H11_MAX_HEADER_COUNT,
+        help="headers per request; more get 431",
+    )
 
 
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
@@ -77,6 +146,24 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
+    at_least = {
+        "max_num_queued_reqs": 0, "shutdown_timeout": 0, "stream_write_timeout": 0, "max_n": 1,
+        "max_stop_strings": 0, "max_stop_string_len": 1, "max_logit_bias_entries": 0,
+        "h11_max_incomplete_event_size": 1024, "h11_max_header_count": 1,
+    }
+    for name, low in at_least.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}.")
+    for name, ceiling in (
+        ("max_n", MAX_N), ("max_stop_strings", MAX_STOP_STRINGS), ("max_stop_string_len", MAX_STOP_STRING_LEN),
+        ("max_logit_bias_entries", MAX_LOGIT_BIAS_ENTRIES),
+    ):
+        if getattr(args, name) > ceiling:
+            raise ValueError(
+                f"--{name.replace('_', '-')} may be at most {ceiling} (SamplingParams' own limit), got {getattr(args, name)}."
+            )
+    if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
+        raise ValueError(f"--max-prompt-bytes must be >= 1, got {args.max_prompt_bytes}.")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together.")
     for key in api_keys(args):

@@ -15,7 +15,9 @@ import jinja2
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestOutputStream
 from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,16 +49,18 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
         log_requests: bool = True,
+        limits: ServerLimits | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
-        super().__init__(engine, models, log_requests=log_requests)
+        super().__init__(engine, models, log_requests=log_requests, limits=limits, admission=admission)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, arrival_time: float | None = None
     ) -> ChatCompletionResponse | EventStream:
-        """A full response, or (stream=true) the SSE events. Raises APIError before any
-        work is queued when the request is invalid."""
+        """A full response, or (stream=true) the SSE events. Raises APIError before any work is
+        queued when the request is invalid, and 503 (before tokenization) when the server is full."""
         arrival_time = arrival_time or time.time()
         model_name = self.models.resolve(request.model)
         self.check_engine()
@@ -64,12 +68,26 @@ class OpenAIServingChat(OpenAIServing):
         self.log_unknown_fields(request, request_id)
         self._check_supported(request)
         self.check_common(request)
+        self.limits.check_sampling(request, logprobs_field="top_logprobs")
         params = self.sampling_params(request)
         self.require_tokenizer()
         try:
-            normalize_messages(request.messages)
+            messages = normalize_messages(request.messages)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
+        self.limits.check_prompt_bytes(sum(len(m["content"].encode()) for m in messages), "messages")
+        return await self.run_admitted(
+            params.n, lambda: self._generate(request, request_id, model_name, params, arrival_time)
+        )
+
+    async def _generate(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> ChatCompletionResponse | EventStream:
         try:
             prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(self._render, request)
         except (ValueError, TypeError, jinja2.TemplateError) as e:

@@ -10,7 +10,9 @@ import time
 from collections.abc import AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestOutputStream
+from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -52,8 +54,16 @@ def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> 
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, *, log_requests: bool = True) -> None:
-        super().__init__(engine, models, log_requests=log_requests)
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        *,
+        log_requests: bool = True,
+        limits: ServerLimits | None = None,
+        admission: AdmissionController | None = None,
+    ) -> None:
+        super().__init__(engine, models, log_requests=log_requests, limits=limits, admission=admission)
 
     async def create_completion(
         self, request: CompletionRequest, arrival_time: float | None = None
@@ -70,8 +80,27 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(
                 "echo together with logprobs needs prompt logprobs, which are not supported yet.", param="echo"
             )
+        self.limits.check_sampling(request, logprobs_field="logprobs")
         params = self.sampling_params(request)
         prompts = normalize_prompts(request.prompt)
+        self.limits.check_prompt_bytes(sum(len(p.encode()) for p in prompts if isinstance(p, str)), "prompt")
+        for p in prompts:
+            if isinstance(p, list):
+                self.limits.check_prompt_token_ids(len(p), params.max_tokens, "prompt")
+        return await self.run_admitted(
+            len(prompts) * params.n,
+            lambda: self._generate(request, prompts, request_id, model_name, params, arrival_time),
+        )
+
+    async def _generate(
+        self,
+        request: CompletionRequest,
+        prompts: list[TextOrTokens],
+        request_id: str,
+        model_name: str,
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> CompletionResponse | EventStream:
         try:
             encoded = await self.engine.run_in_tokenizer_pool(self._encode, prompts, request)
         except ValueError as e:
@@ -93,7 +122,11 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt_tokens = sum(len(ids) for _, ids, _ in encoded)
             events = self._stream(request, streams, request_id, model_name, num_prompt_tokens, params, echoes)
             return EventStream(events, streams)
-        return await self._full(streams, request_id, model_name, params, echoes, bool(request.return_token_ids))
+        try:
+            return await self._full(streams, request_id, model_name, params, echoes, bool(request.return_token_ids))
+        finally:
+            for s in streams:
+                s.abort()
 
     def _encode(
         self, prompts: list[TextOrTokens], request: CompletionRequest

@@ -7,15 +7,17 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputStream
+from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -32,6 +34,7 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 SSE_DONE = "data: [DONE]\n\n"
+R = TypeVar("R")
 # JSON has no -inf; OpenAI and vLLM clamp impossible tokens' logprobs to this.
 MIN_LOGPROB = -9999.0
 
@@ -64,10 +67,17 @@ class EventStream:
 
     events: AsyncIterator[str]
     request_streams: list[RequestOutputStream]
+    # Run once on close, after the aborts (e.g. giving the request's admission back).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+    closed: bool = False
 
     def close(self) -> None:
         for s in self.request_streams:
             s.abort()
+        if not self.closed:
+            self.closed = True
+            for cb in self.on_close:
+                cb()
 
 
 async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -116,13 +126,40 @@ def clamp_logprob(lp: float) -> float:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, *, log_requests: bool = True) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        *,
+        log_requests: bool = True,
+        limits: ServerLimits | None = None,
+        admission: AdmissionController | None = None,
+    ) -> None:
         self.engine = engine
         self.models = models
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.default_sampling_params = engine.processor.default_sampling_params()
         self.log_requests = log_requests
+        self.limits = limits or ServerLimits(max_logprobs=engine.config.max_logprobs, max_model_len=self.max_model_len)
+        sc = engine.config.scheduler_config
+        # Without a server-wide controller (unit use), admit up to one running batch plus a queue.
+        self.admission = admission or AdmissionController(sc.max_num_seqs, 1024)
+
+    async def run_admitted(self, num_seqs: int, work: Callable[[], Awaitable[R]]) -> R:
+        """Admit (503 when full, before any tokenization), then run `work`; the admission is held
+        until a non-stream answer is built, or until a stream closes however it ends."""
+        ticket = self.admission.admit(num_seqs)
+        try:
+            result = await work()
+        except BaseException:
+            ticket.release()
+            raise
+        if isinstance(result, EventStream):
+            result.on_close.append(ticket.release)
+        else:
+            ticket.release()
+        return result
 
     # -- request checks ----------------------------------------------------------------------------
     def check_engine(self) -> None:

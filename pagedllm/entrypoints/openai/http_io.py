@@ -1,0 +1,159 @@
+"""Reading request bodies and writing streams, safely against careless or hostile clients.
+
+- Bodies: 413 past the size limit before they are buffered, 400 for anything but a JSON object.
+- A client that disconnects while its answer is computed cancels that work (its engine requests
+  are aborted and their KV blocks freed).
+- A stream whose client leaves, or stops reading (a send that makes no progress for
+  `write_timeout` seconds), ends; the engine requests behind it are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import APIError, from_validation_error
+from pagedllm.entrypoints.openai.serving_engine import EventStream
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+# -- request bodies -----------------------------------------------------------------------------------
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, or APIError: 413 past max_bytes (checked before buffering when
+    Content-Length says so), 400 for a non-JSON content type, an empty body, invalid JSON or
+    anything but an object."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        main = ctype.split(";", 1)[0].strip().lower()
+        if main != "application/json" and not main.endswith("+json"):
+            raise APIError(f"Content-Type must be application/json, got {main!r}.")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(
+            f"The request body is {int(length)} bytes; the limit is {max_bytes} bytes (--max-request-body-bytes).",
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(
+                f"The request body is larger than the limit of {max_bytes} bytes (--max-request-body-bytes).",
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            )
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise APIError("The request body is empty; send a JSON object.")
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
+    except RecursionError:
+        raise APIError("The request body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(obj), "a number")
+        raise APIError(f"The request body must be a JSON object, got {kind}.")
+    return obj
+
+
+def parse_as(model_cls: type[M], obj: dict[str, Any]) -> M:
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+# -- disconnects ----------------------------------------------------------------------------------------
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _discard(result: Any) -> None:
+    """A result nobody will send: a stream must still be closed, or its requests would run on."""
+    if isinstance(result, EventStream):
+        result.close()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (its requests are aborted) and
+    return None. The body must already have been read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            _discard(await task)  # it may have finished before the cancel landed
+        except (asyncio.CancelledError, Exception):
+            pass
+        return None
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream that watches for the client leaving (Starlette only does on ASGI spec
+    < 2.4) or no longer reading, and aborts the engine requests behind the stream however it ends.
+
+    A client that keeps the connection open but stops reading fills the socket buffers; the next
+    send then waits. Past `write_timeout` seconds of one send making no progress the stream ends:
+    the requests are aborted, and the connection is closed by the server (the response is left
+    incomplete, so uvicorn drops it).
+    """
+
+    def __init__(self, stream: EventStream, write_timeout: float | None = None) -> None:
+        super().__init__(
+            stream.events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.event_stream = stream
+        self.write_timeout = write_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.write_timeout
+
+        async def guarded_send(message: Message) -> None:
+            if timeout is None:
+                await send(message)
+                return
+            with anyio.fail_after(timeout):
+                await send(message)
+
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream_then_stop() -> None:
+                    try:
+                        await self.stream_response(guarded_send)
+                    except OSError:
+                        pass  # the client went away mid-write
+                    except TimeoutError:
+                        logger.warning("a streaming client stopped reading for %s s; aborting its request", timeout)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self.event_stream.close()

@@ -1,0 +1,131 @@
+"""Per-request limits of the server, checked on the event loop before any tokenization.
+
+Each limit is a flag (docs/LIMITS.md lists them all). SamplingParams keeps hard ceilings of its own
+(MAX_N, MAX_STOP_STRINGS, ...) that hold for the offline `LLM` too; the server's flags may only
+lower them, and are checked first so the error names the flag an operator can change:
+
+    {"n": 500}  ->  400 "n must be an integer in [1, 128] (--max-n), got 500."
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+# --max-prompt-bytes default: this many bytes of prompt text per token of max_model_len (no real
+# tokenizer packs more than a few bytes into a token), and never less than MIN_AUTO_PROMPT_BYTES.
+AUTO_PROMPT_BYTES_PER_TOKEN = 32
+MIN_AUTO_PROMPT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_n: int = MAX_N
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_len: int = MAX_STOP_STRING_LEN
+    max_logit_bias_entries: int = MAX_LOGIT_BIAS_ENTRIES
+    max_logprobs: int = 20
+    max_prompt_bytes: int = MIN_AUTO_PROMPT_BYTES
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name, ceiling in (
+            ("max_n", MAX_N),
+            ("max_stop_strings", MAX_STOP_STRINGS),
+            ("max_stop_string_len", MAX_STOP_STRING_LEN),
+            ("max_logit_bias_entries", MAX_LOGIT_BIAS_ENTRIES),
+        ):
+            v = getattr(self, name)
+            low = 0 if name in ("max_stop_strings", "max_logit_bias_entries") else 1
+            if not low <= v <= ceiling:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be in [{low}, {ceiling}], got {v}.")
+        if self.max_prompt_bytes < 1:
+            raise ValueError(f"--max-prompt-bytes must be >= 1, got {self.max_prompt_bytes}.")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, max_model_len: int, max_logprobs: int) -> ServerLimits:
+        prompt_bytes = args.max_prompt_bytes
+        if prompt_bytes is None:
+            prompt_bytes = max(MIN_AUTO_PROMPT_BYTES, AUTO_PROMPT_BYTES_PER_TOKEN * max_model_len)
+        return cls(
+            max_n=args.max_n,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_len=args.max_stop_string_len,
+            max_logit_bias_entries=args.max_logit_bias_entries,
+            max_logprobs=max_logprobs,
+            max_prompt_bytes=prompt_bytes,
+            max_model_len=max_model_len,
+        )
+
+    # -- checks ------------------------------------------------------------------------------------
+    def check_sampling(self, request: Any, *, logprobs_field: str) -> None:
+        """n, stop, logit_bias and logprobs of a chat or completions request (pydantic has already
+        checked the JSON types). `logprobs_field` is the field that carries the count:
+        "top_logprobs" for chat, "logprobs" for completions."""
+        n = request.n
+        if n is not None and not 1 <= n <= self.max_n:
+            raise APIError(f"n must be an integer in [1, {self.max_n}] (--max-n), got {n}.", param="n")
+        stop = request.stop
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > self.max_stop_strings:
+            raise APIError(
+                f"stop may hold at most {self.max_stop_strings} strings (--max-stop-strings), got {len(stops)}.",
+                param="stop",
+            )
+        for s in stops:
+            if not s:
+                raise APIError("stop strings must be non-empty; remove the empty string from stop.", param="stop")
+            if len(s) > self.max_stop_string_len:
+                raise APIError(
+                    f"each stop string may be at most {self.max_stop_string_len} characters "
+                    f"(--max-stop-string-len), got one of {len(s)}.",
+                    param="stop",
+                )
+        bias = request.logit_bias
+        if bias is not None and len(bias) > self.max_logit_bias_entries:
+            raise APIError(
+                f"logit_bias may hold at most {self.max_logit_bias_entries} entries (--max-logit-bias-entries), "
+                f"got {len(bias)}.",
+                param="logit_bias",
+            )
+        count = getattr(request, logprobs_field)
+        if isinstance(count, int) and not isinstance(count, bool):
+            if count < 0:
+                raise APIError(f"{logprobs_field} must be >= 0, got {count}.", param=logprobs_field)
+            if count > self.max_logprobs:
+                raise APIError(
+                    f"{logprobs_field}={count} is more than the server's max_logprobs ({self.max_logprobs}, "
+                    "--max-logprobs).",
+                    param=logprobs_field,
+                )
+
+    def check_prompt_bytes(self, num_bytes: int, param: str) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise APIError(
+                f"The prompt is {num_bytes} bytes of text; the limit is {self.max_prompt_bytes} bytes "
+                "(--max-prompt-bytes). Please shorten it.",
+                param=param,
+            )
+
+    def check_prompt_token_ids(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
+        """Token-id prompts: too long for the model is known before anything is queued."""
+        if num_tokens >= self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{num_tokens} tokens, leaving no room for output. Please shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )

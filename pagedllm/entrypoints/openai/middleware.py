@@ -1,0 +1,81 @@
+"""ASGI middleware of the server: header limits, shutdown draining, API keys. Each refusal has
+OpenAI's error body.
+
+Order, outermost first: CORS (answers preflights), header limits, draining, API key, the app.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from http import HTTPStatus
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.admission import shutting_down_error
+from pagedllm.entrypoints.openai.errors import APIError
+
+# Paths that answer without an API key and while draining (probes and monitoring).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+
+
+class HeaderLimitMiddleware:
+    """431 for a request with more than `max_count` headers. Their total size is bounded before this
+    runs, by h11 (--h11-max-incomplete-event-size), which answers 400 to a larger header block."""
+
+    def __init__(self, app: ASGIApp, max_count: int) -> None:
+        self.app = app
+        self.max_count = max_count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_count:
+            err = APIError(
+                f"The request has {len(scope['headers'])} headers; the limit is {self.max_count} "
+                "(--h11-max-header-count).",
+                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                headers={"Connection": "close"},
+            )
+            await err.to_json_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class DrainMiddleware:
+    """While the server drains for shutdown, every new request but the probes gets 503."""
+
+    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.is_draining() and scope["path"] not in OPEN_PATHS:
+            await shutting_down_error().to_json_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches one of the keys (constant-time compare;
+    every key is compared so timing does not tell which one was close)."""
+
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(given, key)
+        if ok:
+            await self.app(scope, receive, send)
+            return
+        message = "Missing API key: send `Authorization: Bearer <key>`." if not auth else "Incorrect API key provided."
+        err = APIError(message, HTTPStatus.UNAUTHORIZED, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await err.to_json_response()(scope, receive, send)
