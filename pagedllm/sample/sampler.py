@@ -83,6 +83,11 @@ class Sampler(nn.Module):
         if md.all_greedy:
             assert greedy_sampled is not None
             return greedy_sampled
+        if logits.is_cuda and not md.generators and md.min_p is None and md.top_k is None and md.top_p is None:
+            # Temperature only (plus greedy rows): one fused Gumbel-max pass over the logits.
+            from pagedllm.kernels.sampling import gumbel_argmax
+
+            return gumbel_argmax(logits, md.temperature, int(torch.randint(2**31 - 1, (1,)).item()))
         is_greedy = md.temperature < _SAMPLING_EPS  # (R,) bool, device-side
         # Greedy rows are replaced by their argmax below; divide them by 1, not by 0.
         temperature = md.temperature if md.all_random else md.temperature.masked_fill(is_greedy, 1.0)
