@@ -65,9 +65,10 @@ def test_half_precision(make_batch, device):
 def test_choose_num_splits():
     # Long contexts and too few programs: split, in powers of two.
     assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=4096) == 16
-    assert choose_num_splits(num_reqs=2, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 16
+    assert choose_num_splits(num_reqs=2, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 64
+    assert choose_num_splits(num_reqs=64, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 2
     # Enough programs already, short contexts, or a batch with prefills: no split.
-    assert choose_num_splits(num_reqs=64, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 1
+    assert choose_num_splits(num_reqs=128, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 1
     assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=300) == 1
     assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=7, max_seq_len=32768) == 1
 
