@@ -38,6 +38,8 @@ class ModelRunner:
         self.device = torch.device(config.device_config.device)
         self.dtype = config.model_config.dtype
         self.block_size = config.cache_config.block_size
+        # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
+        torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device)
         self.vocab_size = config.model_config.vocab_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
