@@ -112,6 +112,16 @@ class ServerLimits:
                 param=param,
             )
 
+    def check_max_tokens(self, max_tokens: int | None, param: str) -> None:
+        """max_tokens that leaves no room for even a one-token prompt is refused before tokenizing."""
+        if max_tokens is not None and max_tokens >= self.max_model_len:
+            raise APIError(
+                f"{param}={max_tokens} is too large: this model's maximum context length is {self.max_model_len} "
+                f"tokens, prompt and completion together, so {param} may be at most {self.max_model_len - 1}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def check_prompt_token_ids(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
         """Token-id prompts: too long for the model is known before anything is queued."""
         if num_tokens >= self.max_model_len:

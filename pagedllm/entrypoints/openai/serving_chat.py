@@ -70,6 +70,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_common(request)
         self.limits.check_sampling(request, logprobs_field="top_logprobs")
         params = self.sampling_params(request)
+        self.limits.check_max_tokens(params.max_tokens, "max_completion_tokens" if request.max_completion_tokens
+                                     is not None else "max_tokens")
         self.require_tokenizer()
         try:
             messages = normalize_messages(request.messages)
@@ -94,7 +96,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
         self.log_request(request_id, len(prompt_ids), params)
         stream = await self.add_request(
-            request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params, arrival_time
+            request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params, arrival_time, "messages"
         )
         if request.stream:
             events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text)

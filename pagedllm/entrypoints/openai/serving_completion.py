@@ -82,6 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         self.limits.check_sampling(request, logprobs_field="logprobs")
         params = self.sampling_params(request)
+        self.limits.check_max_tokens(params.max_tokens, "max_tokens")
         prompts = normalize_prompts(request.prompt)
         self.limits.check_prompt_bytes(sum(len(p.encode()) for p in prompts if isinstance(p, str)), "prompt")
         for p in prompts:

@@ -39,6 +39,10 @@ R = TypeVar("R")
 MIN_LOGPROB = -9999.0
 
 
+# Request fields an engine-side ValueError may name first.
+_SAMPLING_FIELDS = frozenset({"stop_token_ids", "logit_bias", "logprobs", "prompt_logprobs", "min_tokens", "max_tokens"})
+
+
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {body}\n\n"
@@ -202,14 +206,28 @@ class OpenAIServing:
             raise APIError(msg, param=param) from None
 
     async def add_request(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        arrival_time: float,
+        prompt_param: str = "prompt",
     ) -> RequestOutputStream:
         try:
             return await self.engine.add_request(request_id, prompt, params, arrival_time)
         except ValueError as e:
+            # The engine's messages start with what is wrong: "stop_token_ids contains 49152, ...",
+            # "prompt token id 999999 is ...", "This model's maximum context length is ...".
             msg = str(e)
-            code = "context_length_exceeded" if "maximum context length" in msg else None
-            raise APIError(msg, code=code) from None
+            code, param = None, None
+            if "maximum context length" in msg:
+                code, param = "context_length_exceeded", prompt_param
+            elif msg.startswith("prompt"):
+                param = prompt_param
+            else:
+                first = msg.split(" ", 1)[0].split("=", 1)[0]
+                param = first if first in _SAMPLING_FIELDS else None
+            raise APIError(msg, param=param, code=code) from None
         except EngineDeadError as e:
             raise APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead") from None
 

@@ -1,0 +1,68 @@
+"""Shared pieces of the reliability tests: a real server process on 127.0.0.1 (a free port) serving a
+tiny random Llama with SmolLM2's tokenizer, OpenAI-shaped error checks, SSE reading, idle checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import make_tiny_model
+from tests.entrypoints.openai.conftest import RemoteOpenAIServer
+
+MODEL = "tiny"
+# Flags every reliability server shares: the tiny model, one torch thread, quiet access log.
+BASE_FLAGS = ["--served-model-name", MODEL, "--cpu-threads", "1", "--seed", "0", "--disable-uvicorn-access-log"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-reliability"))
+
+
+@pytest.fixture
+def start_server(tiny_model_dir: Path):
+    """`start_server([...flags], env=..., api_key=...)`; every server started is stopped at the end."""
+    started: list[RemoteOpenAIServer] = []
+
+    def start(flags: list[str], **kwargs: Any) -> RemoteOpenAIServer:
+        started.append(RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *flags], **kwargs))
+        return started[-1]
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(10)
+
+
+def assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:
+    """OpenAI's error body, exactly: {"error": {"message", "type", "param", "code"}}, whose message
+    contains every word."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert err["type"] == ("server_error" if status >= 500 else "invalid_request_error"), err
+    for w in words:
+        assert w in err["message"], (w, err)
+    return err
+
+
+def parse_sse(lines: list[str]) -> tuple[list[dict], bool]:
+    """SSE `data:` lines -> (JSON events, whether the stream ended with [DONE])."""
+    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    done = bool(data) and data[-1] == "[DONE]"
+    return [json.loads(d) for d in (data[:-1] if done else data)], done
+
+
+def assert_idle(server: RemoteOpenAIServer, timeout: float = 10.0) -> dict:
+    """0 running, 0 waiting and a fully free KV pool, read from /metrics."""
+    m = server.wait_idle(timeout)
+    assert m[("pagedllm:num_requests_running", ())] == 0, m
+    assert m[("pagedllm:num_requests_waiting", ())] == 0, m
+    assert m[("pagedllm:kv_cache_usage_perc", ())] == 0, m
+    return m
