@@ -36,7 +36,13 @@ from pagedllm.entrypoints.openai.cli_args import (
     validate_parsed_serve_args,
 )
 from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
-from pagedllm.entrypoints.openai.http_io import SSEResponse, cancel_on_disconnect, parse_as, read_json_object
+from pagedllm.entrypoints.openai.http_io import (
+    ResetStalledConnections,
+    SSEResponse,
+    cancel_on_disconnect,
+    parse_as,
+    read_json_object,
+)
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, DrainMiddleware, HeaderLimitMiddleware
 from pagedllm.entrypoints.openai.protocol import (
@@ -190,7 +196,7 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     """Serve until stopped; returns the exit code (0 after a SIGTERM drain, 1 when the engine died)."""
     app = build_app(args, engine)
     config = uvicorn.Config(
-        app,
+        ResetStalledConnections(app),
         host=args.host if args.host is not None else "0.0.0.0",
         port=args.port,
         log_level=args.uvicorn_log_level,

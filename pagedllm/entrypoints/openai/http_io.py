@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+import struct
 from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -20,7 +22,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import APIError, from_validation_error
 from pagedllm.entrypoints.openai.serving_engine import EventStream
@@ -29,6 +31,9 @@ logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
+
+# Scope key through which a stream reports that its client stopped reading.
+STALL_KEY = "pagedllm.stalled"
 
 
 # -- request bodies -----------------------------------------------------------------------------------
@@ -146,10 +151,11 @@ class SSEResponse(StreamingResponse):
                 async def stream_then_stop() -> None:
                     try:
                         await self.stream_response(guarded_send)
+                    except TimeoutError:  # before OSError, whose subclass it is
+                        logger.warning("a streaming client stopped reading for %s s; aborting its request", timeout)
+                        scope.get(STALL_KEY, {})["stalled"] = True
                     except OSError:
                         pass  # the client went away mid-write
-                    except TimeoutError:
-                        logger.warning("a streaming client stopped reading for %s s; aborting its request", timeout)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream_then_stop)
@@ -157,3 +163,41 @@ class SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             self.event_stream.close()
+
+
+class ResetStalledConnections:
+    """The outermost ASGI wrapper (outside Starlette's own): when a stream ended because its client
+    stopped reading, reset the TCP connection. A graceful close would wait, forever, to flush the
+    megabytes the client never reads, keeping the socket and its buffers.
+
+    It needs the server's transport, which uvicorn's `send` (a bound method of its request cycle)
+    carries; with another server the connection is merely closed.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        flag: dict[str, bool] = {}
+        scope[STALL_KEY] = flag
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if flag.get("stalled"):
+                _reset(send)
+
+
+def _reset(send: Send) -> None:
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:  # linger 0: close() sends RST and drops the unsent bytes
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
