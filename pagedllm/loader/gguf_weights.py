@@ -13,7 +13,7 @@ both are undone here so the model sees exactly what an HF checkpoint holds:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,12 +88,26 @@ def reverse_permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """HF weight name -> GGML type name ("Q4_1", "Q8_0", "F32", ...) of every tensor in the file."""
+    reader = open_gguf(path)
+    types = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is not None:
+            types[hf_name] = tensor.tensor_type.name
+    return types
+
+
 def gguf_weights_iterator(
-    path: Path, hf_config: PretrainedConfig, use_tqdm: bool = True
+    path: Path, hf_config: PretrainedConfig, use_tqdm: bool = True, keep_quantized: Container[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 CPU tensor in HF shape) for every tensor of the GGUF file at `path`.
 
     One tensor is dequantized at a time, so peak memory is the file's mmap plus one float32 tensor.
+    For the names in `keep_quantized` the raw blocks follow the dense tensor, as
+    (name with ".weight" -> ".qweight", uint8 (rows, bytes per row)), rows in the same HF order (q/k
+    un-permuted): a quantization method that computes on the blocks loads them (quantization/gguf.py).
     """
     reader = open_gguf(path)
     arch = read_field(reader, "general.architecture")
@@ -115,8 +129,22 @@ def gguf_weights_iterator(
         hf_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if tuple(weight.shape) != hf_shape:
             weight = weight.reshape(hf_shape)
-        if permute and ".self_attn.q_proj." in hf_name:
-            weight = reverse_permute_qk(weight, num_heads)
-        elif permute and ".self_attn.k_proj." in hf_name:
-            weight = reverse_permute_qk(weight, num_kv_heads)
+        weight = _unpermute(weight, hf_name, permute, num_heads, num_kv_heads)
         yield hf_name, weight
+        if hf_name in keep_quantized:
+            # Quantized tensors are (rows, bytes per row) uint8 views of the mmap: rows are HF's
+            # output rows, so the same row un-permutation applies to whole rows of blocks.
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+            if raw.dim() != 2 or raw.shape[0] != hf_shape[0]:
+                raise ValueError(f"GGUF tensor {tensor.name} ({tensor.tensor_type.name}) is not stored as "
+                                 f"{hf_shape[0]} rows of blocks; got {tuple(raw.shape)}")
+            yield hf_name.removesuffix(".weight") + ".qweight", _unpermute(raw, hf_name, permute, num_heads,
+                                                                            num_kv_heads)
+
+
+def _unpermute(weight: torch.Tensor, hf_name: str, permute: bool, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    if permute and ".self_attn.q_proj." in hf_name:
+        return reverse_permute_qk(weight, num_heads)
+    if permute and ".self_attn.k_proj." in hf_name:
+        return reverse_permute_qk(weight, num_kv_heads)
+    return weight

@@ -12,6 +12,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.loader.dummy import initialize_dummy_weights
 from pagedllm.loader.weights import iter_weights
 from pagedllm.models.registry import resolve_model_cls
+from pagedllm.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,16 +27,31 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def get_quant_config(model_config: ModelConfig, device: torch.device) -> QuantizationConfig | None:
+    """The quantization config the model is built with (None: dense weights in model_config.dtype)."""
+    from pagedllm.quantization.gguf import select_gguf_config
+
+    return select_gguf_config(model_config, device)
+
+
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     cls = resolve_model_cls(model_config.hf_config)
+    quant_config = get_quant_config(model_config, device)
+    if quant_config is not None:
+        # Lets the config match checkpoint names (q_proj) to fused layers (qkv_proj).
+        quant_config.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {}))
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = cls(model_config.hf_config)
+        model = cls(model_config.hf_config, quant_config=quant_config)
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, seed=model_config.seed)
     else:
+        names_fn = getattr(quant_config, "quantized_weight_names", None)
+        keep_quantized = names_fn(model) if names_fn is not None else ()
+        weights = iter_weights(model_config.source, model_config.load_format, keep_quantized=keep_quantized)
+        # Floating tensors take the run dtype; raw quantized blocks (uint8) stay as they are.
         model.load_weights(
-            (name, t.to(device=device, dtype=model_config.dtype)) for name, t in iter_weights(
-                model_config.source, model_config.load_format)
+            (name, t.to(device=device, dtype=model_config.dtype) if t.is_floating_point() else t.to(device))
+            for name, t in weights
         )
     for module in model.modules():
         quant_method = getattr(module, "quant_method", None)

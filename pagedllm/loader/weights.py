@@ -12,7 +12,7 @@ The model's `load_weights` consumes the iterator; nothing here knows about model
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import torch
@@ -50,12 +50,13 @@ def resolve_load_format(source: ModelSource, load_format: str = "auto") -> str:
 
 
 def iter_weights(
-    source: ModelSource, load_format: str = "auto", use_tqdm: bool = True
+    source: ModelSource, load_format: str = "auto", use_tqdm: bool = True, keep_quantized: Container[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF tensor name, CPU tensor) for every tensor of the checkpoint.
 
     Validation happens here, at call time, not at the first `next()`. Safetensors tensors keep their
-    stored dtype; GGUF tensors are dequantized to float32. The caller casts to the model's dtype.
+    stored dtype; GGUF tensors are dequantized to float32 (and, for the names in `keep_quantized`,
+    also yielded as raw uint8 blocks named `.qweight`). The caller casts floats to the model's dtype.
     """
     fmt = resolve_load_format(source, load_format)
     if fmt == "dummy":
@@ -64,7 +65,8 @@ def iter_weights(
             "fill the model with pagedllm.loader.initialize_dummy_weights(model) instead."
         )
     if fmt == "gguf":
-        return gguf_weights_iterator(source.path, source.hf_config, use_tqdm=use_tqdm)
+        return gguf_weights_iterator(source.path, source.hf_config, use_tqdm=use_tqdm,
+                                     keep_quantized=keep_quantized)
     return safetensors_weights_iterator(safetensors_files(source.path), use_tqdm=use_tqdm)
 
 

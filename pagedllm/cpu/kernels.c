@@ -1,0 +1,241 @@
+/* CPU kernels for pagedllm, compiled at first use with `cc -O3 -march=native -fopenmp` (see build.py).
+ *
+ * Plain C with GCC vector extensions: the compiler maps the 16-lane vectors onto AVX-512, AVX2 or
+ * SSE, whichever the machine has. OpenMP here shares torch's runtime (same libgomp.so.1 soname), so
+ * torch's threads and ours are one pool.
+ *
+ * 1. GEMM on GGUF blocks: y (M, N) = x (M, K) @ W^T with W kept as Q4_0 / Q4_1 / Q8_0 blocks of 32.
+ *    Every weight is dequantized exactly as gguf-py does in float32 (d * q + m: the product d * q
+ *    is exact, one rounding for the sum; FMA rounds once too), so the weights equal the dequantized
+ *    float32 checkpoint bit for bit and only the order of the float32 sums differs from a dense
+ *    matmul. The weights are repacked once into tiles of 16 output rows, so one vector holds one k
+ *    for 16 outputs and x is broadcast (no horizontal sums):
+ *
+ *      Q4 tile block (16 rows x 32 k):  fp16 d[16]; fp16 m[16]; uint8 q[16][16]    320 bytes
+ *          q[p][j] = row j's byte p of the GGUF block: low nibble = k p, high nibble = k p + 16
+ *      Q8 tile block (16 rows x 32 k):  fp16 d[16]; int8 q[32][16]                  544 bytes
+ *
+ *    5 and 8.5 bits per weight, as in the GGUF file: a decode step streams every weight once, so
+ *    the bytes read bound its time (SmolLM2-135M: ~97 MB, which can stay in a large L3).
+ *
+ *    Tiles of a weight: [tile 0: block 0, block 1, ... block K/32-1][tile 1: ...]...
+ *
+ * 2. Paged decode attention (one query token per request) straight from the block table.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+#define TILE 16
+#define QK 32
+#define Q4_TILE_BLOCK_BYTES (TILE * 2 * 2 + TILE * 16)
+#define Q8_TILE_BLOCK_BYTES (TILE * 2 + TILE * QK)
+/* Rows of x per pass over a tile: all accumulators must fit in registers (32 zmm with AVX-512). */
+#if defined(__AVX512F__)
+#define MAX_MR 16
+#else
+#define MAX_MR 4
+#endif
+
+static inline f32x16 load_f32x16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_f32x16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+static inline f32x16 splat(float s) { return (f32x16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+/* 16 bytes -> 16 int32 lanes. GCC does not turn __builtin_convertvector on byte vectors into one
+ * vpmovzxbd (it inserts byte by byte), so the widening loads are intrinsics where available. */
+static inline i32x16 load_u8_i32x16(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    i32x16 v;
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+#else
+    i32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline f32x16 load_f16x16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    f32x16 v;
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+#else
+    f32x16 v;
+    for (int i = 0; i < 16; i++) {  /* IEEE half -> float, subnormals included */
+        uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+        if (exp == 0x1f) {
+            bits = sign | 0x7f800000u | (man << 13);
+        } else if (exp != 0) {
+            bits = sign | ((exp + 112) << 23) | (man << 13);
+        } else if (man == 0) {
+            bits = sign;
+        } else {
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+        memcpy(&v[i], &bits, 4);
+    }
+    return v;
+#endif
+}
+
+static inline i32x16 load_s8_i32x16(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (i32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    i32x16 v;
+    __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+#else
+    i32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+/* Independent accumulators per row: an FMA waits ~4 cycles for the previous one into the same
+ * register, so few rows need several partial sums (chains) to keep both FMA units busy. */
+#define NCHAINS(mr) ((mr) >= 6 ? 1 : (mr) >= 3 ? 2 : 4)
+#define MAX_ACC (MAX_MR > 8 ? MAX_MR : 8)
+
+static inline void store_rows(float *y, long ldy, f32x16 *acc, int mr, int nc, int ncols) {
+    for (int r = 0; r < mr; r++) {
+        f32x16 s = acc[r * nc];
+        for (int c = 1; c < nc; c++) s += acc[r * nc + c];
+        if (ncols == TILE) {
+            store_f32x16(y + r * ldy, s);
+        } else {
+            float tmp[TILE];
+            store_f32x16(tmp, s);
+            memcpy(y + r * ldy, tmp, sizeof(float) * ncols);
+        }
+    }
+}
+
+/* One tile (16 outputs) for `mr` rows of x; `mr` is a compile-time constant at every call site,
+ * so the row loops unroll and the accumulators live in registers. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const uint8_t *tile, int nblocks, const float *x, long ldx, float *y, long ldy, int mr, int ncols) {
+    const int nc = NCHAINS(mr);
+    f32x16 acc[MAX_ACC];
+    for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
+    for (int b = 0; b < nblocks; b++) {
+        const uint8_t *blk = tile + (long)b * Q4_TILE_BLOCK_BYTES;
+        const f32x16 d = load_f16x16((const uint16_t *)blk);
+        const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
+        const uint8_t *q = blk + TILE * 4;
+        const float *xb = x + b * QK;
+        for (int p = 0; p < 16; p++) {
+            i32x16 v = load_u8_i32x16(q + p * TILE);
+            f32x16 w_lo = __builtin_convertvector(v & 15, f32x16) * d + m;
+            f32x16 w_hi = __builtin_convertvector(v >> 4, f32x16) * d + m;
+            const int c_lo = (2 * p) % nc, c_hi = (2 * p + 1) % nc;
+            for (int r = 0; r < mr; r++) {
+                acc[r * nc + c_lo] += splat(xb[r * ldx + p]) * w_lo;
+                acc[r * nc + c_hi] += splat(xb[r * ldx + p + 16]) * w_hi;
+            }
+        }
+    }
+    store_rows(y, ldy, acc, mr, nc, ncols);
+}
+
+static inline __attribute__((always_inline)) void q8_tile(
+    const uint8_t *tile, int nblocks, const float *x, long ldx, float *y, long ldy, int mr, int ncols) {
+    const int nc = NCHAINS(mr);
+    f32x16 acc[MAX_ACC];
+    for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
+    for (int b = 0; b < nblocks; b++) {
+        const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
+        const f32x16 d = load_f16x16((const uint16_t *)blk);
+        const int8_t *q = (const int8_t *)(blk + TILE * 2);
+        const float *xb = x + b * QK;
+        for (int k = 0; k < QK; k++) {
+            f32x16 w = __builtin_convertvector(load_s8_i32x16(q + k * TILE), f32x16) * d;
+            for (int r = 0; r < mr; r++) acc[r * nc + k % nc] += splat(xb[r * ldx + k]) * w;
+        }
+    }
+    store_rows(y, ldy, acc, mr, nc, ncols);
+}
+
+#if MAX_MR == 16
+#define DISPATCH_MR(fn, mr, ...)                      \
+    switch (mr) {                                     \
+        case 1: fn(__VA_ARGS__, 1, nc); break;        \
+        case 2: fn(__VA_ARGS__, 2, nc); break;        \
+        case 3: fn(__VA_ARGS__, 3, nc); break;        \
+        case 4: fn(__VA_ARGS__, 4, nc); break;        \
+        case 5: fn(__VA_ARGS__, 5, nc); break;        \
+        case 6: fn(__VA_ARGS__, 6, nc); break;        \
+        case 7: fn(__VA_ARGS__, 7, nc); break;        \
+        case 8: fn(__VA_ARGS__, 8, nc); break;        \
+        case 9: fn(__VA_ARGS__, 9, nc); break;        \
+        case 10: fn(__VA_ARGS__, 10, nc); break;      \
+        case 11: fn(__VA_ARGS__, 11, nc); break;      \
+        case 12: fn(__VA_ARGS__, 12, nc); break;      \
+        case 13: fn(__VA_ARGS__, 13, nc); break;      \
+        case 14: fn(__VA_ARGS__, 14, nc); break;      \
+        case 15: fn(__VA_ARGS__, 15, nc); break;      \
+        default: fn(__VA_ARGS__, 16, nc); break;      \
+    }
+#else
+#define DISPATCH_MR(fn, mr, ...)                      \
+    switch (mr) {                                     \
+        case 1: fn(__VA_ARGS__, 1, nc); break;        \
+        case 2: fn(__VA_ARGS__, 2, nc); break;        \
+        case 3: fn(__VA_ARGS__, 3, nc); break;        \
+        default: fn(__VA_ARGS__, 4, nc); break;       \
+    }
+#endif
+
+/* kind: 4 = Q4 tiles (Q4_0 / Q4_1), 8 = Q8_0 tiles. x (M, K) row stride ldx, y (M, N) row stride ldy. */
+void gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, long ldy,
+               long M, long N, long K, int num_threads) {
+    const int nblocks = (int)(K / QK);
+    const long ntiles = (N + TILE - 1) / TILE;
+    const long tile_bytes = (long)nblocks * (kind == 4 ? Q4_TILE_BLOCK_BYTES : Q8_TILE_BLOCK_BYTES);
+    /* Rows in chunks of MAX_MR; tiles split over threads. Each thread walks its tiles once per
+     * chunk of rows, so a tile's bytes are reread only M / MAX_MR times (from cache when small). */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long t = 0; t < ntiles; t++) {
+        const uint8_t *tile = w + t * tile_bytes;
+        const int nc = (int)((N - t * TILE) < TILE ? (N - t * TILE) : TILE);
+        for (long r0 = 0; r0 < M; r0 += MAX_MR) {
+            const int mr = (int)((M - r0) < MAX_MR ? (M - r0) : MAX_MR);
+            const float *xr = x + r0 * ldx;
+            float *yr = y + r0 * ldy + t * TILE;
+            if (kind == 4) {
+                DISPATCH_MR(q4_tile, mr, tile, nblocks, xr, ldx, yr, ldy)
+            } else {
+                DISPATCH_MR(q8_tile, mr, tile, nblocks, xr, ldx, yr, ldy)
+            }
+        }
+    }
+}
