@@ -179,7 +179,9 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(DrainMiddleware, is_draining=lambda: admission.draining)
-    app.add_middleware(HeaderLimitMiddleware, max_count=args.h11_max_header_count)
+    app.add_middleware(
+        HeaderLimitMiddleware, max_count=args.h11_max_header_count, max_bytes=args.h11_max_incomplete_event_size
+    )
     # Added last = outermost: CORS answers preflights before auth sees them.
     app.add_middleware(
         CORSMiddleware,

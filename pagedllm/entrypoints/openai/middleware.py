@@ -21,23 +21,34 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 class HeaderLimitMiddleware:
-    """431 for a request with more than `max_count` headers. Their total size is bounded before this
-    runs, by h11 (--h11-max-incomplete-event-size), which answers 400 to a larger header block."""
+    """431 for a request with more than `max_count` headers, or more than `max_bytes` of them.
 
-    def __init__(self, app: ASGIApp, max_count: int) -> None:
+    h11 (--h11-max-incomplete-event-size) already refuses, with a plain 400, a header block that
+    grows past the size while it is still arriving; one that arrives whole in a single read is
+    parsed regardless, so the size is checked again here, where the answer can be OpenAI's body.
+    """
+
+    def __init__(self, app: ASGIApp, max_count: int, max_bytes: int) -> None:
         self.app = app
         self.max_count = max_count
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and len(scope["headers"]) > self.max_count:
-            err = APIError(
-                f"The request has {len(scope['headers'])} headers; the limit is {self.max_count} "
-                "(--h11-max-header-count).",
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                headers={"Connection": "close"},
-            )
-            await err.to_json_response()(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            size = sum(len(k) + len(v) + 4 for k, v in headers)  # "name: value\r\n"
+            problem = None
+            if len(headers) > self.max_count:
+                problem = f"{len(headers)} headers; the limit is {self.max_count} (--h11-max-header-count)"
+            elif size > self.max_bytes:
+                problem = f"{size} bytes of headers; the limit is {self.max_bytes} (--h11-max-incomplete-event-size)"
+            if problem is not None:
+                err = APIError(
+                    f"The request has {problem}.", HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    headers={"Connection": "close"},
+                )
+                await err.to_json_response()(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 

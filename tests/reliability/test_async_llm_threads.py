@@ -1,0 +1,127 @@
+"""AsyncLLM in-process: detokenization runs on the output thread (not the event loop), a crash there
+is an engine death like a crash in a step, a request id may be reused as soon as its request ended,
+and a draining server can end every request and refuse new ones."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def make_engine(model_dir: Path) -> AsyncLLM:
+    return AsyncLLM.from_engine_args(
+        EngineArgs(model=str(model_dir), max_model_len=512, num_gpu_blocks_override=256, cpu_threads=1)
+    )
+
+
+def params(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kw)
+
+
+async def drain(stream) -> str:
+    return "".join([o.outputs[0].text async for o in stream])
+
+
+@pytest.fixture
+def engine(tiny_model_dir: Path):
+    e = make_engine(tiny_model_dir)
+    yield e
+    e.shutdown()
+
+
+def test_detokenization_is_off_the_event_loop(engine: AsyncLLM):
+    threads = set()
+    original = engine.output_processor.process_outputs
+
+    def spy(outputs):
+        threads.add(threading.get_ident())
+        return original(outputs)
+
+    engine.output_processor.process_outputs = spy
+
+    async def run() -> int:
+        await drain(await engine.add_request("a", "Hello", params()))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(run())
+    assert threads and loop_thread not in threads
+
+
+def test_output_thread_crash_kills_the_engine(engine: AsyncLLM):
+    calls = 0
+    original = engine.output_processor.process_outputs
+
+    def flaky(outputs):
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise RuntimeError("detokenizer exploded")
+        return original(outputs)
+
+    engine.output_processor.process_outputs = flaky
+    died = []
+    engine.add_dead_callback(died.append)
+
+    async def run() -> None:
+        stream = await engine.add_request("x", "Hello", params(max_tokens=50, ignore_eos=True))
+        with pytest.raises(EngineDeadError, match="detokenizer exploded"):
+            await drain(stream)
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("y", "Hello", params())
+
+    asyncio.run(run())
+    assert len(died) == 1 and engine.get_num_unfinished_requests() == 0
+
+
+def test_request_id_reuse_right_after_an_abort_gets_only_its_own_tokens(engine: AsyncLLM):
+    async def run() -> tuple[str, str]:
+        reference = await drain(await engine.add_request("ref", "Reuse me", params(max_tokens=12)))
+        for _ in range(5):  # abort mid-flight, then reuse the id at once
+            stream = await engine.add_request("same", "Something else entirely", params(200, ignore_eos=True))
+            await stream.__anext__()
+            stream.abort()
+            again = await drain(await engine.add_request("same", "Reuse me", params(max_tokens=12)))
+            assert again == reference
+        return reference, again
+
+    reference, again = asyncio.run(run())
+    assert reference and again == reference
+    assert engine.get_num_unfinished_requests() == 0
+
+
+def test_fail_all_requests_and_refuse_new(engine: AsyncLLM):
+    last = []
+    engine.stat_loggers.append(lambda s, it: last.append(s))
+
+    async def run() -> None:
+        streams = [await engine.add_request(f"r{i}", f"prompt {i}", params(200, ignore_eos=True, n=2))
+                   for i in range(3)]
+        await streams[0].__anext__()
+        err = RuntimeError("draining")
+        engine.refuse_new_requests(err)
+        assert engine.fail_all_requests(err) == 3
+        for s in streams:
+            with pytest.raises(RuntimeError, match="draining"):
+                await drain(s)
+        with pytest.raises(RuntimeError, match="draining"):
+            await engine.add_request("late", "x", params())
+        # the engine itself stays healthy and frees every block
+        await engine.check_health()
+        for _ in range(500):  # the engine publishes its state once the aborts emptied it
+            s = last[-1]
+            if s.num_running_reqs == 0 and s.num_waiting_reqs == 0 and s.kv_cache_usage == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"engine not idle: {last[-1]}")
+
+    asyncio.run(run())
+    assert engine.get_num_unfinished_requests() == 0
