@@ -119,6 +119,7 @@ CASES = [
     cmpl("prompt-empty-string", ("prompt",), prompt=""),
     cmpl("prompt-empty-list", ("prompt",), prompt=[]),
     cmpl("prompt-empty-token-list", ("prompt",), prompt=[[]]),
+    cmpl("prompt-over-max-prompt-bytes", ("100000", "--max-prompt-bytes"), prompt="x" * 100_000),
     cmpl("prompt-oov-token", ("prompt", "999999", "vocabulary"), prompt=[999999]),
     cmpl("prompt-negative-token", ("prompt", "vocabulary"), prompt=[3, -1]),
     chat("unknown-model", ("nope",), status=404, model="nope"),

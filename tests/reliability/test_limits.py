@@ -44,6 +44,8 @@ def server(tiny_model_dir):
         ("/v1/completions", {**CMPL, "prompt": ["x" * 600, "y" * 600]}, ["1200", "--max-prompt-bytes"]),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "é" * 501}]},
          ["1002", "--max-prompt-bytes"]),
+        ("/tokenize", {"prompt": "x" * 1001}, ["1001", "--max-prompt-bytes"]),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x" * 1001}]}, ["1001", "--max-prompt-bytes"]),
         ("/v1/completions", {**CMPL, "logprobs": 4}, ["max_logprobs", "3", "--max-logprobs"]),
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 4}, ["top_logprobs", "--max-logprobs"]),
         # 3 prompts x n=2 = 6 sequences can never fit 2 running + 2 queued

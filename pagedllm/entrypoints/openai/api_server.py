@@ -86,7 +86,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         engine, models, log_requests=log_requests, limits=limits, admission=admission
     )
     tokenization = OpenAIServingTokenization(
-        engine, models, chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template
+        engine, models, chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+        limits=limits,
     )
     cc = engine.config.cache_config
     stat_logger = PrometheusStatLogger(

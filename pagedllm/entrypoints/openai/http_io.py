@@ -32,6 +32,8 @@ logger = logging.getLogger("pagedllm.entrypoints.openai")
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a thread.
+PARSE_INLINE_BYTES = 64 * 1024
 # Scope key through which a stream reports that its client stopped reading.
 STALL_KEY = "pagedllm.stalled"
 
@@ -66,7 +68,8 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     if not body.strip():
         raise APIError("The request body is empty; send a JSON object.")
     try:
-        obj = json.loads(body)
+        # A large body parses in a worker thread: megabytes of JSON would stall every stream for a while.
+        obj = json.loads(body) if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
     except RecursionError:

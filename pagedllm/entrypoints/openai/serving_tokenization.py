@@ -5,8 +5,9 @@ from __future__ import annotations
 import jinja2
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.chat_utils import render_chat
+from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,8 +27,9 @@ class OpenAIServingTokenization(OpenAIServing):
         *,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        limits: ServerLimits | None = None,
     ) -> None:
-        super().__init__(engine, models, log_requests=False)
+        super().__init__(engine, models, log_requests=False, limits=limits)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
 
@@ -42,6 +44,15 @@ class OpenAIServingTokenization(OpenAIServing):
                     "--trust-request-chat-template to allow it.",
                     param="chat_template",
                 )
+
+        if isinstance(request, TokenizeChatRequest):
+            try:
+                messages = normalize_messages(request.messages)
+            except ValueError as e:
+                raise APIError(str(e), param="messages") from None
+            self.limits.check_prompt_bytes(sum(len(m["content"].encode()) for m in messages), "messages")
+        else:
+            self.limits.check_prompt_bytes(len(request.prompt.encode()), "prompt")
 
         def work() -> list[int]:
             if isinstance(request, TokenizeChatRequest):
