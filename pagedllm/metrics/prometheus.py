@@ -17,6 +17,7 @@ from pagedllm.metrics.stats import IterationStats
 
 PREFIX = "pagedllm:"
 FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full", "shutting_down")
 
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -74,6 +75,18 @@ class PrometheusStatLogger:
             "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        # Not in vLLM: requests the server refused before they reached the engine (admission control).
+        rejected = Counter(
+            PREFIX + "request_rejected",
+            "Requests refused before reaching the engine: queue_full (503, --max-num-queued-reqs) or "
+            "shutting_down (503 while draining).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.request_rejected = {reason: rejected.labels(model_name, reason) for reason in REJECT_REASONS}
+        self.num_admitted_seqs = gauge(
+            "num_admitted_seqs", "Sequences admitted by the server and not finished (running, waiting or tokenizing)."
+        )
         if cache_info:
             info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.", sorted(cache_info),
                          registry=r)
@@ -113,6 +126,12 @@ class PrometheusStatLogger:
                 )
             counter.inc()
             self.e2e_request_latency.observe(f.e2e_latency)
+
+    def record_rejection(self, reason: str) -> None:
+        self.request_rejected[reason].inc()
+
+    def set_admitted(self, num_seqs: int) -> None:
+        self.num_admitted_seqs.set(num_seqs)
 
     @staticmethod
     def _inc(counter: Counter, cumulative: int, last: int) -> int:

@@ -95,6 +95,8 @@ def test_500_concurrent_streams_complete_or_get_503(start_server):
     )
     assert finished == completed + len(PROMPTS)
     assert delta("pagedllm:request_success_total", ("finished_reason", "abort")) == 0
+    assert delta("pagedllm:request_rejected_total", ("reason", "queue_full")) == refused
+    assert m[("pagedllm:num_admitted_seqs", ())] == 0
     ref_prompt = sum(e["usage"]["prompt_tokens"] for e in expected)
     ref_completion = sum(e["usage"]["completion_tokens"] for e in expected)
     assert delta("pagedllm:prompt_tokens_total") == prompt_tokens + ref_prompt

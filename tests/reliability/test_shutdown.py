@@ -61,6 +61,7 @@ def run_with_sigterm(server, max_tokens: int) -> dict:
             out["health"] = await http.get(server.url("/health"))
             out["late"] = await http.post(url, json={**body, "max_tokens": 2})
             out["late_models"] = await http.get(server.url("/v1/models"))
+            out["metrics"] = await asyncio.to_thread(server.metrics)  # /metrics stays open while draining
             results = await asyncio.gather(*tasks)
             out["streams"], out["plain"] = results[:3], results[3:]
 
@@ -77,6 +78,8 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(start_server):
     assert assert_openai_error(out["late"], 503, "shutting down")["code"] == "server_shutting_down"
     assert out["late"].headers["connection"] == "close"
     assert_openai_error(out["late_models"], 503, "shutting down")
+    assert out["metrics"][("pagedllm:request_rejected_total", (("reason", "shutting_down"),))] == 2
+    assert out["metrics"][("pagedllm:num_admitted_seqs", ())] == 5
     for status, events, done in out["streams"]:
         assert status == 200 and done
         assert all("error" not in e for e in events)

@@ -14,6 +14,7 @@ While the server drains for shutdown, nothing new is admitted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from http import HTTPStatus
 
 from pagedllm.entrypoints.openai.errors import APIError
@@ -39,14 +40,20 @@ class Ticket:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.controller.in_flight -= self.num_seqs
-            self.controller.num_requests -= 1
+            self.controller._change(-self.num_seqs, -1)
 
 
 class AdmissionController:
     """Event-loop only (no locks): admit() and Ticket.release() run on the server's loop."""
 
-    def __init__(self, max_num_seqs: int, max_num_queued_reqs: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_queued_reqs: int,
+        *,
+        on_reject: Callable[[str], None] | None = None,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}.")
         if max_num_queued_reqs < 0:
@@ -58,10 +65,19 @@ class AdmissionController:
         self.num_requests = 0  # requests holding a ticket
         self.num_rejected = 0
         self.draining = False
+        # Metrics hooks: on_reject(reason) per 503 ("queue_full" | "shutting_down"); on_change(in_flight).
+        self.on_reject = on_reject or (lambda reason: None)
+        self.on_change = on_change or (lambda in_flight: None)
+
+    def _change(self, seqs: int, requests: int) -> None:
+        self.in_flight += seqs
+        self.num_requests += requests
+        self.on_change(self.in_flight)
 
     def admit(self, num_seqs: int) -> Ticket:
         """A Ticket, or APIError: 503 while draining or full, 400 for a request that can never fit."""
         if self.draining:
+            self.on_reject("shutting_down")
             raise shutting_down_error()
         if num_seqs > self.max_in_flight:
             raise APIError(
@@ -72,6 +88,7 @@ class AdmissionController:
             )
         if self.in_flight + num_seqs > self.max_in_flight:
             self.num_rejected += 1
+            self.on_reject("queue_full")
             raise APIError(
                 f"The server is at capacity ({self.in_flight} sequences running or queued, at most "
                 f"{self.max_in_flight}: --max-num-seqs {self.max_num_seqs} + --max-num-queued-reqs "
@@ -80,6 +97,5 @@ class AdmissionController:
                 code="server_overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        self.in_flight += num_seqs
-        self.num_requests += 1
+        self._change(num_seqs, 1)
         return Ticket(self, num_seqs)

@@ -76,7 +76,20 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     log_requests = not args.disable_log_requests
     models = OpenAIServingModels(list(mc.served_model_name), mc.model, mc.max_model_len)
     limits = ServerLimits.from_args(args, mc.max_model_len, engine.config.max_logprobs)
-    admission = AdmissionController(engine.config.scheduler_config.max_num_seqs, args.max_num_queued_reqs)
+    cc = engine.config.cache_config
+    stat_logger = PrometheusStatLogger(
+        models.served_model_names[0],
+        cache_info={
+            "block_size": str(cc.block_size),
+            "num_gpu_blocks": str(engine.engine_core.num_gpu_blocks),
+            "enable_prefix_caching": str(cc.enable_prefix_caching),
+        },
+    )
+    engine.stat_loggers.append(stat_logger.record)
+    admission = AdmissionController(
+        engine.config.scheduler_config.max_num_seqs, args.max_num_queued_reqs,
+        on_reject=stat_logger.record_rejection, on_change=stat_logger.set_admitted,
+    )
     chat = OpenAIServingChat(
         engine, models, chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template, log_requests=log_requests,
@@ -89,16 +102,6 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         engine, models, chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
         limits=limits,
     )
-    cc = engine.config.cache_config
-    stat_logger = PrometheusStatLogger(
-        models.served_model_names[0],
-        cache_info={
-            "block_size": str(cc.block_size),
-            "num_gpu_blocks": str(engine.engine_core.num_gpu_blocks),
-            "enable_prefix_caching": str(cc.enable_prefix_caching),
-        },
-    )
-    engine.stat_loggers.append(stat_logger.record)
     max_body = args.max_request_body_bytes
     write_timeout = args.stream_write_timeout or None
 
@@ -179,7 +182,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     keys = api_keys(args)
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
-    app.add_middleware(DrainMiddleware, is_draining=lambda: admission.draining)
+    app.add_middleware(DrainMiddleware, admission=admission)
     app.add_middleware(
         HeaderLimitMiddleware, max_count=args.h11_max_header_count, max_bytes=args.h11_max_incomplete_event_size
     )

@@ -7,13 +7,12 @@ Order, outermost first: CORS (answers preflights), header limits, draining, API 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
 from http import HTTPStatus
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.admission import shutting_down_error
+from pagedllm.entrypoints.openai.admission import AdmissionController, shutting_down_error
 from pagedllm.entrypoints.openai.errors import APIError
 
 # Paths that answer without an API key and while draining (probes and monitoring).
@@ -55,12 +54,13 @@ class HeaderLimitMiddleware:
 class DrainMiddleware:
     """While the server drains for shutdown, every new request but the probes gets 503."""
 
-    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+    def __init__(self, app: ASGIApp, admission: AdmissionController) -> None:
         self.app = app
-        self.is_draining = is_draining
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.is_draining() and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and self.admission.draining and scope["path"] not in OPEN_PATHS:
+            self.admission.on_reject("shutting_down")
             await shutting_down_error().to_json_response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
