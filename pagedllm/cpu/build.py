@@ -105,3 +105,19 @@ def _declare(lib: ctypes.CDLL) -> None:
     # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K, num_threads)
     lib.gguf_gemm.argtypes = [i32, p, i64, p, p, i64, i64, i64, i64, i32]
     lib.gguf_gemm.restype = None
+    # write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens, row)
+    lib.write_kv_cache.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
+    lib.write_kv_cache.restype = None
+    # paged_decode_attention(query, q_stride, out, out_stride, kv_cache, num_slots, block_size, num_heads,
+    #     num_kv_heads, head_dim, block_table, block_table_stride, seq_lens, query_start_loc, reqs, n_reqs,
+    #     scale, scratch, scratch_per_thread, num_threads)
+    lib.paged_decode_attention.argtypes = [p, i64, p, i64, p, i64, i32, i32, i32, i32, p, i64, p, p, p, i64,
+                                           ctypes.c_float, p, i64, i32]
+    lib.paged_decode_attention.restype = None
+    # rms_norm(x, x_stride, residual, res_stride, residual_out, weight, out, num_tokens, hidden, eps, num_threads)
+    lib.rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, ctypes.c_float, i32]
+    lib.rms_norm.restype = None
+    # rotary_embedding(positions, q, q_stride, k, k_stride, q_out, k_out, num_tokens, num_q_heads, num_k_heads,
+    #     head_size, rotary_dim, cos_sin_cache, neox, num_threads)
+    lib.rotary_embedding.argtypes = [p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, p, i32, i32]
+    lib.rotary_embedding.restype = None

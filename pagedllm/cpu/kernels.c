@@ -29,6 +29,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -239,3 +242,168 @@ void gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, l
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * 2. Paged attention for decode rows (one query token per request), reading K/V through the block
+ *    table; and the KV-cache write of a step's new tokens.
+ *
+ *    kv_cache: float (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous.
+ *    Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+ *    Softmax in two passes over the request's scores (max, then exp and sum), float32 throughout.
+ */
+
+static inline float hsum16(f32x16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* Copy row t of key/value (num_kv_heads * head_dim floats, row strides in floats) to its slot;
+ * slot < 0 (padding) is skipped. */
+void write_kv_cache(const float *key, long key_stride, const float *value, long value_stride,
+                    float *kv_cache, long num_slots, const int64_t *slot_mapping, long num_tokens,
+                    long row) {
+    float *k_cache = kv_cache, *v_cache = kv_cache + num_slots * row;
+    for (long t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row, key + t * key_stride, sizeof(float) * row);
+        memcpy(v_cache + slot * row, value + t * value_stride, sizeof(float) * row);
+    }
+}
+
+/* out[t] for the decode rows t = query_start_loc[r] of requests r in `reqs` (n_reqs of them).
+ * query (T, num_heads, head_dim) with row stride q_stride; out likewise with out_stride.
+ * head_dim must be a multiple of 16 and at most 256. */
+void paged_decode_attention(const float *query, long q_stride, float *out, long out_stride,
+                            const float *kv_cache, long num_slots, int block_size, int num_heads,
+                            int num_kv_heads, int head_dim, const int32_t *block_table,
+                            long block_table_stride, const int32_t *seq_lens,
+                            const int32_t *query_start_loc, const int64_t *reqs, long n_reqs,
+                            float scale, float *scratch, long scratch_per_thread, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int nv = head_dim / 16;
+    const long row = (long)num_kv_heads * head_dim; /* floats per token slot */
+    const float *k_cache = kv_cache, *v_cache = kv_cache + num_slots * row;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) collapse(2)
+    for (long i = 0; i < n_reqs; i++) {
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            int tid = 0;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+#endif
+            const long r = reqs[i];
+            const long t = query_start_loc[r];
+            const int seq = seq_lens[r];
+            const int32_t *table = block_table + r * block_table_stride;
+            float *scores = scratch + (long)tid * scratch_per_thread; /* (group, seq) */
+            for (int g = 0; g < group; g++) {
+                const int h = kvh * group + g;
+                const float *q = query + t * q_stride + (long)h * head_dim;
+                f32x16 qv[16];
+                for (int j = 0; j < nv; j++) qv[j] = load_f32x16(q + 16 * j) * splat(scale);
+                float *s = scores + (long)g * seq;
+                float mx = -INFINITY;
+                for (int pos = 0; pos < seq; pos++) {
+                    const long slot = (long)table[pos / block_size] * block_size + pos % block_size;
+                    const float *k = k_cache + slot * row + (long)kvh * head_dim;
+                    f32x16 acc = qv[0] * load_f32x16(k);
+                    for (int j = 1; j < nv; j++) acc += qv[j] * load_f32x16(k + 16 * j);
+                    const float v = hsum16(acc);
+                    s[pos] = v;
+                    mx = v > mx ? v : mx;
+                }
+                float sum = 0.0f;
+                for (int pos = 0; pos < seq; pos++) {
+                    const float e = expf(s[pos] - mx);
+                    s[pos] = e;
+                    sum += e;
+                }
+                f32x16 o[16];
+                for (int j = 0; j < nv; j++) o[j] = splat(0.0f);
+                for (int pos = 0; pos < seq; pos++) {
+                    const long slot = (long)table[pos / block_size] * block_size + pos % block_size;
+                    const float *v = v_cache + slot * row + (long)kvh * head_dim;
+                    const f32x16 p = splat(s[pos]);
+                    for (int j = 0; j < nv; j++) o[j] += p * load_f32x16(v + 16 * j);
+                }
+                const f32x16 inv = splat(1.0f / sum);
+                float *dst = out + t * out_stride + (long)h * head_dim;
+                for (int j = 0; j < nv; j++) store_f32x16(dst + 16 * j, o[j] * inv);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * 3. RMSNorm (with the residual add fused) and rotary embedding, row by row.
+ */
+
+/* out[t] = (s * (1 / sqrt(mean(s^2) + eps))) * weight with s = x[t] (+ residual[t], also stored to
+ * residual_out[t]). The two products round separately, as the torch reference does; only the order
+ * of the mean's sum differs from torch's reduction. */
+void rms_norm(const float *x, long x_stride, const float *residual, long res_stride, float *residual_out,
+              const float *weight, float *out, long num_tokens, long hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 8)
+    for (long t = 0; t < num_tokens; t++) {
+        const float *xr = x + t * x_stride;
+        float *o = out + t * hidden;
+        const float *s = xr;
+        if (residual != NULL) {
+            const float *rr = residual + t * res_stride;
+            float *so = residual_out + t * hidden;
+            for (long i = 0; i < hidden; i++) so[i] = xr[i] + rr[i];
+            s = so;
+        }
+        f32x16 acc = splat(0.0f);
+        long i = 0;
+        for (; i + 16 <= hidden; i += 16) {
+            f32x16 v = load_f32x16(s + i);
+            acc += v * v;
+        }
+        float ss = hsum16(acc);
+        for (; i < hidden; i++) ss += s[i] * s[i];
+        const float r = 1.0f / sqrtf(ss / (float)hidden + eps);
+        /* (s * r) rounds before `* weight`, like `(x * rsqrt).to(dtype) * weight` (no FMA: no add). */
+        for (long j = 0; j < hidden; j++) o[j] = (s[j] * r) * weight[j];
+    }
+}
+
+/* Rotary embedding of q and k rows, out of place, bit-exact with the torch reference: o1 = x1 cos
+ * - x2 sin and o2 = x2 cos + x1 sin with every product rounded (no FMA contraction here).
+ * neox: x1 = features [0, rd/2), x2 = [rd/2, rd); else (GPT-J) x1 = even, x2 = odd features.
+ * cos_sin_cache: (max_position, rd) = [cos | sin]. Features past rd are copied. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void rope_rows(const float *x, long x_stride, float *out, long num_heads, long head_size, long rd,
+                      const float *cs, int neox) {
+    const long half = rd / 2;
+    for (long h = 0; h < num_heads; h++) {
+        const float *xh = x + h * head_size;
+        float *oh = out + h * head_size;
+        for (long i = 0; i < half; i++) {
+            const float c = cs[i], s = cs[half + i];
+            const long a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x1 = xh[a], x2 = xh[b];
+            const float p1 = x1 * c, p2 = x2 * s, p3 = x2 * c, p4 = x1 * s;
+            oh[a] = p1 - p2;
+            oh[b] = p3 + p4;
+        }
+        for (long i = rd; i < head_size; i++) oh[i] = xh[i];
+    }
+    (void)x_stride;
+}
+
+void rotary_embedding(const int64_t *positions, const float *q, long q_stride, const float *k, long k_stride,
+                      float *q_out, float *k_out, long num_tokens, long num_q_heads, long num_k_heads,
+                      long head_size, long rotary_dim, const float *cos_sin_cache, int neox, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 8)
+    for (long t = 0; t < num_tokens; t++) {
+        const float *cs = cos_sin_cache + positions[t] * rotary_dim;
+        rope_rows(q + t * q_stride, q_stride, q_out + t * num_q_heads * head_size, num_q_heads, head_size,
+                  rotary_dim, cs, neox);
+        rope_rows(k + t * k_stride, k_stride, k_out + t * num_k_heads * head_size, num_k_heads, head_size,
+                  rotary_dim, cs, neox);
+    }
+}
+#pragma GCC pop_options

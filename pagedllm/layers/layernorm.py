@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.cpu.build import load_cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back to x's dtype.
@@ -38,6 +40,29 @@ class RMSNorm(nn.Module):
         if residual is None:
             return x
         return x, residual
+
+    def _forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """One C call instead of ~10 small ops (float32 (T, hidden) rows); None: not applicable here.
+
+        Same arithmetic as below except the order of the mean's sum (float32 rounding level).
+        """
+        lib = load_cpu_kernels()
+        w = self.weight
+        if (lib is None or x.dim() != 2 or x.stride(1) != 1 or w.dtype != torch.float32
+                or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                              or residual.stride(1) != 1))):
+            return None
+        t, hidden = x.shape
+        out = torch.empty((t, hidden), dtype=x.dtype)
+        res_out = torch.empty((t, hidden), dtype=x.dtype) if residual is not None else None
+        lib.rms_norm(
+            x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+            residual.stride(0) if residual is not None else 0, res_out.data_ptr() if res_out is not None else None,
+            w.data_ptr(), out.data_ptr(), t, hidden, self.variance_epsilon, torch.get_num_threads(),
+        )
+        return out if res_out is None else (out, res_out)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

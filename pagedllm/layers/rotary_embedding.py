@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.cpu.build import load_cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -111,6 +113,28 @@ class RotaryEmbedding(nn.Module):
         q = self._rotate(query, cos, sin, query.shape[-1] // self.head_size)
         k = self._rotate(key, cos, sin, key.shape[-1] // self.head_size)
         return q, k
+
+    def _forward_cpu(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q and k in one C call, bit-exact with `_rotate` (same products and sums, no FMA); None when
+        the kernels are unavailable or the layout is not plain rows."""
+        lib = load_cpu_kernels()
+        cache = self.cos_sin_cache
+        if (lib is None or query.dim() != 2 or key.dim() != 2 or query.stride(1) != 1 or key.stride(1) != 1
+                or positions.dtype != torch.int64 or not positions.is_contiguous() or cache.dtype != torch.float32
+                or not cache.is_contiguous() or query.shape[1] % self.head_size or key.shape[1] % self.head_size):
+            return None
+        t = query.shape[0]
+        q_out = torch.empty((t, query.shape[1]), dtype=query.dtype)
+        k_out = torch.empty((t, key.shape[1]), dtype=key.dtype)
+        lib.rotary_embedding(
+            positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
+            q_out.data_ptr(), k_out.data_ptr(), t, query.shape[1] // self.head_size,
+            key.shape[1] // self.head_size, self.head_size, self.rotary_dim, cache.data_ptr(),
+            int(self.is_neox_style), torch.get_num_threads(),
+        )
+        return q_out, k_out
 
     def extra_repr(self) -> str:
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
