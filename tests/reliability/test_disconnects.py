@@ -11,8 +11,10 @@ import socket
 import time
 
 import httpx
+import pytest
 
-from tests.reliability.conftest import MODEL, assert_idle
+from tests.entrypoints.openai.conftest import RemoteOpenAIServer
+from tests.reliability.conftest import BASE_FLAGS, MODEL, assert_idle
 
 LONG = 1500  # max_tokens no dropped request may reach
 FLAGS = ["--max-model-len", "2048", "--num-gpu-blocks-override", "1024", "--max-num-seqs", "5",
@@ -45,8 +47,15 @@ def successes(m: dict) -> float:
     return sum(v for (name, _), v in m.items() if name == "pagedllm:request_success_total")
 
 
-def test_disconnect_storm_frees_everything(start_server):
-    server = start_server(FLAGS)
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *FLAGS])
+    yield s
+    s.stop()
+
+
+def test_disconnect_storm_frees_everything(server):
+    assert_idle(server)
     reference = server.post("/v1/completions", NORMAL).json()["choices"][0]["text"]
     before = server.metrics()
     seen: dict[str, object] = {}
@@ -113,21 +122,21 @@ def test_disconnect_storm_frees_everything(start_server):
     assert server.post("/v1/completions", NORMAL).json()["choices"][0]["text"] == reference
 
 
-def test_a_client_that_stops_reading_is_dropped(start_server):
+def test_a_client_that_stops_reading_is_dropped(server):
     """The client keeps its connection open and reads nothing. Once the socket buffers are full (the
-    kernel takes a few MB, so the answer is made large: n=16 with 20 logprobs per token) and a send
-    makes no progress for --stream-write-timeout (1 s), the request is aborted and the connection
-    reset."""
-    server = start_server(["--max-model-len", "2048", "--num-gpu-blocks-override", "1024", "--max-num-seqs", "16",
-                           "--stream-write-timeout", "1"])
+    kernel takes a few MB, so the answer is made large: chat, n=5, 20 top logprobs per token) and a
+    send makes no progress for --stream-write-timeout (1 s), the request is aborted and the
+    connection reset."""
+    assert_idle(server)
     before = server.metrics()
-    body = json.dumps({**stream_body("never read", LONG), "n": 16, "logprobs": 20}).encode()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "never read"}], "max_tokens": LONG,
+                       "ignore_eos": True, "stream": True, "n": 5, "logprobs": True, "top_logprobs": 20}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small, so the stall comes soon
     sock.connect(("127.0.0.1", server.port))
     try:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         deadline = time.monotonic() + 60
@@ -149,5 +158,5 @@ def test_a_client_that_stops_reading_is_dropped(start_server):
         sock.close()
     made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
     assert successes(m) == successes(before)  # aborted, not finished
-    assert 0 < made < 16 * LONG / 2
+    assert 0 < made < 5 * LONG / 2
     assert server.post("/v1/completions", NORMAL).status_code == 200

@@ -12,7 +12,7 @@ import httpx
 from pagedllm.engine.async_llm import FAULT_INJECT_ENV
 from tests.reliability.conftest import MODEL, assert_openai_error, parse_sse
 
-FAIL_AT_STEP = 30
+FAIL_AT_STEP = 100
 
 
 def test_model_step_exception_fails_everything_and_exits_nonzero(start_server):

@@ -15,7 +15,7 @@ NUM_CLIENTS = 500
 MAX_NUM_SEQS = 4
 MAX_QUEUED = 4
 PROMPTS = [f"Load test prompt {i}: tell me about topic {i * 3}" for i in range(10)]
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 
 
 def test_500_concurrent_streams_complete_or_get_503(start_server):

@@ -73,7 +73,7 @@ def run_with_sigterm(server, max_tokens: int) -> dict:
 
 def test_sigterm_lets_running_requests_finish_then_exits_0(start_server):
     server = start_server([*FLAGS, "--shutdown-timeout", "30"])
-    out = run_with_sigterm(server, max_tokens=300)
+    out = run_with_sigterm(server, max_tokens=150)
     assert assert_openai_error(out["health"], 503, "shutting down")["code"] == "server_shutting_down"
     assert assert_openai_error(out["late"], 503, "shutting down")["code"] == "server_shutting_down"
     assert out["late"].headers["connection"] == "close"
@@ -89,7 +89,7 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(start_server):
     for r in out["plain"]:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "length"
-        assert r.json()["usage"]["completion_tokens"] == 300
+        assert r.json()["usage"]["completion_tokens"] == 150
     assert out["exit_code"] == 0, server.log()[-2000:]
     assert out["exit_after"] < 30
     assert "drained: every request finished" in server.log()
