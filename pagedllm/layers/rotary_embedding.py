@@ -108,6 +108,10 @@ class RotaryEmbedding(nn.Module):
 
             rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache)
             return query, key
+        if query.device.type == "cpu" and query.dtype == key.dtype == torch.float32:
+            out = self._forward_cpu(positions, query, key)
+            if out is not None:
+                return out
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (num_tokens, 1, rotary_dim / 2) each
         q = self._rotate(query, cos, sin, query.shape[-1] // self.head_size)
