@@ -46,10 +46,15 @@ class SchedulerOutput:
     sampling_req_ids: set[str] = field(default_factory=set)
     # Some request's sampling reads its past outputs: collect the step in flight before this one.
     needs_output_history: bool = False
+    # Swap preemption: (gpu block, cpu block) to copy out and (cpu block, gpu block) to copy in,
+    # before this step's forward pass.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the runner to do: no tokens and no block copies."""
+        return self.total_num_scheduled_tokens == 0 and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
 @dataclass

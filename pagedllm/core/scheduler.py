@@ -21,6 +21,7 @@ from pagedllm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.core.swap import SwapManager
 from pagedllm.request import Request, RequestStatus
 
 
@@ -40,6 +41,8 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_gpu_blocks: int,
+        preemption_mode: str = "recompute",
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -52,6 +55,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests the runner has state for (seen since their last (re)admission).
         self._runner_knows: set[str] = set()
+        self.swap = SwapManager(num_cpu_blocks, self.block_size) if preemption_mode == "swap" else None
 
     # -- admission ---------------------------------------------------------------------------------
     def max_tokens_that_fit(self) -> int:
@@ -121,10 +125,21 @@ class Scheduler:
         # 2. Waiting requests, in order, while there is budget, room and no preemption this step.
         while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit_tokens, budget)
-            if kv.allocate_slots(req, n, computed_blocks) is None:
-                break
+            swapped = self.swap.swapped_num_computed(req) if self.swap else None
+            if swapped is not None:
+                # Resume from the CPU pool: fresh blocks for the swapped prefix and the rest.
+                req.num_computed_tokens = swapped
+                n = min(req.num_tokens - swapped, budget)
+                if kv.allocate_slots(req, n) is None:
+                    req.num_computed_tokens = 0
+                    break
+                self.swap.swap_in(req, kv.get_block_ids(req.request_id))
+                num_hit_tokens = swapped
+            else:
+                computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit_tokens, budget)
+                if kv.allocate_slots(req, n, computed_blocks) is None:
+                    break
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit_tokens
@@ -147,6 +162,7 @@ class Scheduler:
                 needs_history |= req.needs_output_history
                 req.num_output_placeholders += 1
 
+        swap_out, swap_in = self.swap.take_pending() if self.swap else ([], [])
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -155,10 +171,14 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             sampling_req_ids=sampling,
             needs_output_history=needs_history,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
         )
         self.finished_req_ids = set()
         if kv.debug:
             kv.check_invariants()
+            if self.swap:
+                self.swap.check_invariants()
         return out
 
     def _new_request_data(self, req: Request) -> NewRequestData:
@@ -175,6 +195,8 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
+        if self.swap is not None:
+            self.swap.swap_out(req, self.kv_cache_manager.get_block_ids(req.request_id))
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -248,6 +270,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.swap is not None:
+            self.swap.drop(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         if req.request_id in self._runner_knows:

@@ -75,8 +75,6 @@ class EngineArgs:
             )
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local path (no model hub is reached).")
-        if self.preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' is not built yet; use 'recompute' (the default).")
         device = self.resolve_device()
         source = resolve_model(self.model)
         hf = source.hf_config

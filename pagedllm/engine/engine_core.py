@@ -15,7 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.request import Request, RequestStatus
-from pagedllm.worker.model_runner import ModelRunner, PendingOutput
+from pagedllm.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,14 @@ class EngineCore:
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.capture_model()
         self.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            per_block = kv_cache_bytes_per_block(config)
+            num_cpu_blocks = int(config.cache_config.swap_space * (1 << 30)) // per_block
+            self.model_runner.init_swap_space(num_cpu_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, config.preemption_mode, num_cpu_blocks
+        )
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.inflight: tuple[SchedulerOutput, PendingOutput] | None = None

@@ -20,6 +20,7 @@ from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
+from pagedllm.worker.swap_space import CpuSwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CudaGraphRunner | None = None
+        self.swap_space: CpuSwapSpace | None = None
         self.step_id = 0
         self.last_sampled: torch.Tensor | None = None  # device ids of the newest step's samples
 
@@ -90,6 +92,10 @@ class ModelRunner:
         self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.backend)
+
+    def init_swap_space(self, num_cpu_blocks: int) -> None:
+        """Host blocks for swap preemption, shaped like the device cache."""
+        self.swap_space = CpuSwapSpace(num_cpu_blocks, self.kv_caches)
 
     def release_kv_cache(self) -> None:
         for layer in self.attn_layers:
@@ -149,7 +155,13 @@ class ModelRunner:
         result waits for the sampled ids (the step's one host sync)."""
         self.input_batch.update_states(so)
         self.step_id += 1
-        if so.is_empty:
+        if so.blocks_to_swap_out:
+            assert self.swap_space is not None
+            self.swap_space.swap_out(so.blocks_to_swap_out)
+        if so.blocks_to_swap_in:
+            assert self.swap_space is not None
+            self.swap_space.swap_in(so.blocks_to_swap_in)
+        if so.total_num_scheduled_tokens == 0:
             return PendingOutput(self, self.step_id, [], [], None, None, [])
         inp = self.input_batch.prepare_inputs(so)
         hidden = self.forward(inp)

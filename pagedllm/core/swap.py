@@ -1,0 +1,65 @@
+"""Swap preemption (vLLM's preemption_mode="swap"): a preempted request's KV blocks move to a
+pinned CPU pool instead of being dropped, and come back before it resumes.
+
+The scheduler decides, the runner copies: each step's SchedulerOutput carries the (gpu, cpu) block
+pairs to copy out and the (cpu, gpu) pairs to copy in, and the runner performs them before the
+forward pass — after the step in flight, in stream order, so the copy sees every KV write.
+
+    preempt A holding GPU blocks [7, 3, 9] with 40 computed tokens (block_size 16)
+      -> CPU blocks [0, 1, 2]; swap_out [(7, 0), (3, 1), (9, 2)]; A.num_computed_tokens kept aside
+    resume A: 3 new GPU blocks [4, 5, 6] -> swap_in [(0, 4), (1, 5), (2, 6)]; A continues at 40
+
+A request whose blocks do not fit the free CPU pool falls back to recompute.
+"""
+
+from __future__ import annotations
+
+from pagedllm.request import Request
+
+
+class SwapManager:
+    def __init__(self, num_cpu_blocks: int, block_size: int) -> None:
+        self.num_cpu_blocks = num_cpu_blocks
+        self.block_size = block_size
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.swapped: dict[str, tuple[list[int], int]] = {}  # req id -> (cpu blocks, computed tokens)
+        self._out: list[tuple[int, int]] = []
+        self._in: list[tuple[int, int]] = []
+        self.num_swapped_out = 0  # cumulative requests
+
+    def swap_out(self, req: Request, gpu_block_ids: list[int]) -> bool:
+        """Reserve CPU blocks for the request's computed KV; False -> recompute instead."""
+        n = -(-req.num_computed_tokens // self.block_size)
+        if n == 0 or n > len(self.free_cpu_blocks):
+            return False
+        cpu = [self.free_cpu_blocks.pop() for _ in range(n)]
+        self._out.extend(zip(gpu_block_ids[:n], cpu))
+        self.swapped[req.request_id] = (cpu, req.num_computed_tokens)
+        self.num_swapped_out += 1
+        return True
+
+    def swapped_num_computed(self, req: Request) -> int | None:
+        entry = self.swapped.get(req.request_id)
+        return entry[1] if entry else None
+
+    def swap_in(self, req: Request, gpu_block_ids: list[int]) -> None:
+        cpu, _ = self.swapped.pop(req.request_id)
+        self._in.extend(zip(cpu, gpu_block_ids[: len(cpu)]))
+        # Free now: a later swap-out reuses them only in a later step, whose copy runs after this one.
+        self.free_cpu_blocks.extend(reversed(cpu))
+
+    def drop(self, req: Request) -> None:
+        """A swapped-out request finished or was aborted: its CPU blocks go back."""
+        entry = self.swapped.pop(req.request_id, None)
+        if entry:
+            self.free_cpu_blocks.extend(reversed(entry[0]))
+
+    def take_pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        out, inn = self._out, self._in
+        self._out, self._in = [], []
+        return out, inn
+
+    def check_invariants(self) -> None:
+        held = sum(len(c) for c, _ in self.swapped.values())
+        assert held + len(self.free_cpu_blocks) == self.num_cpu_blocks, "CPU swap blocks leaked"
+        assert len(set(self.free_cpu_blocks)) == len(self.free_cpu_blocks), "CPU block freed twice"
