@@ -23,6 +23,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-reliability"))
 
 
+# Every limit flag lowered (test_limits.py), and a tiny admission capacity (test_load.py): 2 running
+# + 2 queued sequences.
+LOW_LIMITS = ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--max-num-seqs", "2",
+              "--max-num-queued-reqs", "2", "--max-n", "3", "--max-stop-strings", "2", "--max-stop-string-len", "8",
+              "--max-logit-bias-entries", "2", "--max-prompt-bytes", "1000", "--max-logprobs", "3",
+              "--h11-max-header-count", "20", "--h11-max-incomplete-event-size", "4096", "--disable-log-requests"]
+
+
+@pytest.fixture(scope="package")
+def low_limits_server(tiny_model_dir: Path):
+    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *LOW_LIMITS])
+    yield s
+    s.stop()
+
+
 @pytest.fixture
 def start_server(tiny_model_dir: Path):
     """`start_server([...flags], env=..., api_key=...)`; every server started is stopped at the end."""

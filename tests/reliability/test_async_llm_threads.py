@@ -29,14 +29,27 @@ async def drain(stream) -> str:
     return "".join([o.outputs[0].text async for o in stream])
 
 
-@pytest.fixture
-def engine(tiny_model_dir: Path):
-    e = make_engine(tiny_model_dir)
-    yield e
-    e.shutdown()
+class Bound:
+    """One engine and the one event loop its threads post to, for the whole module."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
 
 
-def test_detokenization_is_off_the_event_loop(engine: AsyncLLM):
+@pytest.fixture(scope="module")
+def bound(tiny_model_dir: Path):
+    b = Bound(make_engine(tiny_model_dir))
+    yield b
+    b.engine.shutdown()
+    b.loop.close()
+
+
+def test_detokenization_is_off_the_event_loop(bound: Bound):
+    engine = bound.engine
     threads = set()
     original = engine.output_processor.process_outputs
 
@@ -50,11 +63,15 @@ def test_detokenization_is_off_the_event_loop(engine: AsyncLLM):
         await drain(await engine.add_request("a", "Hello", params()))
         return threading.get_ident()
 
-    loop_thread = asyncio.run(run())
+    try:
+        loop_thread = bound.run(run())
+    finally:
+        engine.output_processor.process_outputs = original
     assert threads and loop_thread not in threads
 
 
-def test_output_thread_crash_kills_the_engine(engine: AsyncLLM):
+def test_output_thread_crash_kills_the_engine(tiny_model_dir: Path):
+    engine = make_engine(tiny_model_dir)  # its own: this one dies
     calls = 0
     original = engine.output_processor.process_outputs
 
@@ -78,11 +95,16 @@ def test_output_thread_crash_kills_the_engine(engine: AsyncLLM):
         with pytest.raises(EngineDeadError):
             await engine.add_request("y", "Hello", params())
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
     assert len(died) == 1 and engine.get_num_unfinished_requests() == 0
 
 
-def test_request_id_reuse_right_after_an_abort_gets_only_its_own_tokens(engine: AsyncLLM):
+def test_request_id_reuse_right_after_an_abort_gets_only_its_own_tokens(bound: Bound):
+    engine = bound.engine
+
     async def run() -> tuple[str, str]:
         reference = await drain(await engine.add_request("ref", "Reuse me", params(max_tokens=12)))
         for _ in range(5):  # abort mid-flight, then reuse the id at once
@@ -93,12 +115,14 @@ def test_request_id_reuse_right_after_an_abort_gets_only_its_own_tokens(engine: 
             assert again == reference
         return reference, again
 
-    reference, again = asyncio.run(run())
+    reference, again = bound.run(run())
     assert reference and again == reference
     assert engine.get_num_unfinished_requests() == 0
 
 
-def test_fail_all_requests_and_refuse_new(engine: AsyncLLM):
+def test_fail_all_requests_and_refuse_new(bound: Bound):
+    """Last in this module: the engine refuses new requests afterwards."""
+    engine = bound.engine
     last = []
     engine.stat_loggers.append(lambda s, it: last.append(s))
 
@@ -123,5 +147,5 @@ def test_fail_all_requests_and_refuse_new(engine: AsyncLLM):
             await asyncio.sleep(0.01)
         raise AssertionError(f"engine not idle: {last[-1]}")
 
-    asyncio.run(run())
+    bound.run(run())
     assert engine.get_num_unfinished_requests() == 0

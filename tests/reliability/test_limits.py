@@ -14,21 +14,15 @@ from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 from pagedllm.entrypoints.openai.errors import APIError
 from tests.entrypoints.openai.conftest import RemoteOpenAIServer
-from tests.reliability.conftest import BASE_FLAGS, MODEL, assert_idle, assert_openai_error
+from tests.reliability.conftest import MODEL, assert_idle, assert_openai_error
 
-LOW = ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--max-num-seqs", "2",
-       "--max-num-queued-reqs", "2", "--max-n", "3", "--max-stop-strings", "2", "--max-stop-string-len", "8",
-       "--max-logit-bias-entries", "2", "--max-prompt-bytes", "1000", "--max-logprobs", "3",
-       "--h11-max-header-count", "20", "--h11-max-incomplete-event-size", "4096"]
 CMPL = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *LOW])
-    yield s
-    s.stop()
+@pytest.fixture
+def server(low_limits_server: RemoteOpenAIServer) -> RemoteOpenAIServer:
+    return low_limits_server
 
 
 @pytest.mark.parametrize(

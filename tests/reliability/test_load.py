@@ -1,4 +1,4 @@
-"""500 concurrent streaming requests against a server that admits at most 4 running + 4 queued
+"""500 concurrent streaming requests against a server that admits at most 2 running + 2 queued
 sequences: every request either streams exactly the right text (one finish_reason, usage, [DONE])
 or gets 503 with Retry-After at once. None is lost, none duplicated, and the server's counters
 show that refused requests never reached the engine."""
@@ -12,18 +12,15 @@ import httpx
 from tests.reliability.conftest import MODEL, assert_idle, assert_openai_error, parse_sse
 
 NUM_CLIENTS = 500
-MAX_NUM_SEQS = 4
-MAX_QUEUED = 4
+MAX_NUM_SEQS = 2  # LOW_LIMITS
+MAX_QUEUED = 2
 PROMPTS = [f"Load test prompt {i}: tell me about topic {i * 3}" for i in range(10)]
 MAX_TOKENS = 6
 
 
-def test_500_concurrent_streams_complete_or_get_503(start_server):
-    server = start_server(
-        ["--max-model-len", "256", "--num-gpu-blocks-override", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
-         "--max-num-queued-reqs", str(MAX_QUEUED), "--disable-log-requests"]
-    )
-    before = server.metrics()
+def test_500_concurrent_streams_complete_or_get_503(low_limits_server):
+    server = low_limits_server
+    before = assert_idle(server)
 
     async def run() -> tuple[list[dict], list[tuple[str, object]]]:
         limits = httpx.Limits(max_connections=NUM_CLIENTS + 10, max_keepalive_connections=NUM_CLIENTS + 10)
