@@ -4,8 +4,12 @@
     pagedllm serve M --port 8000           (pagedllm/entrypoints/cli.py)
 
 Endpoints: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /v1/models,
-/health, /version, /metrics. Request bodies are read and validated here (not by FastAPI), so every
-refusal is a 400 with OpenAI's error body, never FastAPI's 422.
+/health, /version, /metrics. Request bodies are read and validated by us (http_io.py), not by
+FastAPI, so every refusal is a 400 with OpenAI's error body, never FastAPI's 422.
+
+Hardening lives beside this file: limits.py (per-request limits), admission.py (503 when full),
+middleware.py (headers, draining, API keys), http_io.py (bodies, disconnects, stalled streams),
+shutdown.py (SIGTERM drain). docs/LIMITS.md lists every limit with its flag.
 """
 
 from __future__ import annotations
