@@ -105,6 +105,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K, num_threads)
     lib.gguf_gemm.argtypes = [i32, p, i64, p, p, i64, i64, i64, i64, i32]
     lib.gguf_gemm.restype = None
+    # gguf_dequantize(kind, w, out, N, K, num_threads)
+    lib.gguf_dequantize.argtypes = [i32, p, p, i64, i64, i32]
+    lib.gguf_dequantize.restype = None
     # write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens, row)
     lib.write_kv_cache.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
     lib.write_kv_cache.restype = None

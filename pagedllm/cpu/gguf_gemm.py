@@ -92,3 +92,16 @@ def gguf_matmul(x: torch.Tensor, w: PackedGGUFWeight, out: torch.Tensor | None =
     lib.gguf_gemm(w.kind, x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), out.stride(0),
                   m, w.out_features, w.in_features, torch.get_num_threads())
     return out
+
+
+def gguf_dequantize(w: PackedGGUFWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense float32 (N, K) weight, equal to gguf-py's dequantize of the original blocks."""
+    lib = load_cpu_kernels()
+    assert lib is not None, "gguf_dequantize needs the compiled CPU kernels"
+    if out is None:
+        out = torch.empty((w.out_features, w.in_features), dtype=torch.float32)
+    if out.shape != (w.out_features, w.in_features) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 ({w.out_features}, {w.in_features}) tensor")
+    lib.gguf_dequantize(w.kind, w.data.data_ptr(), out.data_ptr(), w.out_features, w.in_features,
+                        torch.get_num_threads())
+    return out

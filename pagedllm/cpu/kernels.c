@@ -243,6 +243,43 @@ void gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, l
     }
 }
 
+/* The dense float32 weight (N, K), row-major, from its tiles: for long prefills, which MKL multiplies
+ * faster than gguf_gemm once the weight is dense (the same float32 values as gguf-py's dequantize). */
+void gguf_dequantize(int kind, const uint8_t *w, float *out, long N, long K, int num_threads) {
+    const int nblocks = (int)(K / QK);
+    const long ntiles = (N + TILE - 1) / TILE;
+    const long tile_bytes = (long)nblocks * (kind == 4 ? Q4_TILE_BLOCK_BYTES : Q8_TILE_BLOCK_BYTES);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long t = 0; t < ntiles; t++) {
+        const uint8_t *tile = w + t * tile_bytes;
+        const int nc = (int)((N - t * TILE) < TILE ? (N - t * TILE) : TILE);
+        float buf[QK][TILE]; /* one block: 32 k x 16 rows */
+        for (int b = 0; b < nblocks; b++) {
+            if (kind == 4) {
+                const uint8_t *blk = tile + (long)b * Q4_TILE_BLOCK_BYTES;
+                const f32x16 d = load_f16x16((const uint16_t *)blk);
+                const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
+                const uint8_t *q = blk + TILE * 4;
+                for (int p = 0; p < 16; p++) {
+                    i32x16 v = load_u8_i32x16(q + p * TILE);
+                    store_f32x16(buf[p], __builtin_convertvector(v & 15, f32x16) * d + m);
+                    store_f32x16(buf[p + 16], __builtin_convertvector(v >> 4, f32x16) * d + m);
+                }
+            } else {
+                const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
+                const f32x16 d = load_f16x16((const uint16_t *)blk);
+                const int8_t *q = (const int8_t *)(blk + TILE * 2);
+                for (int k = 0; k < QK; k++)
+                    store_f32x16(buf[k], __builtin_convertvector(load_s8_i32x16(q + k * TILE), f32x16) * d);
+            }
+            for (int j = 0; j < nc; j++) {
+                float *dst = out + (t * TILE + j) * K + (long)b * QK;
+                for (int k = 0; k < QK; k++) dst[k] = buf[k][j];
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------
  * 2. Paged attention for decode rows (one query token per request), reading K/V through the block
  *    table; and the KV-cache write of a step's new tokens.

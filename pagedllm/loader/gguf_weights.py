@@ -100,14 +100,19 @@ def gguf_tensor_types(path: Path) -> dict[str, str]:
 
 
 def gguf_weights_iterator(
-    path: Path, hf_config: PretrainedConfig, use_tqdm: bool = True, keep_quantized: Container[str] = ()
+    path: Path,
+    hf_config: PretrainedConfig,
+    use_tqdm: bool = True,
+    keep_quantized: Container[str] = (),
+    skip_dense: Container[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 CPU tensor in HF shape) for every tensor of the GGUF file at `path`.
 
     One tensor is dequantized at a time, so peak memory is the file's mmap plus one float32 tensor.
-    For the names in `keep_quantized` the raw blocks follow the dense tensor, as
-    (name with ".weight" -> ".qweight", uint8 (rows, bytes per row)), rows in the same HF order (q/k
-    un-permuted): a quantization method that computes on the blocks loads them (quantization/gguf.py).
+    For the names in `keep_quantized` the raw blocks are yielded too, as (name with ".weight" ->
+    ".qweight", uint8 (rows, bytes per row)), rows in the same HF order (q/k un-permuted): a
+    quantization method that computes on the blocks loads them (quantization/gguf.py). Names in
+    `skip_dense` are neither dequantized nor yielded as float32.
     """
     reader = open_gguf(path)
     arch = read_field(reader, "general.architecture")
@@ -119,18 +124,8 @@ def gguf_weights_iterator(
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue
-        # dequantize: quantized blocks (rows, bytes) -> float32 (rows, cols); numpy order = HF (out, in).
-        array = dequantize(tensor.data, tensor.tensor_type)
-        if array.dtype != np.float32 or not array.flags.writeable:
-            # F32 tensors come back as read-only views of the mmap; torch wants its own writable memory.
-            array = array.astype(np.float32)
-        weight = torch.from_numpy(array)
         # GGUF dims are stored fastest-first: shape [in, out] <-> HF (out, in).
         hf_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tuple(weight.shape) != hf_shape:
-            weight = weight.reshape(hf_shape)
-        weight = _unpermute(weight, hf_name, permute, num_heads, num_kv_heads)
-        yield hf_name, weight
         if hf_name in keep_quantized:
             # Quantized tensors are (rows, bytes per row) uint8 views of the mmap: rows are HF's
             # output rows, so the same row un-permutation applies to whole rows of blocks.
@@ -140,6 +135,17 @@ def gguf_weights_iterator(
                                  f"{hf_shape[0]} rows of blocks; got {tuple(raw.shape)}")
             yield hf_name.removesuffix(".weight") + ".qweight", _unpermute(raw, hf_name, permute, num_heads,
                                                                             num_kv_heads)
+        if hf_name in skip_dense:
+            continue
+        # dequantize: quantized blocks (rows, bytes) -> float32 (rows, cols); numpy order = HF (out, in).
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if array.dtype != np.float32 or not array.flags.writeable:
+            # F32 tensors come back as read-only views of the mmap; torch wants its own writable memory.
+            array = array.astype(np.float32)
+        weight = torch.from_numpy(array)
+        if tuple(weight.shape) != hf_shape:
+            weight = weight.reshape(hf_shape)
+        yield hf_name, _unpermute(weight, hf_name, permute, num_heads, num_kv_heads)
 
 
 def _unpermute(weight: torch.Tensor, hf_name: str, permute: bool, num_heads: int, num_kv_heads: int) -> torch.Tensor:

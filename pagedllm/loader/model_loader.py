@@ -45,9 +45,11 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, seed=model_config.seed)
     else:
+        # A config that computes on a checkpoint's quantized blocks names the tensors it takes raw.
         names_fn = getattr(quant_config, "quantized_weight_names", None)
-        keep_quantized = names_fn(model) if names_fn is not None else ()
-        weights = iter_weights(model_config.source, model_config.load_format, keep_quantized=keep_quantized)
+        keep_quantized, skip_dense = names_fn(model) if names_fn is not None else ((), ())
+        weights = iter_weights(model_config.source, model_config.load_format, keep_quantized=keep_quantized,
+                               skip_dense=skip_dense)
         # Floating tensors take the run dtype; raw quantized blocks (uint8) stay as they are.
         model.load_weights(
             (name, t.to(device=device, dtype=model_config.dtype) if t.is_floating_point() else t.to(device))

@@ -50,13 +50,18 @@ def resolve_load_format(source: ModelSource, load_format: str = "auto") -> str:
 
 
 def iter_weights(
-    source: ModelSource, load_format: str = "auto", use_tqdm: bool = True, keep_quantized: Container[str] = ()
+    source: ModelSource,
+    load_format: str = "auto",
+    use_tqdm: bool = True,
+    keep_quantized: Container[str] = (),
+    skip_dense: Container[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF tensor name, CPU tensor) for every tensor of the checkpoint.
 
     Validation happens here, at call time, not at the first `next()`. Safetensors tensors keep their
-    stored dtype; GGUF tensors are dequantized to float32 (and, for the names in `keep_quantized`,
-    also yielded as raw uint8 blocks named `.qweight`). The caller casts floats to the model's dtype.
+    stored dtype; GGUF tensors are dequantized to float32 (for the names in `keep_quantized` the raw
+    uint8 blocks come as `.qweight` too, and names in `skip_dense` come only that way; see
+    gguf_weights_iterator). The caller casts floats to the model's dtype.
     """
     fmt = resolve_load_format(source, load_format)
     if fmt == "dummy":
@@ -66,7 +71,7 @@ def iter_weights(
         )
     if fmt == "gguf":
         return gguf_weights_iterator(source.path, source.hf_config, use_tqdm=use_tqdm,
-                                     keep_quantized=keep_quantized)
+                                     keep_quantized=keep_quantized, skip_dense=skip_dense)
     return safetensors_weights_iterator(safetensors_files(source.path), use_tqdm=use_tqdm)
 
 

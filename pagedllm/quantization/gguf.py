@@ -6,14 +6,16 @@ is ~540 MB as dense float32 but ~97 MB as its Q4_1 / Q8_0 blocks. The C kernel
 takes the exact float32 value the dequantized checkpoint has, so results equal a dense float32
 matmul up to the order of the float32 sums (greedy outputs are those of the float32 model).
 
-Each quantized layer holds two copies: the packed blocks for steps of at most `max_packed_rows`
-tokens (decode, small prefill chunks) and the dense float32 weight, which MKL multiplies faster
-for long prefills. The dense copy is not read during decode, so it costs memory, not bandwidth.
+Steps of more than `max_packed_rows` tokens (long prefills) dequantize the layer's blocks into a
+shared scratch buffer and let MKL multiply: there a dense GEMM is ~1.5x faster than the block
+kernel, and the dequantized values are bit for bit the dense checkpoint's (prefill is exactly the
+float32 path). No dense copy of a linear weight is kept; the token embedding keeps its dense table
+for the lookup, and its blocks serve the (tied) LM head.
 
-How the blocks arrive: the GGUF weight iterator yields `<name>.qweight` (the raw uint8 blocks of
-each row, q/k rows un-permuted like the dense tensor) beside `<name>.weight` for every tensor this
-config names in `quantized_weight_names()`; the layer's usual `weight_loader` places them into
-the fused qkv / gate_up rows, and `process_weights_after_loading` repacks them for the kernel.
+How the blocks arrive: for the tensors `quantized_weight_names()` names, the GGUF weight iterator
+yields `<name>.qweight` (the raw uint8 blocks of each row, q/k rows un-permuted like the dense
+tensor); the layer's usual `weight_loader` places them into the fused qkv / gate_up rows, and
+`process_weights_after_loading` repacks them for the kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.cpu.gguf_gemm import BLOCK_BYTES, QK, SUPPORTED_TYPES, PackedGGUFWeight, gguf_matmul, pack_gguf_rows
+from pagedllm.cpu.gguf_gemm import (
+    BLOCK_BYTES,
+    QK,
+    SUPPORTED_TYPES,
+    PackedGGUFWeight,
+    gguf_dequantize,
+    gguf_matmul,
+    pack_gguf_rows,
+)
 from pagedllm.layers.utils import set_weight_attrs
 from pagedllm.quantization.base import (
     LinearMethodBase,
@@ -36,20 +46,23 @@ from pagedllm.quantization.base import (
 
 logger = logging.getLogger(__name__)
 
-# Steps with more rows than this use the dense float32 weight (MKL is faster on long prefills;
-# measured on a 2-core AVX-512 Xeon, see docs/CPU_PROFILE.md). Decode batches up to the CPU
-# default max_num_seqs (64) always take the packed blocks.
+# Steps with more rows than this dequantize and use MKL (faster from ~64 rows on a 2-core AVX-512
+# Xeon, see docs/CPU_PROFILE.md). Decode batches up to the CPU default max_num_seqs (64) always
+# take the block kernel.
 DEFAULT_MAX_PACKED_ROWS = 64
 
 
 class GGUFConfig(QuantizationConfig):
     """Which layers of a GGUF checkpoint compute on their blocks, from the file's tensor types."""
 
-    def __init__(self, tensor_types: dict[str, str], max_packed_rows: int = DEFAULT_MAX_PACKED_ROWS) -> None:
+    def __init__(self, tensor_types: dict[str, str], max_packed_rows: int = DEFAULT_MAX_PACKED_ROWS,
+                 tie_word_embeddings: bool = False) -> None:
         super().__init__()
         # HF weight name -> GGML type name, e.g. "model.layers.0.mlp.down_proj.weight" -> "Q4_1"
         self.tensor_types = dict(tensor_types)
         self.max_packed_rows = max_packed_rows
+        # A tied LM head takes the embedding's method (and skips any output.weight in the file).
+        self.tie_word_embeddings = tie_word_embeddings
 
     def get_name(self) -> str:
         return "gguf"
@@ -68,7 +81,8 @@ class GGUFConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GGUFConfig:
         return cls(cls.get_from_keys(config, ["tensor_types"]),
-                   cls.get_from_keys(config, ["max_packed_rows"], DEFAULT_MAX_PACKED_ROWS))
+                   cls.get_from_keys(config, ["max_packed_rows"], DEFAULT_MAX_PACKED_ROWS),
+                   cls.get_from_keys(config, ["tie_word_embeddings"], False))
 
     def _checkpoint_weight_names(self, prefix: str) -> list[str]:
         # "model.layers.0.self_attn.qkv_proj" -> [... q_proj.weight, ... k_proj.weight, ... v_proj.weight]
@@ -86,10 +100,10 @@ class GGUFConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from pagedllm.layers.linear import LinearBase
-        from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+        from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
         qtype = self.block_type(prefix)
-        if qtype is None:
+        if qtype is None or (self.tie_word_embeddings and isinstance(layer, ParallelLMHead)):
             return None
         if isinstance(layer, LinearBase):
             return GGUFLinearMethod(qtype, self.max_packed_rows)
@@ -97,17 +111,27 @@ class GGUFConfig(QuantizationConfig):
             return GGUFEmbeddingMethod(qtype, self.max_packed_rows)
         return None
 
-    def quantized_weight_names(self, model: nn.Module) -> set[str]:
-        """Checkpoint weight names whose raw blocks the model's layers take (as `.qweight`)."""
-        names: set[str] = set()
+    def quantized_weight_names(self, model: nn.Module) -> tuple[set[str], set[str]]:
+        """(checkpoint weights the layers take as raw blocks, those of them not wanted dense too)."""
+        keep: set[str] = set()
+        skip_dense: set[str] = set()
         for prefix, module in model.named_modules():
-            if isinstance(getattr(module, "quant_method", None), _GGUFMethodMixin) and hasattr(module, "qweight"):
-                names.update(self._checkpoint_weight_names(prefix))
-        return names
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, _GGUFMethodMixin) and hasattr(module, "qweight"):
+                names = self._checkpoint_weight_names(prefix)
+                keep.update(names)
+                if not method.keeps_dense_weight:
+                    skip_dense.update(names)
+        return keep, skip_dense
 
 
 class _GGUFMethodMixin:
     """Shared by the linear and embedding methods: the raw-block parameter and its repacking."""
+
+    keeps_dense_weight = False
+    # One dense scratch buffer for every layer's long-prefill dequantization (the engine runs one
+    # layer at a time, from one thread): the largest weight's size, not the model's.
+    _scratch = torch.empty(0)
 
     def __init__(self, qtype: str, max_packed_rows: int) -> None:
         self.qtype = qtype
@@ -124,15 +148,21 @@ class _GGUFMethodMixin:
         set_weight_attrs(qweight, attrs)
         layer.register_parameter("qweight", qweight)
 
-    def _pack(self, layer: nn.Module) -> PackedGGUFWeight:
-        packed = pack_gguf_rows(layer.qweight.data, self.qtype, layer.weight.shape[1])
+    def _pack(self, layer: nn.Module, in_features: int) -> PackedGGUFWeight:
+        packed = pack_gguf_rows(layer.qweight.data, self.qtype, in_features)
         del layer.qweight  # the raw blocks are no longer needed
         return packed
 
-    def _matmul(self, packed: PackedGGUFWeight, weight: torch.Tensor, x: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.max_packed_rows or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, weight, bias)
+    def _matmul(self, packed: PackedGGUFWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+            raise ValueError(f"GGUF block kernels take float32 CPU (tokens, features) input, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        if x.shape[0] > self.max_packed_rows:
+            numel = packed.out_features * packed.in_features
+            if _GGUFMethodMixin._scratch.numel() < numel:
+                _GGUFMethodMixin._scratch = torch.empty(numel)
+            dense = _GGUFMethodMixin._scratch[:numel].view(packed.out_features, packed.in_features)
+            return F.linear(x, gguf_dequantize(packed, dense), bias)
         out = gguf_matmul(x, packed)
         if bias is not None:
             out += bias
@@ -140,6 +170,8 @@ class _GGUFMethodMixin:
 
 
 class GGUFLinearMethod(_GGUFMethodMixin, LinearMethodBase):
+    """Only the blocks: no dense weight (prefills dequantize into the shared scratch)."""
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -150,15 +182,16 @@ class GGUFLinearMethod(_GGUFMethodMixin, LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        _create_dense_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
-                             extra_weight_attrs)
+        if params_dtype != torch.float32:
+            raise ValueError(f"GGUF block kernels compute in float32, not {params_dtype}")
         self._create_qweight(layer, input_size_per_partition, sum(output_partition_sizes), extra_weight_attrs)
+        layer.gguf_in_features = input_size_per_partition
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.gguf_packed = self._pack(layer)
+        layer.gguf_packed = self._pack(layer, layer.gguf_in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._matmul(layer.gguf_packed, layer.weight, x, bias)
+        return self._matmul(layer.gguf_packed, x, bias)
 
 
 class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
@@ -167,6 +200,8 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
     A tied LM head shares this method object with the embedding (`ParallelLMHead.tie_weights`), so
     the packed blocks live on the method, not on one of the two layers.
     """
+
+    keeps_dense_weight = True  # the lookup reads dense rows
 
     def __init__(self, qtype: str, max_packed_rows: int) -> None:
         super().__init__(qtype, max_packed_rows)
@@ -188,14 +223,18 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qweight"):  # the tied LM head has none: it reuses the embedding's blocks
-            self.packed = self._pack(layer)
+            self.packed = self._pack(layer, layer.weight.shape[1])
 
     def embedding(self, layer: nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_, layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         assert self.packed is not None, "process_weights_after_loading has not run"
-        return self._matmul(self.packed, layer.weight, x, bias)
+        # The LM head sees one row per sampled request: always the block kernel (no 113 MB scratch).
+        out = gguf_matmul(x, self.packed)
+        if bias is not None:
+            out += bias
+        return out
 
 
 def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | None:
@@ -219,12 +258,12 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
     if load_cpu_kernels() is None:
         return None
     types = gguf_tensor_types(source.path)
-    config = GGUFConfig(types)
+    config = GGUFConfig(types, tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)))
     kept = sorted({t for t in types.values() if t in SUPPORTED_TYPES})
     dense = sorted({t for t in types.values() if t not in SUPPORTED_TYPES and t not in ("F32", "F16", "BF16")})
     logger.info(
         "CPU weights: GGUF %s blocks computed in place (float32 activations, %s kernels, %d threads); "
-        "dense float32 for steps over %d tokens%s",
+        "steps over %d tokens dequantize per layer for MKL%s",
         "/".join(kept) or "no", cpu_isa(), torch.get_num_threads(), config.max_packed_rows,
         f"; {'/'.join(dense)} tensors dequantized (no kernel)" if dense else "",
     )
