@@ -41,7 +41,7 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.llm_engine import load_tokenizer
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
@@ -136,15 +136,6 @@ class _LiveRequest:
     internal_id: str  # unique for this engine's lifetime; the parent id of n > 1 children
     core_ids: list[str]
     collector: RequestOutputCollector
-
-
-@dataclass
-class _Prepared:
-    """What the worker pool builds for one request (tokens, validated params, per-choice state)."""
-
-    states: list[RequestState]
-    requests: list[Request]
-    output_kind: RequestOutputKind
 
 
 class RequestOutputStream:
@@ -266,7 +257,9 @@ class AsyncLLM:
         try:
             internal_id = f"{request_id}-{next(self._seq)}"
             arrival_time = arrival_time if arrival_time is not None else time.time()
-            prep = await self.run_in_tokenizer_pool(self._prepare, internal_id, prompt, sampling_params, arrival_time)
+            prep = await self.run_in_tokenizer_pool(
+                self.processor.process_request, internal_id, prompt, sampling_params, arrival_time
+            )
             self._check_accepting()
         except BaseException:
             self._ids_in_use.pop(request_id, None)
@@ -281,28 +274,6 @@ class AsyncLLM:
         self._outq.put(("states", prep.states))
         self._inputs.put(("add", prep.requests))
         return RequestOutputStream(self, live)
-
-    def _prepare(
-        self, internal_id: str, prompt: PromptType, sampling_params: SamplingParams, arrival_time: float
-    ) -> _Prepared:
-        """Runs in the worker pool: tokenize, check against the model, fan out n > 1."""
-        pp = self.processor.tokenize_prompt(prompt)
-        final = self.processor.finalize_params(sampling_params, len(pp.prompt_token_ids))
-        parent = ParentRequest(internal_id, final.n, final.output_kind) if final.n > 1 else None
-        children: list[tuple[str, SamplingParams]] = (
-            [(parent.child_id(i), self.processor.child_params(final, i)) for i in range(final.n)]
-            if parent
-            else [(internal_id, final)]
-        )
-        states, requests = [], []
-        for index, (core_id, params) in enumerate(children):
-            states.append(
-                RequestState(
-                    core_id, parent, index, pp.prompt, pp.prompt_token_ids, params, self.tokenizer, arrival_time
-                )
-            )
-            requests.append(Request(core_id, pp.prompt_token_ids, params, arrival_time, pp.cache_salt))
-        return _Prepared(states, requests, final.output_kind)
 
     def _check_accepting(self) -> None:
         if self.dead_error is not None:

@@ -8,10 +8,9 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -50,27 +49,13 @@ class LLMEngine:
     ) -> None:
         """Validate everything first, then queue: a bad request leaves no trace."""
         arrival_time = arrival_time if arrival_time is not None else time.time()
-        pp = self.processor.tokenize_prompt(prompt)
-        final = self.processor.finalize_params(params, len(pp.prompt_token_ids))
-        parent = ParentRequest(request_id, final.n, final.output_kind) if final.n > 1 else None
-        children: list[tuple[str, SamplingParams]] = (
-            [(parent.child_id(i), self.processor.child_params(final, i)) for i in range(final.n)]
-            if parent
-            else [(request_id, final)]
-        )
+        prep = self.processor.process_request(request_id, prompt, params, arrival_time)
         added: list[str] = []
         try:
-            for index, (core_id, child_params) in enumerate(children):
-                self.engine_core.add_request(
-                    Request(core_id, pp.prompt_token_ids, child_params, arrival_time, pp.cache_salt)
-                )
-                added.append(core_id)
-                self.output_processor.add_request(
-                    RequestState(
-                        core_id, parent, index, pp.prompt, pp.prompt_token_ids, child_params, self.tokenizer,
-                        arrival_time,
-                    )
-                )
+            for request, state in zip(prep.requests, prep.states):
+                self.engine_core.add_request(request)
+                added.append(request.request_id)
+                self.output_processor.add_request(state)
         except ValueError:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)

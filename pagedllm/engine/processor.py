@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagedllm.config import EngineConfig
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.output_processor import ParentRequest, RequestState
+from pagedllm.request import Request
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
 PromptType = Union[str, Mapping[str, Any], list[int]]
@@ -25,6 +27,15 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None = None
+
+
+@dataclass
+class ProcessedRequest:
+    """One user request, ready for the core: a Request and a RequestState per choice (n > 1 fans out)."""
+
+    requests: list[Request]
+    states: list[RequestState]
+    output_kind: RequestOutputKind
 
 
 class Processor:
@@ -107,3 +118,24 @@ class Processor:
         if params.seed is not None:
             child.seed = params.seed + index
         return child
+
+    def process_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float
+    ) -> ProcessedRequest:
+        """Tokenize, validate against the model, and fan out n > 1 into child requests
+        ("{index}_{request_id}") gathered back by a ParentRequest. Raises ValueError, queues nothing."""
+        pp = self.tokenize_prompt(prompt)
+        final = self.finalize_params(params, len(pp.prompt_token_ids))
+        parent = ParentRequest(request_id, final.n, final.output_kind) if final.n > 1 else None
+        children = (
+            [(parent.child_id(i), self.child_params(final, i)) for i in range(final.n)]
+            if parent
+            else [(request_id, final)]
+        )
+        requests, states = [], []
+        for index, (core_id, child) in enumerate(children):
+            requests.append(Request(core_id, pp.prompt_token_ids, child, arrival_time, pp.cache_salt))
+            states.append(
+                RequestState(core_id, parent, index, pp.prompt, pp.prompt_token_ids, child, self.tokenizer, arrival_time)
+            )
+        return ProcessedRequest(requests, states, final.output_kind)

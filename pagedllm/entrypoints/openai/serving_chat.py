@@ -189,7 +189,7 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=model_name,
             choices=choices,
-            usage=self.usage(len(final.prompt_token_ids), num_generated),
+            usage=self.usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
             prompt_token_ids=list(final.prompt_token_ids) if return_token_ids else None,
         )
 
@@ -207,11 +207,12 @@ class OpenAIServingChat(OpenAIServing):
         include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
         return_token_ids = bool(request.return_token_ids)
         completion_tokens = [0] * params.n
+        cached_tokens = 0
 
         def chunk(choice: ChatCompletionResponseStreamChoice | None, first: bool = False) -> str:
             usage = None
             if continuous_usage or choice is None:
-                usage = self.usage(len(prompt_token_ids), sum(completion_tokens))
+                usage = self.usage(len(prompt_token_ids), sum(completion_tokens), cached_tokens)
             return sse(
                 ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[choice] if choice else [], usage=usage,
@@ -229,6 +230,7 @@ class OpenAIServingChat(OpenAIServing):
                     first=True,
                 )
             async for out in stream:
+                cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens[c.index] += len(c.token_ids)
                     if not c.text and c.finish_reason is None and not c.logprobs and not return_token_ids:

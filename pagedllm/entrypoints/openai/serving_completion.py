@@ -165,10 +165,11 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:  # refused by the engine core after queueing
             raise APIError(str(e)) from None
         choices = []
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         for i in range(len(streams)):
             final = finals[i]
             prompt_tokens += len(final.prompt_token_ids)
+            cached_tokens += final.num_cached_tokens
             for c in final.outputs:
                 completion_tokens += len(c.token_ids)
                 choice = self._choice(i * params.n + c.index, c, params, echoes[i], 0)
@@ -181,7 +182,7 @@ class OpenAIServingCompletion(OpenAIServing):
             created=created,
             model=model_name,
             choices=choices,
-            usage=self.usage(prompt_tokens, completion_tokens),
+            usage=self.usage(prompt_tokens, completion_tokens, cached_tokens),
         )
 
     def _choice(
@@ -209,12 +210,17 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
         completion_tokens = 0
+        cached: dict[int, int] = {}  # prompt index -> tokens served from the prefix cache
         # Per choice index: characters sent so far (for logprobs' text_offset) and whether the
         # echoed prompt went out.
         sent_chars: dict[int, int] = {}
 
         def chunk(choice: CompletionResponseStreamChoice | None) -> str:
-            usage = self.usage(num_prompt_tokens, completion_tokens) if continuous_usage or choice is None else None
+            usage = (
+                self.usage(num_prompt_tokens, completion_tokens, sum(cached.values()))
+                if continuous_usage or choice is None
+                else None
+            )
             return sse(
                 CompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[choice] if choice else [], usage=usage
@@ -223,6 +229,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for i, out in merge_streams(streams):
+                cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     index = i * params.n + c.index
                     completion_tokens += len(c.token_ids)

@@ -233,9 +233,14 @@ class OpenAIServing:
 
     # -- output formatting -------------------------------------------------------------------------
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens counts prompt tokens served from
+        the prefix cache (as OpenAI reports it, and vLLM with --enable-prompt-tokens-details)."""
         return UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": cached_tokens},
         )
 
     @staticmethod

@@ -25,7 +25,9 @@ def test_stream_equals_non_stream_and_usage(client, tiny_tokenizer):
     chunks = streamed(client, prompt=PROMPT, max_tokens=20, temperature=0, stream_options={"include_usage": True})
     assert "".join(ch.text for c in chunks for ch in c.choices) == full.choices[0].text
     assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["length"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     # vLLM's continuous_usage_stats: running usage on every chunk
     chunks = streamed(
         client, prompt=PROMPT, max_tokens=5, temperature=0,
@@ -102,3 +104,13 @@ def test_seed_reproducible_and_default_max_tokens(client):
     assert [c.index for c in a.choices] == [0, 1, 2]
     # OpenAI's default max_tokens for completions is 16
     assert a.usage.completion_tokens == 48
+
+
+def test_cached_tokens_in_usage(client):
+    """A second identical prompt is served from the prefix cache: usage says how much."""
+    prompt = list(range(100, 150))  # 50 token ids: 3 full blocks of 16 + 2
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 48  # only the last 2 tokens computed
+    assert second.choices[0].text == first.choices[0].text
