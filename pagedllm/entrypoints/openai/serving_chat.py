@@ -96,7 +96,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
         self.log_request(request_id, len(prompt_ids), params)
         stream = await self.add_request(
-            request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params, arrival_time, "messages"
+            request_id,
+            {"prompt": prompt_text, "prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt},
+            params,
+            arrival_time,
+            "messages",
         )
         if request.stream:
             events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text)

@@ -114,3 +114,12 @@ def test_cached_tokens_in_usage(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 48  # only the last 2 tokens computed
     assert second.choices[0].text == first.choices[0].text
+
+
+def test_cache_salt_separates_prefix_caches(client):
+    prompt = list(range(200, 250))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-b"})
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert same.usage.prompt_tokens_details.cached_tokens == 48
