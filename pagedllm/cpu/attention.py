@@ -75,8 +75,7 @@ class CpuAttentionBackend:
         lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
                            num_slots, md.slot_mapping.data_ptr(), t, row)
         nthreads = torch.get_num_threads()
-        group = num_heads // num_kv_heads
-        per_thread = group * md.max_seq_len
+        per_thread = -(-md.max_seq_len // 16) * 16  # one head's scores, rounded up to 16 (kernels.c)
         if self._scratch.numel() < per_thread * nthreads:
             self._scratch = torch.empty(per_thread * nthreads * 2)
         if self._reqs.numel() < md.num_reqs:

@@ -295,6 +295,64 @@ static inline float hsum16(f32x16 v) {
     return s;
 }
 
+/* Lane i of the result = the sum of the 16 lanes of v[i]: a transpose-and-add tree (30 two-source
+ * shuffles and 15 adds for 16 sums, instead of 16 serial horizontal sums). */
+static inline f32x16 hsum16x16(const f32x16 *v) {
+    const i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i32x16 lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i32x16 hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    f32x16 a[8], b[4], c[2];
+    /* a[k]: lanes 0-7 partial sums of v[2k], lanes 8-15 of v[2k+1] */
+    for (int k = 0; k < 8; k++)
+        a[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], lo8) + __builtin_shuffle(v[2 * k], v[2 * k + 1], hi8);
+    /* b[k]: lanes 0-3 v[4k], 4-7 v[4k+2], 8-11 v[4k+1], 12-15 v[4k+3] */
+    for (int k = 0; k < 4; k++)
+        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo4) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi4);
+    for (int k = 0; k < 2; k++)
+        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], lo2) + __builtin_shuffle(b[2 * k], b[2 * k + 1], hi2);
+    const f32x16 z = __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+    /* Lane l of z holds the sum of v[src[l]]; put each sum back in its own lane. */
+    static const int src[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    i32x16 inv;
+    for (int l = 0; l < 16; l++) inv[src[l]] = l;
+    return __builtin_shuffle(z, inv);
+}
+
+/* Lanes of a where mask (all ones), else b: C has no vector ?: (GCC's bit casts keep the bits). */
+static inline f32x16 vselect(i32x16 mask, f32x16 a, f32x16 b) {
+    return (f32x16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
+}
+
+static inline f32x16 vmax(f32x16 a, f32x16 b) { return vselect(a > b, a, b); }
+
+/* exp of 16 lanes: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), p a degree-6
+ * Taylor polynomial: within 2 ulp of expf; x < -87.3 gives 0 (softmax weights of masked-far scores). */
+static inline f32x16 exp16(f32x16 x) {
+    const f32x16 lo_lim = splat(-87.33654f);
+    x = vmax(x, lo_lim);
+    const f32x16 fn = __builtin_convertvector(__builtin_convertvector(x * splat(1.44269504088896341f) +
+                                                                          splat(12582912.0f) - splat(12582912.0f),
+                                                                      i32x16), f32x16);
+    const f32x16 r = (x - fn * splat(0.693145751953125f)) - fn * splat(1.428606765330187e-06f);
+    f32x16 p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    const i32x16 e = (__builtin_convertvector(fn, i32x16) + 127) << 23;
+    f32x16 scale;
+    memcpy(&scale, &e, sizeof scale);
+    const f32x16 y = p * scale;
+    return vselect(x <= lo_lim, splat(0.0f), y);
+}
+
 /* Copy row t of key/value (num_kv_heads * head_dim floats, row strides in floats) to its slot;
  * slot < 0 (padding) is skipped. */
 void write_kv_cache(const float *key, long key_stride, const float *value, long value_stride,
@@ -309,9 +367,94 @@ void write_kv_cache(const float *key, long key_stride, const float *value, long 
     }
 }
 
+
+/* Row pointers of positions p0 .. p0+15 (< seq) of one KV head, walking the block table block by
+ * block (no division per position). */
+static inline void kv_rows(const float *cache, const int32_t *table, int block_size, long row, long head_off,
+                           int p0, int seq, const float **rows) {
+    int b = p0 / block_size, off = p0 % block_size;
+    const float *base = cache + (long)table[b] * block_size * row + head_off;
+    for (int u = 0; u < 16 && p0 + u < seq; u++) {
+        rows[u] = base + (long)off * row;
+        if (++off == block_size) {
+            off = 0;
+            if (p0 + u + 1 < seq) base = cache + (long)table[++b] * block_size * row + head_off;
+        }
+    }
+}
+
+/* One (request, KV head) task: every query head of the group. `nv` = head_dim / 16 is a compile-time
+ * constant at each call site, so q and the output accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attn_task(
+    const float *query, long q_stride, float *out, long out_stride, const float *k_cache, const float *v_cache,
+    long row, int block_size, int group, int head_dim, int kvh, long t, int seq, const int32_t *table,
+    float scale, float *scores, const int nv) {
+    const int seq16 = (seq + 15) & ~15;
+    for (int g = 0; g < group; g++) {
+        const int h = kvh * group + g;
+        const float *q = query + t * q_stride + (long)h * head_dim;
+        f32x16 qv[16];
+        for (int j = 0; j < nv; j++) qv[j] = load_f32x16(q + 16 * j) * splat(scale);
+        /* 1. scores = q . k, 16 positions at a time, one transpose-reduce per 16 */
+        f32x16 mx = splat(-INFINITY);
+        for (int p0 = 0; p0 < seq; p0 += 16) {
+            const float *k_row[16];
+            kv_rows(k_cache, table, block_size, row, (long)kvh * head_dim, p0, seq, k_row);
+            f32x16 part[16];
+            const int n = seq - p0 < 16 ? seq - p0 : 16;
+            for (int u = 0; u < 16; u++) {
+                if (u >= n) {
+                    part[u] = splat(0.0f);
+                    continue;
+                }
+                f32x16 acc = qv[0] * load_f32x16(k_row[u]);
+                for (int j = 1; j < nv; j++) acc += qv[j] * load_f32x16(k_row[u] + 16 * j);
+                part[u] = acc;
+            }
+            f32x16 sv = hsum16x16(part);
+            for (int u = n; u < 16; u++) sv[u] = -INFINITY;
+            store_f32x16(scores + p0, sv);
+            mx = vmax(sv, mx);
+        }
+        /* 2. softmax numerators (masked lanes give 0) and their sum */
+        float m = -INFINITY;
+        for (int l = 0; l < 16; l++) m = mx[l] > m ? mx[l] : m;
+        f32x16 sum = splat(0.0f);
+        for (int p0 = 0; p0 < seq16; p0 += 16) {
+            const f32x16 e = exp16(load_f32x16(scores + p0) - splat(m));
+            store_f32x16(scores + p0, e);
+            sum += e;
+        }
+        /* 3. out = sum_pos p[pos] v[pos] / sum; two accumulator sets for independent FMA chains */
+        f32x16 o0[16], o1[16];
+        for (int j = 0; j < nv; j++) o0[j] = o1[j] = splat(0.0f);
+        for (int p0 = 0; p0 < seq; p0 += 16) {
+            const float *v_row[16];
+            kv_rows(v_cache, table, block_size, row, (long)kvh * head_dim, p0, seq, v_row);
+            const int n = seq - p0 < 16 ? seq - p0 : 16;
+            int u = 0;
+            for (; u + 1 < n; u += 2) {
+                const f32x16 pa = splat(scores[p0 + u]), pb = splat(scores[p0 + u + 1]);
+                for (int j = 0; j < nv; j++) {
+                    o0[j] += pa * load_f32x16(v_row[u] + 16 * j);
+                    o1[j] += pb * load_f32x16(v_row[u + 1] + 16 * j);
+                }
+            }
+            if (u < n) {
+                const f32x16 pa = splat(scores[p0 + u]);
+                for (int j = 0; j < nv; j++) o0[j] += pa * load_f32x16(v_row[u] + 16 * j);
+            }
+        }
+        const f32x16 inv = splat(1.0f / hsum16(sum));
+        float *dst = out + t * out_stride + (long)h * head_dim;
+        for (int j = 0; j < nv; j++) store_f32x16(dst + 16 * j, (o0[j] + o1[j]) * inv);
+    }
+}
+
 /* out[t] for the decode rows t = query_start_loc[r] of requests r in `reqs` (n_reqs of them).
  * query (T, num_heads, head_dim) with row stride q_stride; out likewise with out_stride.
- * head_dim must be a multiple of 16 and at most 256. */
+ * head_dim must be a multiple of 16 and at most 256. `scratch` holds seq_len rounded up to 16
+ * scores per thread (scratch_per_thread floats each). */
 void paged_decode_attention(const float *query, long q_stride, float *out, long out_stride,
                             const float *kv_cache, long num_slots, int block_size, int num_heads,
                             int num_kv_heads, int head_dim, const int32_t *block_table,
@@ -330,44 +473,16 @@ void paged_decode_attention(const float *query, long q_stride, float *out, long 
             tid = omp_get_thread_num();
 #endif
             const long r = reqs[i];
-            const long t = query_start_loc[r];
-            const int seq = seq_lens[r];
-            const int32_t *table = block_table + r * block_table_stride;
-            float *scores = scratch + (long)tid * scratch_per_thread; /* (group, seq) */
-            for (int g = 0; g < group; g++) {
-                const int h = kvh * group + g;
-                const float *q = query + t * q_stride + (long)h * head_dim;
-                f32x16 qv[16];
-                for (int j = 0; j < nv; j++) qv[j] = load_f32x16(q + 16 * j) * splat(scale);
-                float *s = scores + (long)g * seq;
-                float mx = -INFINITY;
-                for (int pos = 0; pos < seq; pos++) {
-                    const long slot = (long)table[pos / block_size] * block_size + pos % block_size;
-                    const float *k = k_cache + slot * row + (long)kvh * head_dim;
-                    f32x16 acc = qv[0] * load_f32x16(k);
-                    for (int j = 1; j < nv; j++) acc += qv[j] * load_f32x16(k + 16 * j);
-                    const float v = hsum16(acc);
-                    s[pos] = v;
-                    mx = v > mx ? v : mx;
-                }
-                float sum = 0.0f;
-                for (int pos = 0; pos < seq; pos++) {
-                    const float e = expf(s[pos] - mx);
-                    s[pos] = e;
-                    sum += e;
-                }
-                f32x16 o[16];
-                for (int j = 0; j < nv; j++) o[j] = splat(0.0f);
-                for (int pos = 0; pos < seq; pos++) {
-                    const long slot = (long)table[pos / block_size] * block_size + pos % block_size;
-                    const float *v = v_cache + slot * row + (long)kvh * head_dim;
-                    const f32x16 p = splat(s[pos]);
-                    for (int j = 0; j < nv; j++) o[j] += p * load_f32x16(v + 16 * j);
-                }
-                const f32x16 inv = splat(1.0f / sum);
-                float *dst = out + t * out_stride + (long)h * head_dim;
-                for (int j = 0; j < nv; j++) store_f32x16(dst + 16 * j, o[j] * inv);
+            float *scores = scratch + (long)tid * scratch_per_thread;
+#define ATTN_TASK(NV)                                                                                       \
+    attn_task(query, q_stride, out, out_stride, k_cache, v_cache, row, block_size, group, head_dim, kvh,     \
+              query_start_loc[r], seq_lens[r], block_table + r * block_table_stride, scale, scores, NV)
+            switch (nv) {
+                case 4: ATTN_TASK(4); break;
+                case 8: ATTN_TASK(8); break;
+                default: ATTN_TASK(nv); break;
             }
+#undef ATTN_TASK
         }
     }
 }
