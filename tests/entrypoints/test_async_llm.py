@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputCollector
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.output_stream import RequestOutputCollector
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import jinja2
 
-from pagedllm.engine.async_llm import AsyncLLM, RequestOutputStream
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.output_stream import RequestOutputStream
 from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError

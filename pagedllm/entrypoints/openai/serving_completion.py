@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from pagedllm.engine.async_llm import AsyncLLM, RequestOutputStream
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.output_stream import RequestOutputStream
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits

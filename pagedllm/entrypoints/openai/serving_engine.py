@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputStream
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.output_stream import RequestOutputStream
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
