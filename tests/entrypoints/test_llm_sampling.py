@@ -126,3 +126,18 @@ def test_unsupported_engine_args_fail_clearly():
         LLM(path, quantization="awq", skip_tokenizer_init=True)
     with pytest.raises(TypeError, match="not_a_flag"):
         LLM(path, not_a_flag=1)
+
+
+def test_sliding_window_caps_max_model_len(tmp_path):
+    import transformers
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                     max_position_embeddings=1024, sliding_window=256)
+    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    config = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True).create_engine_config()
+    assert config.model_config.max_model_len == 256
+    with pytest.raises(ValueError, match="sliding window"):
+        EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=512).create_engine_config()
