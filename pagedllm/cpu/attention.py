@@ -74,10 +74,10 @@ class CpuAttentionBackend:
         row = num_kv_heads * head_dim
         lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
                            num_slots, md.slot_mapping.data_ptr(), t, row)
-        nthreads = torch.get_num_threads()
+        nworkers = lib.cpu_pool_size()
         per_thread = -(-md.max_seq_len // 16) * 16  # one head's scores, rounded up to 16 (kernels.c)
-        if self._scratch.numel() < per_thread * nthreads:
-            self._scratch = torch.empty(per_thread * nthreads * 2)
+        if self._scratch.numel() < per_thread * nworkers:
+            self._scratch = torch.empty(per_thread * nworkers * 2)
         if self._reqs.numel() < md.num_reqs:
             self._reqs = torch.arange(max(md.num_reqs, 2 * self._reqs.numel()), dtype=torch.int64)
         block_table = md.block_table if md.block_table.stride(1) == 1 else md.block_table.contiguous()
@@ -86,6 +86,6 @@ class CpuAttentionBackend:
             query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(), num_slots,
             block_size, num_heads, num_kv_heads, head_dim, block_table.data_ptr(), block_table.stride(0),
             md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), self._reqs.data_ptr(), md.num_reqs, scale,
-            self._scratch.data_ptr(), per_thread, nthreads,
+            self._scratch.data_ptr(), per_thread,
         )
         return out

@@ -1,4 +1,4 @@
-"""Compile `kernels.c` once per machine and load it with ctypes.
+"""Compile `kernels.c` (and the headers it includes) once per machine and load it with ctypes.
 
 The library is built with the system C compiler (`$CC`, else cc / gcc / clang) for this CPU
 (`-march=native`) and cached under `$PAGEDLLM_CACHE_DIR` (default `~/.cache/pagedllm`)/cpu-kernels,
@@ -8,6 +8,10 @@ loads it in milliseconds. A build takes about a second (no torch headers are inv
 `load_cpu_kernels()` returns None (and says why, once, in the log) when there is no compiler or
 the build fails; callers then keep the plain torch path. `PAGEDLLM_CPU_KERNELS=0` turns the
 kernels off.
+
+`configure_cpu_threads(n)` sizes the kernels' thread pool (pool.h) and hands them torch's BLAS
+sgemm for long prefills. The kernels then own the parallelism: torch's intra-op pool drops to one
+thread, so two pools never spin against each other on a machine with few cores.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast", "-std=gnu11")
+HEADERS = ("vec.h", "pool.h", "gguf_gemm.h", "attention.h", "rows.h")
+CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-ffp-contract=fast", "-std=gnu11", "-Wno-psabi")
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 
 
@@ -76,9 +81,8 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode()
-        ).hexdigest()[:16]
+        sources = [SOURCE.read_text()] + [SOURCE.with_name(h).read_text() for h in HEADERS]
+        key = hashlib.sha256("\0".join([*sources, " ".join(CFLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
         lib_path = _cache_root() / key / "libpagedllm_cpu.so"
         if not lib_path.is_file():
             lib_path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,26 +105,74 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K, num_threads)
-    lib.gguf_gemm.argtypes = [i32, p, i64, p, p, i64, i64, i64, i64, i32]
-    lib.gguf_gemm.restype = None
-    # gguf_dequantize(kind, w, out, N, K, num_threads)
-    lib.gguf_dequantize.argtypes = [i32, p, p, i64, i64, i32]
-    lib.gguf_dequantize.restype = None
-    # write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens, row)
-    lib.write_kv_cache.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
-    lib.write_kv_cache.restype = None
-    # paged_decode_attention(query, q_stride, out, out_stride, kv_cache, num_slots, block_size, num_heads,
-    #     num_kv_heads, head_dim, block_table, block_table_stride, seq_lens, query_start_loc, reqs, n_reqs,
-    #     scale, scratch, scratch_per_thread, num_threads)
-    lib.paged_decode_attention.argtypes = [p, i64, p, i64, p, i64, i32, i32, i32, i32, p, i64, p, p, p, i64,
-                                           ctypes.c_float, p, i64, i32]
-    lib.paged_decode_attention.restype = None
-    # rms_norm(x, x_stride, residual, res_stride, residual_out, weight, out, num_tokens, hidden, eps, num_threads)
-    lib.rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, ctypes.c_float, i32]
-    lib.rms_norm.restype = None
-    # rotary_embedding(positions, q, q_stride, k, k_stride, q_out, k_out, num_tokens, num_q_heads, num_k_heads,
-    #     head_size, rotary_dim, cos_sin_cache, neox, num_threads)
-    lib.rotary_embedding.argtypes = [p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, p, i32, i32]
-    lib.rotary_embedding.restype = None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "cpu_pool_init": ([i32], i32),
+        "cpu_pool_size": ([], i32),
+        "cpu_set_sgemm": ([p], None),
+        # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K)
+        "gguf_gemm": ([i32, p, i64, p, p, i64, i64, i64, i64], None),
+        # gguf_gemm_dense(kind, x, ldx, w, y, ldy, M, N, K) -> 0 when no sgemm was set
+        "gguf_gemm_dense": ([i32, p, i64, p, p, i64, i64, i64, i64], i32),
+        # gguf_dequantize(kind, w, out, N, K)
+        "gguf_dequantize": ([i32, p, p, i64, i64], None),
+        # write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens, row)
+        "write_kv_cache": ([p, i64, p, i64, p, i64, p, i64, i64], None),
+        # paged_decode_attention(query, q_stride, out, out_stride, kv_cache, num_slots, block_size, num_heads,
+        #     num_kv_heads, head_dim, block_table, block_table_stride, seq_lens, query_start_loc, reqs, n_reqs,
+        #     scale, scratch, scratch_per_worker)
+        "paged_decode_attention": ([p, i64, p, i64, p, i64, i32, i32, i32, i32, p, i64, p, p, p, i64, f32, p, i64],
+                                   None),
+        # rms_norm(x, x_stride, residual, res_stride, residual_out, weight, out, num_tokens, hidden, eps)
+        "rms_norm": ([p, i64, p, i64, p, p, p, i64, i64, f32], None),
+        # rotary_embedding(positions, q, q_stride, k, k_stride, q_out, k_out, num_tokens, num_q_heads,
+        #     num_k_heads, head_size, rotary_dim, cos_sin_cache, neox)
+        "rotary_embedding": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, p, i32], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+
+
+def _torch_sgemm() -> int | None:
+    """Address of the Fortran `sgemm_` inside torch's CPU library (MKL in the x86 wheels), if exported."""
+    import torch
+
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = Path(torch.__file__).parent / "lib" / name
+        if path.is_file():
+            try:
+                return ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                return None
+    return None
+
+
+_configured_threads: int | None = None
+
+
+def configure_cpu_threads(num_threads: int | None = None) -> int:
+    """Size the kernels' pool (default: torch's thread count, at most the CPUs this process may use),
+    set torch's intra-op threads to 1, and log the decision once per change. Returns the pool size."""
+    global _configured_threads
+    import torch
+
+    lib = load_cpu_kernels()
+    if lib is None:
+        return torch.get_num_threads()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    n = max(1, min(num_threads or torch.get_num_threads(), usable))
+    if n == _configured_threads and lib.cpu_pool_size() == n:
+        return n
+    size = lib.cpu_pool_init(n)
+    torch.set_num_threads(1)
+    sgemm = _torch_sgemm()
+    lib.cpu_set_sgemm(sgemm)
+    _configured_threads = size
+    logger.info("CPU threads: %d kernel workers (%d CPUs usable, %s), torch intra-op 1; long prefills: %s",
+                size, usable, cpu_isa(), "torch BLAS sgemm per worker" if sgemm else "block kernel (no sgemm)")
+    return size

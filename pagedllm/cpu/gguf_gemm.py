@@ -78,8 +78,14 @@ def pack_gguf_rows(raw: np.ndarray | torch.Tensor, qtype: str, in_features: int)
     return PackedGGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(data)), n, in_features)
 
 
-def gguf_matmul(x: torch.Tensor, w: PackedGGUFWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) float32 -> (M, N) float32 = x @ W^T, W the dequantized GGUF weight."""
+def gguf_matmul(
+    x: torch.Tensor, w: PackedGGUFWeight, out: torch.Tensor | None = None, dense_min_rows: int = 64
+) -> torch.Tensor:
+    """x (M, K) float32 -> (M, N) float32 = x @ W^T, W the dequantized GGUF weight.
+
+    More than `dense_min_rows` rows: chunks of the weight are dequantized and multiplied with BLAS
+    (faster for long prefills; the same float32 weights, so only the order of the sums differs).
+    """
     lib = load_cpu_kernels()
     assert lib is not None, "gguf_matmul needs the compiled CPU kernels"
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
@@ -89,8 +95,11 @@ def gguf_matmul(x: torch.Tensor, w: PackedGGUFWeight, out: torch.Tensor | None =
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, w.out_features), dtype=torch.float32)
-    lib.gguf_gemm(w.kind, x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), out.stride(0),
-                  m, w.out_features, w.in_features, torch.get_num_threads())
+    args = (w.kind, x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), out.stride(0), m, w.out_features,
+            w.in_features)
+    # Long prefills: dequantize 64 rows at a time and multiply with BLAS (when torch's is available).
+    if m <= dense_min_rows or not lib.gguf_gemm_dense(*args):
+        lib.gguf_gemm(*args)
     return out
 
 
@@ -102,6 +111,5 @@ def gguf_dequantize(w: PackedGGUFWeight, out: torch.Tensor | None = None) -> tor
         out = torch.empty((w.out_features, w.in_features), dtype=torch.float32)
     if out.shape != (w.out_features, w.in_features) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous float32 ({w.out_features}, {w.in_features}) tensor")
-    lib.gguf_dequantize(w.kind, w.data.data_ptr(), out.data_ptr(), w.out_features, w.in_features,
-                        torch.get_num_threads())
+    lib.gguf_dequantize(w.kind, w.data.data_ptr(), out.data_ptr(), w.out_features, w.in_features)
     return out

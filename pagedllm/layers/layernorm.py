@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
         lib.rms_norm(
             x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
             residual.stride(0) if residual is not None else 0, res_out.data_ptr() if res_out is not None else None,
-            w.data_ptr(), out.data_ptr(), t, hidden, self.variance_epsilon, torch.get_num_threads(),
+            w.data_ptr(), out.data_ptr(), t, hidden, self.variance_epsilon,
         )
         return out if res_out is None else (out, res_out)
 

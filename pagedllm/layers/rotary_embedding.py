@@ -136,7 +136,7 @@ class RotaryEmbedding(nn.Module):
             positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
             q_out.data_ptr(), k_out.data_ptr(), t, query.shape[1] // self.head_size,
             key.shape[1] // self.head_size, self.head_size, self.rotary_dim, cache.data_ptr(),
-            int(self.is_neox_style), torch.get_num_threads(),
+            int(self.is_neox_style),
         )
         return q_out, k_out
 

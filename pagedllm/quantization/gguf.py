@@ -6,11 +6,11 @@ is ~540 MB as dense float32 but ~97 MB as its Q4_1 / Q8_0 blocks. The C kernel
 takes the exact float32 value the dequantized checkpoint has, so results equal a dense float32
 matmul up to the order of the float32 sums (greedy outputs are those of the float32 model).
 
-Steps of more than `max_packed_rows` tokens (long prefills) dequantize the layer's blocks into a
-shared scratch buffer and let MKL multiply: there a dense GEMM is ~1.5x faster than the block
-kernel, and the dequantized values are bit for bit the dense checkpoint's (prefill is exactly the
-float32 path). No dense copy of a linear weight is kept; the token embedding keeps its dense table
-for the lookup, and its blocks serve the (tied) LM head.
+Steps of more than `max_packed_rows` tokens (long prefills) dequantize the blocks 64 rows at a
+time into per-thread scratch and multiply with torch's BLAS sgemm (MKL): there a dense GEMM is
+~1.5x faster than the block kernel, with the same float32 weight values. No dense copy of a
+linear weight is kept; the token embedding keeps its dense table for the lookup, and its blocks
+serve the (tied) LM head.
 
 How the blocks arrive: for the tensors `quantized_weight_names()` names, the GGUF weight iterator
 yields `<name>.qweight` (the raw uint8 blocks of each row, q/k rows un-permuted like the dense
@@ -27,15 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.cpu.gguf_gemm import (
-    BLOCK_BYTES,
-    QK,
-    SUPPORTED_TYPES,
-    PackedGGUFWeight,
-    gguf_dequantize,
-    gguf_matmul,
-    pack_gguf_rows,
-)
+from pagedllm.cpu.gguf_gemm import BLOCK_BYTES, QK, SUPPORTED_TYPES, PackedGGUFWeight, gguf_matmul, pack_gguf_rows
 from pagedllm.layers.utils import set_weight_attrs
 from pagedllm.quantization.base import (
     LinearMethodBase,
@@ -129,9 +121,6 @@ class _GGUFMethodMixin:
     """Shared by the linear and embedding methods: the raw-block parameter and its repacking."""
 
     keeps_dense_weight = False
-    # One dense scratch buffer for every layer's long-prefill dequantization (the engine runs one
-    # layer at a time, from one thread): the largest weight's size, not the model's.
-    _scratch = torch.empty(0)
 
     def __init__(self, qtype: str, max_packed_rows: int) -> None:
         self.qtype = qtype
@@ -157,20 +146,14 @@ class _GGUFMethodMixin:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
             raise ValueError(f"GGUF block kernels take float32 CPU (tokens, features) input, got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")
-        if x.shape[0] > self.max_packed_rows:
-            numel = packed.out_features * packed.in_features
-            if _GGUFMethodMixin._scratch.numel() < numel:
-                _GGUFMethodMixin._scratch = torch.empty(numel)
-            dense = _GGUFMethodMixin._scratch[:numel].view(packed.out_features, packed.in_features)
-            return F.linear(x, gguf_dequantize(packed, dense), bias)
-        out = gguf_matmul(x, packed)
+        out = gguf_matmul(x, packed, dense_min_rows=self.max_packed_rows)
         if bias is not None:
             out += bias
         return out
 
 
 class GGUFLinearMethod(_GGUFMethodMixin, LinearMethodBase):
-    """Only the blocks: no dense weight (prefills dequantize into the shared scratch)."""
+    """Only the blocks: no dense weight (long prefills dequantize chunk by chunk in the kernel)."""
 
     def create_weights(
         self,
@@ -230,11 +213,7 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         assert self.packed is not None, "process_weights_after_loading has not run"
-        # The LM head sees one row per sampled request: always the block kernel (no 113 MB scratch).
-        out = gguf_matmul(x, self.packed)
-        if bias is not None:
-            out += bias
-        return out
+        return self._matmul(self.packed, x, bias)
 
 
 def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | None:
@@ -243,7 +222,7 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
     Yes for a GGUF file on the CPU in float32 when the kernels build (`quantization` None or
     "gguf"); otherwise the weights are dequantized to dense `dtype` as before.
     """
-    from pagedllm.cpu.build import cpu_isa, load_cpu_kernels
+    from pagedllm.cpu.build import configure_cpu_threads, cpu_isa, load_cpu_kernels
     from pagedllm.loader.gguf_weights import gguf_tensor_types
 
     source = model_config.source
@@ -257,14 +236,15 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
         return None
     if load_cpu_kernels() is None:
         return None
+    threads = configure_cpu_threads()
     types = gguf_tensor_types(source.path)
     config = GGUFConfig(types, tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)))
     kept = sorted({t for t in types.values() if t in SUPPORTED_TYPES})
     dense = sorted({t for t in types.values() if t not in SUPPORTED_TYPES and t not in ("F32", "F16", "BF16")})
     logger.info(
         "CPU weights: GGUF %s blocks computed in place (float32 activations, %s kernels, %d threads); "
-        "steps over %d tokens dequantize per layer for MKL%s",
-        "/".join(kept) or "no", cpu_isa(), torch.get_num_threads(), config.max_packed_rows,
+        "steps over %d tokens dequantize 64 rows at a time for BLAS%s",
+        "/".join(kept) or "no", cpu_isa(), threads, config.max_packed_rows,
         f"; {'/'.join(dense)} tensors dequantized (no kernel)" if dense else "",
     )
     return config

@@ -1,0 +1,299 @@
+/* GEMM on GGUF blocks: y (M, N) = x (M, K) @ W^T with W kept as Q4_0 / Q4_1 / Q8_0 blocks of 32.
+ *
+ * Every weight is dequantized exactly as gguf-py does in float32 (d * q + m: the product d * q is
+ * exact, one rounding for the sum; FMA rounds once too), so the weights equal the dequantized float32
+ * checkpoint bit for bit and only the order of the float32 sums differs from a dense matmul. The
+ * weights are repacked once (gguf_gemm.py) into tiles of 16 output rows, so one vector holds one k
+ * for 16 outputs and x is broadcast (no horizontal sums):
+ *
+ *   Q4 tile block (16 rows x 32 k):  fp16 d[16]; fp16 m[16]; uint8 q[16][16]    320 bytes
+ *       q[p][j] = row j's byte p of the GGUF block: low nibble = k p, high nibble = k p + 16
+ *   Q8 tile block (16 rows x 32 k):  fp16 d[16]; int8 q[32][16]                  544 bytes
+ *   Tiles of a weight: [tile 0: block 0, block 1, ... block K/32-1][tile 1: ...]...
+ *
+ * 5 and 8.5 bits per weight, as in the GGUF file: a decode step streams every weight once, so the
+ * bytes read bound its time (SmolLM2-135M: ~97 MB, which can stay in a large L3).
+ *
+ * Long prefills (many rows) go through gguf_gemm_dense instead: each chunk of 64 weight rows is
+ * dequantized into the worker's scratch and multiplied by BLAS sgemm (MKL in torch's wheels), which
+ * is ~1.5x faster per core than the block kernel once M is large.
+ */
+#pragma once
+
+#include "pool.h"
+#include "vec.h"
+
+#define TILE 16
+#define QK 32
+#define Q4_TILE_BLOCK_BYTES (TILE * 2 * 2 + TILE * 16)
+#define Q8_TILE_BLOCK_BYTES (TILE * 2 + TILE * QK)
+/* Rows of x per pass over a tile: all accumulators must fit in registers (32 zmm with AVX-512). */
+#if defined(__AVX512F__)
+#define MAX_MR 16
+#else
+#define MAX_MR 4
+#endif
+
+/* Independent accumulators per row: an FMA waits ~4 cycles for the previous one into the same
+ * register, so few rows need several partial sums (chains) to keep both FMA units busy. */
+#define NCHAINS(mr) ((mr) >= 6 ? 1 : (mr) >= 3 ? 2 : 4)
+#define MAX_ACC (MAX_MR > 8 ? MAX_MR : 8)
+
+static inline void store_rows(float *y, long ldy, f32x16 *acc, int mr, int nc, int ncols) {
+    for (int r = 0; r < mr; r++) {
+        f32x16 s = acc[r * nc];
+        for (int c = 1; c < nc; c++) s += acc[r * nc + c];
+        if (ncols == TILE) {
+            store_f32x16(y + r * ldy, s);
+        } else {
+            float tmp[TILE];
+            store_f32x16(tmp, s);
+            memcpy(y + r * ldy, tmp, sizeof(float) * ncols);
+        }
+    }
+}
+
+/* One tile (16 outputs) for `mr` rows of x; `mr` is a compile-time constant at every call site,
+ * so the row loops unroll and the accumulators live in registers. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const uint8_t *tile, int nblocks, const float *x, long ldx, float *y, long ldy, int mr, int ncols) {
+    const int nc = NCHAINS(mr);
+    f32x16 acc[MAX_ACC];
+    for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
+    for (int b = 0; b < nblocks; b++) {
+        const uint8_t *blk = tile + (long)b * Q4_TILE_BLOCK_BYTES;
+        const f32x16 d = load_f16x16((const uint16_t *)blk);
+        const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
+        const uint8_t *q = blk + TILE * 4;
+        const float *xb = x + b * QK;
+        for (int p = 0; p < 16; p++) {
+            i32x16 v = load_u8_i32x16(q + p * TILE);
+            f32x16 w_lo = __builtin_convertvector(v & 15, f32x16) * d + m;
+            f32x16 w_hi = __builtin_convertvector(v >> 4, f32x16) * d + m;
+            const int c_lo = (2 * p) % nc, c_hi = (2 * p + 1) % nc;
+            for (int r = 0; r < mr; r++) {
+                acc[r * nc + c_lo] += splat(xb[r * ldx + p]) * w_lo;
+                acc[r * nc + c_hi] += splat(xb[r * ldx + p + 16]) * w_hi;
+            }
+        }
+    }
+    store_rows(y, ldy, acc, mr, nc, ncols);
+}
+
+static inline __attribute__((always_inline)) void q8_tile(
+    const uint8_t *tile, int nblocks, const float *x, long ldx, float *y, long ldy, int mr, int ncols) {
+    const int nc = NCHAINS(mr);
+    f32x16 acc[MAX_ACC];
+    for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
+    for (int b = 0; b < nblocks; b++) {
+        const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
+        const f32x16 d = load_f16x16((const uint16_t *)blk);
+        const int8_t *q = (const int8_t *)(blk + TILE * 2);
+        const float *xb = x + b * QK;
+        for (int k = 0; k < QK; k++) {
+            f32x16 w = __builtin_convertvector(load_s8_i32x16(q + k * TILE), f32x16) * d;
+            for (int r = 0; r < mr; r++) acc[r * nc + k % nc] += splat(xb[r * ldx + k]) * w;
+        }
+    }
+    store_rows(y, ldy, acc, mr, nc, ncols);
+}
+
+#if MAX_MR == 16
+#define DISPATCH_MR(fn, mr, ...)                      \
+    switch (mr) {                                     \
+        case 1: fn(__VA_ARGS__, 1, nc); break;        \
+        case 2: fn(__VA_ARGS__, 2, nc); break;        \
+        case 3: fn(__VA_ARGS__, 3, nc); break;        \
+        case 4: fn(__VA_ARGS__, 4, nc); break;        \
+        case 5: fn(__VA_ARGS__, 5, nc); break;        \
+        case 6: fn(__VA_ARGS__, 6, nc); break;        \
+        case 7: fn(__VA_ARGS__, 7, nc); break;        \
+        case 8: fn(__VA_ARGS__, 8, nc); break;        \
+        case 9: fn(__VA_ARGS__, 9, nc); break;        \
+        case 10: fn(__VA_ARGS__, 10, nc); break;      \
+        case 11: fn(__VA_ARGS__, 11, nc); break;      \
+        case 12: fn(__VA_ARGS__, 12, nc); break;      \
+        case 13: fn(__VA_ARGS__, 13, nc); break;      \
+        case 14: fn(__VA_ARGS__, 14, nc); break;      \
+        case 15: fn(__VA_ARGS__, 15, nc); break;      \
+        default: fn(__VA_ARGS__, 16, nc); break;      \
+    }
+#else
+#define DISPATCH_MR(fn, mr, ...)                      \
+    switch (mr) {                                     \
+        case 1: fn(__VA_ARGS__, 1, nc); break;        \
+        case 2: fn(__VA_ARGS__, 2, nc); break;        \
+        case 3: fn(__VA_ARGS__, 3, nc); break;        \
+        default: fn(__VA_ARGS__, 4, nc); break;       \
+    }
+#endif
+
+
+static inline long tile_bytes_of(int kind, long K) {
+    return K / QK * (kind == 4 ? Q4_TILE_BLOCK_BYTES : Q8_TILE_BLOCK_BYTES);
+}
+
+/* Tiles per pool chunk: small chunks (~10-30 us of work), so a helper preempted in the middle of one
+ * holds back little; a claim costs one atomic op. 8 tiles at M <= 4, down to 1 tile from M = 32. */
+static inline long tiles_per_chunk(long M) {
+    const long per = 8 / ((M + 3) / 4);
+    return per < 1 ? 1 : per;
+}
+
+struct gemm_ctx {
+    int kind;
+    const float *x;
+    long ldx;
+    const uint8_t *w;
+    float *y;
+    long ldy, M, N, K, tiles_per_chunk;
+};
+
+static void gemm_chunk(void *arg, long chunk, int worker) {
+    const struct gemm_ctx *c = arg;
+    (void)worker;
+    const int nblocks = (int)(c->K / QK);
+    const long ntiles = (c->N + TILE - 1) / TILE;
+    const long tb = tile_bytes_of(c->kind, c->K);
+    const long t_end = (chunk + 1) * c->tiles_per_chunk < ntiles ? (chunk + 1) * c->tiles_per_chunk : ntiles;
+    for (long t = chunk * c->tiles_per_chunk; t < t_end; t++) {
+        const uint8_t *tile = c->w + t * tb;
+        const int nc = (int)((c->N - t * TILE) < TILE ? (c->N - t * TILE) : TILE);
+        /* Rows in passes of MAX_MR; the tile's bytes are reread per pass, from cache. */
+        for (long r0 = 0; r0 < c->M; r0 += MAX_MR) {
+            const int mr = (int)((c->M - r0) < MAX_MR ? (c->M - r0) : MAX_MR);
+            const float *xr = c->x + r0 * c->ldx;
+            float *yr = c->y + r0 * c->ldy + t * TILE;
+            const long ldx = c->ldx, ldy = c->ldy;
+            if (c->kind == 4) {
+                DISPATCH_MR(q4_tile, mr, tile, nblocks, xr, ldx, yr, ldy)
+            } else {
+                DISPATCH_MR(q8_tile, mr, tile, nblocks, xr, ldx, yr, ldy)
+            }
+        }
+    }
+}
+
+/* kind: 4 = Q4 tiles (Q4_0 / Q4_1), 8 = Q8_0 tiles. x (M, K) row stride ldx, y (M, N) row stride ldy. */
+void gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, long ldy, long M, long N, long K) {
+    const long ntiles = (N + TILE - 1) / TILE;
+    struct gemm_ctx c = {kind, x, ldx, w, y, ldy, M, N, K, tiles_per_chunk(M)};
+    pool_run(gemm_chunk, &c, (ntiles + c.tiles_per_chunk - 1) / c.tiles_per_chunk);
+}
+
+/* Rows [t0 * 16, t1 * 16) of the dense weight, row-major with row stride K, from tiles t0..t1-1. */
+static void dequantize_tiles(int kind, const uint8_t *w, float *out, long N, long K, long t0, long t1) {
+    const int nblocks = (int)(K / QK);
+    const long tb = tile_bytes_of(kind, K);
+    for (long t = t0; t < t1; t++) {
+        const uint8_t *tile = w + t * tb;
+        const int nc = (int)((N - t * TILE) < TILE ? (N - t * TILE) : TILE);
+        float buf[QK][TILE]; /* one block: 32 k x 16 rows */
+        for (int b = 0; b < nblocks; b++) {
+            if (kind == 4) {
+                const uint8_t *blk = tile + (long)b * Q4_TILE_BLOCK_BYTES;
+                const f32x16 d = load_f16x16((const uint16_t *)blk);
+                const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
+                const uint8_t *q = blk + TILE * 4;
+                for (int p = 0; p < 16; p++) {
+                    i32x16 v = load_u8_i32x16(q + p * TILE);
+                    store_f32x16(buf[p], __builtin_convertvector(v & 15, f32x16) * d + m);
+                    store_f32x16(buf[p + 16], __builtin_convertvector(v >> 4, f32x16) * d + m);
+                }
+            } else {
+                const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
+                const f32x16 d = load_f16x16((const uint16_t *)blk);
+                const int8_t *q = (const int8_t *)(blk + TILE * 2);
+                for (int k = 0; k < QK; k++)
+                    store_f32x16(buf[k], __builtin_convertvector(load_s8_i32x16(q + k * TILE), f32x16) * d);
+            }
+            for (int j = 0; j < nc; j++) {
+                float *dst = out + ((t - t0) * TILE + j) * K + (long)b * QK;
+                for (int k = 0; k < QK; k++) dst[k] = buf[k][j];
+            }
+        }
+    }
+}
+
+struct dequant_ctx {
+    int kind;
+    const uint8_t *w;
+    float *out;
+    long N, K, tiles_per_chunk;
+};
+
+static void dequant_chunk(void *arg, long chunk, int worker) {
+    const struct dequant_ctx *c = arg;
+    (void)worker;
+    const long ntiles = (c->N + TILE - 1) / TILE;
+    const long t0 = chunk * c->tiles_per_chunk;
+    const long t1 = t0 + c->tiles_per_chunk < ntiles ? t0 + c->tiles_per_chunk : ntiles;
+    dequantize_tiles(c->kind, c->w, c->out + t0 * TILE * c->K, c->N, c->K, t0, t1);
+}
+
+/* The dense float32 weight (N, K), row-major (the same values as gguf-py's dequantize). */
+void gguf_dequantize(int kind, const uint8_t *w, float *out, long N, long K) {
+    const long ntiles = (N + TILE - 1) / TILE;
+    struct dequant_ctx c = {kind, w, out, N, K, 4};
+    pool_run(dequant_chunk, &c, (ntiles + c.tiles_per_chunk - 1) / c.tiles_per_chunk);
+}
+
+/* Fortran BLAS sgemm (column-major), handed in by Python from torch's own BLAS (cpu_set_sgemm). */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+static sgemm_fn SGEMM = NULL;
+
+void cpu_set_sgemm(void *fn) { SGEMM = (sgemm_fn)fn; }
+
+#define DENSE_ROWS 64 /* weight rows per chunk: a multiple of TILE */
+
+static float *WORKER_SCRATCH[POOL_MAX_WORKERS];
+static long WORKER_SCRATCH_LEN[POOL_MAX_WORKERS];
+
+static float *worker_scratch(int worker, long len) {
+    if (WORKER_SCRATCH_LEN[worker] < len) {
+        free(WORKER_SCRATCH[worker]);
+        WORKER_SCRATCH[worker] = malloc(sizeof(float) * len);
+        WORKER_SCRATCH_LEN[worker] = WORKER_SCRATCH[worker] ? len : 0;
+    }
+    return WORKER_SCRATCH[worker];
+}
+
+struct dense_ctx {
+    int kind;
+    const float *x;
+    long ldx;
+    const uint8_t *w;
+    float *y;
+    long ldy, M, N, K;
+};
+
+static void dense_chunk(void *arg, long chunk, int worker) {
+    const struct dense_ctx *c = arg;
+    const long n0 = chunk * DENSE_ROWS;
+    const long rows = c->N - n0 < DENSE_ROWS ? c->N - n0 : DENSE_ROWS;
+    float *wd = worker_scratch(worker, DENSE_ROWS * c->K);
+    if (wd == NULL) { /* out of memory: the block kernel needs no scratch */
+        const long ntiles = (rows + TILE - 1) / TILE;
+        struct gemm_ctx g = {c->kind, c->x, c->ldx, c->w + n0 / TILE * tile_bytes_of(c->kind, c->K),
+                             c->y + n0, c->ldy, c->M, rows, c->K, ntiles};
+        gemm_chunk(&g, 0, worker);
+        return;
+    }
+    dequantize_tiles(c->kind, c->w, wd, c->N, c->K, n0 / TILE, (n0 + rows + TILE - 1) / TILE);
+    /* y[:, n0:n0+rows]^T (rows x M, col-major, ld ldy) = Wd (rows x K, row-major = K x rows col-major)^T
+     * x^T (K x M col-major, ld ldx) */
+    const int m = (int)rows, n = (int)c->M, k = (int)c->K, lda = (int)c->K, ldb = (int)c->ldx, ldc = (int)c->ldy;
+    const float alpha = 1.0f, beta = 0.0f;
+    SGEMM("T", "N", &m, &n, &k, &alpha, wd, &lda, c->x, &ldb, &beta, c->y + n0, &ldc);
+}
+
+/* Same result as gguf_gemm (up to sum order), for large M; 0 if no sgemm was handed in. */
+int gguf_gemm_dense(int kind, const float *x, long ldx, const uint8_t *w, float *y, long ldy, long M, long N,
+                    long K) {
+    if (SGEMM == NULL) return 0;
+    struct dense_ctx c = {kind, x, ldx, w, y, ldy, M, N, K};
+    pool_run(dense_chunk, &c, (N + DENSE_ROWS - 1) / DENSE_ROWS);
+    return 1;
+}

@@ -1,0 +1,74 @@
+/* Row-wise kernels: RMSNorm (with the residual add fused) and rotary embedding.
+ *
+ * One thread: a decode step has a few rows, and a prefill spends its time in the matmuls.
+ */
+#pragma once
+
+#include "vec.h"
+
+/* out[t] = (s * (1 / sqrt(mean(s^2) + eps))) * weight with s = x[t] (+ residual[t], also stored to
+ * residual_out[t]). The two products round separately, as the torch reference does; only the order
+ * of the mean's sum differs from torch's reduction. */
+void rms_norm(const float *x, long x_stride, const float *residual, long res_stride, float *residual_out,
+              const float *weight, float *out, long num_tokens, long hidden, float eps) {
+    for (long t = 0; t < num_tokens; t++) {
+        const float *xr = x + t * x_stride;
+        float *o = out + t * hidden;
+        const float *s = xr;
+        if (residual != NULL) {
+            const float *rr = residual + t * res_stride;
+            float *so = residual_out + t * hidden;
+            for (long i = 0; i < hidden; i++) so[i] = xr[i] + rr[i];
+            s = so;
+        }
+        f32x16 acc = splat(0.0f);
+        long i = 0;
+        for (; i + 16 <= hidden; i += 16) {
+            f32x16 v = load_f32x16(s + i);
+            acc += v * v;
+        }
+        float ss = hsum16(acc);
+        for (; i < hidden; i++) ss += s[i] * s[i];
+        const float r = 1.0f / sqrtf(ss / (float)hidden + eps);
+        /* (s * r) rounds before `* weight`, like `(x * rsqrt).to(dtype) * weight` (no FMA: no add). */
+        for (long j = 0; j < hidden; j++) o[j] = (s[j] * r) * weight[j];
+    }
+}
+
+/* Rotary embedding of q and k rows, out of place, bit-exact with the torch reference: o1 = x1 cos
+ * - x2 sin and o2 = x2 cos + x1 sin with every product rounded (no FMA contraction here).
+ * neox: x1 = features [0, rd/2), x2 = [rd/2, rd); else (GPT-J) x1 = even, x2 = odd features.
+ * cos_sin_cache: (max_position, rd) = [cos | sin]. Features past rd are copied. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void rope_rows(const float *x, long x_stride, float *out, long num_heads, long head_size, long rd,
+                      const float *cs, int neox) {
+    const long half = rd / 2;
+    for (long h = 0; h < num_heads; h++) {
+        const float *xh = x + h * head_size;
+        float *oh = out + h * head_size;
+        for (long i = 0; i < half; i++) {
+            const float c = cs[i], s = cs[half + i];
+            const long a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x1 = xh[a], x2 = xh[b];
+            const float p1 = x1 * c, p2 = x2 * s, p3 = x2 * c, p4 = x1 * s;
+            oh[a] = p1 - p2;
+            oh[b] = p3 + p4;
+        }
+        for (long i = rd; i < head_size; i++) oh[i] = xh[i];
+    }
+    (void)x_stride;
+}
+
+void rotary_embedding(const int64_t *positions, const float *q, long q_stride, const float *k, long k_stride,
+                      float *q_out, float *k_out, long num_tokens, long num_q_heads, long num_k_heads,
+                      long head_size, long rotary_dim, const float *cos_sin_cache, int neox) {
+    for (long t = 0; t < num_tokens; t++) {
+        const float *cs = cos_sin_cache + positions[t] * rotary_dim;
+        rope_rows(q + t * q_stride, q_stride, q_out + t * num_q_heads * head_size, num_q_heads, head_size,
+                  rotary_dim, cs, neox);
+        rope_rows(k + t * k_stride, k_stride, k_out + t * num_k_heads * head_size, num_k_heads, head_size,
+                  rotary_dim, cs, neox);
+    }
+}
+#pragma GCC pop_options
