@@ -109,7 +109,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "cpu_pool_init": ([i32], i32),
         "cpu_pool_size": ([], i32),
-        "cpu_set_sgemm": ([p], None),
+        "cpu_set_sgemm": ([p, p], None),
         # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K)
         "gguf_gemm": ([i32, p, i64, p, p, i64, i64, i64, i64], None),
         # gguf_gemm_dense(kind, x, ldx, w, y, ldy, M, N, K) -> 0 when no sgemm was set
@@ -135,18 +135,24 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = restype
 
 
-def _torch_sgemm() -> int | None:
-    """Address of the Fortran `sgemm_` inside torch's CPU library (MKL in the x86 wheels), if exported."""
+def _torch_blas() -> tuple[int | None, int | None]:
+    """Addresses of the Fortran `sgemm_` inside torch's CPU library (MKL in the x86 wheels) and of
+    MKL's Fortran `mkl_set_num_threads_local_`, where exported."""
     import torch
 
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
         path = Path(torch.__file__).parent / "lib" / name
         if path.is_file():
             try:
-                return ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
-            except (OSError, AttributeError):
-                return None
-    return None
+                lib = ctypes.CDLL(str(path))
+            except OSError:
+                return None, None
+            addrs = []
+            for sym in ("sgemm_", "mkl_set_num_threads_local_"):
+                fn = getattr(lib, sym, None)
+                addrs.append(ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None)
+            return addrs[0], addrs[1]
+    return None, None
 
 
 _configured_threads: int | None = None
@@ -170,8 +176,8 @@ def configure_cpu_threads(num_threads: int | None = None) -> int:
         return n
     size = lib.cpu_pool_init(n)
     torch.set_num_threads(1)
-    sgemm = _torch_sgemm()
-    lib.cpu_set_sgemm(sgemm)
+    sgemm, set_threads_local = _torch_blas()
+    lib.cpu_set_sgemm(sgemm, set_threads_local)
     _configured_threads = size
     logger.info("CPU threads: %d kernel workers (%d CPUs usable, %s), torch intra-op 1; long prefills: %s",
                 size, usable, cpu_isa(), "torch BLAS sgemm per worker" if sgemm else "block kernel (no sgemm)")

@@ -14,9 +14,9 @@
  * 5 and 8.5 bits per weight, as in the GGUF file: a decode step streams every weight once, so the
  * bytes read bound its time (SmolLM2-135M: ~97 MB, which can stay in a large L3).
  *
- * Long prefills (many rows) go through gguf_gemm_dense instead: each chunk of 64 weight rows is
- * dequantized into the worker's scratch and multiplied by BLAS sgemm (MKL in torch's wheels), which
- * is ~1.5x faster per core than the block kernel once M is large.
+ * Long prefills (many rows) go through gguf_gemm_dense instead: the weight is dequantized once into a
+ * scratch and multiplied by BLAS sgemm (MKL in torch's wheels) in blocks over the pool, which is ~1.5x
+ * faster per core than the block kernel once M is large.
  */
 #pragma once
 
@@ -243,57 +243,111 @@ typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, c
                          const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
                          const float *beta, float *c, const int *ldc);
 static sgemm_fn SGEMM = NULL;
+/* MKL's per-thread thread count (Fortran mkl_set_num_threads_local_, the argument by pointer): our
+ * workers call sgemm from threads MKL has never seen, which would otherwise each start an OpenMP team
+ * of all cores inside the call. */
+typedef int (*blas_threads_fn)(const int *);
+static blas_threads_fn BLAS_SET_THREADS_LOCAL = NULL;
+static _Thread_local int BLAS_THREADS_SET = 0;
 
-void cpu_set_sgemm(void *fn) { SGEMM = (sgemm_fn)fn; }
+void cpu_set_sgemm(void *fn, void *set_threads_local) {
+    SGEMM = (sgemm_fn)fn;
+    BLAS_SET_THREADS_LOCAL = (blas_threads_fn)set_threads_local;
+}
 
-#define DENSE_ROWS 64 /* weight rows per chunk: a multiple of TILE */
+/* Long prefills: (1) dequantize the whole weight once into a shared scratch, transposed (K, N) so
+ * that a tile block lands as 32 vector stores; (2) sgemm over (N, M) blocks from it. */
+#define DENSE_N_BLOCK 256
+#define DENSE_M_BLOCK 512
 
-static float *WORKER_SCRATCH[POOL_MAX_WORKERS];
-static long WORKER_SCRATCH_LEN[POOL_MAX_WORKERS];
+static float *DENSE_SCRATCH = NULL;
+static long DENSE_SCRATCH_LEN = 0;
 
-static float *worker_scratch(int worker, long len) {
-    if (WORKER_SCRATCH_LEN[worker] < len) {
-        free(WORKER_SCRATCH[worker]);
-        WORKER_SCRATCH[worker] = malloc(sizeof(float) * len);
-        WORKER_SCRATCH_LEN[worker] = WORKER_SCRATCH[worker] ? len : 0;
+struct dequant_t_ctx {
+    int kind;
+    const uint8_t *w;
+    float *out_t; /* (K, N) row-major */
+    long N, K;
+};
+
+static void dequant_t_chunk(void *arg, long t, int worker) {
+    const struct dequant_t_ctx *c = arg;
+    (void)worker;
+    const int nblocks = (int)(c->K / QK);
+    const uint8_t *tile = c->w + t * tile_bytes_of(c->kind, c->K);
+    const int nc = (int)((c->N - t * TILE) < TILE ? (c->N - t * TILE) : TILE);
+    for (int b = 0; b < nblocks; b++) {
+        float *dst = c->out_t + (long)b * QK * c->N + t * TILE; /* row k = b * 32 */
+        f32x16 rows[QK];
+        if (c->kind == 4) {
+            const uint8_t *blk = tile + (long)b * Q4_TILE_BLOCK_BYTES;
+            const f32x16 d = load_f16x16((const uint16_t *)blk);
+            const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
+            const uint8_t *q = blk + TILE * 4;
+            for (int p = 0; p < 16; p++) {
+                i32x16 v = load_u8_i32x16(q + p * TILE);
+                rows[p] = __builtin_convertvector(v & 15, f32x16) * d + m;
+                rows[p + 16] = __builtin_convertvector(v >> 4, f32x16) * d + m;
+            }
+        } else {
+            const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
+            const f32x16 d = load_f16x16((const uint16_t *)blk);
+            const int8_t *q = (const int8_t *)(blk + TILE * 2);
+            for (int k = 0; k < QK; k++) rows[k] = __builtin_convertvector(load_s8_i32x16(q + k * TILE), f32x16) * d;
+        }
+        for (int k = 0; k < QK; k++) {
+            if (nc == TILE) {
+                store_f32x16(dst + (long)k * c->N, rows[k]);
+            } else {
+                float tmp[TILE];
+                store_f32x16(tmp, rows[k]);
+                memcpy(dst + (long)k * c->N, tmp, sizeof(float) * nc);
+            }
+        }
     }
-    return WORKER_SCRATCH[worker];
 }
 
 struct dense_ctx {
-    int kind;
     const float *x;
     long ldx;
-    const uint8_t *w;
+    const float *w_t; /* (K, N) row-major = W (N, K) column-major */
     float *y;
-    long ldy, M, N, K;
+    long ldy, M, N, K, n_blocks;
 };
 
 static void dense_chunk(void *arg, long chunk, int worker) {
     const struct dense_ctx *c = arg;
-    const long n0 = chunk * DENSE_ROWS;
-    const long rows = c->N - n0 < DENSE_ROWS ? c->N - n0 : DENSE_ROWS;
-    float *wd = worker_scratch(worker, DENSE_ROWS * c->K);
-    if (wd == NULL) { /* out of memory: the block kernel needs no scratch */
-        const long ntiles = (rows + TILE - 1) / TILE;
-        struct gemm_ctx g = {c->kind, c->x, c->ldx, c->w + n0 / TILE * tile_bytes_of(c->kind, c->K),
-                             c->y + n0, c->ldy, c->M, rows, c->K, ntiles};
-        gemm_chunk(&g, 0, worker);
-        return;
-    }
-    dequantize_tiles(c->kind, c->w, wd, c->N, c->K, n0 / TILE, (n0 + rows + TILE - 1) / TILE);
-    /* y[:, n0:n0+rows]^T (rows x M, col-major, ld ldy) = Wd (rows x K, row-major = K x rows col-major)^T
-     * x^T (K x M col-major, ld ldx) */
-    const int m = (int)rows, n = (int)c->M, k = (int)c->K, lda = (int)c->K, ldb = (int)c->ldx, ldc = (int)c->ldy;
+    (void)worker;
+    const long n0 = (chunk % c->n_blocks) * DENSE_N_BLOCK, m0 = (chunk / c->n_blocks) * DENSE_M_BLOCK;
+    /* y^T[n0:, m0:] (nb x mb, col-major, ld ldy) = W[n0:] (nb x K, col-major, ld N) x^T[:, m0:] (K x mb, ld ldx) */
+    const int m = (int)(c->N - n0 < DENSE_N_BLOCK ? c->N - n0 : DENSE_N_BLOCK);
+    const int n = (int)(c->M - m0 < DENSE_M_BLOCK ? c->M - m0 : DENSE_M_BLOCK);
+    const int k = (int)c->K, lda = (int)c->N, ldb = (int)c->ldx, ldc = (int)c->ldy;
     const float alpha = 1.0f, beta = 0.0f;
-    SGEMM("T", "N", &m, &n, &k, &alpha, wd, &lda, c->x, &ldb, &beta, c->y + n0, &ldc);
+    if (!BLAS_THREADS_SET && BLAS_SET_THREADS_LOCAL != NULL) {
+        const int one = 1;
+        BLAS_SET_THREADS_LOCAL(&one);
+        BLAS_THREADS_SET = 1;
+    }
+    SGEMM("N", "N", &m, &n, &k, &alpha, c->w_t + n0, &lda, c->x + m0 * c->ldx, &ldb, &beta,
+          c->y + m0 * c->ldy + n0, &ldc);
 }
 
-/* Same result as gguf_gemm (up to sum order), for large M; 0 if no sgemm was handed in. */
+/* Same result as gguf_gemm (up to the order of the sums), for large M; 0 (nothing done) when no sgemm
+ * was handed in or the scratch cannot be allocated. */
 int gguf_gemm_dense(int kind, const float *x, long ldx, const uint8_t *w, float *y, long ldy, long M, long N,
                     long K) {
     if (SGEMM == NULL) return 0;
-    struct dense_ctx c = {kind, x, ldx, w, y, ldy, M, N, K};
-    pool_run(dense_chunk, &c, (N + DENSE_ROWS - 1) / DENSE_ROWS);
+    if (DENSE_SCRATCH_LEN < N * K) {
+        free(DENSE_SCRATCH);
+        DENSE_SCRATCH = malloc(sizeof(float) * N * K);
+        DENSE_SCRATCH_LEN = DENSE_SCRATCH ? N * K : 0;
+        if (DENSE_SCRATCH == NULL) return 0;
+    }
+    struct dequant_t_ctx dq = {kind, w, DENSE_SCRATCH, N, K};
+    pool_run(dequant_t_chunk, &dq, (N + TILE - 1) / TILE);
+    const long n_blocks = (N + DENSE_N_BLOCK - 1) / DENSE_N_BLOCK;
+    struct dense_ctx c = {x, ldx, DENSE_SCRATCH, y, ldy, M, N, K, n_blocks};
+    pool_run(dense_chunk, &c, n_blocks * ((M + DENSE_M_BLOCK - 1) / DENSE_M_BLOCK));
     return 1;
 }

@@ -97,7 +97,7 @@ def gguf_matmul(
         out = torch.empty((m, w.out_features), dtype=torch.float32)
     args = (w.kind, x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), out.stride(0), m, w.out_features,
             w.in_features)
-    # Long prefills: dequantize 64 rows at a time and multiply with BLAS (when torch's is available).
+    # Long prefills: dequantize the weight into a scratch and multiply with BLAS (when torch's is available).
     if m <= dense_min_rows or not lib.gguf_gemm_dense(*args):
         lib.gguf_gemm(*args)
     return out

@@ -6,8 +6,8 @@ is ~540 MB as dense float32 but ~97 MB as its Q4_1 / Q8_0 blocks. The C kernel
 takes the exact float32 value the dequantized checkpoint has, so results equal a dense float32
 matmul up to the order of the float32 sums (greedy outputs are those of the float32 model).
 
-Steps of more than `max_packed_rows` tokens (long prefills) dequantize the blocks 64 rows at a
-time into per-thread scratch and multiply with torch's BLAS sgemm (MKL): there a dense GEMM is
+Steps of more than `max_packed_rows` tokens (long prefills) dequantize the blocks into
+one scratch and multiply with torch's BLAS sgemm (MKL): there a dense GEMM is
 ~1.5x faster than the block kernel, with the same float32 weight values. No dense copy of a
 linear weight is kept; the token embedding keeps its dense table for the lookup, and its blocks
 serve the (tied) LM head.
@@ -142,11 +142,12 @@ class _GGUFMethodMixin:
         del layer.qweight  # the raw blocks are no longer needed
         return packed
 
-    def _matmul(self, packed: PackedGGUFWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, packed: PackedGGUFWeight, x: torch.Tensor, bias: torch.Tensor | None,
+                dense_min_rows: int | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
             raise ValueError(f"GGUF block kernels take float32 CPU (tokens, features) input, got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")
-        out = gguf_matmul(x, packed, dense_min_rows=self.max_packed_rows)
+        out = gguf_matmul(x, packed, dense_min_rows=dense_min_rows or self.max_packed_rows)
         if bias is not None:
             out += bias
         return out
@@ -213,7 +214,9 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         assert self.packed is not None, "process_weights_after_loading has not run"
-        return self._matmul(self.packed, x, bias)
+        # The LM head sees one row per sampled request: always the block kernel, never a dense
+        # (vocab, hidden) scratch (113 MB for SmolLM2).
+        return self._matmul(self.packed, x, bias, dense_min_rows=1 << 30)
 
 
 def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | None:
@@ -243,7 +246,7 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
     dense = sorted({t for t in types.values() if t not in SUPPORTED_TYPES and t not in ("F32", "F16", "BF16")})
     logger.info(
         "CPU weights: GGUF %s blocks computed in place (float32 activations, %s kernels, %d threads); "
-        "steps over %d tokens dequantize 64 rows at a time for BLAS%s",
+        "steps over %d tokens dequantize into a scratch for BLAS%s",
         "/".join(kept) or "no", cpu_isa(), threads, config.max_packed_rows,
         f"; {'/'.join(dense)} tensors dequantized (no kernel)" if dense else "",
     )
