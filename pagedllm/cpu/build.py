@@ -110,8 +110,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cpu_pool_init": ([i32], i32),
         "cpu_pool_size": ([], i32),
         "cpu_set_sgemm": ([p, p], None),
-        # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K)
-        "gguf_gemm": ([i32, p, i64, p, p, i64, i64, i64, i64], None),
+        # gguf_gemm(kind, x, ldx, w, y, ldy, M, N, K) -> 0 when out of memory
+        "gguf_gemm": ([i32, p, i64, p, p, i64, i64, i64, i64], i32),
         # gguf_gemm_dense(kind, x, ldx, w, y, ldy, M, N, K) -> 0 when no sgemm was set
         "gguf_gemm_dense": ([i32, p, i64, p, p, i64, i64, i64, i64], i32),
         # gguf_dequantize(kind, w, out, N, K)
@@ -128,6 +128,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         # rotary_embedding(positions, q, q_stride, k, k_stride, q_out, k_out, num_tokens, num_q_heads,
         #     num_k_heads, head_size, rotary_dim, cos_sin_cache, neox)
         "rotary_embedding": ([p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, p, i32], None),
+        # silu_and_mul(x, x_stride, out, num_tokens, d)
+        "silu_and_mul": ([p, i64, p, i64, i64], None),
+        # argmax_rows(x, ld, rows, n, out)
+        "argmax_rows": ([p, i64, i64, i64, p], None),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

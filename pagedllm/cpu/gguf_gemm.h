@@ -56,7 +56,7 @@ static inline void store_rows(float *y, long ldy, f32x16 *acc, int mr, int nc, i
 /* One tile (16 outputs) for `mr` rows of x; `mr` is a compile-time constant at every call site,
  * so the row loops unroll and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void q4_tile(
-    const uint8_t *tile, int nblocks, const float *x, long ldx, float *y, long ldy, int mr, int ncols) {
+    const uint8_t *tile, int nblocks, const float *xt, float *y, long ldy, int mr, int ncols) {
     const int nc = NCHAINS(mr);
     f32x16 acc[MAX_ACC];
     for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
@@ -65,15 +65,15 @@ static inline __attribute__((always_inline)) void q4_tile(
         const f32x16 d = load_f16x16((const uint16_t *)blk);
         const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
         const uint8_t *q = blk + TILE * 4;
-        const float *xb = x + b * QK;
+        const float *xb = xt + (long)b * QK * mr; /* [k][row] */
         for (int p = 0; p < 16; p++) {
             i32x16 v = load_u8_i32x16(q + p * TILE);
             f32x16 w_lo = __builtin_convertvector(v & 15, f32x16) * d + m;
             f32x16 w_hi = __builtin_convertvector(v >> 4, f32x16) * d + m;
             const int c_lo = (2 * p) % nc, c_hi = (2 * p + 1) % nc;
             for (int r = 0; r < mr; r++) {
-                acc[r * nc + c_lo] += splat(xb[r * ldx + p]) * w_lo;
-                acc[r * nc + c_hi] += splat(xb[r * ldx + p + 16]) * w_hi;
+                acc[r * nc + c_lo] += splat(xb[p * mr + r]) * w_lo;
+                acc[r * nc + c_hi] += splat(xb[(p + 16) * mr + r]) * w_hi;
             }
         }
     }
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void q4_tile(
 }
 
 static inline __attribute__((always_inline)) void q8_tile(
-    const uint8_t *tile, int nblocks, const float *x, long ldx, float *y, long ldy, int mr, int ncols) {
+    const uint8_t *tile, int nblocks, const float *xt, float *y, long ldy, int mr, int ncols) {
     const int nc = NCHAINS(mr);
     f32x16 acc[MAX_ACC];
     for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
@@ -89,10 +89,10 @@ static inline __attribute__((always_inline)) void q8_tile(
         const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
         const f32x16 d = load_f16x16((const uint16_t *)blk);
         const int8_t *q = (const int8_t *)(blk + TILE * 2);
-        const float *xb = x + b * QK;
+        const float *xb = xt + (long)b * QK * mr; /* [k][row] */
         for (int k = 0; k < QK; k++) {
             f32x16 w = __builtin_convertvector(load_s8_i32x16(q + k * TILE), f32x16) * d;
-            for (int r = 0; r < mr; r++) acc[r * nc + k % nc] += splat(xb[r * ldx + k]) * w;
+            for (int r = 0; r < mr; r++) acc[r * nc + k % nc] += splat(xb[k * mr + r]) * w;
         }
     }
     store_rows(y, ldy, acc, mr, nc, ncols);
@@ -142,8 +142,7 @@ static inline long tiles_per_chunk(long M) {
 
 struct gemm_ctx {
     int kind;
-    const float *x;
-    long ldx;
+    const float *xt; /* x regrouped: per pass of up to MAX_MR rows, [k][row] (see regroup_rows) */
     const uint8_t *w;
     float *y;
     long ldy, M, N, K, tiles_per_chunk;
@@ -162,23 +161,51 @@ static void gemm_chunk(void *arg, long chunk, int worker) {
         /* Rows in passes of MAX_MR; the tile's bytes are reread per pass, from cache. */
         for (long r0 = 0; r0 < c->M; r0 += MAX_MR) {
             const int mr = (int)((c->M - r0) < MAX_MR ? (c->M - r0) : MAX_MR);
-            const float *xr = c->x + r0 * c->ldx;
+            const float *xt = c->xt + r0 * c->K;
             float *yr = c->y + r0 * c->ldy + t * TILE;
-            const long ldx = c->ldx, ldy = c->ldy;
+            const long ldy = c->ldy;
             if (c->kind == 4) {
-                DISPATCH_MR(q4_tile, mr, tile, nblocks, xr, ldx, yr, ldy)
+                DISPATCH_MR(q4_tile, mr, tile, nblocks, xt, yr, ldy)
             } else {
-                DISPATCH_MR(q8_tile, mr, tile, nblocks, xr, ldx, yr, ldy)
+                DISPATCH_MR(q8_tile, mr, tile, nblocks, xt, yr, ldy)
             }
         }
     }
 }
 
-/* kind: 4 = Q4 tiles (Q4_0 / Q4_1), 8 = Q8_0 tiles. x (M, K) row stride ldx, y (M, N) row stride ldy. */
-void gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, long ldy, long M, long N, long K) {
+/* x regrouped per pass of mr = min(MAX_MR, rows left) rows as [k][row], the pass at offset
+ * r0 * K: the kernel then broadcasts x values at fixed offsets from one pointer instead of keeping
+ * MAX_MR row pointers in registers. Thread-local: concurrent callers do not share it. */
+static _Thread_local float *XT = NULL;
+static _Thread_local long XT_LEN = 0;
+
+static const float *regroup_rows(const float *x, long ldx, long M, long K) {
+    if (XT_LEN < M * K) {
+        free(XT);
+        XT = malloc(sizeof(float) * M * K);
+        XT_LEN = XT ? M * K : 0;
+        if (XT == NULL) return NULL;
+    }
+    for (long r0 = 0; r0 < M; r0 += MAX_MR) {
+        const long mr = M - r0 < MAX_MR ? M - r0 : MAX_MR;
+        float *dst = XT + r0 * K;
+        for (long r = 0; r < mr; r++) {
+            const float *src = x + (r0 + r) * ldx;
+            for (long k = 0; k < K; k++) dst[k * mr + r] = src[k];
+        }
+    }
+    return XT;
+}
+
+/* kind: 4 = Q4 tiles (Q4_0 / Q4_1), 8 = Q8_0 tiles. x (M, K) row stride ldx, y (M, N) row stride ldy.
+ * Returns 0 (nothing done) when the regrouping buffer cannot be allocated. */
+int gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, long ldy, long M, long N, long K) {
+    const float *xt = regroup_rows(x, ldx, M, K);
+    if (xt == NULL) return 0;
     const long ntiles = (N + TILE - 1) / TILE;
-    struct gemm_ctx c = {kind, x, ldx, w, y, ldy, M, N, K, tiles_per_chunk(M)};
+    struct gemm_ctx c = {kind, xt, w, y, ldy, M, N, K, tiles_per_chunk(M)};
     pool_run(gemm_chunk, &c, (ntiles + c.tiles_per_chunk - 1) / c.tiles_per_chunk);
+    return 1;
 }
 
 /* Rows [t0 * 16, t1 * 16) of the dense weight, row-major with row stride K, from tiles t0..t1-1. */

@@ -98,8 +98,8 @@ def gguf_matmul(
     args = (w.kind, x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), out.stride(0), m, w.out_features,
             w.in_features)
     # Long prefills: dequantize the weight into a scratch and multiply with BLAS (when torch's is available).
-    if m <= dense_min_rows or not lib.gguf_gemm_dense(*args):
-        lib.gguf_gemm(*args)
+    if (m <= dense_min_rows or not lib.gguf_gemm_dense(*args)) and not lib.gguf_gemm(*args):
+        raise MemoryError(f"gguf_gemm: no memory for a ({m}, {w.in_features}) float32 buffer")
     return out
 
 

@@ -5,7 +5,7 @@
  *   pool.h       the thread pool every parallel kernel runs on (tolerates preempted helpers)
  *   gguf_gemm.h  matmuls on GGUF Q4_0 / Q4_1 / Q8_0 blocks, and their dequantization
  *   attention.h  paged decode attention and the KV-cache write
- *   rows.h       RMSNorm (+ residual) and rotary embedding
+ *   rows.h       RMSNorm (+ residual), rotary embedding, silu * mul, row argmax
  */
 #include "attention.h"
 #include "gguf_gemm.h"

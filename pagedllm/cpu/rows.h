@@ -1,4 +1,4 @@
-/* Row-wise kernels: RMSNorm (with the residual add fused) and rotary embedding.
+/* Row-wise kernels: RMSNorm (with the residual add fused), rotary embedding, silu * mul, argmax.
  *
  * One thread: a decode step has a few rows, and a prefill spends its time in the matmuls.
  */
@@ -72,3 +72,46 @@ void rotary_embedding(const int64_t *positions, const float *q, long q_stride, c
     }
 }
 #pragma GCC pop_options
+
+/* out (T, d) = silu(x[:, :d]) * x[:, d:] with silu(g) = g / (1 + exp(-g)) (exp16: within 2 ulp of expf). */
+void silu_and_mul(const float *x, long x_stride, float *out, long num_tokens, long d) {
+    for (long t = 0; t < num_tokens; t++) {
+        const float *g = x + t * x_stride, *u = g + d;
+        float *o = out + t * d;
+        long i = 0;
+        for (; i + 16 <= d; i += 16) {
+            const f32x16 gv = load_f32x16(g + i);
+            store_f32x16(o + i, gv / (splat(1.0f) + exp16(-gv)) * load_f32x16(u + i));
+        }
+        for (; i < d; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* out[r] = index of the first largest value of row r (x: rows x n, row stride ld); a NaN counts as the
+ * largest, as torch.argmax does. */
+void argmax_rows(const float *x, long ld, long rows, long n, int64_t *out) {
+    for (long r = 0; r < rows; r++) {
+        const float *row = x + r * ld;
+        f32x16 best = splat(-INFINITY);
+        long i = 0;
+        int has_nan = 0;
+        for (; i + 16 <= n; i += 16) {
+            const f32x16 v = load_f32x16(row + i);
+            has_nan |= !!hsum16((f32x16)(vselect(v != v, splat(1.0f), splat(0.0f))));
+            best = vmax(v, best);
+        }
+        float m = -INFINITY;
+        for (int l = 0; l < 16; l++) m = best[l] > m ? best[l] : m;
+        for (long j = i; j < n; j++) {
+            if (row[j] != row[j]) has_nan = 1;
+            if (row[j] > m) m = row[j];
+        }
+        long idx = 0;
+        if (has_nan) {
+            while (row[idx] == row[idx]) idx++;
+        } else {
+            while (idx < n - 1 && row[idx] != m) idx++;
+        }
+        out[r] = idx;
+    }
+}

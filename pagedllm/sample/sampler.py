@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from pagedllm.cpu.build import load_cpu_kernels
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_all_penalties, apply_logit_bias, apply_min_tokens
 from pagedllm.sample.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
@@ -47,6 +48,18 @@ class LogprobsTensors(NamedTuple):
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # int64 (R,)
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1): on float32 CPU rows one vectorized C pass (torch's single-threaded
+    argmax over (16, 49152) takes ~1.5 ms); same result, first index of the max, NaN the largest."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        lib = load_cpu_kernels()
+        if lib is not None and logits.shape[1] > 0:
+            out = torch.empty(logits.shape[0], dtype=torch.int64)
+            lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())
+            return out
+    return logits.argmax(dim=-1)
 
 
 class Sampler(nn.Module):
@@ -79,7 +92,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
+        greedy_sampled = None if md.all_random else greedy_argmax(logits)
         if md.all_greedy:
             assert greedy_sampled is not None
             return greedy_sampled
