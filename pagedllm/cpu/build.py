@@ -7,7 +7,8 @@ loads it in milliseconds. A build takes about a second (no torch headers are inv
 
 `load_cpu_kernels()` returns None (and says why, once, in the log) when there is no compiler or
 the build fails; callers then keep the plain torch path. `PAGEDLLM_CPU_KERNELS=0` turns the
-kernels off.
+kernels off; `PAGEDLLM_CPU_CFLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for a cache shared
+by different machines).
 
 `configure_cpu_threads(n)` sizes the kernels' thread pool (pool.h) and hands them torch's BLAS
 sgemm for long prefills. The kernels then own the parallelism: torch's intra-op pool drops to one
@@ -81,15 +82,16 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        cflags = (*CFLAGS, *os.environ.get("PAGEDLLM_CPU_CFLAGS", "").split())
         sources = [SOURCE.read_text()] + [SOURCE.with_name(h).read_text() for h in HEADERS]
-        key = hashlib.sha256("\0".join([*sources, " ".join(CFLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([*sources, " ".join(cflags), version, _cpu_flags()]).encode()).hexdigest()[:16]
         lib_path = _cache_root() / key / "libpagedllm_cpu.so"
         if not lib_path.is_file():
             lib_path.parent.mkdir(parents=True, exist_ok=True)
             # Build beside the target and rename: concurrent starts never load a half-written file.
             with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
                 out = Path(tmp) / lib_path.name
-                proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"],
+                proc = subprocess.run([cc, *cflags, str(SOURCE), "-o", str(out), "-lm"],
                                       capture_output=True, text=True, timeout=300)
                 if proc.returncode != 0:
                     logger.warning("building the CPU kernels failed (%s); using dense float32 weights:\n%s",

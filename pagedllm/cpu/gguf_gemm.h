@@ -27,6 +27,9 @@
 #define QK 32
 #define Q4_TILE_BLOCK_BYTES (TILE * 2 * 2 + TILE * 16)
 #define Q8_TILE_BLOCK_BYTES (TILE * 2 + TILE * QK)
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* software prefetch distance in the weight stream */
+#endif
 /* Rows of x per pass over a tile: all accumulators must fit in registers (32 zmm with AVX-512). */
 #if defined(__AVX512F__)
 #define MAX_MR 16
@@ -62,6 +65,9 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
     for (int b = 0; b < nblocks; b++) {
         const uint8_t *blk = tile + (long)b * Q4_TILE_BLOCK_BYTES;
+        /* A few blocks ahead (the next tile's first blocks at the end): keeps several cache lines in
+         * flight while one block's 16 k-pairs compute. */
+        for (int l = 0; l < Q4_TILE_BLOCK_BYTES; l += 64) __builtin_prefetch(blk + PREFETCH_BYTES + l);
         const f32x16 d = load_f16x16((const uint16_t *)blk);
         const f32x16 m = load_f16x16((const uint16_t *)blk + TILE);
         const uint8_t *q = blk + TILE * 4;
@@ -87,6 +93,7 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int i = 0; i < mr * nc; i++) acc[i] = splat(0.0f);
     for (int b = 0; b < nblocks; b++) {
         const uint8_t *blk = tile + (long)b * Q8_TILE_BLOCK_BYTES;
+        for (int l = 0; l < Q8_TILE_BLOCK_BYTES; l += 64) __builtin_prefetch(blk + PREFETCH_BYTES + l);
         const f32x16 d = load_f16x16((const uint16_t *)blk);
         const int8_t *q = (const int8_t *)(blk + TILE * 2);
         const float *xb = xt + (long)b * QK * mr; /* [k][row] */
