@@ -1,7 +1,7 @@
 """Compile `kernels.c` (and the headers it includes) once per machine and load it with ctypes.
 
 The library is built with the system C compiler (`$CC`, else cc / gcc / clang) for this CPU
-(`-march=native`) and cached under `$PAGEDLLM_CACHE_DIR` (default `~/.cache/pagedllm`)/cpu-kernels,
+(`-march=native`) and cached under `$PAGEDLLM_CACHE_ROOT` (default `~/.cache/pagedllm`)/cpu-kernels,
 keyed by a hash of the source, the flags, the compiler and the CPU's flags, so a second start
 loads it in milliseconds. A build takes about a second (no torch headers are involved).
 
@@ -37,10 +37,9 @@ DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
-    return Path(root) / "cpu-kernels"
+    from pagedllm.loader.gguf_cache import cache_root
+
+    return cache_root() / "cpu-kernels"
 
 
 def _find_compiler() -> str | None:
