@@ -68,12 +68,16 @@ class _HugePageArena:
 _ARENA = _HugePageArena()
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackedGGUFWeight:
     kind: int  # 4: Q4 tiles, 8: Q8 tiles (kernels.c)
     data: torch.Tensor  # uint8, the tiles back to back
     out_features: int  # N
     in_features: int  # K
+
+    def __post_init__(self) -> None:
+        # Read once here rather than per matmul call (frozen: `data` cannot be swapped under it).
+        object.__setattr__(self, "data_ptr", self.data.data_ptr())
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +141,7 @@ def gguf_matmul(
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, w.out_features), dtype=torch.float32)
-    args = (w.kind, x.data_ptr(), x.stride(0), w.data.data_ptr(), out.data_ptr(), out.stride(0), m, w.out_features,
+    args = (w.kind, x.data_ptr(), x.stride(0), w.data_ptr, out.data_ptr(), out.stride(0), m, w.out_features,
             w.in_features)
     # Long prefills: dequantize the weight into a scratch and multiply with BLAS (when torch's is available).
     if (m <= dense_min_rows or not lib.gguf_gemm_dense(*args)) and not lib.gguf_gemm(*args):
@@ -153,5 +157,5 @@ def gguf_dequantize(w: PackedGGUFWeight, out: torch.Tensor | None = None) -> tor
         out = torch.empty((w.out_features, w.in_features), dtype=torch.float32)
     if out.shape != (w.out_features, w.in_features) or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous float32 ({w.out_features}, {w.in_features}) tensor")
-    lib.gguf_dequantize(w.kind, w.data.data_ptr(), out.data_ptr(), w.out_features, w.in_features)
+    lib.gguf_dequantize(w.kind, w.data_ptr, out.data_ptr(), w.out_features, w.in_features)
     return out

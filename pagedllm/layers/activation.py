@@ -18,7 +18,7 @@ class SiluAndMul(nn.Module):
 
             return silu_and_mul(x)
         d = x.shape[-1] // 2
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
             lib = load_cpu_kernels()
             if lib is not None:
                 # One pass instead of silu, a temporary and mul (float32 rounding-level differences:

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
             from pagedllm.kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
-        if x.device.type == "cpu" and x.dtype == torch.float32:
+        if x.is_cpu and x.dtype == torch.float32:
             fused = self._forward_cpu(x, residual)
             if fused is not None:
                 return fused

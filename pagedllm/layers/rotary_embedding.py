@@ -108,7 +108,7 @@ class RotaryEmbedding(nn.Module):
 
             rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache)
             return query, key
-        if query.device.type == "cpu" and query.dtype == key.dtype == torch.float32:
+        if query.is_cpu and query.dtype == key.dtype == torch.float32:
             out = self._forward_cpu(positions, query, key)
             if out is not None:
                 return out

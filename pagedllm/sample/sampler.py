@@ -53,7 +53,7 @@ class SamplerOutput:
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1): on float32 CPU rows one vectorized C pass (torch's single-threaded
     argmax over (16, 49152) takes ~1.5 ms); same result, first index of the max, NaN the largest."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
         lib = load_cpu_kernels()
         if lib is not None and logits.shape[1] > 0:
             out = torch.empty(logits.shape[0], dtype=torch.int64)
