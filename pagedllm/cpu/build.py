@@ -97,7 +97,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
                                    cc, proc.stderr[-2000:])
                     return None
                 os.replace(out, lib_path)
-        lib = ctypes.CDLL(str(lib_path))
+        lib = ctypes.CDLL(str(lib_path))  # releases the GIL during each call: the event loop runs meanwhile
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable (%s); using dense float32 weights", e)
         return None

@@ -25,7 +25,9 @@
 typedef void (*pool_task_fn)(void *ctx, long chunk, int worker);
 
 #define POOL_MAX_WORKERS 256
+#ifndef POOL_SPIN_NS
 #define POOL_SPIN_NS 200000L /* helpers spin this long for the next job before sleeping */
+#endif
 
 struct pool_job {
     pool_task_fn fn;
