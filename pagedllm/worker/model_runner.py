@@ -59,8 +59,10 @@ class ModelRunner:
 
             return TritonAttentionBackend()
         from pagedllm.attention.backend import TorchAttentionBackend
+        from pagedllm.cpu.attention import CpuAttentionBackend
 
-        return TorchAttentionBackend()
+        # Decode steps in one C call per layer when the CPU kernels build here; else torch.
+        return CpuAttentionBackend() if CpuAttentionBackend.available() else TorchAttentionBackend()
 
     # -- KV cache ----------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
