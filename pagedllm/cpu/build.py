@@ -164,8 +164,11 @@ _configured_threads: int | None = None
 
 
 def configure_cpu_threads(num_threads: int | None = None) -> int:
-    """Size the kernels' pool (default: torch's thread count, at most the CPUs this process may use),
-    set torch's intra-op threads to 1, and log the decision once per change. Returns the pool size."""
+    """Size the kernels' pool, set torch's intra-op threads to 1, and log the decision once per change.
+
+    Default size: torch's thread count (EngineCore sets it from `cpu_threads`; torch's own default is
+    the physical cores), at most the CPUs this process may use. A second engine in the same process
+    finds torch at the 1 thread set here and keeps the pool as it is. Returns the pool size."""
     global _configured_threads
     import torch
 
@@ -176,8 +179,14 @@ def configure_cpu_threads(num_threads: int | None = None) -> int:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
-    n = max(1, min(num_threads or torch.get_num_threads(), usable))
+    wanted = num_threads
+    if wanted is None:
+        # torch at 1 thread after we configured: our own setting, not a request for one worker.
+        ours = _configured_threads is not None and torch.get_num_threads() == 1
+        wanted = _configured_threads if ours else torch.get_num_threads()
+    n = max(1, min(wanted, usable))
     if n == _configured_threads and lib.cpu_pool_size() == n:
+        torch.set_num_threads(1)
         return n
     size = lib.cpu_pool_init(n)
     torch.set_num_threads(1)

@@ -49,3 +49,10 @@ def test_concurrent_callers(cpu_kernels):
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_second_engine_keeps_the_pool(cpu_kernels):
+    """torch at the 1 thread the first configuration set is not a request for one worker."""
+    first = configure_cpu_threads(2)
+    assert torch.get_num_threads() == 1
+    assert configure_cpu_threads() == first == load_cpu_kernels().cpu_pool_size()
