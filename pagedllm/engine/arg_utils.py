@@ -20,7 +20,7 @@ from pagedllm.config import (
     parse_dtype,
 )
 
-# Quantization methods that are built. GGUF files are dequantized at load (method "gguf").
+# Quantization methods that are built: GGUF ("gguf"), computed on its blocks on the CPU, dequantized on a GPU.
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -71,7 +71,7 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported yet; built: {', '.join(SUPPORTED_QUANTIZATION)} "
-                "(GGUF files are dequantized at load)."
+                "(GGUF files: blocks computed in place on the CPU, dequantized on a GPU)."
             )
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local path (no model hub is reached).")
