@@ -61,18 +61,8 @@ def hf_to_gguf_names(arch: gguf.MODEL_ARCH, num_layers: int, hf_names: list[str]
     return out
 
 
-def write_gguf(
-    path: Path,
-    arch: str,
-    state_dict: dict[str, torch.Tensor],
-    config: PretrainedConfig,
-    permute: bool,
-    quantized: frozenset[str] = frozenset(),
-) -> Path:
-    """Write `state_dict` as llama.cpp would: hparams, a byte-level BPE tokenizer with a chat template,
-    sampling defaults, GGUF tensor names, q/k rows permuted (if `permute`), the `quantized` ones Q8_0."""
-    gguf_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
-    writer = gguf.GGUFWriter(path, arch)
+def write_llama_cpp_header(writer: gguf.GGUFWriter, config) -> None:
+    """The hparams and byte-level BPE tokenizer (with chat template) llama.cpp's converter writes."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -91,6 +81,21 @@ def write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    state_dict: dict[str, torch.Tensor],
+    config: PretrainedConfig,
+    permute: bool,
+    quantized: frozenset[str] = frozenset(),
+) -> Path:
+    """Write `state_dict` as llama.cpp would: hparams, a byte-level BPE tokenizer with a chat template,
+    sampling defaults, GGUF tensor names, q/k rows permuted (if `permute`), the `quantized` ones Q8_0."""
+    gguf_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    writer = gguf.GGUFWriter(path, arch)
+    write_llama_cpp_header(writer, config)
     writer.add_float32("general.sampling.temp", SAMPLING["general.sampling.temp"])
     writer.add_int32("general.sampling.top_k", SAMPLING["general.sampling.top_k"])
 

@@ -20,7 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.cpu.build import load_cpu_kernels
 from pagedllm.loader import model_loader
 from pagedllm.quantization.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
-from tests.loader.conftest import CHAT_TEMPLATE, MERGES, byte_level_vocab, hf_to_gguf_names, llama_cpp_permute
+from tests.loader.conftest import hf_to_gguf_names, llama_cpp_permute, write_llama_cpp_header
 from tests.utils import assert_pool_idle
 
 PROMPTS = [[5, 80, 81, 200], [7] * 40, [100, 101, 102, 103, 104, 105, 1, 2], list(range(10, 90))]
@@ -32,24 +32,7 @@ def write_quantized_gguf(path: Path, model: LlamaForCausalLM, layer_type: str, e
     `embed_type`, norms float32, a byte-level BPE tokenizer."""
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    tokens = byte_level_vocab()
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    write_llama_cpp_header(writer, config)
     state = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     for gguf_name, hf_name in hf_to_gguf_names(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers, list(state)).items():
         array = state[hf_name].float().numpy()
