@@ -1,7 +1,7 @@
 """One GPU session's worth of checks and timings, printed as a table at the end.
 
 Usage (on the GPU machine): python3 scripts/gpu_check.py [--skip-8b] [--only SECTION ...]
-Sections: correctness, w1-0.6b, latency-0.6b, w1-8b, latency-8b.
+Sections: see `sections` in main().
 """
 
 from __future__ import annotations
@@ -168,6 +168,106 @@ def profile_run(preset: str, label: str, batch: int = 256, ctx: int = 800) -> No
     free_engine(llm)
 
 
+def timeline_run(preset: str, label: str, **kw) -> None:
+    """W1 step by step: where the wall time goes (mixed vs decode steps, by batch size), next to
+    each step's floor (weights + K/V bytes over 4.26 TB/s). With async scheduling a step() call
+    waits for the previous launch, so call i's wall time is charged to launch i - 1."""
+    from transformers import AutoConfig
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.roofline import ModelShape
+    from pagedllm.sampling_params import RequestOutputKind
+
+    llm = LLM(preset, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0, **kw)
+    eng = llm.llm_engine
+    sched = eng.engine_core.scheduler
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(llm.llm_engine.config.model_config.model))
+    w_bytes = (shape.params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)) * 2
+    kv_tok = shape.kv_bytes_per_token(2)
+    bw = 4.26e12
+    launches: list[tuple[int, int, int]] = []  # (num decode reqs, prefill tokens, context tokens read)
+    orig = sched.schedule
+
+    def logged():
+        so = orig()
+        dec = pre = ctx = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens:
+                dec += 1
+            else:
+                pre += n
+            ctx += r.num_computed_tokens + n
+        launches.append((dec, pre, ctx))
+        return so
+
+    sched.schedule = logged
+    prompts, outs = w1()
+    sp = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o, detokenize=False,
+                         output_kind=RequestOutputKind.FINAL_ONLY) for o in outs]
+    for i, (p, s) in enumerate(zip(prompts, sp)):
+        eng.add_request(str(i), {"prompt_token_ids": p}, s)
+    walls = []
+    t_all = time.perf_counter()
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t)
+    total = time.perf_counter() - t_all
+    n = min(len(launches), len(walls) - 1)
+    buckets: dict[str, list[float]] = {}
+    for i in range(n):
+        dec, pre, ctx = launches[i]
+        wall = walls[i + 1]
+        floor = (w_bytes + ctx * kv_tok) / bw
+        key = "mixed" if pre else ("decode b<=8" if dec <= 8 else "decode b<=64" if dec <= 64
+                                   else "decode b<=192" if dec <= 192 else "decode b>192")
+        b = buckets.setdefault(key, [0, 0.0, 0.0, 0])
+        b[0] += 1
+        b[1] += wall
+        b[2] += floor
+        b[3] += dec
+    record(f"{label} timeline total", f"{total:.2f} s, {len(walls)} step calls, {sum(outs) / total:,.0f} tok/s")
+    for key, (cnt, wall, floor, dec) in sorted(buckets.items()):
+        record(f"{label} timeline {key}", f"{cnt} steps, {wall:.3f} s wall ({wall / cnt * 1e3:.2f} ms/step), "
+               f"floor {floor:.3f} s, {dec} decode tokens")
+    free_engine(llm)
+
+
+def kernel_table(preset: str, label: str, batch: int = 1, ctx: int = 128) -> None:
+    """Steady decode at `batch`: every kernel of 10 steps with its count and mean time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
+
+    llm = LLM(preset, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
+    eng = llm.llm_engine
+    rng = random.Random(3)
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=100, detokenize=False,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    for i in range(batch):
+        eng.add_request(str(i), {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]}, sp)
+    for _ in range(10):
+        eng.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            eng.step()
+        torch.cuda.synchronize()
+    ka = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ka.sort(key=lambda e: -e.self_device_time_total)
+    tot = sum(e.self_device_time_total for e in ka)
+    record(f"{label} kernels per step, batch {batch}",
+           f"{sum(e.count for e in ka) / 10:.0f} kernels, {tot / 10 / 1000:.3f} ms GPU time")
+    for e in ka[:14]:
+        print(f"  {e.count / 10:6.0f}/step {e.self_device_time_total / e.count:8.2f} us  "
+              f"{e.self_device_time_total / 10 / 1000:7.3f} ms/step  {e.key[:90]}")
+    eng.abort_request([str(i) for i in range(batch)])
+    while eng.has_unfinished_requests():
+        eng.step()
+    free_engine(llm)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=None)
@@ -178,7 +278,12 @@ def main() -> None:
         "w1-0.6b": lambda: w1_run("qwen3-0.6b", "qwen3-0.6b"),
         "latency-0.6b": lambda: latency_run("qwen3-0.6b", "qwen3-0.6b"),
         "profile-0.6b": lambda: profile_run("qwen3-0.6b", "qwen3-0.6b"),
+        "timeline-0.6b": lambda: timeline_run("qwen3-0.6b", "qwen3-0.6b"),
+        "kernels-0.6b": lambda: kernel_table("qwen3-0.6b", "qwen3-0.6b"),
+        "kernels-0.6b-b256": lambda: kernel_table("qwen3-0.6b", "qwen3-0.6b", batch=256, ctx=800),
         "w1-8b": lambda: w1_run("llama3-8b", "llama3-8b"),
+        "timeline-8b": lambda: timeline_run("llama3-8b", "llama3-8b"),
+        "kernels-8b": lambda: kernel_table("llama3-8b", "llama3-8b"),
         "latency-8b": lambda: latency_run("llama3-8b", "llama3-8b"),
     }
     for name, fn in sections.items():
