@@ -1,7 +1,8 @@
 """Triton kernels of the GPU fast path, each beside the plain PyTorch reference it must match.
 
 Modules: `kv_cache_write` (write K/V through slot_mapping), `paged_attention` (unified prefill +
-decode attention over the paged cache, with a split-K variant), `rmsnorm`, `rotary`, `activation`.
+decode attention over the paged cache, with a split-K variant), `rmsnorm`, `rotary`, `activation`,
+`qkv_prep` (q/k RMSNorm + rotary + K/V write fused, straight from the qkv GEMM output).
 
 Without CUDA, Triton can run a kernel only in its interpreter (`TRITON_INTERPRET=1`, CPU tensors),
 and it reads that flag when `@triton.jit` decorates a function, i.e. when a kernel module is first
