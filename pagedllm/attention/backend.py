@@ -1,7 +1,9 @@
 """The attention backend hook: one narrow interface, chosen once by the model runner.
 
 Backends: `TorchAttentionBackend` (plain PyTorch; the CPU path and the reference) and, on CUDA,
-the Triton backend in `pagedllm.attention.triton_backend`.
+the Triton backend in `pagedllm.attention.triton_backend`. A backend may also set
+`supports_fused_qkv_prep = True` and offer `forward_prepared(query, kv_cache, md, scale)` (attention
+only, K/V already written): `Attention.forward_qkv` then writes K/V with the fused prep kernel.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Per layer and step: scatter this step's K/V into the paged cache, then run the unified
 prefill + decode kernel over the cache. Both launches read only host ints from the metadata, so a
 decode-only step can be captured in a CUDA graph.
+
+`supports_fused_qkv_prep`: the attention layer may instead write K/V itself, fused with q/k norm
+and rotary (`pagedllm.kernels.qkv_prep`), and then call `forward_prepared`, which only attends.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class TritonAttentionBackend:
     """num_splits: None lets `choose_num_splits` decide per step; 1 disables split-K; k > 1 forces it."""
 
     name = "triton"
+    supports_fused_qkv_prep = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         if num_splits is not None and num_splits < 1:
@@ -40,4 +44,14 @@ class TritonAttentionBackend:
             return torch_ref.paged_attention(query, key, value, None, md, scale)
         n = md.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n])
+        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)
+
+    def forward_prepared(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, head_dim), normed and rotated
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), this step's K/V in it
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """Attention only: the caller has already written this step's K/V (`fused_qkv_prep`)."""
         return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)

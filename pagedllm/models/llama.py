@@ -101,9 +101,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        attn_output = self.attn(q, k, v, attn_metadata)  # (T, q_size)
+        # Split, rope, K/V write and attention (one fused prep kernel on the Triton backend).
+        attn_output = self.attn.forward_qkv(qkv, positions, self.rotary_emb, attn_metadata)  # (T, q_size)
         return self.o_proj(attn_output)
 
 

@@ -30,13 +30,9 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = q.shape[0]
-        # Normalise every head separately: (T, heads * head_dim) -> (T, heads, head_dim) -> back.
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        attn_output = self.attn(q, k, v, attn_metadata)
+        # The layer normalises every head separately (q_norm/k_norm over head_dim), then ropes.
+        attn_output = self.attn.forward_qkv(qkv, positions, self.rotary_emb, attn_metadata,
+                                            q_norm=self.q_norm, k_norm=self.k_norm)
         return self.o_proj(attn_output)
 
 
