@@ -168,20 +168,42 @@ def profile_run(preset: str, label: str, batch: int = 256, ctx: int = 800) -> No
     free_engine(llm)
 
 
-def timeline_run(preset: str, label: str, **kw) -> None:
+def jit_variants() -> int:
+    """Compiled Triton kernel variants so far (all of pagedllm.kernels), to see JIT in a timed run."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import pagedllm.kernels as pk
+
+    n = 0
+    for m in pkgutil.iter_modules(pk.__path__):
+        mod = importlib.import_module(f"pagedllm.kernels.{m.name}")
+        for obj in vars(mod).values():
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                for cache in getattr(obj, "device_caches", {}).values():
+                    n += len(cache[0])
+    return n
+
+
+def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
     """W1 step by step: where the wall time goes (mixed vs decode steps, by batch size), next to
     each step's floor (weights + K/V bytes over 4.26 TB/s). With async scheduling a step() call
-    waits for the previous launch, so call i's wall time is charged to launch i - 1."""
-    from transformers import AutoConfig
+    waits for the previous launch, so call i's wall time is charged to launch i - 1. Pass 1 runs on
+    a fresh engine (after a short warm-up, as `bench throughput`), later passes on the warm one;
+    the last pass also profiles the kernels of its first prefill steps."""
+    from torch.profiler import ProfilerActivity, profile
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.roofline import ModelShape
     from pagedllm.sampling_params import RequestOutputKind
 
     llm = LLM(preset, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0, **kw)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)
     eng = llm.llm_engine
     sched = eng.engine_core.scheduler
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(llm.llm_engine.config.model_config.model))
+    shape = ModelShape.from_hf_config(eng.config.model_config.hf_config)
     w_bytes = (shape.params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)) * 2
     kv_tok = shape.kv_bytes_per_token(2)
     bw = 4.26e12
@@ -203,34 +225,54 @@ def timeline_run(preset: str, label: str, **kw) -> None:
 
     sched.schedule = logged
     prompts, outs = w1()
-    sp = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o, detokenize=False,
-                         output_kind=RequestOutputKind.FINAL_ONLY) for o in outs]
-    for i, (p, s) in enumerate(zip(prompts, sp)):
-        eng.add_request(str(i), {"prompt_token_ids": p}, s)
-    walls = []
-    t_all = time.perf_counter()
+    for p_i in range(1, passes + 1):
+        launches.clear()
+        sp = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o, detokenize=False,
+                             output_kind=RequestOutputKind.FINAL_ONLY) for o in outs]
+        for i, (p, s) in enumerate(zip(prompts, sp)):
+            eng.add_request(f"{p_i}-{i}", {"prompt_token_ids": p}, s)
+        jit0 = jit_variants()
+        walls = []
+        t_all = time.perf_counter()
+        while eng.has_unfinished_requests():
+            t = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t)
+        total = time.perf_counter() - t_all
+        n = min(len(launches), len(walls) - 1)
+        buckets: dict[str, list[float]] = {}
+        for i in range(n):
+            dec, pre, ctx = launches[i]
+            wall = walls[i + 1]
+            floor = (w_bytes + ctx * kv_tok) / bw
+            key = "mixed" if pre else ("decode b<=8" if dec <= 8 else "decode b<=64" if dec <= 64
+                                       else "decode b<=192" if dec <= 192 else "decode b>192")
+            b = buckets.setdefault(key, [0, 0.0, 0.0, 0])
+            b[0] += 1
+            b[1] += wall
+            b[2] += floor
+            b[3] += dec
+        record(f"{label} pass {p_i} total", f"{total:.2f} s, {len(walls)} step calls, {sum(outs) / total:,.0f} tok/s, "
+               f"{jit_variants() - jit0} Triton variants compiled during the pass")
+        for key, (cnt, wall, floor, dec) in sorted(buckets.items()):
+            record(f"{label} pass {p_i} {key}", f"{cnt} steps, {wall:.3f} s wall ({wall / cnt * 1e3:.2f} ms/step), "
+                   f"floor {floor:.3f} s, {dec} decode tokens")
+        print("first steps (decode reqs, prefill tokens, ctx, wall ms):",
+              [(*launches[i], round(walls[i + 1] * 1e3, 1)) for i in range(min(24, n))])
+    # Kernels of the prefill-heavy steps of a warm run.
+    for i, p in enumerate(prompts):
+        eng.add_request(f"prof-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                           detokenize=False))
+    eng.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(6):
+            eng.step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=60))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     while eng.has_unfinished_requests():
-        t = time.perf_counter()
         eng.step()
-        walls.append(time.perf_counter() - t)
-    total = time.perf_counter() - t_all
-    n = min(len(launches), len(walls) - 1)
-    buckets: dict[str, list[float]] = {}
-    for i in range(n):
-        dec, pre, ctx = launches[i]
-        wall = walls[i + 1]
-        floor = (w_bytes + ctx * kv_tok) / bw
-        key = "mixed" if pre else ("decode b<=8" if dec <= 8 else "decode b<=64" if dec <= 64
-                                   else "decode b<=192" if dec <= 192 else "decode b>192")
-        b = buckets.setdefault(key, [0, 0.0, 0.0, 0])
-        b[0] += 1
-        b[1] += wall
-        b[2] += floor
-        b[3] += dec
-    record(f"{label} timeline total", f"{total:.2f} s, {len(walls)} step calls, {sum(outs) / total:,.0f} tok/s")
-    for key, (cnt, wall, floor, dec) in sorted(buckets.items()):
-        record(f"{label} timeline {key}", f"{cnt} steps, {wall:.3f} s wall ({wall / cnt * 1e3:.2f} ms/step), "
-               f"floor {floor:.3f} s, {dec} decode tokens")
     free_engine(llm)
 
 

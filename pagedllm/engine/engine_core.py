@@ -16,6 +16,7 @@ from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
+from pagedllm.worker.warmup import warmup_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EngineCore:
                 f"cpu_kvcache_space / num_gpu_blocks_override, or set max_model_len <= {num_blocks * bs}."
             )
         self.model_runner.initialize_kv_cache(num_blocks)
+        warmup_kernels(self.model_runner)
         self.model_runner.capture_model()
         self.num_gpu_blocks = num_blocks
         num_cpu_blocks = 0

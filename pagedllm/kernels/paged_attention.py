@@ -67,7 +67,9 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.con
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+# Per-step values (request count, split count, the block table's width) are not specialised on:
+# a new value must never trigger a recompilation in the middle of a run.
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim); unused when USE_SPLIT
     part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD); only when USE_SPLIT
@@ -381,8 +383,9 @@ def paged_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=1 if head_dim_pad * num_splits <= 2048 else 4,
+            # One padded width for every split count: one compiled variant, not one per count.
+            SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
+            num_warps=4,
         )
     return out
 

@@ -83,7 +83,7 @@ def _norm_rotate(
     return tl.where(is_rot[None, :], rot, x).to(src.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # per-step token count: no recompiles
 def _qkv_prep_kernel(
     qkv_ptr,  # (T, (H + 2 * KVH) * D)
     positions_ptr,  # (T,)
