@@ -226,6 +226,7 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
     sched.schedule = logged
     prompts, outs = w1()
     for p_i in range(1, passes + 1):
+        assert llm.reset_prefix_cache()  # the same prompts again must be computed again
         launches.clear()
         sp = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o, detokenize=False,
                              output_kind=RequestOutputKind.FINAL_ONLY) for o in outs]
@@ -260,6 +261,7 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
         print("first steps (decode reqs, prefill tokens, ctx, wall ms):",
               [(*launches[i], round(walls[i + 1] * 1e3, 1)) for i in range(min(24, n))])
     # Kernels of the prefill-heavy steps of a warm run.
+    assert llm.reset_prefix_cache()
     for i, p in enumerate(prompts):
         eng.add_request(f"prof-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=4, ignore_eos=True,
                                                                            detokenize=False))

@@ -110,5 +110,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.inflight is not None or self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop all prefix-cache entries; refused (False) unless every block is free."""
+        if self.has_unfinished_requests():
+            return False
+        return self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -75,5 +75,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
     def get_num_unfinished_requests(self) -> int:
         return self.engine_core.scheduler.get_num_unfinished_requests()

@@ -35,6 +35,10 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.processor.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     # -- generation --------------------------------------------------------------------------------
     def generate(
         self,

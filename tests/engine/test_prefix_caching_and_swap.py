@@ -80,6 +80,10 @@ def test_second_identical_request_computes_only_the_last_block(path):
     assert kv.prefix_cache_hits - hits_before == 96
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert_pool_idle(llm)
+    assert llm.reset_prefix_cache()  # vLLM's LLM.reset_prefix_cache: the next run computes it all
+    third = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert third.num_cached_tokens == 0
+    assert third.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_n4_shares_the_prompt_blocks(path):
