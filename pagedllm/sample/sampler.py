@@ -7,6 +7,11 @@ Order, as in vLLM v1:
   6. temperature, 7. min_p, 8. top_k / top_p, 9. softmax + exponential race
   10. logprobs of the sampled token, its rank and the batch's top-k, all from step 1
 
+Logits arrive in the model's dtype (bf16 / fp16 on a GPU: the LM head's output, not copied).
+They become float32 only where float32 changes the answer or the math needs it: logprobs, the
+edits of steps 2-4, and the torch sampling path. Greedy argmax and the fused Gumbel-max kernel
+read them as they are (bf16 -> fp32 is exact, so the ids are those of the float32 copy).
+
 Everything stays on the logits' device; the only host read is the caller's, once per step.
 """
 
@@ -74,11 +79,15 @@ class Sampler(nn.Module):
             )
         raw_logprobs = None
         if md.max_num_logprobs is not None:
+            # One float32 copy, shared by the logprobs and whatever follows.
+            logits = logits.to(torch.float32)
             raw_logprobs = self.compute_logprobs(logits)
-        logits = logits.to(torch.float32)
-        logits = apply_logit_bias(logits, md)
-        logits = apply_min_tokens(logits, md)
-        logits = apply_all_penalties(logits, md)
+        if md.logit_bias is not None or md.min_tokens or not md.no_penalties:
+            # In float32: a bias of 0.3 or a penalty of 1.1 would be rounded to bf16's 8 bits.
+            logits = logits.to(torch.float32)
+            logits = apply_logit_bias(logits, md)
+            logits = apply_min_tokens(logits, md)
+            logits = apply_all_penalties(logits, md)
         sampled = self.sample(logits, md)
         logprobs_tensors = None
         if raw_logprobs is not None:
@@ -92,15 +101,17 @@ class Sampler(nn.Module):
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy_sampled = None if md.all_random else greedy_argmax(logits)
+        """(R, V) logits in any float dtype -> int64 (R,). May overwrite float32 `logits`."""
         if md.all_greedy:
-            assert greedy_sampled is not None
-            return greedy_sampled
+            return greedy_argmax(logits)
         if logits.is_cuda and not md.generators and md.min_p is None and md.top_k is None and md.top_p is None:
-            # Temperature only (plus greedy rows): one fused Gumbel-max pass over the logits.
+            # Temperature only (plus greedy rows): one fused Gumbel-max pass over the logits, in
+            # their own dtype. The seed comes from torch's CPU generator: no device sync.
             from pagedllm.kernels.sampling import gumbel_argmax
 
             return gumbel_argmax(logits, md.temperature, int(torch.randint(2**31 - 1, (1,)).item()))
+        logits = logits.to(torch.float32)
+        greedy_sampled = None if md.all_random else greedy_argmax(logits)
         is_greedy = md.temperature < _SAMPLING_EPS  # (R,) bool, device-side
         # Greedy rows are replaced by their argmax below; divide them by 1, not by 0.
         temperature = md.temperature if md.all_random else md.temperature.masked_fill(is_greedy, 1.0)

@@ -202,3 +202,43 @@ def test_low_precision_logits_are_sampled_in_float32(make_md):
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))
     assert out.logprobs.logprobs.dtype == torch.float32
     assert not math.isnan(out.logprobs.logprobs.sum().item())
+
+
+def test_bf16_logits_sample_as_their_float32_copy(make_md):
+    # The sampler takes the LM head's bf16 logits and casts only where float32 matters; every
+    # output must equal what the float32 copy gives (bf16 -> fp32 is exact).
+    logits = (torch.randn(6, V) * 3).to(torch.bfloat16)
+    # Row 1: 1.9921875 + bias 0.006 stays below 2.0 in float32; in bf16 it would round up to a tie.
+    logits[1, :2] = torch.tensor([1.9921875, 2.0])
+    logits[1, 2:] = 0.0
+    params = [
+        SP(temperature=0.0, logprobs=3),
+        SP(temperature=0.0, logit_bias={0: 0.006}, logprobs=1),
+        SP(temperature=0.0, repetition_penalty=1.1),
+        SP(temperature=0.8, seed=3, logprobs=2),
+        SP(temperature=1.0, top_k=5, seed=4),
+        SP(temperature=0.7, top_p=0.9, min_p=0.05, seed=5, logprobs=0),
+    ]
+    outs = [[1, 2], [], [3], [], [4], []]
+    a = Sampler()(logits.clone(), make_md(params, V, outputs=outs))
+    b = Sampler()(logits.float(), make_md(params, V, outputs=outs))
+    assert a.sampled_token_ids.tolist() == b.sampled_token_ids.tolist()
+    assert a.sampled_token_ids[1].item() == 1
+    assert a.logprobs.logprobs.dtype == torch.float32
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(a.logprobs.logprobs[:, 0], logits.float().log_softmax(-1).gather(1, a.logprobs.logprob_token_ids[:, :1])[:, 0])
+
+
+def test_all_greedy_bf16_needs_no_float32_copy(make_md, monkeypatch):
+    logits = torch.randn(4, V).to(torch.bfloat16)
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("an all-greedy batch without logprobs or edits must read the logits as they are")
+
+    md = make_md([SP(temperature=0.0)] * 4, V)
+    monkeypatch.setattr(torch.Tensor, "float", no_copy)
+    monkeypatch.setattr(torch.Tensor, "to", no_copy)
+    ids = Sampler()(logits, md).sampled_token_ids
+    monkeypatch.undo()
+    assert torch.equal(ids, logits.float().argmax(dim=-1))
