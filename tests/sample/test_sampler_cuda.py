@@ -94,13 +94,17 @@ def test_seeded_row_is_batch_independent_on_cuda():
 
 def test_bf16_fast_path_equals_float32_copy():
     # Temperature-only rows take the fused Gumbel-max kernel straight from bf16; its seed comes
-    # from torch's CPU generator, so reseeding gives the float32 copy the same draws.
+    # from torch's CPU generator, so reseeding gives the float32 copy the same draws. With logprobs
+    # the batch is cast once up front, and the kernel reads that float32 copy.
     logits = (torch.randn(8, V, device="cuda") * 2).to(torch.bfloat16)
-    params = [SP(temperature=0.6), SP(temperature=0.0), SP(temperature=1.0, logprobs=2)] * 2 + [SP()] * 2
-    outs = []
-    for x in (logits, logits.float()):
-        torch.manual_seed(0)
-        outs.append(Sampler()(x, SamplingMetadata.build(_rows("cuda", params), V, "cuda")))
-    assert torch.equal(outs[0].sampled_token_ids, outs[1].sampled_token_ids)
-    for a, b in zip(outs[0].logprobs, outs[1].logprobs, strict=True):
-        assert torch.equal(a, b)
+    plain = [SP(temperature=0.6), SP(temperature=0.0), SP(temperature=1.0), SP()] * 2
+    with_logprobs = plain[:-1] + [SP(temperature=0.9, logprobs=2)]
+    for params in (plain, with_logprobs):
+        outs = []
+        for x in (logits, logits.float()):
+            torch.manual_seed(0)
+            outs.append(Sampler()(x, SamplingMetadata.build(_rows("cuda", params), V, "cuda")))
+        assert torch.equal(outs[0].sampled_token_ids, outs[1].sampled_token_ids)
+        if outs[0].logprobs is not None:
+            for a, b in zip(outs[0].logprobs, outs[1].logprobs, strict=True):
+                assert torch.equal(a, b)
