@@ -64,7 +64,8 @@ def test_lm_head_logits_and_tying():
         ParallelLMHead(500, 32).tie_weights(emb)
 
 
-def test_bf16_logits_are_float32():
+def test_bf16_logits_stay_bf16():
+    # No float32 copy of (T', vocab): the sampler casts where it needs float32 (as vLLM's does).
     head = ParallelLMHead(100, 8, params_dtype=torch.bfloat16)
     load(head, "weight", torch.randn(100, 8, dtype=torch.bfloat16))
-    assert LogitsProcessor(100)(head, torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.float32
+    assert LogitsProcessor(100)(head, torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
