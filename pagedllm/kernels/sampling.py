@@ -9,7 +9,10 @@ divide / softmax / uniform / log / divide / argmax.
 
 The draws. Column c of row r uses word c % 4 of Philox4x32-10(key = seed, counter = (c // 4, r,
 0, 0)): one Philox call feeds four columns (Philox is most of the kernel's arithmetic), and the
-draw of a column depends only on (seed, r, c), never on which program reads it.
+draw of a column depends only on (seed, r, c), never on which program reads it. Scores are kept
+in log2 units, x / (T ln 2) - log2(-log2(u)) (the same argmax), so that on NVIDIA the outer log is
+one MUFU.LG2; the inner -log2(u) stays accurate as u -> 1 (see `_neg_log2`). Per column the
+kernel then spends ~38 SASS instructions (sm_90), about 15 of them Philox.
 
 The grid. One program per row leaves most of a big GPU idle at small batch sizes and streams
 too few bytes at a time at large ones (256 rows x 151936 cols: 256 programs, ~0.6 TB/s). Each
@@ -28,16 +31,39 @@ else takes the sampler's torch path.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 _GREEDY_EPS = 1e-5
 BLOCK_V = 1024  # columns per tile; a multiple of 4 (one Philox call per 4 columns)
 _BLOCK_S = 64  # partials per row read at a time by the reduce kernel
 _PROGRAMS_PER_SM = 8  # 8 programs of 4 warps: half of an H100/H200 SM's 64 resident warps
 _INTERPRETER_PROGRAMS = 16  # no SMs under TRITON_INTERPRET: a few programs, tests force their own
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    if FAST:
+        return libdevice.fast_log2f(x)  # one MUFU.LG2; absolute error ~2**-22 near 1, else 2 ulp
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _neg_log2(u, FAST: tl.constexpr):
+    """-log2(u) for u in (0, 1), accurate relative to itself even as u -> 1 (where it -> 0). The
+    winners of the race are the columns with small -log2(u), so an absolute error (a fast lg2's
+    2**-22 near 1) would wreck them: with u = 1 - 2**-24 the true value is 8.6e-8. Near 1 a series
+    in w = 1 - u (exact there) takes over: -log2(1 - w) = log2(e) * (w + w^2/2 + w^3/3 + w^4/4 + ...),
+    cut after w^4: relative error < w^4 / 5 < 2e-7 for w < 1/32."""
+    w = 1.0 - u
+    near_1 = w * (1.4426950408889634 + w * (0.7213475204444817 + w * (0.48089834696298783
+                                                                      + w * 0.36067376022224085)))
+    return tl.where(w < 0.03125, near_1, -_log2(u, FAST))
 
 
 @triton.jit(do_not_specialize=["seed", "tiles_per_split", "num_splits"])
@@ -52,12 +78,15 @@ def _gumbel_argmax_split_kernel(
     tiles_per_split,
     num_splits,
     BLOCK_V: tl.constexpr,
+    FAST_LOG2: tl.constexpr,  # MUFU lg2.approx (NVIDIA only); libdevice's log2f is ~20 instructions
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temperature_ptr + row)
     greedy = t < 1e-5
-    inv_t = 1.0 / tl.maximum(t, 1e-5)
+    # Scores in log2 units: x / (T ln 2) - log2(-log2(u)) is (x / T + g) / ln 2 minus a constant
+    # (-ln(-ln u) = -ln 2 * log2(-log2 u) - ln(ln 2)), so it has the same argmax.
+    inv_t2 = 1.4426950408889634 / tl.maximum(t, 1e-5)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     best = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK_V,), tl.int32)
@@ -78,7 +107,7 @@ def _gumbel_argmax_split_kernel(
             bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_V,))
             # u in [0, 1): clamp away from 0 so -log(u) is finite; u < 1 always, so g stays finite.
             u = tl.maximum(tl.uint_to_uniform_float(bits), 1e-20)
-            score = x * inv_t - tl.log(-tl.log(u))
+            score = x * inv_t2 - _log2(_neg_log2(u, FAST_LOG2), FAST_LOG2)
         score = tl.where(mask, score, float("-inf"))
         # Strict >: a lane keeps its first (lowest) column on ties; NaN never compares greater.
         better = score > best
@@ -122,6 +151,11 @@ def _target_programs(device: torch.device) -> int:
     return _INTERPRETER_PROGRAMS
 
 
+def _fast_log2(device: torch.device) -> bool:
+    # libdevice calls exist on NVIDIA only, and not in Triton's interpreter.
+    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def split_plan(num_rows: int, vocab_size: int, num_splits: int | None, device: torch.device) -> tuple[int, int]:
     """-> (num_splits, tiles_per_split): about `target programs / num_rows` slices per row, each a
     whole number of tiles, none empty. 256 rows, 151936 cols (149 tiles), 1056 target programs
@@ -158,7 +192,7 @@ def gumbel_argmax(
     part_idx = torch.empty((num_rows, splits), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_split_kernel[(num_rows, splits)](
         logits, temperature.to(torch.float32), part_score, part_idx, seed, vocab, logits.stride(0),
-        tiles_per_split, splits, BLOCK_V=BLOCK_V, num_warps=4,
+        tiles_per_split, splits, BLOCK_V=BLOCK_V, FAST_LOG2=_fast_log2(logits.device), num_warps=4,
     )
     _argmax_partials_kernel[(num_rows,)](part_score, part_idx, out, splits, BLOCK_S=_BLOCK_S, num_warps=1)
     return out
@@ -204,14 +238,22 @@ def gumbel_uniforms_ref(seed: int, num_rows: int, vocab_size: int) -> torch.Tens
     return folded.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
+def neg_log2_ref(u: torch.Tensor) -> torch.Tensor:
+    """The kernel's -log2(u), float32: the w = 1 - u series near 1, log2 elsewhere."""
+    w = 1.0 - u
+    near_1 = w * (1.4426950408889634 + w * (0.7213475204444817 + w * (0.48089834696298783
+                                                                      + w * 0.36067376022224085)))
+    return torch.where(w < 0.03125, near_1, -torch.log2(u))
+
+
 def gumbel_argmax_ref(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
     """gumbel_argmax in plain torch, with the kernel's draws (on the CPU, float32 math)."""
     x = logits.detach().cpu().float()
     t = temperature.detach().cpu().float()
     greedy = (t < _GREEDY_EPS).unsqueeze(1)
     u = gumbel_uniforms_ref(seed, *x.shape).clamp_min(1e-20)
-    inv_t = (1.0 / t.clamp_min(_GREEDY_EPS)).unsqueeze(1)
-    score = torch.where(greedy, x, x * inv_t - torch.log(-torch.log(u)))
+    inv_t2 = (1.4426950408889634 / t.clamp_min(_GREEDY_EPS)).unsqueeze(1)
+    score = torch.where(greedy, x, x * inv_t2 - torch.log2(neg_log2_ref(u)))
     # NaN never wins (the kernel's strict >); no finite score at all -> column 0.
     score = torch.nan_to_num(score, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     return score.argmax(dim=-1).to(logits.device)

@@ -4,7 +4,7 @@ ids depend only on (seed, logits, temperature), not on the split of a row over p
 import pytest
 import torch
 
-from pagedllm.kernels.sampling import BLOCK_V, gumbel_argmax, gumbel_argmax_ref, split_plan
+from pagedllm.kernels.sampling import BLOCK_V, gumbel_argmax, gumbel_argmax_ref, neg_log2_ref, split_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -104,3 +104,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="temperature"):
         gumbel_argmax(torch.zeros(2, 8, device=DEVICE), torch.ones(3, device=DEVICE), 0)
     assert gumbel_argmax(torch.zeros(0, 8, device=DEVICE), torch.ones(0, device=DEVICE), 0).shape == (0,)
+
+
+def test_neg_log2_is_accurate_as_u_nears_1():
+    # The race's winners have u near 1; -log2(u) there must keep its relative accuracy.
+    u = torch.cat([1 - torch.arange(1, 4000, dtype=torch.float64) * 2**-24, torch.linspace(1e-9, 0.9999, 5000,
+                                                                                          dtype=torch.float64)])
+    u32 = u.float()
+    exact = -torch.log2(u32.double())
+    rel = (neg_log2_ref(u32).double() - exact).abs() / exact
+    assert rel.max() < 1e-6, rel.max()
