@@ -261,8 +261,8 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
     return 1 << (splits.bit_length() - 1)  # round down to a power of two: fewer kernel variants
 
 
-def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps) for the H200.
+def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) for the H200.
 
     Decode rows are memory bound: the smallest MMA tile (16 rows) holds the GQA group of one token.
     Prefill tiles use 64 rows so each K/V tile is reused by up to 64 (token, head) rows.
@@ -273,7 +273,7 @@ def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> t
     block_q = max(1, block_m // queries_per_kv)
     tile_n = 64 if head_dim_pad <= 128 else 32
     num_warps = 4 if head_dim_pad <= 128 else 8
-    return block_m, block_q, tile_n, num_warps
+    return block_m, block_q, tile_n, num_warps, 3
 
 
 def paged_attention(
@@ -319,7 +319,7 @@ def paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     decode_only = md.max_query_len == 1
-    block_m, block_q, tile_n, num_warps = _tile_config(queries_per_kv, head_dim_pad, decode_only)
+    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, decode_only)
     if num_splits is None:
         num_splits = choose_num_splits(md.num_reqs, num_kv_heads, md.max_query_len, md.max_seq_len)
     use_split = num_splits > 1
@@ -368,6 +368,7 @@ def paged_attention(
         USE_SPLIT=use_split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     if use_split:
         _merge_splits_kernel[(num_tokens, num_heads)](
