@@ -74,6 +74,16 @@ def _create_dense_weight(
     layer.register_parameter("weight", weight)
 
 
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias; decode-sized CUDA batches (a few rows) take the skinny-GEMM kernel."""
+    if x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        from pagedllm.kernels.gemv import skinny_linear, use_skinny_linear
+
+        if use_skinny_linear(x.shape[0], weight.shape[0], weight.shape[1], x.dtype):
+            return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain dense weights in the model dtype: y = x @ W.T + b."""
 
@@ -91,7 +101,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
                              extra_weight_attrs)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return _dense_linear(x, layer.weight, bias)
 
 
 class UnquantizedEmbeddingMethod(QuantizeMethodBase):
@@ -111,7 +121,7 @@ class UnquantizedEmbeddingMethod(QuantizeMethodBase):
                              extra_weight_attrs)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return _dense_linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_, layer.weight)
