@@ -222,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states (T', hidden), usually one row per request -> float32 logits (T', vocab_size)."""
+        """hidden_states (T', hidden), usually one row per request -> logits (T', vocab_size) in the
+        model dtype (the sampler casts to float32 where it needs to)."""
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

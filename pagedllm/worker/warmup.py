@@ -10,7 +10,8 @@ that reach every variant the engine launches outside CUDA graphs for this model:
     decode  two requests of one token each (the decode-only variant, as eager decode uses it)
     split   one request with a long context (the split-K decode variant and its merge kernel)
 
-and samples both a random and a greedy row. Every K/V write is skipped (slot -1) and reads go to
+and samples a random and a greedy row, from the model-dtype logits and from a float32 copy
+(a batch with logprobs). Every K/V write is skipped (slot -1) and reads go to
 block 0 of the (zero-initialised) cache, so no request's state is touched. Arguments that change
 from step to step (token and request counts, the block table's width, seeds) are excluded from
 Triton's value specialisation in the kernels, so these shapes stand for all others.
@@ -49,6 +50,9 @@ def _dummy_step(runner: ModelRunner, query_lens: list[int], seq_lens: list[int])
                   output_token_ids=[])
         for r in range(len(query_lens))
     ]
+    runner.sampler(logits, SamplingMetadata.build(rows, runner.vocab_size, runner.device))
+    # A batch asking for logprobs samples from a float32 copy: that variant too.
+    rows[0] = RowInputs(params=SamplingParams(temperature=1.0, logprobs=1), prompt_token_ids=[0], output_token_ids=[])
     runner.sampler(logits, SamplingMetadata.build(rows, runner.vocab_size, runner.device))
 
 
