@@ -21,6 +21,12 @@ _DTYPES = {
 }
 
 
+# --kv-cache-dtype values this build honours, in vLLM's spelling, besides "auto" (the model runner
+# resolves it: the model dtype, or float16 for GGUF weights computed on their blocks on the CPU).
+# vLLM's 8-bit caches (fp8, fp8_e4m3, fp8_e5m2, int8, ...) are not built.
+KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
     """Resolve the run dtype: "auto" -> float32 on CPU (fastest exact path there), else the
     checkpoint's dtype with float32 checkpoints run in bfloat16 on a GPU."""
@@ -96,6 +102,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     cpu_kvcache_space: float | None = None  # GiB for the KV cache when running on the CPU
+    cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" or a KV_CACHE_DTYPES key
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -108,6 +115,11 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
         if self.cpu_kvcache_space is not None and self.cpu_kvcache_space <= 0:
             raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space}.")
+        if self.cache_dtype != "auto" and self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.cache_dtype!r} is not supported; choose one of auto, "
+                f"{', '.join(KV_CACHE_DTYPES)} (8-bit KV caches such as fp8 are not built)."
+            )
 
 
 @dataclass(frozen=True)

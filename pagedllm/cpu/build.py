@@ -117,13 +117,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "gguf_gemm_dense": ([i32, p, i64, p, p, i64, i64, i64, i64], i32),
         # gguf_dequantize(kind, w, out, N, K)
         "gguf_dequantize": ([i32, p, p, i64, i64], None),
-        # write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens, row)
-        "write_kv_cache": ([p, i64, p, i64, p, i64, p, i64, i64], None),
-        # paged_decode_attention(query, q_stride, out, out_stride, kv_cache, num_slots, block_size, num_heads,
-        #     num_kv_heads, head_dim, block_table, block_table_stride, seq_lens, query_start_loc, reqs, n_reqs,
-        #     scale, scratch, scratch_per_worker)
-        "paged_decode_attention": ([p, i64, p, i64, p, i64, i32, i32, i32, i32, p, i64, p, p, p, i64, f32, p, i64],
-                                   None),
+        # write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens, row,
+        #     kv_type)
+        "write_kv_cache": ([p, i64, p, i64, p, i64, p, i64, i64, i32], None),
+        # paged_attention_rows(query, q_stride, out, out_stride, kv_cache, kv_type, num_slots, block_size,
+        #     num_heads, num_kv_heads, head_dim, block_table, block_table_stride, row_token, row_req, row_seq,
+        #     n_rows, scale, scratch, scratch_per_worker)
+        "paged_attention_rows": ([p, i64, p, i64, p, i32, i64, i32, i32, i32, i32, p, i64, p, p, p, i64, f32, p,
+                                  i64], None),
         # rms_norm(x, x_stride, residual, res_stride, residual_out, weight, out, num_tokens, hidden, eps)
         "rms_norm": ([p, i64, p, i64, p, p, p, i64, i64, f32], None),
         # rotary_embedding(positions, q, q_stride, k, k_stride, q_out, k_out, num_tokens, num_q_heads,

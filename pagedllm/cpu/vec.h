@@ -15,6 +15,7 @@
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 
 static inline f32x16 load_f32x16(const float *p) {
@@ -74,6 +75,63 @@ static inline f32x16 load_f16x16(const uint16_t *p) {
     }
     return v;
 #endif
+}
+
+static inline i32x16 splat_i(int32_t s) { return (i32x16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+/* Lanes of a where mask (all ones), else b, on int lanes. */
+static inline i32x16 vselect_i(i32x16 mask, i32x16 a, i32x16 b) { return (a & mask) | (b & ~mask); }
+
+/* float32 -> IEEE half, round to nearest even (as torch's .to(float16)); overflow gives inf, NaN stays NaN.
+ * The portable fallback of store_f16x16 (F. Giesen's float_to_half_fast3_rtne). */
+static inline uint16_t f32_to_f16_rne(float f) {
+    uint32_t x, ax;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    ax = x & 0x7fffffffu;
+    if (ax >= 0x47800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u)); /* >= 2^16, inf, NaN */
+    if (ax < 0x38800000u) { /* below 2^-14: a half subnormal (or zero); adding 0.5 rounds it into the low bits */
+        float a;
+        memcpy(&a, &ax, 4);
+        a += 0.5f;
+        memcpy(&ax, &a, 4);
+        return (uint16_t)(sign | (ax - 0x3f000000u));
+    }
+    ax += ((uint32_t)(15 - 127) << 23) + 0xfffu + ((ax >> 13) & 1u); /* rebias the exponent, round */
+    return (uint16_t)(sign | (ax >> 13));
+}
+
+static inline void store_f16x16(uint16_t *p, f32x16 v) {
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    __m256 lo, hi;
+    memcpy(&lo, &v, 32);
+    memcpy(&hi, (const char *)&v + 32, 32);
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    for (int i = 0; i < 16; i++) p[i] = f32_to_f16_rne(v[i]);
+#endif
+}
+
+/* bfloat16 = the top 16 bits of a float32: widening is a shift. */
+static inline f32x16 load_bf16x16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    i32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = (int32_t)((uint32_t)p[i] << 16);
+    return (f32x16)v;
+#endif
+}
+
+/* float32 -> bfloat16 rounded to nearest even, any NaN -> 0x7fc0: torch's own rounding. */
+static inline void store_bf16x16(uint16_t *p, f32x16 v) {
+    const u32x16 x = (u32x16)v;
+    const i32x16 rounded = (i32x16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    const i32x16 out = vselect_i(v != v, splat_i(0x7fc0), rounded);
+    for (int i = 0; i < 16; i++) p[i] = (uint16_t)out[i];
 }
 
 static inline i32x16 load_s8_i32x16(const int8_t *p) {

@@ -42,6 +42,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
     cpu_kvcache_space: float | None = None
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool | None = None  # None: on (vLLM v1's default)
     max_num_seqs: int | None = None
@@ -118,6 +119,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching,
                 cpu_kvcache_space=self.cpu_kvcache_space,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -151,6 +153,9 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--swap-space", type=float, default=4.0, help="CPU swap space per GPU, GiB")
         g.add_argument("--cpu-kvcache-space", type=float, default=None, help="KV cache GiB when on the CPU")
+        g.add_argument("--kv-cache-dtype", default="auto",
+                       help="KV cache element type: auto (the model dtype; float16 for GGUF weights computed on "
+                            "the CPU), float16, bfloat16 or float32")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
         g.add_argument("--max-num-seqs", type=int, default=None)

@@ -218,6 +218,21 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
         return self._matmul(self.packed, x, bias, dense_min_rows=1 << 30)
 
 
+def computes_on_gguf_blocks(model_config: Any, device: torch.device) -> bool:
+    """Whether select_gguf_config says yes: a GGUF file (not dummy weights) on the CPU in float32 with
+    the kernels built. Nothing is logged or configured here."""
+    from pagedllm.cpu.build import load_cpu_kernels
+
+    return (
+        model_config.quantization in (None, "gguf")
+        and getattr(model_config.source, "kind", None) == "gguf"
+        and model_config.load_format != "dummy"
+        and device.type == "cpu"
+        and model_config.dtype == torch.float32
+        and load_cpu_kernels() is not None
+    )
+
+
 def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | None:
     """Decide once, at load, whether this model computes on its GGUF blocks; logs the decision.
 

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.config import EngineConfig
+from pagedllm.config import KV_CACHE_DTYPES, EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_loader import load_model
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
@@ -27,9 +27,28 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+def resolve_kv_cache_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
+    """The KV cache's element type and why: `kv_cache_dtype` when given; for "auto" the model dtype,
+    except GGUF weights computed on their blocks on the CPU, whose cache is float16 (llama.cpp's
+    default): a decode step there reads the whole cache, so half the bytes is a shorter step, and
+    their compute is quantized already (greedy tokens then first differ from transformers' float32
+    ones late, if at all: docs/CPU_PROFILE.md)."""
+    asked = config.cache_config.cache_dtype
+    if asked != "auto":
+        return KV_CACHE_DTYPES[asked], "kv_cache_dtype"
+    mc = config.model_config
+    device = config.device_config.device
+    if device == "cpu":
+        from pagedllm.quantization.gguf import computes_on_gguf_blocks
+
+        if computes_on_gguf_blocks(mc, torch.device(device)):
+            return torch.float16, "auto: GGUF blocks computed on the CPU (--kv-cache-dtype float32 for float32)"
+    return mc.dtype, "auto: the model dtype"
+
+
 def kv_cache_bytes_per_block(config: EngineConfig) -> int:
     mc = config.model_config
-    elem = torch.empty((), dtype=mc.dtype).element_size()
+    elem = torch.empty((), dtype=resolve_kv_cache_dtype(config)[0]).element_size()
     return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
 
 
@@ -44,6 +63,9 @@ class ModelRunner:
         self.model = load_model(config.model_config, self.device)
         self.vocab_size = config.model_config.vocab_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # After the model: "auto" on the CPU depends on whether the GGUF blocks are computed in place.
+        self.kv_cache_dtype, why = resolve_kv_cache_dtype(config)
+        logger.info("KV cache dtype: %s (%s)", str(self.kv_cache_dtype).removeprefix("torch."), why)
         self.backend = self._pick_backend()
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size)
@@ -88,10 +110,10 @@ class ModelRunner:
         # anonymous mapping (glibc mmaps anything over 32 MiB) that the OS zero-fills on first
         # touch, so start-up skips a multi-GiB memset and unused blocks cost no memory. Smaller
         # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
         alloc = torch.empty if fresh_mapping else torch.zeros
-        self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
+        self.kv_caches = [alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.backend)
 

@@ -1,7 +1,12 @@
 """The CPU side of swap preemption: one KV tensor per layer in (pinned) host memory, and the
-block copies the scheduler asks for (see core/swap.py)."""
+block copies the scheduler asks for (see core/swap.py).
+
+The host caches take the device cache's dtype (kv_cache_dtype), so a block swaps out and back in
+bit for bit."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -10,11 +15,15 @@ class CpuSwapSpace:
     def __init__(self, num_cpu_blocks: int, gpu_caches: list[torch.Tensor]) -> None:
         self.gpu_caches = gpu_caches
         pin = gpu_caches[0].is_cuda if gpu_caches else False
-        # Same layout as the device cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
-        self.cpu_caches = [
-            torch.zeros((c.shape[0], num_cpu_blocks, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
-            for c in gpu_caches
-        ]
+        # Same layout as the device cache: (2, num_blocks, block_size, num_kv_heads, head_dim). Blocks
+        # must hold finite numbers (a masked slot still meets a 0 weight in the torch reference): zeros.
+        # A large unpinned torch.empty is a fresh anonymous mapping the OS zero-fills on first touch, so
+        # the default 4 GiB costs neither a start-up memset (~2 s) nor memory until blocks are swapped.
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            fresh = not pin and math.prod(shape) * dtype.itemsize > 64 * (1 << 20)
+            return torch.empty(shape, dtype=dtype) if fresh else torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self.cpu_caches = [alloc((c.shape[0], num_cpu_blocks, *c.shape[2:]), c.dtype) for c in gpu_caches]
 
     @staticmethod
     def _index(ids: list[int], device: torch.device) -> torch.Tensor:
