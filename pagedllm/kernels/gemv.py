@@ -54,11 +54,6 @@ _ENABLED = os.environ.get("PAGEDLLM_SKINNY_GEMV", "1") != "0"
 _MAX_M_DISPATCH = 8
 _MIN_WEIGHT_ELEMS = 1 << 18  # 256K elements = 512 KB of bf16
 
-# Sizing targets for gemv_config on an H200: 132 SMs; a program streams weights with almost no
-# compute, so resident programs (memory-level parallelism), not waves, set the speed.
-_NUM_SMS = 132
-_TARGET_PROGRAMS = 4 * _NUM_SMS
-
 # Split-K scratch, per device: fp32 partials (SPLIT_K, M, N) and one int32 counter per N-block.
 _WS_FLOATS = 1 << 20  # 4 MB
 _WS_COUNTERS = 1 << 14
@@ -86,59 +81,48 @@ def _split_k(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """Launch configuration for x (m, k) @ W (n, k)^T in bf16/fp16; a first guess to tune on the GPU.
+    """Launch configuration for x (m, k) @ W (n, k)^T in bf16/fp16, from the H200 sweep of
+    `scripts/gemv_bench.py` (2026-11-29, Qwen3-0.6B and Llama-3.1-8B shapes, inside CUDA graphs).
 
-    FMA path (m <= 4). BLOCK_K = 256 * num_warps: one 16-byte vector (8 halves) per thread and row
-    per step, threads and warps laid along K only, which keeps the product in registers (see the
-    kernel). num_warps 4 (BLOCK_K 1024) unless K <= 512 (then 2 or 1). Registers per thread ~
-    BLOCK_M*BLOCK_N (accumulator) + 4*BLOCK_N (weights) + 4*BLOCK_M (x) + ~20, so BLOCK_N starts at
-    16 // BLOCK_M (<= ~80 registers: 6+ programs per SM) and halves while there are fewer than
-    _TARGET_PROGRAMS programs: m=1 (151936, 1024) -> 16 (9496 programs); (4096, 1024) -> 4 (1024);
-    (1024, 2048) -> 1 (1024). Its loads go straight to registers (Triton does not pipeline them),
-    so num_stages is unused: the programs resident on each SM keep the loads in flight.
+    What the sweep showed: streaming W, many small programs beat few wide ones. The best FMA
+    configs all use BLOCK_K = 1024 (4 warps, one 16-byte vector per thread and row per step) and
+    BLOCK_N = 1-8 rows, i.e. 1,000-30,000 programs; split-K never won. So:
 
-    DOT path (m > 4). x padded to 16 rows times a (16, 256) weight tile on tensor cores; the weight
-    tiles stream through shared memory num_stages (3) deep.
-
-    SPLIT_K only when the N-blocks are fewer than half the target: enough splits to reach it, whole
-    K steps each, within the workspace, e.g. dot, (1024, 3072): 64 N-blocks x 6 splits.
+        m = 1        BLOCK_N 1 for n <= 1024, else 2      (1024, 2048): 3.2 us vs cuBLAS 12.7
+        m = 2        BLOCK_N 2 / 4 / 8 for n <= 1024 / < 16384 / larger
+        m = 3..8     FMA with BLOCK_N 2 (m <= 4) or 4 for narrow outputs (n <= 1024); the LM head
+                     (n >= 65536) on tensor cores, (32, 128) tiles 4 stages deep: 76 us vs 80
+    Smaller K (< 1024) shrinks BLOCK_K and the warps with it. Shapes `use_skinny_linear` leaves to
+    cuBLAS still get a sensible config here (tests call every path).
     """
-    block_m = triton.next_power_of_2(max(m, 1))
-    use_dot = m > 4
-    if use_dot:
-        num_warps, num_stages = 4, 3
-        block_k = min(256, max(16, triton.next_power_of_2(k)))
-        block_n = 16
+    block_k = min(1024, max(256, triton.next_power_of_2(k)))
+    num_warps = block_k // 256
+    if m >= 3 and n >= 65536:
+        return GemvConfig(32, 128, 1, 4, 4, True)
+    if m > 8:  # allowed up to MAX_M; tensor cores keep the registers bounded
+        return GemvConfig(16, 256 if k >= 256 else max(16, triton.next_power_of_2(k)), 1, 4, 3, True)
+    if m == 1:
+        block_n = 1 if n <= 1024 else 2
+    elif m == 2:
+        block_n = 2 if n <= 1024 else 4 if n < 16384 else 8
     else:
-        num_warps, num_stages = max(1, min(4, triton.next_power_of_2(k) // 256)), 1
-        block_k = 256 * num_warps
-        block_n = max(1, 16 // block_m)
-        while block_n > 1 and triton.cdiv(n, block_n) < _TARGET_PROGRAMS:
-            block_n //= 2
-    n_blocks = triton.cdiv(n, block_n)
-    split_k = 1
-    if n_blocks < _TARGET_PROGRAMS // 2:
-        split_k = min(triton.cdiv(_TARGET_PROGRAMS, n_blocks), max(1, k // block_k), 16)
-        while split_k > 1 and (split_k * m * n > _WS_FLOATS or n_blocks > _WS_COUNTERS):
-            split_k //= 2
-        split_k = _split_k(k, block_k, split_k)[0]
-    return GemvConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+        block_n = 2 if m <= 4 else 4
+    return GemvConfig(block_n, block_k, 1, num_warps, 1, False)
 
 
 def use_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a CUDA linear of x (m, k) and W (n, k) should run `skinny_linear` instead of cuBLAS.
 
-    bf16/fp16 only (the kernel targets decode in half precision), 1 <= m <= _MAX_M_DISPATCH, a
-    weight of at least _MIN_WEIGHT_ELEMS elements, and K a multiple of 8 so weight rows start on
-    16-byte boundaries (vector loads). The caller checks that the tensors are on CUDA.
+    Where it measured faster on the H200: every shape at m <= 2; at m <= 8 the narrow outputs
+    (n <= 1024, where cuBLAS reached 0.3-0.9 TB/s) and the LM head (n >= 65536). Elsewhere (e.g.
+    Llama-8B gate_up at m = 4: 64 us vs cuBLAS 56) cuBLAS keeps it. bf16/fp16 only, a weight of
+    at least _MIN_WEIGHT_ELEMS elements, K a multiple of 8 (rows start on 16-byte boundaries).
+    The caller checks that the tensors are on CUDA.
     """
-    return (
-        _ENABLED
-        and dtype in (torch.bfloat16, torch.float16)
-        and 1 <= m <= _MAX_M_DISPATCH
-        and n * k >= _MIN_WEIGHT_ELEMS
-        and k % 8 == 0
-    )
+    if not (_ENABLED and dtype in (torch.bfloat16, torch.float16) and n * k >= _MIN_WEIGHT_ELEMS
+            and k % 8 == 0 and 1 <= m <= _MAX_M_DISPATCH):
+        return False
+    return m <= 2 or n <= 1024 or n >= 65536
 
 
 @triton.jit
