@@ -224,6 +224,33 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
         return so
 
     sched.schedule = logged
+    # Host-bound or device-bound: time spent waiting for the device in PendingOutput.get, and in
+    # Python's garbage collector, per pass.
+    import gc
+
+    from pagedllm.worker import model_runner as mr
+
+    waits = [0.0]
+    orig_get = mr.PendingOutput.get
+
+    def timed_get(self):
+        if self.event is not None:
+            t = time.perf_counter()
+            self.event.synchronize()
+            waits[0] += time.perf_counter() - t
+        return orig_get(self)
+
+    mr.PendingOutput.get = timed_get
+    gc_time = [0.0, 0.0, 0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_time[1] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_time[1]
+            gc_time[2] += 1
+
+    gc.callbacks.append(on_gc)
     prompts, outs = w1()
     for p_i in range(1, passes + 1):
         assert llm.reset_prefix_cache()  # the same prompts again must be computed again
@@ -233,6 +260,8 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
         for i, (p, s) in enumerate(zip(prompts, sp)):
             eng.add_request(f"{p_i}-{i}", {"prompt_token_ids": p}, s)
         jit0 = jit_variants()
+        waits[0] = gc_time[0] = 0.0
+        gc_time[2] = 0
         walls = []
         t_all = time.perf_counter()
         while eng.has_unfinished_requests():
@@ -254,7 +283,8 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
             b[2] += floor
             b[3] += dec
         record(f"{label} pass {p_i} total", f"{total:.2f} s, {len(walls)} step calls, {sum(outs) / total:,.0f} tok/s, "
-               f"{jit_variants() - jit0} Triton variants compiled during the pass")
+               f"{jit_variants() - jit0} Triton variants compiled during the pass; host waited for the device "
+               f"{waits[0]:.2f} s; {gc_time[2]} GC runs took {gc_time[0]:.3f} s")
         for key, (cnt, wall, floor, dec) in sorted(buckets.items()):
             record(f"{label} pass {p_i} {key}", f"{cnt} steps, {wall:.3f} s wall ({wall / cnt * 1e3:.2f} ms/step), "
                    f"floor {floor:.3f} s, {dec} decode tokens")
@@ -275,6 +305,8 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
     print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     while eng.has_unfinished_requests():
         eng.step()
+    gc.callbacks.remove(on_gc)
+    mr.PendingOutput.get = orig_get
     free_engine(llm)
 
 
@@ -326,7 +358,7 @@ def main() -> None:
         "kernels-0.6b": lambda: kernel_table("qwen3-0.6b", "qwen3-0.6b"),
         "kernels-0.6b-b256": lambda: kernel_table("qwen3-0.6b", "qwen3-0.6b", batch=256, ctx=800),
         "w1-8b": lambda: w1_run("llama3-8b", "llama3-8b"),
-        "timeline-8b": lambda: timeline_run("llama3-8b", "llama3-8b"),
+        "timeline-8b": lambda: timeline_run("llama3-8b", "llama3-8b", passes=1),
         "kernels-8b": lambda: kernel_table("llama3-8b", "llama3-8b"),
         "latency-8b": lambda: latency_run("llama3-8b", "llama3-8b"),
     }

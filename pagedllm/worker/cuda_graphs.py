@@ -94,6 +94,10 @@ class CudaGraphRunner:
                 self.pool = g.pool()
             self.graphs[bs] = g
             self.outputs[bs] = out
+        # Replay each graph once now (all rows padding: nothing is written): the first launch of a
+        # graph uploads it to the device, which would otherwise land on a serving step.
+        for g in self.graphs.values():
+            g.replay()
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s",
                     len(self.sizes), self.sizes[0], self.sizes[-1], time.monotonic() - t0)

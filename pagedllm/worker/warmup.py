@@ -6,7 +6,8 @@ constants, so the first mixed prefill + decode step of a run used to stop for ~1
 long-context decode outside the CUDA graphs for another). `warmup_kernels` runs three dummy steps
 that reach every variant the engine launches outside CUDA graphs for this model:
 
-    mixed   request 0 prefills 2 * block_size + 3 tokens, request 1 decodes at position 2 * block_size + 4
+    mixed   request 0 prefills 2 * block_size + 3 tokens (then the whole token budget), request 1
+            decodes beside it
     decode  two requests of one token each (the decode-only variant, as eager decode uses it)
     split   one request with a long context (the split-K decode variant and its merge kernel)
 
@@ -68,6 +69,11 @@ def warmup_kernels(runner: ModelRunner) -> None:
     n = min(2 * bs + 3, max(budget - 1, 1), max_len - 1)
     if n >= 1:
         _dummy_step(runner, [n, 1], [n, min(n + 2, max_len)])
+    # A full token budget once: cuBLAS loads its large-M kernels and the allocator grows to the
+    # activations of a full prefill step here, not in the first busy step of serving.
+    full = min(budget - 1, max_len - 1)
+    if full > n:
+        _dummy_step(runner, [full, 1], [full, min(full + 2, max_len)])
     _dummy_step(runner, [1, 1], [1, min(bs + 1, max_len)])
     _dummy_step(runner, [1], [max_len])
     torch.cuda.synchronize(runner.device)
