@@ -16,5 +16,5 @@ for m in qwen3-0.6b llama3-8b; do
   $B latency --model $m --load-format dummy --batch-size 1 --input-len 128 --output-len 257 --max-model-len 4096 \
     --num-iters 3 --output-json "$OUT/lat_$m.json" 2>&1 | grep -v "it/s" | tail -12
 done
-echo "=== peer: transformers generate_batch, W1 qwen3-0.6b (60 s cap)"
-timeout 150 python3 scripts/peer_hf_generate_batch.py qwen3-0.6b 256 --timeout 60 2>&1 | grep -v "it/s" | tail -3
+echo "=== peer: transformers generate_batch, W1 qwen3-0.6b (40 s cap)"
+timeout 100 python3 scripts/peer_hf_generate_batch.py qwen3-0.6b 256 --timeout 40 2>&1 | grep -v "it/s" | tail -3
