@@ -6,6 +6,9 @@ stop strings; the core sees token ids only.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
 import logging
 import time
 
@@ -19,6 +22,11 @@ from pagedllm.worker.model_runner import ModelRunner, PendingOutput, kv_cache_by
 from pagedllm.worker.warmup import warmup_kernels
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)  # once per process, however many engines
 
 
 class EngineCore:
@@ -55,6 +63,14 @@ class EngineCore:
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.inflight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # The model, its buffers and the startup garbage are long-lived: move them out of the
+        # cyclic collector's sight (vLLM freezes its heap too). Otherwise each full collection
+        # while serving walks them again: ~0.3 s of a 6 s W1 run on the H200 host.
+        gc.collect()
+        gc.freeze()
+        # ...and give them back at exit, so interpreter shutdown still collects them (extension
+        # modules such as Triton's report frozen objects as leaks otherwise).
+        _unfreeze_at_exit()
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
             time.monotonic() - t0, num_blocks, bs, num_blocks * bs,
