@@ -1,11 +1,13 @@
 """Compile every kernel launch the wrappers make, for an H100/H200 (sm_90), on a machine without a GPU.
 
 The interpreter runs kernels as NumPy and so accepts code that the real compiler rejects, and it
-says nothing of registers. This script calls each wrapper on small bf16 CPU tensors with the
-kernels swapped for recorders, then compiles each recorded launch exactly as Triton's JIT would
-(argument types from the values, 16-divisible pointers and ints marked so) down to a cubin with
-Triton's bundled ptxas, and prints one line per launch. A launch that spills registers to the stack
-(a slow kernel) is an error. Run as a script (TRITON_INTERPRET=0); `test_compile_sm90.py` does.
+says nothing of registers. This script calls each wrapper on bf16 CPU tensors of model shapes with
+the kernels swapped for recorders (nothing runs, so big zero tensors are never touched), then
+compiles each recorded launch exactly as Triton's JIT would (argument types from the values,
+16-divisible pointers and ints marked so) down to a cubin with Triton's bundled ptxas, and prints
+one line per distinct compiled kernel (registers, stack and shared-memory bytes). A launch that
+spills registers to the stack (a slow kernel) is an error. Run as a script (TRITON_INTERPRET=0);
+`test_compile_sm90.py` does.
 Exit status 0 = all compiled without spills.
 """
 
@@ -25,7 +27,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pagedllm.attention.metadata import build_metadata  # noqa: E402
-from pagedllm.kernels import activation, kv_cache_write, paged_attention, rmsnorm, rotary  # noqa: E402
+from pagedllm.kernels import (  # noqa: E402
+    activation,
+    gemv,
+    kv_cache_write,
+    paged_attention,
+    qkv_prep,
+    rmsnorm,
+    rotary,
+    sampling,
+)
 
 _TYPES = {
     torch.float32: "fp32",
@@ -96,8 +107,19 @@ def _record(launches: list) -> None:
         (rmsnorm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
         (activation, "_silu_and_mul_kernel"),
+        (qkv_prep, "_qkv_prep_kernel"),
+        (sampling, "_gumbel_argmax_split_kernel"),
+        (sampling, "_argmax_partials_kernel"),
+        (gemv, "_skinny_linear_kernel"),
     ]:
         setattr(mod, name, _Recorder(getattr(mod, name), launches))
+    _record_attention_and_layers()
+    _record_qkv_prep()
+    _record_sampling()
+    _record_gemv()
+
+
+def _record_attention_and_layers() -> None:
     bf16 = torch.bfloat16
     # (num_heads, num_kv_heads, head_dim): Llama-3-8B's GQA; MHA with a padded head_dim of 80.
     for heads, kv_heads, head_dim in [(32, 8, 128), (32, 32, 80)]:
@@ -117,18 +139,62 @@ def _record(launches: list) -> None:
     activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=bf16))
 
 
+def _record_qkv_prep() -> None:
+    # (num_heads, num_kv_heads, head_dim, q/k norms): Qwen3-0.6B (per-head q_norm/k_norm) and
+    # Llama-3.1-8B (none); a decode step (T=1) and a prefill chunk (T=256). The fp32 cos/sin cache,
+    # int64 positions and slots are what `Attention.forward_qkv` passes.
+    bf16 = torch.bfloat16
+    for heads, kv_heads, head_dim, norms in [(16, 8, 128, True), (32, 8, 128, False)]:
+        cache = torch.zeros(2, 32, 16, kv_heads, head_dim, dtype=bf16)
+        cos_sin = rotary.build_cos_sin_cache(head_dim, 512)
+        w = torch.ones(head_dim, dtype=bf16) if norms else None
+        for t in (1, 256):
+            qkv = torch.zeros(t, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
+            positions = torch.arange(t, dtype=torch.int64)
+            qkv_prep.fused_qkv_prep(qkv, positions, cos_sin, cache, positions.clone(), heads, kv_heads, head_dim,
+                                    q_norm_weight=w, k_norm_weight=w)
+
+
+def _record_sampling() -> None:
+    # A full batch over Qwen3's vocabulary. On CPU tensors `_fast_log2` says no (the interpreter has
+    # no libdevice); the GPU takes the MUFU lg2 variant, so that is the one compiled here.
+    fast_log2 = sampling._fast_log2
+    sampling._fast_log2 = lambda device: True
+    try:
+        sampling.gumbel_argmax(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.ones(256), 1234)
+    finally:
+        sampling._fast_log2 = fast_log2
+
+
+def _record_gemv() -> None:
+    # Decode linears `use_skinny_linear` sends here, one per distinct `gemv_config` (its docstring):
+    # (m, n, k) = Llama-8B/Qwen3 shapes for the FMA path at BLOCK_M 1, 2, 4, 8 and Qwen3's LM head
+    # at m=4 on the tensor-core path. Weights are left untouched (torch.zeros is lazily mapped).
+    for m, n, k in [(1, 4096, 1024), (2, 28672, 4096), (4, 1024, 3072), (8, 1024, 2048), (4, 151936, 1024)]:
+        gemv.skinny_linear(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
+
+
 def main() -> int:
     launches: list = []
     _record(launches)
     failures = 0
+    seen = set()
     for kernel, args, kwargs in launches:
         sig, consts, attrs = _signature(kernel, args, kwargs)
         options = {k: kwargs[k] for k in _OPTION_KEYS if k in kwargs}
+        # Calls that differ only in values the JIT does not specialize on (T=1 vs T=256, say) are
+        # one compiled kernel: check it once.
+        key = (kernel.fn.__name__, repr(sig), repr(consts), repr(attrs), repr(options))
+        if key in seen:
+            continue
+        seen.add(key)
         src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         regs, stack = _stack_bytes(compiled.asm["cubin"])
         shown = {k: v for k, v in consts.items() if k.isupper() and k not in ("DOT_PRECISION",)}
-        print(f"{kernel.fn.__name__} {shown} {options}: {regs} registers, {stack} bytes of stack")
+        shared = compiled.metadata.shared
+        print(f"{kernel.fn.__name__} {shown} {options}: {regs} registers, {stack} bytes of stack, "
+              f"{shared} bytes of shared memory")
         if stack:
             print("  ^ spills registers", file=sys.stderr)
             failures += 1

@@ -1,15 +1,13 @@
-"""Skinny GEMM (decode GEMV) kernel against its fp32 reference, on every launch path."""
+"""Skinny GEMM (decode GEMV) kernel against its fp32 reference, on every launch path.
+
+The sm_90 compile of `gemv_config`'s launches (registers, no spills, FMA path off shared memory)
+is checked with the other kernels in `test_compile_sm90.py`.
+"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import triton
 
 from pagedllm.kernels import gemv
 from pagedllm.kernels.gemv import GemvConfig, gemv_config, skinny_linear, skinny_linear_ref, use_skinny_linear
@@ -109,45 +107,3 @@ def test_rejects_bad_input(device):
     with pytest.raises(ValueError, match="dtype"):
         skinny_linear(x.half(), w)
 
-
-_SM90_SCRIPT = r"""
-import sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import sm90_compile_check as cc
-from pagedllm.kernels import gemv
-
-launches = []
-gemv._skinny_linear_kernel = cc._Recorder(gemv._skinny_linear_kernel, launches)
-for m, n, k in [(1, 4096, 1024), (4, 28672, 4096), (8, 1024, 3072)]:  # FMA, FMA, DOT + split-K
-    gemv.skinny_linear(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
-for kernel, args, kwargs in launches:
-    sig, consts, attrs = cc._signature(kernel, args, kwargs)
-    options = {key: kwargs[key] for key in cc._OPTION_KEYS}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    regs, stack = cc._stack_bytes(compiled.asm["cubin"])
-    print(consts["USE_DOT"], consts["SPLIT_K"], regs, stack, compiled.metadata.shared)
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the real kernels run on this machine's GPU")
-@pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
-                    reason="this Triton build has no bundled ptxas")
-def test_default_launches_compile_for_sm90_in_registers():
-    # What the interpreter cannot show: no register spills, and the FMA path's product never goes
-    # through shared memory (only the final cross-warp sum does: <= 256 bytes).
-    here = Path(__file__).resolve()
-    env = dict(os.environ, TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join([str(here.parent), str(here.parents[2]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    assert len(rows) == 3, proc.stdout
-    for use_dot, _split_k, regs, stack, shared in rows:
-        assert int(stack) == 0 and int(regs) <= 128, rows
-        if use_dot == "False":
-            assert int(shared) <= 256, rows
-    assert rows[2][:2] == ["False", "1"], rows  # (1024, 3072) at M=8: FMA, no split (measured best)
