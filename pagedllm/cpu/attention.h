@@ -195,7 +195,8 @@ static inline __attribute__((always_inline)) void attn_task(
 /* out[t] for query rows i < n_rows: token row_token[i] of request row_req[i] (its block table row)
  * attends causally to row_seq[i] positions. query (T, num_heads, head_dim) with row stride q_stride;
  * out likewise with out_stride. head_dim must be a multiple of 16 and at most 256. `scratch` holds
- * scratch_per_worker bytes per pool worker: attn_scratch_bytes(longest row_seq, group). */
+ * scratch_per_worker bytes per pool worker, 64-byte aligned: seq16 * 8 (slot offsets) + group * seq16 * 4
+ * (scores), seq16 = the longest row_seq rounded up to 16. */
 struct attn_ctx {
     const float *query;
     long q_stride;
@@ -212,11 +213,6 @@ struct attn_ctx {
     char *scratch;
     long scratch_per_worker;
 };
-
-long attn_scratch_bytes(int max_seq, int group) {
-    const long seq16 = (max_seq + 15) & ~15;
-    return seq16 * (long)sizeof(long) + (long)group * seq16 * (long)sizeof(float) + 64;
-}
 
 static void attn_chunk(void *arg, long chunk, int worker) {
     const struct attn_ctx *c = arg;
@@ -242,11 +238,16 @@ static void attn_chunk(void *arg, long chunk, int worker) {
 #undef ATTN_TASK
 }
 
-void paged_attention_rows(const float *query, long q_stride, float *out, long out_stride, const void *kv_cache,
-                          int kv_type, long num_slots, int block_size, int num_heads, int num_kv_heads,
-                          int head_dim, const int32_t *block_table, long block_table_stride,
-                          const int64_t *row_token, const int32_t *row_req, const int32_t *row_seq, long n_rows,
-                          float scale, void *scratch, long scratch_per_worker) {
+/* Write this step's K/V (key/value rows t < num_tokens to slot_mapping[t]; see write_kv_cache), then
+ * attend: out[t] for the query rows (see attn_ctx). One call per layer. */
+void paged_attention_rows(const float *query, long q_stride, const float *key, long key_stride,
+                          const float *value, long value_stride, const int64_t *slot_mapping, long num_tokens,
+                          float *out, long out_stride, void *kv_cache, int kv_type, long num_slots, int block_size,
+                          int num_heads, int num_kv_heads, int head_dim, const int32_t *block_table,
+                          long block_table_stride, const int64_t *row_token, const int32_t *row_req,
+                          const int32_t *row_seq, long n_rows, float scale, void *scratch, long scratch_per_worker) {
+    write_kv_cache(key, key_stride, value, value_stride, kv_cache, num_slots, slot_mapping, num_tokens,
+                   (long)num_kv_heads * head_dim, kv_type);
     const long row = (long)num_kv_heads * head_dim * KV_ELEM_BYTES(kv_type); /* bytes per token slot */
     struct attn_ctx c = {query, q_stride, out, out_stride, kv_cache, (const char *)kv_cache + num_slots * row,
                          row, block_size, num_heads / num_kv_heads, head_dim, num_kv_heads, kv_type,

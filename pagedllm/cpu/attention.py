@@ -29,32 +29,27 @@ KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_C_QUERY_LEN = 256
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    # (T, heads, head_dim) with each row's heads back to back (a column slice of the fused qkv is fine)
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
-def _metadata_ok(md: AttentionMetadata) -> bool:
-    # The kernel reads these buffers raw: int32 / int64 as the model runner builds them, contiguous.
-    return (
-        md.seq_lens.dtype == md.query_start_loc.dtype == md.block_table.dtype == torch.int32
-        and md.slot_mapping.dtype == torch.int64
-        and md.seq_lens.is_contiguous()
-        and md.query_start_loc.is_contiguous()
-        and md.slot_mapping.is_contiguous()
-        and md.query_start_loc_cpu is not None
-        and md.seq_lens_cpu is not None
-    )
-
-
 class _StepRows:
-    """The rows of one step's metadata, shared by every layer of the step (built once).
+    """What every layer of one step shares (built at the step's first layer): the query rows, and
+    whether the kernel takes the step at all (`ok`).
 
         requests A (3 new tokens, seq_len 10) and B (decode, seq_len 20): query_start_loc [0, 3, 4]
         row_token [0, 1, 2, 3]   row_req [0, 0, 0, 1]   row_seq [8, 9, 10, 20]
     """
 
-    def __init__(self, md: AttentionMetadata) -> None:
+    def __init__(self, md: AttentionMetadata, nworkers: int) -> None:
+        # The kernel reads these buffers raw: int32 / int64 as the model runner builds them, contiguous.
+        self.ok = (
+            md.max_query_len <= MAX_C_QUERY_LEN
+            and md.query_start_loc_cpu is not None
+            and md.seq_lens_cpu is not None
+            and md.slot_mapping.device.type == "cpu"
+            and md.block_table.dtype == torch.int32
+            and md.slot_mapping.dtype == torch.int64
+            and md.slot_mapping.is_contiguous()
+        )
+        if not self.ok:
+            return
         r = md.num_reqs
         qsl = md.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
         seq = md.seq_lens_cpu[:r].numpy().astype(np.int32)
@@ -69,8 +64,12 @@ class _StepRows:
         self.row_req = torch.from_numpy(np.ascontiguousarray(row_req))
         self.row_seq = torch.from_numpy(np.ascontiguousarray(row_seq))
         self.n = len(row_token)
-        self.max_seq = int(seq.max()) if r else 0
+        self.num_tokens = md.num_actual_tokens
+        self.seq16 = -(-int(seq.max()) // 16) * 16 if r else 0
         self.block_table = md.block_table if md.block_table.stride(1) == 1 else md.block_table.contiguous()
+        self.nworkers = nworkers
+        self.ptrs = (md.slot_mapping.data_ptr(), self.block_table.data_ptr(), self.block_table.stride(0),
+                     self.row_token.data_ptr(), self.row_req.data_ptr(), self.row_seq.data_ptr())
 
 
 class CpuAttentionBackend:
@@ -85,12 +84,6 @@ class CpuAttentionBackend:
     def available() -> bool:
         return load_cpu_kernels() is not None
 
-    def _step_rows(self, md: AttentionMetadata) -> _StepRows:
-        if md is not self._md:
-            self._md, self._rows = md, _StepRows(md)
-        assert self._rows is not None
-        return self._rows
-
     def forward(
         self,
         query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
@@ -101,39 +94,37 @@ class CpuAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         lib = load_cpu_kernels()
+        if md is not self._md and lib is not None:
+            self._md, self._rows = md, _StepRows(md, lib.cpu_pool_size())
+        rows = self._rows
+        if lib is None or kv_cache is None or rows is None or not rows.ok:
+            return paged_attention(query, key, value, kv_cache, md, scale)
         t, num_heads, head_dim = query.shape
-        if (
-            lib is None
-            or kv_cache is None
-            or md.max_query_len > MAX_C_QUERY_LEN
-            or md.num_actual_tokens != t
-            or query.device.type != "cpu"
-            or not (query.dtype == key.dtype == value.dtype == torch.float32)
-            or kv_cache.dtype not in KV_TYPES
-            or head_dim % 16
-            or head_dim > 256
-            or not (_rows_ok(query) and _rows_ok(key) and _rows_ok(value) and kv_cache.is_contiguous())
-            or not _metadata_ok(md)
+        qs, ks, vs = query.stride(), key.stride(), value.stride()
+        if not (
+            t == rows.num_tokens
+            and query.dtype == key.dtype == value.dtype == torch.float32
+            and query.device.type == "cpu"
+            and kv_cache.dtype in KV_TYPES
+            and head_dim % 16 == 0
+            and head_dim <= 256
+            # (T, heads, head_dim) with each row's heads back to back (a column slice of the fused qkv is fine)
+            and qs[2] == ks[2] == vs[2] == 1
+            and qs[1] == ks[1] == vs[1] == head_dim
+            and kv_cache.is_contiguous()
         ):
             return paged_attention(query, key, value, kv_cache, md, scale)
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        num_slots = num_blocks * block_size
-        kv_type = KV_TYPES[kv_cache.dtype]
-        lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
-                           num_slots, md.slot_mapping.data_ptr(), t, num_kv_heads * head_dim, kv_type)
-        rows = self._step_rows(md)
-        # attn_scratch_bytes in attention.h: seq16 slot offsets (int64) and group * seq16 scores, per worker
-        seq16 = -(-rows.max_seq // 16) * 16
-        per_worker = -(-(seq16 * 8 + num_heads // num_kv_heads * seq16 * 4 + 64) // 64) * 64
-        nworkers = lib.cpu_pool_size()
-        if self._scratch.numel() < per_worker * nworkers:
-            self._scratch = torch.empty(per_worker * nworkers * 2, dtype=torch.uint8)
-        out = torch.empty((t, num_heads, head_dim), dtype=query.dtype)
-        bt = rows.block_table
+        # Per worker, 64-byte aligned: seq16 slot offsets (int64), then group * seq16 scores (attention.h).
+        per_worker = -(-(rows.seq16 * 8 + num_heads // num_kv_heads * rows.seq16 * 4) // 64) * 64 + 64
+        if self._scratch.numel() < per_worker * rows.nworkers:
+            self._scratch = torch.empty(per_worker * rows.nworkers * 2, dtype=torch.uint8)
+        out = torch.empty((t, num_heads, head_dim), dtype=torch.float32)
+        slot_mapping, bt, bt_stride, row_token, row_req, row_seq = rows.ptrs
         lib.paged_attention_rows(
-            query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(), kv_type,
-            num_slots, block_size, num_heads, num_kv_heads, head_dim, bt.data_ptr(), bt.stride(0),
-            rows.row_token.data_ptr(), rows.row_req.data_ptr(), rows.row_seq.data_ptr(), rows.n, scale,
-            self._scratch.data_ptr(), per_worker,
+            query.data_ptr(), qs[0], key.data_ptr(), ks[0], value.data_ptr(), vs[0], slot_mapping, t,
+            out.data_ptr(), num_heads * head_dim, kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype],
+            num_blocks * block_size, block_size, num_heads, num_kv_heads, head_dim, bt, bt_stride,
+            row_token, row_req, row_seq, rows.n, scale, self._scratch.data_ptr(), per_worker,
         )
         return out

@@ -1,9 +1,11 @@
 /* Row-wise kernels: RMSNorm (with the residual add fused), rotary embedding, silu * mul, argmax.
  *
- * One thread: a decode step has a few rows, and a prefill spends its time in the matmuls.
+ * One thread, but for argmax over the pool: a decode step has a few rows, and a prefill spends its
+ * time in the matmuls.
  */
 #pragma once
 
+#include "pool.h"
 #include "vec.h"
 
 /* out[t] = (s * (1 / sqrt(mean(s^2) + eps))) * weight with s = x[t] (+ residual[t], also stored to
@@ -88,30 +90,44 @@ void silu_and_mul(const float *x, long x_stride, float *out, long num_tokens, lo
 }
 
 /* out[r] = index of the first largest value of row r (x: rows x n, row stride ld); a NaN counts as the
- * largest, as torch.argmax does. */
-void argmax_rows(const float *x, long ld, long rows, long n, int64_t *out) {
-    for (long r = 0; r < rows; r++) {
-        const float *row = x + r * ld;
-        f32x16 best = splat(-INFINITY);
-        long i = 0;
-        int has_nan = 0;
-        for (; i + 16 <= n; i += 16) {
-            const f32x16 v = load_f32x16(row + i);
-            has_nan |= !!hsum16((f32x16)(vselect(v != v, splat(1.0f), splat(0.0f))));
-            best = vmax(v, best);
-        }
-        float m = -INFINITY;
-        for (int l = 0; l < 16; l++) m = best[l] > m ? best[l] : m;
-        for (long j = i; j < n; j++) {
-            if (row[j] != row[j]) has_nan = 1;
-            if (row[j] > m) m = row[j];
-        }
-        long idx = 0;
-        if (has_nan) {
-            while (row[idx] == row[idx]) idx++;
-        } else {
-            while (idx < n - 1 && row[idx] != m) idx++;
-        }
-        out[r] = idx;
+ * largest, as torch.argmax does. Rows are spread over the pool (16 rows of a 49k vocabulary: 3 MB). */
+static long argmax_row(const float *row, long n) {
+    f32x16 best = splat(-INFINITY);
+    long i = 0;
+    int has_nan = 0;
+    for (; i + 16 <= n; i += 16) {
+        const f32x16 v = load_f32x16(row + i);
+        has_nan |= !!hsum16((f32x16)(vselect(v != v, splat(1.0f), splat(0.0f))));
+        best = vmax(v, best);
     }
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++) m = best[l] > m ? best[l] : m;
+    for (long j = i; j < n; j++) {
+        if (row[j] != row[j]) has_nan = 1;
+        if (row[j] > m) m = row[j];
+    }
+    long idx = 0;
+    if (has_nan) {
+        while (row[idx] == row[idx]) idx++;
+    } else {
+        while (idx < n - 1 && row[idx] != m) idx++;
+    }
+    return idx;
+}
+
+struct argmax_ctx {
+    const float *x;
+    long ld, n;
+    int64_t *out;
+};
+
+static void argmax_chunk(void *arg, long r, int worker) {
+    const struct argmax_ctx *c = arg;
+    (void)worker;
+    c->out[r] = argmax_row(c->x + r * c->ld, c->n);
+}
+
+void argmax_rows(const float *x, long ld, long rows, long n, int64_t *out) {
+    struct argmax_ctx c = {x, ld, n, out};
+    pool_run(argmax_chunk, &c, rows);
 }
