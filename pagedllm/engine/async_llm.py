@@ -16,6 +16,11 @@ Three threads share the work, so neither the event loop nor the step loop waits 
       "abort" -------------------------> forget states
       "abort" (core ids) ---------------------------------------------> applied before the next step
 
+On the CPU the EngineCore runs in a process of its own instead of the engine thread
+(engine/core_proc.py: a sender and a receiver thread stand in for it here), so the step loop never
+waits for the GIL that the event loop and the output thread hold; PAGEDLLM_ENABLE_MULTIPROCESSING=0
+keeps it in a thread, =1 moves it to a process on a GPU too.
+
 The EngineCore stays pure and single-threaded: only the engine thread touches it. The
 OutputProcessor is touched only by the output thread. The loop owns the mailboxes. Every request
 gets an internal id (`"{request_id}-{seq}"`), so a caller may reuse a request id the moment its
@@ -38,6 +43,7 @@ from typing import Any, TypeVar
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
@@ -59,6 +65,17 @@ FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
 # How many steps' outputs may wait for the output thread before the engine thread waits for it:
 # backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
 MAX_PENDING_BATCHES = 4
+# vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: "1" runs the EngineCore in its own process, "0" in a thread of
+# this one; unset: a process on the CPU (where the GIL contention costs most), a thread on a GPU.
+MULTIPROCESSING_ENV = "PAGEDLLM_ENABLE_MULTIPROCESSING"
+
+
+def _use_engine_process(config: EngineConfig) -> bool:
+    choice = os.environ.get(MULTIPROCESSING_ENV)
+    if choice not in (None, "", "0", "1"):
+        raise ValueError(f"{MULTIPROCESSING_ENV} must be 0 or 1, got {choice!r}.")
+    wanted = config.device_config.device == "cpu" if choice in (None, "") else choice == "1"
+    return wanted and multiprocessing_available()
 
 
 class EngineDeadError(RuntimeError):
@@ -69,10 +86,23 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = load_tokenizer(config)
-        self.processor = Processor(config, self.tokenizer)
+        fail_at = os.environ.get(FAULT_INJECT_ENV)
+        self._fail_at = int(fail_at) if fail_at else None
+        # The engine thread's alone, or (a process) the sender's and receiver's; started first so the
+        # model loads there while the tokenizer loads here.
+        self.engine_core: EngineCore | EngineCoreProc = (
+            EngineCoreProc(config, self._fail_at) if _use_engine_process(config) else EngineCore(config)
+        )
+        try:
+            self.tokenizer = load_tokenizer(config)
+            self.processor = Processor(config, self.tokenizer)
+            if isinstance(self.engine_core, EngineCoreProc):
+                self.engine_core.wait_ready()
+        except BaseException:
+            if isinstance(self.engine_core, EngineCoreProc):
+                self.engine_core.close(0)
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)  # the output thread's alone
-        self.engine_core = EngineCore(config)  # the engine thread's alone
         self.stat_loggers: list[StatLogger] = []
         self.dead_error: EngineDeadError | None = None
         # Set by refuse_new_requests (a draining server): add_request raises it.
@@ -90,11 +120,21 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._output_thread: threading.Thread | None = None
+        self._sender_thread: threading.Thread | None = None  # engine process only
         # Tokenization and chat-template rendering run here, never on the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="pagedllm-tokenizer")
-        fail_at = os.environ.get(FAULT_INJECT_ENV)
-        self._fail_at_step = int(fail_at) if fail_at else None
         self._num_steps = 0
+
+    @property
+    def _fail_at_step(self) -> int | None:
+        """Test-only fault injection (FAULT_INJECT_ENV): the engine step that raises."""
+        return self._fail_at
+
+    @_fail_at_step.setter
+    def _fail_at_step(self, step: int | None) -> None:
+        self._fail_at = step
+        if isinstance(self.engine_core, EngineCoreProc):
+            self._inputs.put(("fail_at_step", step))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -235,15 +275,65 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         self._output_thread = threading.Thread(target=self._run_output_handler, name="pagedllm-output", daemon=True)
         self._output_thread.start()
-        self._thread = threading.Thread(target=self._run_engine_core, name="pagedllm-engine", daemon=True)
+        if isinstance(self.engine_core, EngineCoreProc):
+            self._sender_thread = threading.Thread(target=self._run_core_sender, name="pagedllm-core-sender",
+                                                   daemon=True)
+            self._sender_thread.start()
+            self._thread = threading.Thread(target=self._run_core_receiver, name="pagedllm-core-receiver",
+                                            daemon=True)
+        else:
+            self._thread = threading.Thread(target=self._run_engine_core, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
     def start(self) -> None:
         """Start the engine thread now (on the running loop); otherwise the first request does."""
         self._ensure_started()
 
+    # -- engine process (EngineCoreProc) ------------------------------------------------------------
+    def _run_core_sender(self) -> None:
+        """Forward commands to the engine process, in order; ends after sending "shutdown"."""
+        assert isinstance(self.engine_core, EngineCoreProc)
+        try:
+            while True:
+                item = self._inputs.get()
+                self.engine_core.send(item)
+                if item[0] == "shutdown":
+                    return
+        except OSError:
+            pass  # the engine process is gone; the receiver reports it
+
+    def _run_core_receiver(self) -> None:
+        """Hand the engine process's step outputs to the output thread (MAX_PENDING_BATCHES ahead at
+        most: then the engine process blocks on its pipe) and report its failures."""
+        core = self.engine_core
+        assert isinstance(core, EngineCoreProc)
+        try:
+            while True:
+                try:
+                    msg = core.recv()
+                except (EOFError, OSError):
+                    if self._stopping.is_set():
+                        return
+                    raise RuntimeError(f"the engine process exited (exit code {core.process.exitcode})") from None
+                kind = msg[0]
+                if kind == "outputs":
+                    if not self._publish(msg[1], msg[2], msg[3]):
+                        return
+                elif kind == "failed":
+                    self._call_on_loop(self._fail_requests, msg[1])
+                elif kind == "dead":
+                    raise msg[1]
+                else:
+                    raise AssertionError(f"unknown engine message {kind!r}")
+        except BaseException as e:  # noqa: BLE001 - anything that ends the engine ends the server
+            if not self._stopping.is_set():
+                logger.error("engine process died: %s: %s", type(e).__name__, e)
+                self._call_on_loop(self._on_engine_dead, e)
+
+    # -- engine thread -----------------------------------------------------------------------------
     def _run_engine_core(self) -> None:
         core = self.engine_core
+        assert isinstance(core, EngineCore)
         # Requests added but not scheduled yet, to measure their queue time.
         unscheduled: dict[str, Request] = {}
         try:
@@ -275,6 +365,8 @@ class AsyncLLM:
 
     def _apply_inputs(self, block: bool, unscheduled: dict[str, Request]) -> bool:
         """Apply every queued command; False on shutdown. Blocks for the first one only when idle."""
+        core = self.engine_core
+        assert isinstance(core, EngineCore)
         try:
             item = self._inputs.get(block=block)
         except queue.Empty:
@@ -287,16 +379,18 @@ class AsyncLLM:
             if kind == "add":
                 for req in payload:
                     try:
-                        self.engine_core.add_request(req)
+                        core.add_request(req)
                         unscheduled[req.request_id] = req
                     except Exception as e:  # a request the core refuses fails alone, the engine lives on
                         if not isinstance(e, ValueError):
                             logger.exception("engine core refused request %s", req.request_id)
                         failed.append((req.request_id, e))
             elif kind == "abort":
-                self.engine_core.abort_requests(payload)
+                core.abort_requests(payload)
             elif kind == "stop":
-                self.engine_core.stop_requests(payload)
+                core.stop_requests(payload)
+            elif kind == "fail_at_step":
+                pass  # the engine thread reads self._fail_at_step itself
             else:
                 raise AssertionError(f"unknown engine command {kind!r}")
             try:
@@ -429,7 +523,9 @@ class AsyncLLM:
         self._stopping.set()
         self._inputs.put(("shutdown", None))
         self._outq.put(("shutdown",))
-        for t in (self._thread, self._output_thread):
+        for t in (self._sender_thread, self._thread, self._output_thread):
             if t is not None and t.is_alive():
                 t.join(timeout)
+        if isinstance(self.engine_core, EngineCoreProc):
+            self.engine_core.close(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
