@@ -125,12 +125,12 @@ def pack_gguf_rows(raw: np.ndarray | torch.Tensor, qtype: str, in_features: int)
 
 
 def gguf_matmul(
-    x: torch.Tensor, w: PackedGGUFWeight, out: torch.Tensor | None = None, dense_min_rows: int = 64
+    x: torch.Tensor, w: PackedGGUFWeight, out: torch.Tensor | None = None, dense_min_rows: int = 48
 ) -> torch.Tensor:
     """x (M, K) float32 -> (M, N) float32 = x @ W^T, W the dequantized GGUF weight.
 
-    More than `dense_min_rows` rows: chunks of the weight are dequantized and multiplied with BLAS
-    (faster for long prefills; the same float32 weights, so only the order of the sums differs).
+    More than `dense_min_rows` rows: panels of the weight are dequantized and multiplied with BLAS
+    (faster for prefills; the same float32 weights, so only the order of the sums differs).
     """
     lib = load_cpu_kernels()
     assert lib is not None, "gguf_matmul needs the compiled CPU kernels"
@@ -143,7 +143,7 @@ def gguf_matmul(
         out = torch.empty((m, w.out_features), dtype=torch.float32)
     args = (w.kind, x.data_ptr(), x.stride(0), w.data_ptr, out.data_ptr(), out.stride(0), m, w.out_features,
             w.in_features)
-    # Long prefills: dequantize the weight into a scratch and multiply with BLAS (when torch's is available).
+    # Prefills: dequantize panels of the weight and multiply with BLAS (when torch's is available).
     if (m <= dense_min_rows or not lib.gguf_gemm_dense(*args)) and not lib.gguf_gemm(*args):
         raise MemoryError(f"gguf_gemm: no memory for a ({m}, {w.in_features}) float32 buffer")
     return out

@@ -6,10 +6,9 @@ is ~540 MB as dense float32 but ~97 MB as its Q4_1 / Q8_0 blocks. The C kernel
 takes the exact float32 value the dequantized checkpoint has, so results equal a dense float32
 matmul up to the order of the float32 sums (greedy outputs are those of the float32 model).
 
-Steps of more than `max_packed_rows` tokens (long prefills) dequantize the blocks into
-one scratch and multiply with torch's BLAS sgemm (MKL): there a dense GEMM is
-~1.5x faster than the block kernel, with the same float32 weight values. No dense copy of a
-linear weight is kept; the token embedding keeps its dense table for the lookup, and its blocks
+Steps of more than `max_packed_rows` tokens (prefills) dequantize panels of the blocks into each
+worker's L2 and multiply with torch's BLAS sgemm (MKL): there a dense GEMM is 1.2-1.6x faster than
+the block kernel, with the same float32 weight values. No dense copy of a linear weight is kept; the token embedding keeps its dense table for the lookup, and its blocks
 serve the (tied) LM head.
 
 How the blocks arrive: for the tensors `quantized_weight_names()` names, the GGUF weight iterator
@@ -38,10 +37,10 @@ from pagedllm.quantization.base import (
 
 logger = logging.getLogger(__name__)
 
-# Steps with more rows than this dequantize and use MKL (faster from ~64 rows on a 2-core AVX-512
-# Xeon, see docs/CPU_PROFILE.md). Decode batches up to the CPU default max_num_seqs (64) always
+# Steps with more rows than this dequantize panels and use MKL (faster from ~48 rows on a 2-core
+# AVX-512 Xeon, see docs/CPU_PROFILE.md); smaller ones, decode batches of up to 48 streams included,
 # take the block kernel.
-DEFAULT_MAX_PACKED_ROWS = 64
+DEFAULT_MAX_PACKED_ROWS = 48
 
 
 class GGUFConfig(QuantizationConfig):
@@ -213,8 +212,7 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         assert self.packed is not None, "process_weights_after_loading has not run"
-        # The LM head sees one row per sampled request: always the block kernel, never a dense
-        # (vocab, hidden) scratch (113 MB for SmolLM2).
+        # The LM head sees one row per sampled request: always the block kernel.
         return self._matmul(self.packed, x, bias, dense_min_rows=1 << 30)
 
 
@@ -260,7 +258,7 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
     dense = sorted({t for t in types.values() if t not in SUPPORTED_TYPES and t not in ("F32", "F16", "BF16")})
     logger.info(
         "CPU weights: GGUF %s blocks computed in place (float32 activations, %s kernels, %d threads); "
-        "steps over %d tokens dequantize into a scratch for BLAS%s",
+        "steps over %d tokens dequantize panels for BLAS%s",
         "/".join(kept) or "no", cpu_isa(), threads, config.max_packed_rows,
         f"; {'/'.join(dense)} tensors dequantized (no kernel)" if dense else "",
     )
