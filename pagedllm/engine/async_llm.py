@@ -44,14 +44,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
-from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.engine_core import EngineCore, step_and_queue_times
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.output_stream import RequestOutputCollector, RequestOutputStream, _LiveRequest
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -345,18 +345,10 @@ class AsyncLLM:
                     if not self._publish([], core.make_stats(), []):
                         return
                     continue
-                step_start = time.time()
                 self._num_steps += 1
                 if self._fail_at_step is not None and self._num_steps >= self._fail_at_step:
                     raise RuntimeError(f"injected fault in engine step {self._num_steps} ({FAULT_INJECT_ENV})")
-                outputs = core.step()
-                queue_times = []
-                for rid, req in list(unscheduled.items()):
-                    if req.is_finished():
-                        del unscheduled[rid]
-                    elif req.status != RequestStatus.WAITING:
-                        queue_times.append(step_start - req.arrival_time)
-                        del unscheduled[rid]
+                outputs, queue_times = step_and_queue_times(core, unscheduled)
                 if not self._publish(outputs, core.make_stats(), queue_times):
                     return
         except BaseException as e:  # noqa: BLE001 - anything that kills the thread kills the engine

@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,8 +59,7 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
-    from pagedllm.engine.engine_core import EngineCore
-    from pagedllm.request import RequestStatus
+    from pagedllm.engine.engine_core import EngineCore, step_and_queue_times
 
     try:
         core = EngineCore(config)
@@ -105,18 +103,10 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
                     # Aborts may have emptied the engine: publish the state (0 running, free pool).
                     outputs.send(("outputs", [], core.make_stats(), []))
                     continue
-            step_start = time.time()
             num_steps += 1
             if fail_at_step is not None and num_steps >= fail_at_step:
                 raise RuntimeError(f"injected fault in engine step {num_steps} (PAGEDLLM_TEST_FAIL_AT_STEP)")
-            step_outputs = core.step()
-            queue_times = []
-            for rid, req in list(unscheduled.items()):
-                if req.is_finished():
-                    del unscheduled[rid]
-                elif req.status != RequestStatus.WAITING:
-                    queue_times.append(step_start - req.arrival_time)
-                    del unscheduled[rid]
+            step_outputs, queue_times = step_and_queue_times(core, unscheduled)
             outputs.send(("outputs", step_outputs, core.make_stats(), queue_times))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the frontend is gone

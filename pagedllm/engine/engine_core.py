@@ -134,3 +134,20 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+
+def step_and_queue_times(core: EngineCore, unscheduled: dict[str, Request]) -> tuple[list[EngineCoreOutput], list[float]]:
+    """One `core.step()`, and the time in queue of each request in `unscheduled` (added, not yet
+    scheduled) that this step scheduled: from its arrival until the step started (vLLM's
+    time-in-queue metric). Scheduled and finished requests leave `unscheduled`; both engine shells
+    (the AsyncLLM engine thread and the engine process) call this."""
+    step_start = time.time()
+    outputs = core.step()
+    queue_times = []
+    for rid, req in list(unscheduled.items()):
+        if req.is_finished():
+            del unscheduled[rid]
+        elif req.status != RequestStatus.WAITING:
+            queue_times.append(step_start - req.arrival_time)
+            del unscheduled[rid]
+    return outputs, queue_times
