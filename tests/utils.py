@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -56,6 +58,7 @@ def tiny_model(arch: str, vocab_size: int | None = None, with_tokenizer: bool = 
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     path = Path(tempfile.mkdtemp(prefix=f"pagedllm-{arch}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     model.save_pretrained(path)
     if with_tokenizer:
         smollm_tokenizer().save_pretrained(path)

@@ -44,7 +44,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
-from pagedllm.engine.engine_core import EngineCore, step_and_queue_times
+from pagedllm.engine.engine_core import EngineCore, step_and_queue_times, unfreeze_gc_heap
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.output_stream import RequestOutputCollector, RequestOutputStream, _LiveRequest
@@ -520,4 +520,6 @@ class AsyncLLM:
                 t.join(timeout)
         if isinstance(self.engine_core, EngineCoreProc):
             self.engine_core.close(timeout)
+        else:
+            unfreeze_gc_heap()  # the in-process engine was frozen at start; let it be collected
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

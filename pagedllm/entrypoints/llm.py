@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.engine_core import unfreeze_gc_heap
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import render_chat
@@ -28,6 +29,11 @@ class LLM:
             )
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
+
+    def __del__(self) -> None:
+        # The engine's objects were frozen at start (engine_core.freeze_gc_heap): hand them back,
+        # so `del llm; gc.collect()` frees the model and the KV cache, as vLLM users expect.
+        unfreeze_gc_heap()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
