@@ -67,6 +67,62 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.con
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
+    stride_c_blk, stride_c_slot, scale_log2,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One online-softmax update with keys start_n .. start_n + TILE_N - 1.
+
+    q (BLOCK_M, HEAD_DIM_PAD); m_i, l_i (BLOCK_M,) fp32; acc (BLOCK_M, HEAD_DIM_PAD) fp32.
+    MASKED=False promises every key valid (< kv_hi) and visible to every row (<= its q_pos).
+    """
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k_pos = start_n + offs_n
+    if MASKED:
+        k_valid = k_pos < kv_hi
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+    slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
+    k_ptrs = k_cache_ptr + slot_off[None, :] + offs_d[:, None]  # (HEAD_DIM_PAD, TILE_N)
+    v_ptrs = v_cache_ptr + slot_off[:, None] + offs_d[None, :]  # (TILE_N, HEAD_DIM_PAD)
+    # Masked lanes read 0, never stale cache memory (which may hold NaN/inf bit patterns).
+    if MASKED:
+        k = tl.load(k_ptrs, mask=k_valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
+    if MASKED:
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=k_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Per-step values (request count, split count, the block table's width) are not specialised on:
 # a new value must never trigger a recompilation in the middle of a run.
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
@@ -151,37 +207,32 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_h
 
-    for start_n in range(kv_lo, kv_hi, TILE_N):
-        k_pos = start_n + offs_n
-        k_valid = k_pos < kv_hi
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
-        # Masked lanes read 0, never stale cache memory (which may hold NaN/inf bit patterns).
-        k = tl.load(
-            k_cache_ptr + slot_off[None, :] + offs_d[:, None],
-            mask=k_valid[None, :] & d_mask[:, None],
-            other=0.0,
-        )  # (HEAD_DIM_PAD, TILE_N)
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slot_off[:, None] + offs_d[None, :],
-            mask=k_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # (TILE_N, HEAD_DIM_PAD)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Prefill tiles: interior key tiles first. Every key of [kv_lo, kv_full) is valid and visible
+    # to every row (it is at or before the tile's first query position), so they need no masks;
+    # the rest (the diagonal and the ragged end) go through the masked loop. Example, TILE_N 32, a
+    # 64-token query tile at positions 100..163: keys 0..95 unmasked in 3 tiles, 96..163 masked in
+    # 3. Measured on the H200: 8192-token mixed batch 319 -> 292 us (32/8 heads). Decode-only
+    # batches keep the one masked loop: there the split made 64-request batches 10% slower.
+    if DECODE_ONLY:
+        kv_full = kv_lo
+    else:
+        first_q_pos = context_len + q_block_local * BLOCK_Q
+        kv_full = kv_lo + (tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0) // TILE_N) * TILE_N
+    for start_n in range(kv_lo, kv_full, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
+            stride_c_blk, stride_c_slot, scale_log2,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, False,
+        )
+    for start_n in range(kv_full, kv_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
+            stride_c_blk, stride_c_slot, scale_log2,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+        )
 
     if USE_SPLIT:
         part = (q_row * num_heads + head) * num_splits + split  # (BLOCK_M,)
