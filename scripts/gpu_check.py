@@ -324,7 +324,9 @@ def kernel_table(preset: str, label: str, batch: int = 1, ctx: int = 128) -> Non
                         output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch):
         eng.add_request(str(i), {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]}, sp)
-    for _ in range(10):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.engine_core.scheduler.requests.values()):
+        eng.step()  # prefill first: the table is of decode steps
+    for _ in range(5):
         eng.step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
