@@ -168,8 +168,9 @@ def profile_run(preset: str, label: str, batch: int = 256, ctx: int = 800) -> No
     free_engine(llm)
 
 
-def jit_variants() -> int:
-    """Compiled Triton kernel variants so far (all of pagedllm.kernels), to see JIT in a timed run."""
+def jit_keys() -> set[tuple[str, str]]:
+    """(kernel, specialisation key) of every compiled Triton variant of pagedllm.kernels so far, to
+    see JIT compiles inside a timed run and which launch caused them."""
     import importlib
     import pkgutil
 
@@ -177,14 +178,14 @@ def jit_variants() -> int:
 
     import pagedllm.kernels as pk
 
-    n = 0
+    keys = set()
     for m in pkgutil.iter_modules(pk.__path__):
         mod = importlib.import_module(f"pagedllm.kernels.{m.name}")
-        for obj in vars(mod).values():
+        for name, obj in vars(mod).items():
             if isinstance(obj, triton.runtime.jit.JITFunction):
                 for cache in getattr(obj, "device_caches", {}).values():
-                    n += len(cache[0])
-    return n
+                    keys.update((f"{m.name}.{name}", str(k)) for k in cache[0])
+    return keys
 
 
 def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
@@ -259,7 +260,7 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
                              output_kind=RequestOutputKind.FINAL_ONLY) for o in outs]
         for i, (p, s) in enumerate(zip(prompts, sp)):
             eng.add_request(f"{p_i}-{i}", {"prompt_token_ids": p}, s)
-        jit0 = jit_variants()
+        jit0 = jit_keys()
         waits[0] = gc_time[0] = 0.0
         gc_time[2] = 0
         walls = []
@@ -282,12 +283,18 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
             b[1] += wall
             b[2] += floor
             b[3] += dec
+        new_keys = jit_keys() - jit0
+        for name, key in sorted(new_keys):
+            print(f"  compiled during pass {p_i}: {name} {key[:400]}")
         record(f"{label} pass {p_i} total", f"{total:.2f} s, {len(walls)} step calls, {sum(outs) / total:,.0f} tok/s, "
-               f"{jit_variants() - jit0} Triton variants compiled during the pass; host waited for the device "
+               f"{len(new_keys)} Triton variants compiled during the pass; host waited for the device "
                f"{waits[0]:.2f} s; {gc_time[2]} GC runs took {gc_time[0]:.3f} s")
         for key, (cnt, wall, floor, dec) in sorted(buckets.items()):
             record(f"{label} pass {p_i} {key}", f"{cnt} steps, {wall:.3f} s wall ({wall / cnt * 1e3:.2f} ms/step), "
                    f"floor {floor:.3f} s, {dec} decode tokens")
+        slow = sorted(range(n), key=lambda i: -walls[i + 1])[:6]
+        print("slowest steps (index, decode reqs, prefill tokens, ctx, wall ms):",
+              [(i, *launches[i], round(walls[i + 1] * 1e3, 1)) for i in slow])
         print("first steps (decode reqs, prefill tokens, ctx, wall ms):",
               [(*launches[i], round(walls[i + 1] * 1e3, 1)) for i in range(min(24, n))])
     # Kernels of the prefill-heavy steps of a warm run.

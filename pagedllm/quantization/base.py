@@ -75,17 +75,12 @@ def _create_dense_weight(
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias; on CUDA, decode batches of a few rows take the skinny-GEMM kernel and
-    batches of 16..512 rows the tile GEMM, where each measured faster than cuBLAS."""
+    """x @ weight.T + bias; decode-sized CUDA batches (a few rows) take the skinny-GEMM kernel."""
     if x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         from pagedllm.kernels.gemv import skinny_linear, use_skinny_linear
-        from pagedllm.kernels.matmul import tile_linear, use_tile_linear
 
-        m, (n, k) = x.shape[0], weight.shape
-        if use_skinny_linear(m, n, k, x.dtype):
+        if use_skinny_linear(x.shape[0], weight.shape[0], weight.shape[1], x.dtype):
             return skinny_linear(x, weight, bias)
-        if use_tile_linear(m, n, k, x.dtype):
-            return tile_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
