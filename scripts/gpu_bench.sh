@@ -1,20 +1,50 @@
 #!/usr/bin/env bash
-# The GPU benchmark run recorded in BENCHMARKS.md: kernel tests, W1 and batch-1 latency for both
-# shapes, and HF transformers' generate_batch as the side-by-side peer. Run from the repo root on
-# the GPU machine: bash scripts/gpu_bench.sh OUT_DIR
+# The GPU benchmark run recorded in BENCHMARKS.md, from the repo root on the GPU machine:
+#   bash scripts/gpu_bench.sh OUT_DIR
+# vLLM 0.21.0 on W1 for both shapes first (when it is installed under /tmp/site: see
+# ../shared/peers/README.md for carrying its payload), then pagedllm's W1 (twice per shape) and
+# batch-1 latency, fp32 correctness of the fast path, the kernel tests, and HF transformers'
+# generate_batch as the second peer (60 s cap). Every step has a time limit.
 set -u
 OUT=${1:-/tmp/bench}
 mkdir -p "$OUT"
-B="python3 -m pagedllm bench"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+t0=$(date +%s)
+elapsed() { echo "[$(( $(date +%s) - t0 )) s]"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tail -2
+if [ -d /tmp/site/vllm ]; then
+  for m in qwen3-0.6b llama3-8b; do
+    echo "=== vLLM W1 $m"
+    PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 timeout 170 python3 scripts/peer_vllm.py pagedllm/model_configs/$m \
+      > "$OUT/vllm_$m.log" 2>&1
+    grep '"peer"' "$OUT/vllm_$m.log" || tail -4 "$OUT/vllm_$m.log"
+    elapsed
+  done
+fi
+export PYTHONPATH=/tmp/site:$PWD
+B="python3 -m pagedllm bench"
 for m in qwen3-0.6b llama3-8b; do
-  echo "=== $m W1"
-  $B throughput --model $m --load-format dummy --dataset w1 --max-model-len 4096 --output-json "$OUT/w1_$m.json" 2>&1 | grep -v "it/s" | tail -14
-  echo "=== $m latency, batch 1"
-  $B latency --model $m --load-format dummy --batch-size 1 --input-len 128 --output-len 257 --max-model-len 4096 \
-    --num-iters 3 --output-json "$OUT/lat_$m.json" 2>&1 | grep -v "it/s" | tail -12
+  for rep in 1 2; do
+    echo "=== pagedllm W1 $m run $rep"
+    timeout 90 $B throughput --model $m --load-format dummy --dataset w1 --max-model-len 4096 \
+      --output-json "$OUT/w1_${m}_$rep.json" > "$OUT/w1_${m}_$rep.log" 2>&1
+    grep -v "it/s" "$OUT/w1_${m}_$rep.log" | tail -4
+    elapsed
+  done
+  echo "=== pagedllm latency $m batch 1"
+  timeout 90 $B latency --model $m --load-format dummy --batch-size 1 --input-len 128 --output-len 257 \
+    --max-model-len 4096 --num-iters 3 --output-json "$OUT/lat_$m.json" > "$OUT/lat_$m.log" 2>&1
+  grep -v "it/s" "$OUT/lat_$m.log" | tail -5
+  elapsed
 done
-echo "=== peer: transformers generate_batch, W1 qwen3-0.6b (40 s cap)"
-timeout 100 python3 scripts/peer_hf_generate_batch.py qwen3-0.6b 256 --timeout 40 2>&1 | grep -v "it/s" | tail -3
+echo "=== fp32 greedy: fast path vs torch reference"
+timeout 200 python3 scripts/gpu_check.py --only correctness > "$OUT/correctness.log" 2>&1
+grep "^| " "$OUT/correctness.log" | tail -12
+echo "=== kernel tests"
+timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider > "$OUT/kernel_tests.log" 2>&1
+tail -2 "$OUT/kernel_tests.log"
+echo "=== peer: transformers generate_batch, W1 qwen3-0.6b (60 s cap)"
+timeout 130 python3 scripts/peer_hf_generate_batch.py qwen3-0.6b 256 --timeout 60 > "$OUT/hf.log" 2>&1
+grep '"peer"' "$OUT/hf.log" || tail -5 "$OUT/hf.log"
+elapsed

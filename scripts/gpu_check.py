@@ -369,6 +369,7 @@ def main() -> None:
         "w1-8b": lambda: w1_run("llama3-8b", "llama3-8b"),
         "timeline-8b": lambda: timeline_run("llama3-8b", "llama3-8b", passes=1),
         "kernels-8b": lambda: kernel_table("llama3-8b", "llama3-8b"),
+        "kernels-8b-b256": lambda: kernel_table("llama3-8b", "llama3-8b", batch=256, ctx=800),
         "latency-8b": lambda: latency_run("llama3-8b", "llama3-8b"),
     }
     for name, fn in sections.items():
