@@ -2,8 +2,8 @@
 
 Three threads share the work, so neither the event loop nor the step loop waits on text work:
 
-    asyncio loop (server)               output thread                  engine thread
-    ---------------------               -------------                  -------------
+    asyncio loop (server)               output thread                  engine (core_client.py)
+    ---------------------               -------------                  -----------------------
     add_request: tokenize, states and
       Requests built in the worker pool
       states --------------------------> register
@@ -16,15 +16,11 @@ Three threads share the work, so neither the event loop nor the step loop waits 
       "abort" -------------------------> forget states
       "abort" (core ids) ---------------------------------------------> applied before the next step
 
-On the CPU the EngineCore runs in a process of its own instead of the engine thread
-(engine/core_proc.py: a sender and a receiver thread stand in for it here), so the step loop never
-waits for the GIL that the event loop and the output thread hold; PAGEDLLM_ENABLE_MULTIPROCESSING=0
-keeps it in a thread, =1 moves it to a process on a GPU too.
-
-The EngineCore stays pure and single-threaded: only the engine thread touches it. The
-OutputProcessor is touched only by the output thread. The loop owns the mailboxes. Every request
-gets an internal id (`"{request_id}-{seq}"`), so a caller may reuse a request id the moment its
-previous request ended, without outputs of the old one still in flight reaching the new one.
+The engine side (`EngineCoreClient`) runs the EngineCore in a thread of this process, or on the CPU
+in a process of its own (engine/core_proc.py). The OutputProcessor is touched only by the output
+thread; the loop owns the mailboxes. Every request gets an internal id (`"{request_id}-{seq}"`), so a
+caller may reuse a request id the moment its previous request ended, without outputs of the old one
+still in flight reaching the new one.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -43,40 +38,19 @@ from typing import Any, TypeVar
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
-from pagedllm.engine.engine_core import EngineCore, step_and_queue_times, unfreeze_gc_heap
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.output_stream import RequestOutputCollector, RequestOutputStream, _LiveRequest
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 StatLogger = Callable[[SchedulerStats | None, IterationStats | None], None]
-
-# Test-only fault injection: raise inside the N-th engine step (1-based). Lets tests check that a
-# dying engine fails in-flight requests, turns /health to 503 and ends the server.
-FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
-# How many steps' outputs may wait for the output thread before the engine thread waits for it:
-# backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
-MAX_PENDING_BATCHES = 4
-# vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: "1" runs the EngineCore in its own process, "0" in a thread of
-# this one; unset: a process on the CPU (where the GIL contention costs most), a thread on a GPU.
-MULTIPROCESSING_ENV = "PAGEDLLM_ENABLE_MULTIPROCESSING"
-
-
-def _use_engine_process(config: EngineConfig) -> bool:
-    choice = os.environ.get(MULTIPROCESSING_ENV)
-    if choice not in (None, "", "0", "1"):
-        raise ValueError(f"{MULTIPROCESSING_ENV} must be 0 or 1, got {choice!r}.")
-    wanted = config.device_config.device == "cpu" if choice in (None, "") else choice == "1"
-    return wanted and multiprocessing_available()
-
 
 class EngineDeadError(RuntimeError):
     """The engine thread crashed; no request can be served any more."""
@@ -86,21 +60,24 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2) -> None:
         self.config = config
         self.model_config = config.model_config
-        fail_at = os.environ.get(FAULT_INJECT_ENV)
-        self._fail_at = int(fail_at) if fail_at else None
-        # The engine thread's alone, or (a process) the sender's and receiver's; started first so the
-        # model loads there while the tokenizer loads here.
-        self.engine_core: EngineCore | EngineCoreProc = (
-            EngineCoreProc(config, self._fail_at) if _use_engine_process(config) else EngineCore(config)
+        self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # -> output thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Started first, so that in an engine process the model loads there while the tokenizer
+        # loads here.
+        self.engine_core = EngineCoreClient(
+            config,
+            self._outq,
+            on_failed=lambda failed: self._call_on_loop(self._fail_requests, failed),
+            # Through the output thread: the steps finished before the failure reach their
+            # streams first, then the error.
+            on_dead=lambda exc: self._outq.put(("dead", exc)),
         )
         try:
             self.tokenizer = load_tokenizer(config)
             self.processor = Processor(config, self.tokenizer)
-            if isinstance(self.engine_core, EngineCoreProc):
-                self.engine_core.wait_ready()
+            self.engine_core.wait_ready()
         except BaseException:
-            if isinstance(self.engine_core, EngineCoreProc):
-                self.engine_core.close(0)
+            self.engine_core.shutdown(0)
             raise
         self.output_processor = OutputProcessor(self.tokenizer)  # the output thread's alone
         self.stat_loggers: list[StatLogger] = []
@@ -113,28 +90,9 @@ class AsyncLLM:
         self._ids_in_use: dict[str, str | None] = {}
         self._core_owner: dict[str, str] = {}
         self._seq = itertools.count()
-        self._inputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # -> engine thread
-        self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # -> output thread
-        self._pending_batches = threading.Semaphore(MAX_PENDING_BATCHES)
-        self._stopping = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._output_thread: threading.Thread | None = None
-        self._sender_thread: threading.Thread | None = None  # engine process only
         # Tokenization and chat-template rendering run here, never on the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="pagedllm-tokenizer")
-        self._num_steps = 0
-
-    @property
-    def _fail_at_step(self) -> int | None:
-        """Test-only fault injection (FAULT_INJECT_ENV): the engine step that raises."""
-        return self._fail_at
-
-    @_fail_at_step.setter
-    def _fail_at_step(self, step: int | None) -> None:
-        self._fail_at = step
-        if isinstance(self.engine_core, EngineCoreProc):
-            self._inputs.put(("fail_at_step", step))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -147,7 +105,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return self.engine_core.is_alive() and self.dead_error is None
 
     async def check_health(self) -> None:
         if self.dead_error is not None:
@@ -203,7 +161,7 @@ class AsyncLLM:
             self._core_owner[cid] = internal_id
         # Output thread first: its states exist before the engine can produce a token for them.
         self._outq.put(("states", prep.states))
-        self._inputs.put(("add", prep.requests))
+        self.engine_core.send("add", prep.requests)
         return RequestOutputStream(self, live)
 
     def _check_accepting(self) -> None:
@@ -246,7 +204,7 @@ class AsyncLLM:
         self._forget(live)
         if self.dead_error is None:
             self._outq.put(("abort", [live.internal_id]))
-            self._inputs.put(("abort", live.core_ids))
+            self.engine_core.send("abort", live.core_ids)
 
     def _forget(self, live: _LiveRequest) -> None:
         del self._live[live.internal_id]
@@ -268,139 +226,18 @@ class AsyncLLM:
         """From now on add_request raises `error` (also for requests still being tokenized)."""
         self.refusal = error
 
-    # -- engine thread -----------------------------------------------------------------------------
+    # -- threads -----------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
-        if self._thread is not None:
+        if self._output_thread is not None:
             return
         self._loop = asyncio.get_running_loop()
         self._output_thread = threading.Thread(target=self._run_output_handler, name="pagedllm-output", daemon=True)
         self._output_thread.start()
-        if isinstance(self.engine_core, EngineCoreProc):
-            self._sender_thread = threading.Thread(target=self._run_core_sender, name="pagedllm-core-sender",
-                                                   daemon=True)
-            self._sender_thread.start()
-            self._thread = threading.Thread(target=self._run_core_receiver, name="pagedllm-core-receiver",
-                                            daemon=True)
-        else:
-            self._thread = threading.Thread(target=self._run_engine_core, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self.engine_core.start()
 
     def start(self) -> None:
-        """Start the engine thread now (on the running loop); otherwise the first request does."""
+        """Start the engine threads now (on the running loop); otherwise the first request does."""
         self._ensure_started()
-
-    # -- engine process (EngineCoreProc) ------------------------------------------------------------
-    def _run_core_sender(self) -> None:
-        """Forward commands to the engine process, in order; ends after sending "shutdown"."""
-        assert isinstance(self.engine_core, EngineCoreProc)
-        try:
-            while True:
-                item = self._inputs.get()
-                self.engine_core.send(item)
-                if item[0] == "shutdown":
-                    return
-        except OSError:
-            pass  # the engine process is gone; the receiver reports it
-
-    def _run_core_receiver(self) -> None:
-        """Hand the engine process's step outputs to the output thread (MAX_PENDING_BATCHES ahead at
-        most: then the engine process blocks on its pipe) and report its failures."""
-        core = self.engine_core
-        assert isinstance(core, EngineCoreProc)
-        try:
-            while True:
-                try:
-                    msg = core.recv()
-                except (EOFError, OSError):
-                    if self._stopping.is_set():
-                        return
-                    raise RuntimeError(f"the engine process exited (exit code {core.process.exitcode})") from None
-                kind = msg[0]
-                if kind == "outputs":
-                    if not self._publish(msg[1], msg[2], msg[3]):
-                        return
-                elif kind == "failed":
-                    self._call_on_loop(self._fail_requests, msg[1])
-                elif kind == "dead":
-                    raise msg[1]
-                else:
-                    raise AssertionError(f"unknown engine message {kind!r}")
-        except BaseException as e:  # noqa: BLE001 - anything that ends the engine ends the server
-            if not self._stopping.is_set():
-                logger.error("engine process died: %s: %s", type(e).__name__, e)
-                self._call_on_loop(self._on_engine_dead, e)
-
-    # -- engine thread -----------------------------------------------------------------------------
-    def _run_engine_core(self) -> None:
-        core = self.engine_core
-        assert isinstance(core, EngineCore)
-        # Requests added but not scheduled yet, to measure their queue time.
-        unscheduled: dict[str, Request] = {}
-        try:
-            while True:
-                if not self._apply_inputs(block=not core.has_unfinished_requests(), unscheduled=unscheduled):
-                    return
-                if not core.has_unfinished_requests():
-                    # Aborts may have emptied the engine: publish the state (0 running, free pool).
-                    if not self._publish([], core.make_stats(), []):
-                        return
-                    continue
-                self._num_steps += 1
-                if self._fail_at_step is not None and self._num_steps >= self._fail_at_step:
-                    raise RuntimeError(f"injected fault in engine step {self._num_steps} ({FAULT_INJECT_ENV})")
-                outputs, queue_times = step_and_queue_times(core, unscheduled)
-                if not self._publish(outputs, core.make_stats(), queue_times):
-                    return
-        except BaseException as e:  # noqa: BLE001 - anything that kills the thread kills the engine
-            logger.exception("engine thread died")
-            self._call_on_loop(self._on_engine_dead, e)
-
-    def _apply_inputs(self, block: bool, unscheduled: dict[str, Request]) -> bool:
-        """Apply every queued command; False on shutdown. Blocks for the first one only when idle."""
-        core = self.engine_core
-        assert isinstance(core, EngineCore)
-        try:
-            item = self._inputs.get(block=block)
-        except queue.Empty:
-            return True
-        failed: list[tuple[str, Exception]] = []
-        while True:
-            kind, payload = item
-            if kind == "shutdown":
-                return False
-            if kind == "add":
-                for req in payload:
-                    try:
-                        core.add_request(req)
-                        unscheduled[req.request_id] = req
-                    except Exception as e:  # a request the core refuses fails alone, the engine lives on
-                        if not isinstance(e, ValueError):
-                            logger.exception("engine core refused request %s", req.request_id)
-                        failed.append((req.request_id, e))
-            elif kind == "abort":
-                core.abort_requests(payload)
-            elif kind == "stop":
-                core.stop_requests(payload)
-            elif kind == "fail_at_step":
-                pass  # the engine thread reads self._fail_at_step itself
-            else:
-                raise AssertionError(f"unknown engine command {kind!r}")
-            try:
-                item = self._inputs.get_nowait()
-            except queue.Empty:
-                break
-        if failed:
-            self._call_on_loop(self._fail_requests, failed)
-        return True
-
-    def _publish(self, outputs: list[Any], stats: SchedulerStats, queue_times: list[float]) -> bool:
-        """Hand one step's outputs to the output thread; waits while it is MAX_PENDING_BATCHES
-        behind. False when the engine is stopping."""
-        while not self._pending_batches.acquire(timeout=0.2):
-            if self._stopping.is_set():
-                return False
-        self._outq.put(("outputs", outputs, stats, queue_times))
-        return True
 
     def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -422,13 +259,16 @@ class AsyncLLM:
                     try:
                         request_outputs, it = self._process_outputs(outputs, queue_times)
                     finally:
-                        self._pending_batches.release()
+                        self.engine_core.batch_done()
                     self._call_on_loop(self._deliver, request_outputs, stats, it)
                 elif kind == "states":
                     for st in item[1]:
                         op.add_request(st)
                 elif kind == "abort":
                     op.abort_requests(item[1])
+                elif kind == "dead":  # the engine failed after the outputs queued before this
+                    self._call_on_loop(self._on_engine_dead, item[1])
+                    return
                 elif kind == "shutdown":
                     return
                 else:
@@ -461,7 +301,7 @@ class AsyncLLM:
                 it.inter_token_latencies.append(now - st.metrics.last_token_time)
         request_outputs, stops = op.process_outputs(outputs)
         if stops:
-            self._inputs.put(("stop", stops))
+            self.engine_core.send("stop", stops)
         for st in touched:
             if st.finish_reason is not None:
                 it.finished_requests.append(
@@ -497,8 +337,7 @@ class AsyncLLM:
             return
         self.dead_error = EngineDeadError(f"The engine failed and cannot serve requests: {type(exc).__name__}: {exc}")
         self.dead_error.__cause__ = exc
-        self._stopping.set()
-        self._inputs.put(("shutdown", None))
+        self.engine_core.stop()
         self._outq.put(("shutdown",))
         for live in self._live.values():
             live.collector.put(self.dead_error)
@@ -512,14 +351,8 @@ class AsyncLLM:
                 logger.exception("engine-dead callback failed")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._stopping.set()
-        self._inputs.put(("shutdown", None))
         self._outq.put(("shutdown",))
-        for t in (self._sender_thread, self._thread, self._output_thread):
-            if t is not None and t.is_alive():
-                t.join(timeout)
-        if isinstance(self.engine_core, EngineCoreProc):
-            self.engine_core.close(timeout)
-        else:
-            unfreeze_gc_heap()  # the in-process engine was frozen at start; let it be collected
+        self.engine_core.shutdown(timeout)
+        if self._output_thread is not None and self._output_thread.is_alive():
+            self._output_thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -59,7 +59,7 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
-    from pagedllm.engine.engine_core import EngineCore, step_and_queue_times
+    from pagedllm.engine.engine_core import EngineCore, apply_command, step_and_queue_times
 
     try:
         core = EngineCore(config)
@@ -76,29 +76,14 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
                 batch = [inputs.recv()]
                 while inputs.poll(0):
                     batch.append(inputs.recv())
-                failed = []
+                failed: list[tuple[str, Exception]] = []
                 for kind, payload in batch:
-                    if kind == "shutdown":
-                        return
-                    if kind == "add":
-                        for req in payload:
-                            try:
-                                core.add_request(req)
-                                unscheduled[req.request_id] = req
-                            except Exception as e:  # a request the core refuses fails alone
-                                if not isinstance(e, ValueError):
-                                    logger.exception("engine core refused request %s", req.request_id)
-                                failed.append((req.request_id, _picklable(e)))
-                    elif kind == "abort":
-                        core.abort_requests(payload)
-                    elif kind == "stop":
-                        core.stop_requests(payload)
-                    elif kind == "fail_at_step":
+                    if kind == "fail_at_step":
                         fail_at_step = payload
-                    else:
-                        raise AssertionError(f"unknown engine command {kind!r}")
+                    elif not apply_command(core, kind, payload, unscheduled, failed):
+                        return
                 if failed:
-                    outputs.send(("failed", failed))
+                    outputs.send(("failed", [(rid, _picklable(e)) for rid, e in failed]))
                 if not core.has_unfinished_requests():
                     # Aborts may have emptied the engine: publish the state (0 running, free pool).
                     outputs.send(("outputs", [], core.make_stats(), []))

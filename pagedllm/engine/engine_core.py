@@ -11,6 +11,7 @@ import functools
 import gc
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -165,3 +166,32 @@ def step_and_queue_times(core: EngineCore, unscheduled: dict[str, Request]) -> t
             queue_times.append(step_start - req.arrival_time)
             del unscheduled[rid]
     return outputs, queue_times
+
+
+def apply_command(
+    core: EngineCore, kind: str, payload: Any, unscheduled: dict[str, Request], failed: list[tuple[str, Exception]]
+) -> bool:
+    """Apply one frontend command to the core; False for "shutdown". Both engine shells call this.
+
+    "add" (a list of Requests): each joins `unscheduled` (its queue time is measured), or, when the
+    core refuses it, goes to `failed` as (request id, error): it fails alone, the engine lives on.
+    "abort" (core request ids), "stop" ({core request id: the stop string the frontend found}).
+    """
+    if kind == "shutdown":
+        return False
+    if kind == "add":
+        for req in payload:
+            try:
+                core.add_request(req)
+                unscheduled[req.request_id] = req
+            except Exception as e:  # noqa: BLE001 - reported to the request's owner
+                if not isinstance(e, ValueError):
+                    logger.exception("engine core refused request %s", req.request_id)
+                failed.append((req.request_id, e))
+    elif kind == "abort":
+        core.abort_requests(payload)
+    elif kind == "stop":
+        core.stop_requests(payload)
+    else:
+        raise AssertionError(f"unknown engine command {kind!r}")
+    return True

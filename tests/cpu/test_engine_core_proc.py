@@ -10,7 +10,8 @@ import os
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_llm import MULTIPROCESSING_ENV, AsyncLLM, EngineDeadError
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.core_client import MULTIPROCESSING_ENV
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -43,16 +44,16 @@ def test_engine_process_gives_the_engine_threads_tokens(model_dir, monkeypatch):
     prompts = ["Hello there", "The sea is", "One two three four", "a"]
     engine = make_engine(model_dir)
     try:
-        assert isinstance(engine.engine_core, EngineCoreProc) and engine.engine_core.process.is_alive()
+        assert isinstance(engine.engine_core.core, EngineCoreProc) and engine.engine_core.core.process.is_alive()
         assert engine.engine_core.num_gpu_blocks == 64
         in_process = asyncio.run(generate(engine, prompts))
     finally:
         engine.shutdown()
-    assert not engine.engine_core.process.is_alive()
+    assert not engine.engine_core.core.process.is_alive()
     monkeypatch.setenv(MULTIPROCESSING_ENV, "0")
     threaded = make_engine(model_dir)
     try:
-        assert isinstance(threaded.engine_core, EngineCore)
+        assert isinstance(threaded.engine_core.core, EngineCore)
         assert asyncio.run(generate(threaded, prompts)) == in_process
     finally:
         threaded.shutdown()
@@ -71,7 +72,7 @@ def test_a_killed_engine_process_is_a_dead_engine(model_dir):
     async def run() -> None:
         stream = await engine.add_request("x", "Hello", SamplingParams(max_tokens=200, ignore_eos=True))
         await stream.__anext__()
-        os.kill(engine.engine_core.process.pid, 9)
+        os.kill(engine.engine_core.core.process.pid, 9)
         with pytest.raises(EngineDeadError, match="engine process exited"):
             async for _ in stream:
                 pass

@@ -82,10 +82,10 @@ def test_closing_the_generator_aborts_within_one_step(h: Harness):
         gen = h.engine.generate("abort me", params(RequestOutputKind.DELTA, max_tokens=400, ignore_eos=True), "a")
         for _ in range(3):
             await gen.__anext__()
-        steps_at_close = h.engine._num_steps
+        steps_at_close = h.engine.engine_core.num_steps
         await gen.aclose()
         await h.wait_idle()
-        return h.engine._num_steps - steps_at_close
+        return h.engine.engine_core.num_steps - steps_at_close
 
     # the step running when the client left may finish; no step starts after the abort
     assert h.run(run()) <= 1
@@ -102,12 +102,12 @@ def test_cancelling_the_consumer_aborts(h: Harness):
     async def run():
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0.3)
-        steps_at_cancel = h.engine._num_steps
+        steps_at_cancel = h.engine.engine_core.num_steps
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await h.wait_idle()
-        return h.engine._num_steps - steps_at_cancel
+        return h.engine.engine_core.num_steps - steps_at_cancel
 
     assert h.run(run()) <= 1
     assert h.engine.get_num_unfinished_requests() == 0
@@ -185,7 +185,7 @@ def test_engine_death_fails_requests_and_health(tiny_model_dir: Path):
     engine.add_dead_callback(died.append)
 
     async def run():
-        engine._fail_at_step = 3  # the test-only fault hook (env PAGEDLLM_TEST_FAIL_AT_STEP)
+        engine.engine_core.fail_at_step = 3  # the test-only fault hook (env PAGEDLLM_TEST_FAIL_AT_STEP)
         await engine.check_health()
         with pytest.raises(EngineDeadError, match="injected fault"):
             async for _ in engine.generate("x", params(RequestOutputKind.DELTA, max_tokens=50), "doomed"):

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from pagedllm.engine.async_llm import FAULT_INJECT_ENV
+from pagedllm.engine.core_client import FAULT_INJECT_ENV
 from tests.reliability.conftest import MODEL, assert_openai_error, parse_sse
 
 FAIL_AT_STEP = 100
