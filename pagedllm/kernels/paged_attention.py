@@ -20,8 +20,8 @@ Decode-only batches skip the search: program r is request r.
 
 Split-K (flash decoding). With few requests and long contexts, (requests x kv heads) programs
 cannot fill the GPU, so the keys of every tile are cut into num_splits chunks handled by separate
-programs, which write unnormalised partial results (acc, m, l); a second small kernel merges them:
-out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s.
+programs, which write unnormalised partial results (acc, m, l); a second small kernel merges them
+(kernels/split_k.py: the partition count and the merge).
 
 Host syncs. The grid depends only on num_tokens, num_reqs, max_query_len and max_seq_len, all
 Python ints in AttentionMetadata, so a decode-only launch is CUDA-graph capturable. When
@@ -39,18 +39,12 @@ import triton.language as tl
 
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.split_k import choose_num_splits, merge_splits
 
-__all__ = ["paged_attention", "paged_attention_ref", "choose_num_splits"]
+__all__ = ["paged_attention", "paged_attention_ref"]
 
 _LOG2E = 1.4426950408889634
 
-# Split-K heuristic: aim for ~8 resident programs per SM on an H200 (132 SMs) — a decode program
-# streams K/V with little compute, so memory-level parallelism, not waves, sets its speed (measured:
-# 2048 programs of a 256-request batch reach ~3.9 TB/s) — give each split at least this many keys
-# (fewer and the merge costs more than it saves), and cap the split count.
-_TARGET_PROGRAMS = 1024
-_MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 64
 
 
 @triton.jit
@@ -249,69 +243,6 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
-def _merge_splits_kernel(
-    out_ptr,  # (num_tokens, num_heads, head_dim)
-    part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD)
-    part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
-    part_l_ptr,  # fp32 (num_tokens, num_heads, num_splits)
-    query_start_loc_ptr,  # int32 (>= num_reqs + 1,)
-    num_reqs,
-    num_heads,
-    num_splits,
-    stride_o_t,
-    stride_o_h,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    # One program per (token, query head); rows past the last request's tokens (padding) hold no
-    # partial results and keep the zeros the wrapper wrote.
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if t >= tl.load(query_start_loc_ptr + num_reqs):
-        return
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < num_splits
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    base = (t * num_heads + h) * num_splits
-    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: m = -inf -> 0
-    denom = tl.sum(w * l_s, 0)
-    acc = tl.load(
-        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-        mask=s_mask[:, None],
-        other=0.0,
-    )
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(
-        out_ptr + t * stride_o_t + h * stride_o_h + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
-    """How many key partitions per query tile: 1 (no split) unless a decode-only batch is too
-    small to fill the GPU and its contexts are long. Uses host ints only.
-
-    Example: 1 request, 8 kv heads, 4096-token context -> min(256 / 8, 4096 / 256) = 16 splits.
-    """
-    if max_query_len != 1 or num_reqs == 0:
-        return 1
-    programs = num_reqs * num_kv_heads
-    splits = min(
-        triton.cdiv(_TARGET_PROGRAMS, programs),
-        max_seq_len // _MIN_KEYS_PER_SPLIT,
-        _MAX_SPLITS,
-    )
-    if splits < 2:
-        return 1
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two: fewer kernel variants
-
-
 def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages), tuned on the H200 with
     `scripts/attn_sweep.py` (2026-11-29, head_dim 128, bf16, W1-like batches).
@@ -428,23 +359,7 @@ def paged_attention(
         num_stages=num_stages,
     )
     if use_split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_m,
-            part_l,
-            md.query_start_loc,
-            md.num_reqs,
-            num_heads,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            # One padded width for every split count: one compiled variant, not one per count.
-            SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
-            num_warps=4,
-        )
+        merge_splits(out, part_acc, part_m, part_l, md)
     return out
 
 

@@ -36,6 +36,7 @@ from pagedllm.kernels import (  # noqa: E402
     rmsnorm,
     rotary,
     sampling,
+    split_k,
 )
 
 _TYPES = {
@@ -102,7 +103,7 @@ def _record(launches: list) -> None:
     """Call every wrapper in the configurations a model uses."""
     for mod, name in [
         (paged_attention, "_paged_attention_kernel"),
-        (paged_attention, "_merge_splits_kernel"),
+        (split_k, "_merge_splits_kernel"),
         (kv_cache_write, "_write_kv_cache_kernel"),
         (rmsnorm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),

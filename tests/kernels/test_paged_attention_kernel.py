@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
+from pagedllm.kernels.paged_attention import paged_attention, paged_attention_ref
+from pagedllm.kernels.split_k import choose_num_splits
 
 # (num_heads, num_kv_heads, head_dim, block_size): GQA 4:1 with a 16-token block; MHA with a
 # non-power-of-two head_dim (padded to 128 inside the kernel) and tiny 4-token blocks.
