@@ -89,14 +89,25 @@ def _apply_top_k_top_p_bounded(
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row by the exponential race: argmax(probs / q), q ~ Exp(1) i.i.d.
+    """Draw one token per row with probability probs[row, token]: (R, V) -> int64 (R,).
+
+    A seeded row (a key of `generators`) draws only from its own generator, so its tokens depend
+    only on its seed and its own probabilities, not on the batch around it or on its row index.
+    On a GPU: the exponential race (parallel, no cumsum); on the CPU: the inverse CDF, which needs
+    one random number per row instead of one per token (16 x 49,152 probabilities: ~2.5 ms
+    instead of ~6.8 ms on one thread). The two draw different tokens from the same seed.
+    """
+    if probs.is_cuda:
+        return _exponential_race(probs, generators)
+    return _inverse_cdf(probs, generators)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1) i.i.d.; overwrites `probs`.
 
     P(argmax = i) = probs_i (the race is won by the smallest q_i / probs_i, an Exp(probs_i)
-    variable), and it needs no cumsum and no host sync. A seeded row draws its whole q row
-    from its own generator, so its tokens depend only on its seed and its own probabilities,
-    not on the batch around it or on its row index. Overwrites `probs`.
-
-    q = -log(u), u ~ U[0, 1): the same Exp(1) as exponential_(), several times faster on CPU.
+    variable), and it needs no cumsum and no host sync. A seeded row draws its whole q row from
+    its own generator. q = -log(u), u ~ U[0, 1): the same Exp(1) as exponential_(), faster.
     q > 0 always (u < 1); u = 0 gives q = inf, so that token scores 0, never NaN.
     """
     q = torch.empty_like(probs)
@@ -106,3 +117,21 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
         q[i].uniform_(generator=generator)
     q.log_().neg_()
     return probs.div_(q).argmax(dim=-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u * total, u ~ U[0, 1) per row.
+
+    probs [0.5, 0.0, 0.3, 0.2] -> cumulative [0.5, 0.5, 0.8, 1.0]; u = 0.6 -> token 2. Summed in
+    float64, so u * total < total exactly and the search always lands on a token; a token of
+    probability 0 has an empty interval and is never drawn (the search takes the first cumulative
+    value strictly above u).
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (R, V)
+    u = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
+    if len(generators) != probs.shape[0]:
+        u.uniform_()
+    for i, generator in generators.items():
+        u[i].uniform_(generator=generator)
+    picked = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[1] - 1)  # only a NaN row (no distribution) gets here

@@ -5,6 +5,7 @@ import torch
 
 import pagedllm.sample.sampler as sampler_mod
 from pagedllm.sample import Sampler, new_generator
+from pagedllm.sample.topk_topp import random_sample
 from pagedllm.sampling_params import SamplingParams as SP
 
 V = 50
@@ -117,6 +118,17 @@ def test_unseeded_distribution(make_md, temperature):
     # 4.5 standard deviations of a binomial frequency: fails only if the sampler is biased.
     tol = 4.5 * torch.sqrt(target * (1 - target) / n)
     assert torch.all((_frequencies(picked, 3) - target).abs() < tol), _frequencies(picked, 3)
+
+
+def test_draw_never_picks_a_zero_probability_token():
+    # The CPU's inverse-CDF draw: tokens of probability 0 have empty intervals, including the
+    # first and the last; frequencies follow the rest.
+    n = 4000
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.0, 0.2, 0.0]).repeat(n, 1)
+    picked = random_sample(probs.clone(), {})
+    target = probs[0].double()
+    tol = 4.5 * torch.sqrt(target * (1 - target) / n)
+    assert torch.all((_frequencies(picked, 7) - target).abs() <= tol), _frequencies(picked, 7)
 
 
 def test_top_k_distribution_renormalises(make_md):
