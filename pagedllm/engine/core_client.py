@@ -33,14 +33,18 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
-from pagedllm.engine.engine_core import EngineCore, apply_command, step_and_queue_times, unfreeze_gc_heap
+from pagedllm.engine.engine_core import (
+    FAULT_INJECT_ENV,
+    EngineCore,
+    apply_command,
+    check_injected_fault,
+    step_and_queue_times,
+    unfreeze_gc_heap,
+)
 from pagedllm.request import Request
 
 logger = logging.getLogger(__name__)
 
-# Test-only fault injection: raise inside the N-th engine step (1-based). Lets tests check that a
-# dying engine fails in-flight requests, turns /health to 503 and ends the server.
-FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
 # How many steps' outputs may wait for the output thread before the engine waits for it:
 # backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
 MAX_PENDING_BATCHES = 4
@@ -170,8 +174,7 @@ class EngineCoreClient:
                         return
                     continue
                 self._num_steps += 1
-                if self._fail_at is not None and self._num_steps >= self._fail_at:
-                    raise RuntimeError(f"injected fault in engine step {self._num_steps} ({FAULT_INJECT_ENV})")
+                check_injected_fault(self._num_steps, self._fail_at)
                 outputs, queue_times = step_and_queue_times(core, unscheduled)
                 if not self._publish(outputs, core.make_stats(), queue_times):
                     return

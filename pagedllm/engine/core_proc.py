@@ -59,7 +59,7 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
-    from pagedllm.engine.engine_core import EngineCore, apply_command, step_and_queue_times
+    from pagedllm.engine.engine_core import EngineCore, apply_command, check_injected_fault, step_and_queue_times
 
     try:
         core = EngineCore(config)
@@ -89,8 +89,7 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
                     outputs.send(("outputs", [], core.make_stats(), []))
                     continue
             num_steps += 1
-            if fail_at_step is not None and num_steps >= fail_at_step:
-                raise RuntimeError(f"injected fault in engine step {num_steps} (PAGEDLLM_TEST_FAIL_AT_STEP)")
+            check_injected_fault(num_steps, fail_at_step)
             step_outputs, queue_times = step_and_queue_times(core, unscheduled)
             outputs.send(("outputs", step_outputs, core.make_stats(), queue_times))
     except (EOFError, BrokenPipeError, ConnectionResetError):

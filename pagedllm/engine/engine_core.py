@@ -24,6 +24,10 @@ from pagedllm.worker.warmup import warmup_kernels
 
 logger = logging.getLogger(__name__)
 
+# Test-only fault injection: raise inside the N-th engine step (1-based). Lets tests check that a
+# dying engine fails in-flight requests, turns /health to 503 and ends the server.
+FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
+
 
 @functools.cache
 def _unfreeze_at_exit() -> None:
@@ -166,6 +170,12 @@ def step_and_queue_times(core: EngineCore, unscheduled: dict[str, Request]) -> t
             queue_times.append(step_start - req.arrival_time)
             del unscheduled[rid]
     return outputs, queue_times
+
+
+def check_injected_fault(step: int, fail_at: int | None) -> None:
+    """Raise in engine step `fail_at` (FAULT_INJECT_ENV) and after; both engine shells call this."""
+    if fail_at is not None and step >= fail_at:
+        raise RuntimeError(f"injected fault in engine step {step} ({FAULT_INJECT_ENV})")
 
 
 def apply_command(

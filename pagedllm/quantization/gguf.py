@@ -216,15 +216,22 @@ class GGUFEmbeddingMethod(_GGUFMethodMixin, QuantizeMethodBase):
         return self._matmul(self.packed, x, bias, dense_min_rows=1 << 30)
 
 
+def _is_gguf_checkpoint(model_config: Any) -> bool:
+    """A GGUF file's real weights (not dummy ones), with no other quantization asked for."""
+    return (
+        model_config.quantization in (None, "gguf")
+        and getattr(model_config.source, "kind", None) == "gguf"
+        and model_config.load_format != "dummy"
+    )
+
+
 def computes_on_gguf_blocks(model_config: Any, device: torch.device) -> bool:
     """Whether select_gguf_config says yes: a GGUF file (not dummy weights) on the CPU in float32 with
     the kernels built. Nothing is logged or configured here."""
     from pagedllm.cpu.build import load_cpu_kernels
 
     return (
-        model_config.quantization in (None, "gguf")
-        and getattr(model_config.source, "kind", None) == "gguf"
-        and model_config.load_format != "dummy"
+        _is_gguf_checkpoint(model_config)
         and device.type == "cpu"
         and model_config.dtype == torch.float32
         and load_cpu_kernels() is not None
@@ -237,20 +244,15 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
     Yes for a GGUF file on the CPU in float32 when the kernels build (`quantization` None or
     "gguf"); otherwise the weights are dequantized to dense `dtype` as before.
     """
-    from pagedllm.cpu.build import configure_cpu_threads, cpu_isa, load_cpu_kernels
+    from pagedllm.cpu.build import configure_cpu_threads, cpu_isa
     from pagedllm.loader.gguf_weights import gguf_tensor_types
 
+    if not computes_on_gguf_blocks(model_config, device):
+        if _is_gguf_checkpoint(model_config) and (device.type != "cpu" or model_config.dtype != torch.float32):
+            logger.info("GGUF weights dequantized to dense %s (block kernels are built for float32 on the "
+                        "CPU; running %s on %s)", model_config.dtype, model_config.dtype, device)
+        return None
     source = model_config.source
-    if model_config.quantization not in (None, "gguf") or getattr(source, "kind", None) != "gguf":
-        return None
-    if model_config.load_format == "dummy":
-        return None
-    if device.type != "cpu" or model_config.dtype != torch.float32:
-        logger.info("GGUF weights dequantized to dense %s (block kernels are built for float32 on the CPU; "
-                    "running %s on %s)", model_config.dtype, model_config.dtype, device)
-        return None
-    if load_cpu_kernels() is None:
-        return None
     threads = configure_cpu_threads()
     types = gguf_tensor_types(source.path)
     config = GGUFConfig(types, tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)))

@@ -4,7 +4,8 @@ Order, as in vLLM v1:
   1. raw logprobs = log_softmax(logits)        (only if a row asked; the model's distribution)
   2. logit_bias, 3. min_tokens (stop ids -> -inf), 4. penalties (repetition, frequency, presence)
   5. greedy rows: argmax                        (all-greedy batch stops here: no softmax, no sort)
-  6. temperature, 7. min_p, 8. top_k / top_p, 9. softmax + exponential race
+  6. temperature, 7. min_p, 8. top_k / top_p, 9. softmax + the draw (exponential race on a GPU,
+     inverse CDF on the CPU: topk_topp.random_sample)
   10. logprobs of the sampled token, its rank and the batch's top-k, all from step 1
 
 Logits arrive in the model's dtype (bf16 / fp16 on a GPU: the LM head's output, not copied).

@@ -102,6 +102,16 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return _inverse_cdf(probs, generators)
 
 
+def _uniform_rows(out: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Fill `out` (R, ...) with U[0, 1): row i from generators[i] when it has one, the other rows
+    from torch's default generator (skipped when every row is seeded)."""
+    if len(generators) != out.shape[0]:
+        out.uniform_()
+    for i, generator in generators.items():
+        out[i].uniform_(generator=generator)
+    return out
+
+
 def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1) i.i.d.; overwrites `probs`.
 
@@ -110,11 +120,7 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     its own generator. q = -log(u), u ~ U[0, 1): the same Exp(1) as exponential_(), faster.
     q > 0 always (u < 1); u = 0 gives q = inf, so that token scores 0, never NaN.
     """
-    q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        q.uniform_()
-    for i, generator in generators.items():
-        q[i].uniform_(generator=generator)
+    q = _uniform_rows(torch.empty_like(probs), generators)
     q.log_().neg_()
     return probs.div_(q).argmax(dim=-1)
 
@@ -128,10 +134,6 @@ def _inverse_cdf(probs: torch.Tensor, generators: dict[int, torch.Generator]) ->
     value strictly above u).
     """
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (R, V)
-    u = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
-    if len(generators) != probs.shape[0]:
-        u.uniform_()
-    for i, generator in generators.items():
-        u[i].uniform_(generator=generator)
+    u = _uniform_rows(torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device), generators)
     picked = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[1] - 1)  # only a NaN row (no distribution) gets here
