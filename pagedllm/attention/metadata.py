@@ -36,6 +36,10 @@ class AttentionMetadata:
     # Host copies, so the reference path can plan without a device sync.
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # Decode-only batches may give the order in which the GPU kernel starts its requests: int32
+    # (num_reqs,), longest context first, so the longest programs do not make the last wave (the
+    # CUDA-graph runner fills it). Results do not depend on it; None = batch order.
+    decode_order: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:

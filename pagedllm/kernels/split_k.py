@@ -21,11 +21,16 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 __all__ = ["choose_num_splits", "merge_splits"]
 
-# Split-K heuristic: aim for ~8 resident programs per SM on an H200 (132 SMs) — a decode program
-# streams K/V with little compute, so memory-level parallelism, not waves, sets its speed (measured:
-# 2048 programs of a 256-request batch reach ~3.9 TB/s) — give each split at least this many keys
-# (fewer and the merge costs more than it saves), and cap the split count.
+# Split-K heuristic: aim for ~8 programs per SM on an H200 (132 SMs) — a decode program streams
+# K/V with little compute, so memory-level parallelism, not waves, sets its speed (measured: 2048
+# programs of a 256-request batch reach ~3.9 TB/s) — give each split at least this many keys
+# (fewer and the merge costs more than it saves), and cap the split count. From _NO_SPLIT_PROGRAMS
+# (request, kv head) pairs up, one program per pair already streams fast enough that the merge
+# does not pay: Llama-3.1-8B heads, contexts of 800-2000 keys, timed in CUDA graphs with the graphs'
+# max_seq_len of 4096 (2026-11-30): 32 requests 59.2 us unsplit vs 64.5 us with 4 splits, 64
+# requests 97.9 vs 104.0 with 2; 16 requests (128 pairs) keep 8 splits: 37.9 vs 39.5 us with 2.
 _TARGET_PROGRAMS = 1024
+_NO_SPLIT_PROGRAMS = 256
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
@@ -75,14 +80,16 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
-    """How many key partitions per query tile: 1 (no split) unless a decode-only batch is too
-    small to fill the GPU and its contexts are long. Uses host ints only.
+    """How many key partitions per query tile: 1 (no split) unless a decode-only batch has fewer
+    than _NO_SPLIT_PROGRAMS (request, kv head) pairs and long contexts. Uses host ints only.
 
     Example: 1 request, 8 kv heads, 4096-token context -> min(256 / 8, 4096 / 256) = 16 splits.
     """
     if max_query_len != 1 or num_reqs == 0:
         return 1
     programs = num_reqs * num_kv_heads
+    if programs >= _NO_SPLIT_PROGRAMS:
+        return 1
     splits = min(
         triton.cdiv(_TARGET_PROGRAMS, programs),
         max_seq_len // _MIN_KEYS_PER_SPLIT,

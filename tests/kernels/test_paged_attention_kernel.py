@@ -50,6 +50,24 @@ def test_split_k_decode(make_batch, device, num_heads, num_kv_heads, head_dim, b
         assert torch.count_nonzero(out[md.num_actual_tokens :]) == 0
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_order_changes_only_the_schedule(make_batch, device, num_splits):
+    # Requests started longest first (the CUDA-graph runner's order): same rows, bit for bit.
+    md, kv_cache = make_batch([1, 1, 1, 0], DECODE_S + [0], 16, 1, 64, device, 120)
+    query = torch.randn(md.num_actual_tokens + 2, 4, 64, device=device)
+    plain = _check(query, kv_cache, md, num_splits=num_splits)
+    md.decode_order = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
+    assert md.decode_order.tolist() == [2, 0, 1, 3]
+    ordered = _check(query, kv_cache, md, num_splits=num_splits)
+    assert torch.equal(ordered, plain)
+    if num_splits == 1:
+        # The kernel does read the order: pointing every program at request 0 leaves the other
+        # requests' rows unattended.
+        md.decode_order = torch.zeros(4, dtype=torch.int32, device=device)
+        poisoned = paged_attention(query, kv_cache, md, 64 ** -0.5, num_splits=1)
+        assert not torch.allclose(poisoned[1:3], plain[1:3])
+
+
 def test_split_k_mixed_batch(make_batch, device):
     # The split path is written for any batch, not only decodes: partitions follow each query tile.
     md, kv_cache = make_batch(MIXED_Q, MIXED_S, 16, 1, 64, device, num_blocks=96)
@@ -67,8 +85,11 @@ def test_choose_num_splits():
     # Long contexts and too few programs: split, in powers of two.
     assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=4096) == 16
     assert choose_num_splits(num_reqs=2, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 64
-    assert choose_num_splits(num_reqs=64, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 2
-    # Enough programs already, short contexts, or a batch with prefills: no split.
+    assert choose_num_splits(num_reqs=16, num_kv_heads=8, max_query_len=1, max_seq_len=4096) == 8
+    assert choose_num_splits(num_reqs=31, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 4
+    # Enough programs already (>= 256 request x kv-head pairs), short contexts, or a batch with
+    # prefills: no split.
+    assert choose_num_splits(num_reqs=32, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 1
     assert choose_num_splits(num_reqs=128, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 1
     assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=300) == 1
     assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=7, max_seq_len=32768) == 1
