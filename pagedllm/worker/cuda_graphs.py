@@ -7,6 +7,9 @@ replays the smallest graph whose batch size fits:
 
     7 decode requests, sizes [1, 2, 4, 8, 16] -> replay the 8 graph; row 7 is padding: a dummy
     request with seq_len 1 whose K/V write is skipped (slot -1) and whose output is dropped.
+
+Each size is captured once per BLAS library (cuBLAS, cuBLASLt) and replayed; the faster capture is
+kept, and a batch may run a larger size that replays clearly faster (worker/graph_plan.py).
 """
 
 from __future__ import annotations
@@ -16,15 +19,25 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.split_k import choose_num_splits
+from pagedllm.worker import graph_plan
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import StepInputs
     from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+# Graphs of this many rows and more start their attention programs longest context first
+# (AttentionMetadata.decode_order). Measured on the H200, Llama-3.1-8B heads, in graphs: 256
+# requests of 100-1100 keys 171 -> 166 us, 192 requests 171 -> 167, 128 requests 160 -> 158; at
+# 64 requests (one wave of programs) no gain, so smaller graphs skip the sort and its copy.
+ORDER_MIN_BATCH = 128
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -53,14 +66,19 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev)
+        self.decode_order = torch.arange(b, dtype=torch.int32, device=dev)  # longest context first
         # Two sets of host buffers, used by alternate steps: with async scheduling the copies of
         # step N may still be queued while step N+1 is prepared, but step N-1's are done.
         self.h_tokens = torch.zeros((2, 3, b), dtype=torch.int64).pin_memory()  # ids, positions, slots
         self.h_seq_lens = torch.ones((2, b), dtype=torch.int32).pin_memory()
+        self.h_order = torch.zeros((2, b), dtype=torch.int32).pin_memory()
         self.h_block_table = torch.zeros((2, b, self.max_blocks), dtype=torch.int32).pin_memory()
         self.parity = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replay_ms: dict[int, float] = {}  # per kept graph, dummy rows
+        self.backends: dict[int, str] = {}  # BLAS library each kept graph was captured with
+        self.dispatch: list[int] = []  # dispatch[n]: the size that runs a batch of n rows
         self.pool = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -75,32 +93,71 @@ class CudaGraphRunner:
             slot_mapping=self.slot_mapping[:bs],
             query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+            decode_order=self.decode_order[:bs] if bs >= ORDER_MIN_BATCH else None,
         )
+
+    def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        model = self.runner.model
+        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+            model(self.input_ids[:bs], self.positions[:bs], md)
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = model(self.input_ids[:bs], self.positions[:bs], md)
+        if self.pool is None:
+            self.pool = g.pool()
+        # The first replay uploads the graph to the device, which would otherwise land on a serving
+        # step; the buffers hold padding rows only, so nothing is written.
+        g.replay()
+        return g, out
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
-        model = self.runner.model
-        # Largest first, so smaller graphs reuse the big one's memory pool.
-        for bs in reversed(self.sizes):
-            md = self._metadata(bs)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                model(self.input_ids[:bs], self.positions[:bs], md)
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = model(self.input_ids[:bs], self.positions[:bs], md)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-            self.outputs[bs] = out
-        # Replay each graph once now (all rows padding: nothing is written): the first launch of a
-        # graph uploads it to the device, which would otherwise land on a serving step.
-        for g in self.graphs.values():
-            g.replay()
+        default = torch.backends.cuda.preferred_blas_library()
+        default_name = default.name.lower()
+        # name -> value for torch.backends.cuda.preferred_blas_library; the default first.
+        candidates: dict[str, object] = {default_name: default}
+        if graph_plan.tuning_enabled() and torch.version.cuda is not None:
+            candidates.update((lib, lib) for lib in ("cublas", "cublaslt") if lib != default_name)
+        captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        try:
+            # Largest first, so smaller graphs reuse the big one's memory pool.
+            for bs in reversed(self.sizes):
+                md = self._metadata(bs)
+                for lib, value in candidates.items():
+                    torch.backends.cuda.preferred_blas_library(value)
+                    captured[bs, lib] = self._capture_one(bs, md)
+        finally:
+            torch.backends.cuda.preferred_blas_library(default)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], time.monotonic() - t0)
+        times = {}
+        if len(candidates) > 1:
+            times = graph_plan.time_replays({key: g for key, (g, _) in captured.items()})
+        for bs in self.sizes:
+            lib = default_name
+            if times:
+                lib = graph_plan.pick_backend({k: times[bs, k] for k in candidates}, default_name)
+            self.graphs[bs], self.outputs[bs] = captured.pop((bs, lib))
+            self.replay_ms[bs] = times.get((bs, lib), 0.0)
+            self.backends[bs] = lib
+        del captured  # the other libraries' graphs
+        # A batch may pad up to a larger graph only where both attend the same way: with split-K on
+        # one side and not the other, dummy-row replay times say nothing about real contexts.
+        kv_heads = self.runner.config.model_config.num_kv_heads
+        attention_kind = {bs: choose_num_splits(bs, kv_heads, 1, self.max_seq_len) for bs in self.sizes}
+        self.dispatch = graph_plan.plan_dispatch(
+            self.replay_ms if times else {s: 0.0 for s in self.sizes}, groups=attention_kind
+        )
+        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], time.monotonic() - t0)
+        if times:
+            others = [bs for bs in self.sizes if self.backends[bs] != default_name]
+            logger.info("decode graphs: %s for sizes %s (else %s); padded up: %s",
+                        "/".join(c for c in candidates if c != default_name), others or "none", default_name,
+                        graph_plan.describe(self.dispatch, self.sizes) or "none")
+            logger.debug("decode graph replay ms (dummy rows): %s",
+                         {f"{bs}/{lib}": round(t, 3) for (bs, lib), t in sorted(times.items())})
 
     def can_run(self, inp: StepInputs) -> bool:
         num_reqs = len(inp.req_ids)
@@ -113,7 +170,7 @@ class CudaGraphRunner:
     def run(self, inp: StepInputs, fill_pending: Callable[[torch.Tensor, StepInputs], None]) -> torch.Tensor:
         """Hidden states (num_reqs, hidden) of a decode-only step."""
         n = len(inp.req_ids)
-        bs = next(s for s in self.sizes if s >= n)
+        bs = self.dispatch[n]
         self.parity ^= 1
         h_tokens, h_seq, h_table = self.h_tokens[self.parity], self.h_seq_lens[self.parity], self.h_block_table[self.parity]
         tokens = h_tokens.numpy()
@@ -127,6 +184,9 @@ class CudaGraphRunner:
         seq = h_seq.numpy()
         seq[:n] = inp.seq_lens
         seq[n:bs] = 1
+        if bs >= ORDER_MIN_BATCH:
+            order = self.h_order[self.parity].numpy()
+            order[:bs] = np.argsort(-seq[:bs], kind="stable")  # padding rows (seq_len 1) last
         width = inp.block_table.shape[1]
         table = h_table.numpy()
         table[:n, :width] = inp.block_table
@@ -136,6 +196,8 @@ class CudaGraphRunner:
         self.positions[:bs].copy_(h_tokens[1, :bs], non_blocking=True)
         self.slot_mapping[:bs].copy_(h_tokens[2, :bs], non_blocking=True)
         self.seq_lens[:bs].copy_(h_seq[:bs], non_blocking=True)
+        if bs >= ORDER_MIN_BATCH:
+            self.decode_order[:bs].copy_(self.h_order[self.parity, :bs], non_blocking=True)
         self.block_table[:bs, :width].copy_(h_table[:bs, :width], non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

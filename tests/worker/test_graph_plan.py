@@ -1,0 +1,70 @@
+"""Choosing decode graphs from measured replay times (worker/graph_plan.py); CUDA-free."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.worker import graph_plan
+from pagedllm.worker.cuda_graphs import capture_sizes
+
+
+def test_every_batch_runs_a_graph_that_fits():
+    sizes = capture_sizes(256)
+    # Measured shape of the problem: a non-monotone time curve (Llama-3.1-8B on the H200, ms).
+    times = {s: 4.0 + s / 100 for s in sizes}
+    times[120] = 5.95
+    times[128] = 5.35
+    dispatch = graph_plan.plan_dispatch(times)
+    assert len(dispatch) == 257
+    for n in range(1, 257):
+        assert dispatch[n] in sizes and dispatch[n] >= n
+    # 113..120 would pad to 120 (5.95 ms); 128 replays >2% faster, so they take it.
+    assert dispatch[113] == dispatch[120] == 128
+    assert graph_plan.describe(dispatch, sizes) == "113-120 -> 128"
+
+
+def test_flat_or_increasing_times_keep_the_smallest_size():
+    sizes = [1, 2, 4, 8, 16]
+    for times in ({s: 1.0 for s in sizes}, {s: float(s) for s in sizes}):
+        dispatch = graph_plan.plan_dispatch(times)
+        assert dispatch[1:] == [1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16]
+        assert graph_plan.describe(dispatch, sizes) == ""
+
+
+def test_margin_keeps_near_ties():
+    # 24 is only 1% faster than 16: not worth padding; 3% is.
+    assert graph_plan.plan_dispatch({8: 1.0, 16: 1.0, 24: 0.99})[16] == 16
+    assert graph_plan.plan_dispatch({8: 1.0, 16: 1.0, 24: 0.97})[16] == 24
+    assert graph_plan.plan_dispatch({8: 1.0, 16: 1.2, 24: 1.05}, margin=0.0)[9] == 24
+
+
+def test_pick_backend():
+    assert graph_plan.pick_backend({"cublas": 5.0, "cublaslt": 4.8}, "cublas") == "cublaslt"
+    assert graph_plan.pick_backend({"cublas": 5.0, "cublaslt": 4.95}, "cublas") == "cublas"
+    assert graph_plan.pick_backend({"cublas": 5.0}, "cublas") == "cublas"
+    with pytest.raises(ValueError, match="default library 'cublas' was not timed"):
+        graph_plan.pick_backend({"cublaslt": 1.0}, "cublas")
+
+
+def test_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="capture sizes must be >= 1"):
+        graph_plan.plan_dispatch({0: 1.0, 8: 1.0})
+    with pytest.raises(ValueError, match="capture sizes must be >= 1"):
+        graph_plan.plan_dispatch({})
+
+
+def test_tuning_switch(monkeypatch):
+    monkeypatch.delenv(graph_plan.TUNING_ENV, raising=False)
+    assert graph_plan.tuning_enabled()
+    monkeypatch.setenv(graph_plan.TUNING_ENV, "0")
+    assert not graph_plan.tuning_enabled()
+
+
+def test_groups_keep_batches_within_their_kind_of_graph():
+    # 8 and 16 split their attention (dummy rows make them look slow), 32 does not: no padding from
+    # 5-16 up to 32, although 32 replays faster; 16 may still take 24 (same kind).
+    times = {8: 1.3, 16: 1.4, 24: 1.1, 32: 1.0}
+    kinds = {8: "split", 16: "split", 24: "split", 32: "whole"}
+    dispatch = graph_plan.plan_dispatch(times, groups=kinds)
+    assert dispatch[8] == 24 and dispatch[16] == 24 and dispatch[25] == 32
+    assert graph_plan.plan_dispatch(times)[8] == 32  # without groups
