@@ -31,6 +31,8 @@ def w1(n: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 
 
 def free_engine(llm) -> None:
+    """Collect a dropped engine. The caller must not hold `llm` any more (this `del` only drops the
+    argument's reference): call it as the last use, or `del` its own name after."""
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -75,7 +77,9 @@ def correctness() -> None:
                       num_gpu_blocks_override=512, **kw)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
             runs[name] = [o.outputs[0] for o in outs]
-            free_engine(llm)
+            del outs, llm  # before the next engine starts: its memory profile counts what is alive
+            gc.collect()
+            torch.cuda.empty_cache()
         ref = runs["ref-cpu-fp32"]
         for name in ("fast-fp32", "eager-fp32"):
             same = sum(a.token_ids == b.token_ids for a, b in zip(ref, runs[name]))
@@ -124,7 +128,10 @@ def correctness_batch() -> None:
             lt = [bs for bs, lib in gr.backends.items() if lib != "cublas"]
             record("tiny llama3 graph plan", f"cuBLASLt sizes {sorted(lt)}; padded up: "
                    f"{describe(gr.dispatch, gr.sizes) or 'none'}")
-        free_engine(llm)
+        # Drop every reference before the next engine starts: its memory profile counts what is alive.
+        del gr, outs, llm
+        gc.collect()
+        torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(runs["graphs"], runs["eager"]))
     record(f"llama3 fp32 greedy, {len(prompts)} prompts (batches up to 200): graphs == eager", f"{same}/{len(prompts)}")
 

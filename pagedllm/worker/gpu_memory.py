@@ -86,9 +86,27 @@ def profile_available_kv_bytes(runner: ModelRunner, gpu_memory_utilization: floa
         non_torch / GiB, available / GiB,
     )
     if available <= 0:
-        raise ValueError(
-            f"No GPU memory is left for the KV cache: weights {allocated_before / GiB:.2f} GiB and activations "
-            f"{peak_activations / GiB:.2f} GiB already exceed gpu_memory_utilization={gpu_memory_utilization} of "
-            f"{total / GiB:.1f} GiB. Raise gpu_memory_utilization or lower max_num_batched_tokens."
-        )
+        weights = sum(t.numel() * t.element_size() for t in (*runner.model.parameters(), *runner.model.buffers())
+                      if t.device.type == "cuda")
+        raise ValueError(no_room_message(weights, allocated_before, peak_activations, max(non_torch, 0),
+                                         gpu_memory_utilization, total))
     return available
+
+
+def no_room_message(weights: int, allocated: int, activations: int, non_torch: int, utilization: float,
+                    total: int) -> str:
+    """Why the KV cache got no memory, naming what holds it. `allocated` is everything this
+    process held in torch's allocator before profiling: the weights, and anything else still alive
+    (another engine's KV cache, the caller's tensors). Sizes in bytes."""
+    other = max(allocated - weights, 0)
+    parts = [f"weights {weights / GiB:.2f} GiB"]
+    if other >= GiB:
+        parts.append(f"other tensors already allocated in this process {other / GiB:.2f} GiB (is an earlier "
+                     "engine still referenced? `del llm; gc.collect()` frees one)")
+    parts.append(f"activations {activations / GiB:.2f} GiB")
+    if non_torch >= GiB:
+        parts.append(f"memory outside this process's torch allocator {non_torch / GiB:.2f} GiB (CUDA context, "
+                     "libraries, other processes)")
+    return (f"No GPU memory is left for the KV cache: {', '.join(parts)} already exceed gpu_memory_utilization="
+            f"{utilization} of {total / GiB:.1f} GiB. Raise gpu_memory_utilization or lower "
+            "max_num_batched_tokens.")
