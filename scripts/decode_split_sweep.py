@@ -8,36 +8,12 @@ import functools
 import random
 
 import torch
+from graph_timing import graph_us
 
 from pagedllm.attention.metadata import build_metadata
 from pagedllm.kernels import paged_attention as pa
 
 ORIG = pa._tile_config
-
-
-def graph_us(fn, calls=10, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
 
 
 def case(n, lo, hi, seed=0, heads=32, kvh=8, bs=16, d=128):
@@ -66,7 +42,7 @@ def main():
         attend = functools.partial(pa.paged_attention, q, cache, md, 0.088)
         ref = attend().float()
         default_splits = pa.choose_num_splits(n, 8, 1, 4096)
-        t = graph_us(attend)
+        t = graph_us([attend] * 10)
         res = [(t, f"default (splits {default_splits}, tile 128/w4/s3)")]
         for splits in (1, 2, 4, 8, 16, 32):
             if n * 8 * splits > 8192:
@@ -77,7 +53,7 @@ def main():
                 try:
                     fn = functools.partial(attend, num_splits=splits)
                     err = (fn().float() - ref).abs().max().item()
-                    t = graph_us(fn)
+                    t = graph_us([fn] * 10)
                     res.append((t, f"splits {splits} tile {tn}/w{w}/s{st} err {err:.3f}"))
                 except Exception as e:  # noqa: BLE001
                     res.append((1e9, f"splits {splits} tile {tn}/w{w}/s{st} FAILED {e!s:.60}"))

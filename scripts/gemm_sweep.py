@@ -7,35 +7,12 @@ from __future__ import annotations
 import sys
 
 import torch
+from graph_timing import graph_us
 
 BW, FL = 4.24e12, 787e12
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 ROWS = [int(x) for x in sys.argv[1:]] or [1, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 8192]
-
-
-def timed_graph(fns, reps=3):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / len(fns))
-    return best
 
 
 def main():
@@ -50,7 +27,7 @@ def main():
                 outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
                 fns = [lambda x=x, w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)] * (
                     1 if m >= 4096 else 4)
-                t = timed_graph(fns)
+                t = graph_us(fns, reps=3)
                 by = (n * k + m * k + m * n) * 2
                 fl = 2 * m * n * k
                 floor = max(by / BW, fl / FL) * 1e6

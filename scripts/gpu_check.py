@@ -38,9 +38,26 @@ def free_engine(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def correctness() -> None:
+def tiny_model_dir(config_cls: str, **extra) -> str:
+    """A saved 2-layer random model of a transformers config class (8 heads, 2 kv heads, vocab 1000),
+    weights std 0.1 so that logits are far from ties."""
     import transformers
 
+    cfg = getattr(transformers, config_cls)(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                            num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                                            max_position_embeddings=2048, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    path = tempfile.mkdtemp()
+    model.save_pretrained(path)
+    return path
+
+
+def correctness() -> None:
     from pagedllm import LLM, SamplingParams
 
     archs = {
@@ -55,17 +72,7 @@ def correctness() -> None:
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 300))] for _ in range(12)]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=1)
     for arch, (cls, extra) in archs.items():
-        cfg = getattr(transformers, cls)(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                         num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
-                                         max_position_embeddings=2048, **extra)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0, 0.1)
-        path = tempfile.mkdtemp()
-        model.save_pretrained(path)
+        path = tiny_model_dir(cls, **extra)
         runs = {}
         for name, kw in {
             "ref-cpu-fp32": dict(device="cpu", dtype="float32"),
@@ -98,20 +105,9 @@ def correctness() -> None:
 def correctness_batch() -> None:
     """Large decode batches: CUDA graphs (cuBLASLt captures, padded-up sizes, longest-first attention
     order from 128 rows) against eager steps, fp32 greedy, a tiny Llama-3 and 200 prompts."""
-    import transformers
-
     from pagedllm import LLM, SamplingParams
 
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
-    path = tempfile.mkdtemp()
-    model.save_pretrained(path)
+    path = tiny_model_dir("LlamaConfig")
     rng = random.Random(1)
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 600))] for _ in range(200)]
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
