@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.host_copy import host_tensor, needs_pinning, to_device_async
 from pagedllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
 
@@ -46,28 +47,6 @@ def new_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
-def _pinned(device: torch.device) -> bool:
-    # Host buffers bound for a GPU are pinned, so the copy can be queued without a host sync
-    # (a copy from pageable memory makes the host wait for the stream).
-    return device.type == "cuda"
-
-
-def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> device without a host sync: pinned memory + non_blocking on CUDA."""
-    if device.type == "cpu":
-        return t
-    if not _pinned(device):
-        return t.to(device)
-    if not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A Python list as a tensor on `device`, through pinned memory when that is an accelerator."""
-    return to_device_async(torch.tensor(values, dtype=dtype, pin_memory=_pinned(device)), device)
-
-
 def make_tensor_with_pad(
     token_lists: Sequence[list[int] | np.ndarray], pad: int, device: torch.device
 ) -> torch.Tensor:
@@ -84,7 +63,7 @@ def make_tensor_with_pad(
     else:
         flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))
     # Written straight into the (pinned) host buffer that the device copy reads.
-    out_t = torch.empty((num_rows, max_len), dtype=torch.int64, pin_memory=_pinned(device))
+    out_t = torch.empty((num_rows, max_len), dtype=torch.int64, pin_memory=needs_pinning(device))
     out = out_t.numpy()
     out.fill(pad)
     # Row-major boolean assignment fills each row's first len(row) slots in order.

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata, host_tensor, make_tensor_with_pad
+from pagedllm.host_copy import host_tensor
+from pagedllm.sample.metadata import SamplingMetadata, make_tensor_with_pad
 
 
 def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import KV_CACHE_DTYPES, EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.host_copy import host_tensor, to_device_async
 from pagedllm.loader.model_loader import load_model
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
@@ -144,10 +145,10 @@ class ModelRunner:
             num_reqs=len(inp.req_ids),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(inp.seq_lens.max()),
-            query_start_loc=qsl.to(dev, non_blocking=True),
-            seq_lens=seq.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(inp.block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(inp.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=to_device_async(qsl, dev),
+            seq_lens=to_device_async(seq, dev),
+            block_table=to_device_async(torch.from_numpy(inp.block_table), dev),
+            slot_mapping=to_device_async(torch.from_numpy(inp.slot_mapping), dev),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq,
         )
@@ -156,8 +157,8 @@ class ModelRunner:
         """Async scheduling: tokens the previous step sampled go from device to device."""
         if inp.pending_positions:
             assert self.last_sampled is not None
-            pos = torch.tensor(inp.pending_positions, dtype=torch.int64).to(self.device, non_blocking=True)
-            rows = torch.tensor(inp.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            # One pinned copy: a pageable one would wait for the step in flight (host_copy.py).
+            pos, rows = host_tensor([inp.pending_positions, inp.pending_rows], torch.int64, self.device)
             input_ids[pos] = self.last_sampled[rows]
 
     def forward(self, inp: StepInputs) -> torch.Tensor:
@@ -166,11 +167,12 @@ class ModelRunner:
             # Decode only: one token per request, and every request samples.
             return self.graph_runner.run(inp, self._fill_pending)
         md = self._metadata(inp)
-        input_ids = torch.from_numpy(inp.input_ids).to(self.device, non_blocking=True)
+        dev = self.device
+        input_ids = to_device_async(torch.from_numpy(inp.input_ids), dev)
         self._fill_pending(input_ids, inp)
-        positions = torch.from_numpy(inp.positions).to(self.device, non_blocking=True)
+        positions = to_device_async(torch.from_numpy(inp.positions), dev)
         hidden = self.model(input_ids, positions, md)
-        last = torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1).to(self.device, non_blocking=True)
+        last = to_device_async(torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1), dev)
         return hidden[last]
 
     @torch.inference_mode()
