@@ -1,12 +1,13 @@
 """Host -> device copies that never make the host wait for queued GPU work.
 
-A copy from pageable host memory (`torch.from_numpy(a).to("cuda", non_blocking=True)`, a plain
-`torch.tensor(list)` moved to the GPU) is staged by the driver, which first waits for every kernel
-already queued on the stream. In a step path under async scheduling that wait is the whole
-overlap gone: the host blocks until step N ends, and the GPU then idles while the host launches
-step N+1 (measured on the H200, Llama-3.1-8B: ~0.45 ms of idle per decode step at batch 256).
-Staging through pinned memory keeps the copy queued; torch's caching host allocator keeps the
-pinned source alive until the copy's stream has run it.
+CUDA documents a copy from pageable host memory (`torch.from_numpy(a).to("cuda",
+non_blocking=True)`, a plain `torch.tensor(list)` moved to the GPU) as possibly synchronous: the
+driver stages it and may first wait for the work queued on the stream. In a step path under async
+scheduling such a wait would undo the overlap (the host blocks until step N ends, then the GPU
+idles while step N+1 is launched). Staging through pinned memory keeps the copy queued whatever
+the driver does; torch's caching host allocator keeps the pinned source alive until the copy's
+stream has run it. (Measured on the H200, driver 580: the step path's small pageable copies did
+not wait there, before or after this module; tests/worker/test_step_launch_cuda.py guards it.)
 
     ids = host_tensor([3, 7, 9], torch.int64, device)        # list -> device
     table = to_device_async(torch.from_numpy(array), device)   # numpy / CPU tensor -> device

@@ -157,7 +157,7 @@ class ModelRunner:
         """Async scheduling: tokens the previous step sampled go from device to device."""
         if inp.pending_positions:
             assert self.last_sampled is not None
-            # One pinned copy: a pageable one would wait for the step in flight (host_copy.py).
+            # One pinned copy (a pageable one may wait for the step in flight: host_copy.py).
             pos, rows = host_tensor([inp.pending_positions, inp.pending_rows], torch.int64, self.device)
             input_ids[pos] = self.last_sampled[rows]
 

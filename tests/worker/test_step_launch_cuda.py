@@ -33,7 +33,10 @@ def _sleep_seconds() -> float:
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
 def test_step_launch_does_not_wait_for_the_gpu(enforce_eager):
     path = tiny_model("llama3")[0]
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=256, dtype="float32", enforce_eager=enforce_eager)
+    # A small pool: the suite checks the block pool every step (PAGEDLLM_DEBUG_BLOCKS), which over
+    # the millions of blocks a GPU would hold for a tiny model takes seconds.
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=256, dtype="float32", enforce_eager=enforce_eager,
+              num_gpu_blocks_override=512)
     engine = llm.llm_engine
     assert engine.engine_core.async_scheduling
     params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)  # W1's sampling
@@ -44,11 +47,13 @@ def test_step_launch_does_not_wait_for_the_gpu(enforce_eager):
     sleep_s = _sleep_seconds()
     took = []
     # Two tries, the best counts: a first mixed step of a new shape may still compile a Triton
-    # variant (a one-off wait that is not a sync); a launch that syncs is slow in both.
+    # variant (a one-off wait that is not a sync); a launch that syncs is slow in both. Each try
+    # starts from an idle GPU, so the step it collects is not behind the previous try's sleep.
     for attempt in range(2):
         assert engine.engine_core.inflight is not None
         if enforce_eager:  # the next step is mixed: a prompt's prefill beside the decodes
             engine.add_request(f"new{attempt}", {"prompt_token_ids": list(range(1, 60))}, params)
+        torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)  # queued behind step N, ahead of the step launched next
         t0 = time.perf_counter()
         engine.step()
