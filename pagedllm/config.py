@@ -170,6 +170,80 @@ class DeviceConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}.")
 
 
+# Our default capture sizes stop at 512 rows (as vLLM's default does).
+MAX_DEFAULT_CAPTURE_SIZE = 512
+
+
+def resolve_cudagraph_capture_sizes(
+    capture_sizes: list[int] | tuple[int, ...] | None,
+    max_capture_size: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> tuple[tuple[int, ...], list[int]]:
+    """The decode batch sizes to capture as CUDA graphs (vLLM's `cudagraph_capture_sizes` and
+    `max_cudagraph_capture_size`), and the asked sizes dropped because no decode batch has them.
+
+    A decode batch has at most min(max_num_seqs, max_num_batched_tokens) rows, so no size above
+    that is ever replayed; a batch larger than the largest size runs eagerly.
+    - neither given (our default): 1, 2, 4, then every multiple of 8 up to that largest batch
+      (capped at 512), plus the largest batch itself. max_num_seqs 100 -> [1, 2, 4, 8, ..., 96, 100]
+    - max_cudagraph_capture_size N: vLLM's pattern, [1, 2, 4] + multiples of 8 below 256 +
+      multiples of 16 from 256, up to N. N 300 -> [1, 2, 4, 8, ..., 248, 256, 272, 288]
+    - cudagraph_capture_sizes: exactly these (sorted, duplicates dropped); with both, N must equal
+      the list's largest size.
+    """
+    largest_batch = min(max_num_seqs, max_num_batched_tokens)
+    if capture_sizes is not None:
+        if isinstance(capture_sizes, (str, bytes)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in capture_sizes
+        ):
+            raise ValueError(f"cudagraph_capture_sizes must be a list of ints, got {capture_sizes!r}.")
+        if not capture_sizes or min(capture_sizes) < 1:
+            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of sizes >= 1, got {list(capture_sizes)}.")
+        asked = sorted(set(capture_sizes))
+        if max_capture_size is not None and max_capture_size != asked[-1]:
+            raise ValueError(
+                f"max_cudagraph_capture_size ({max_capture_size}) must equal the largest of "
+                f"cudagraph_capture_sizes ({asked[-1]}) when both are given."
+            )
+    elif max_capture_size is not None:
+        if isinstance(max_capture_size, bool) or not isinstance(max_capture_size, int) or max_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be an int >= 1, got {max_capture_size!r}.")
+        n = max_capture_size
+        asked = [s for s in (1, 2, 4) if s <= n] + list(range(8, min(n + 1, 256), 8)) + list(range(256, n + 1, 16))
+    else:
+        top = min(largest_batch, MAX_DEFAULT_CAPTURE_SIZE)
+        asked = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+        if asked[-1] != top:
+            asked.append(top)
+    kept = tuple(s for s in asked if s <= largest_batch)
+    dropped = [s for s in asked if s > largest_batch]
+    if not kept:
+        raise ValueError(
+            f"no CUDA graph capture size is <= the largest decode batch, min(max_num_seqs, "
+            f"max_num_batched_tokens) = {largest_batch}: got {asked}."
+        )
+    return kept, dropped
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's compilation config, the part this engine has: which decode batch sizes are captured
+    as CUDA graphs (resolved by `resolve_cudagraph_capture_sizes`). There is no torch.compile here:
+    the kernels are hand-written Triton, so vLLM's compilation levels have nothing to switch."""
+
+    cudagraph_capture_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"cudagraph_capture_sizes must be ascending, distinct and >= 1, got {sizes}.")
+
+    @property
+    def max_cudagraph_capture_size(self) -> int:
+        return self.cudagraph_capture_sizes[-1]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -177,6 +251,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    compilation_config: CompilationConfig
     preemption_mode: str = "recompute"
     max_logprobs: int = 20
 

@@ -128,6 +128,8 @@ class Scheduler:
             swapped = self.swap.swapped_num_computed(req) if self.swap else None
             if swapped is not None:
                 # Resume from the CPU pool: fresh blocks for the swapped prefix and the rest.
+                if not self._fits_unchunked(req.num_tokens - swapped, budget):
+                    break
                 req.num_computed_tokens = swapped
                 n = min(req.num_tokens - swapped, budget)
                 if kv.allocate_slots(req, n) is None:
@@ -137,6 +139,8 @@ class Scheduler:
                 num_hit_tokens = swapped
             else:
                 computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+                if not self._fits_unchunked(req.num_tokens - num_hit_tokens, budget):
+                    break
                 n = min(req.num_tokens - num_hit_tokens, budget)
                 if kv.allocate_slots(req, n, computed_blocks) is None:
                     break
@@ -180,6 +184,12 @@ class Scheduler:
             if self.swap:
                 self.swap.check_invariants()
         return out
+
+    def _fits_unchunked(self, num_new_tokens: int, budget: int) -> bool:
+        """With chunked prefill off a prompt runs whole in one step: it waits (and, first come
+        first served, so does everything behind it) until a step has budget for all of it.
+        max_num_batched_tokens >= max_model_len (SchedulerConfig) makes sure one step can."""
+        return self.config.enable_chunked_prefill or num_new_tokens <= budget
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         self._runner_knows.add(req.request_id)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -12,13 +14,21 @@ import torch
 
 from pagedllm.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     parse_dtype,
+    resolve_cudagraph_capture_sizes,
 )
+
+logger = logging.getLogger(__name__)
+
+# Keys of vLLM's compilation_config that mean something here; the compilation level ("mode", or
+# "level" in older vLLM) is accepted and has no effect (there is no torch.compile to switch).
+COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "mode", "level")
 
 # Quantization methods that are built: GGUF ("gguf"), computed on its blocks on the CPU, dequantized on a GPU.
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
@@ -47,7 +57,12 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None  # None: on (vLLM v1's default)
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None  # None: on (vLLM v1's default)
     enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    compilation_config: CompilationConfig | dict | int | str | None = None
+    cuda_graph_sizes: list[int] | None = None  # older vLLM's spelling of the two above
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     preemption_mode: str | None = None
@@ -109,7 +124,17 @@ class EngineArgs:
             generation_config=dict(source.generation_config),
         )
         max_num_seqs = self.max_num_seqs or (256 if device == "cuda" else 64)
+        chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
         batched = self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
+        if not chunked and self.max_num_batched_tokens is None:
+            batched = max(batched, max_model_len)  # every prompt must fit one step (as vLLM)
+        sizes_arg, max_size_arg = self._cudagraph_size_args()
+        capture_sizes, dropped = resolve_cudagraph_capture_sizes(sizes_arg, max_size_arg, max_num_seqs, batched)
+        if dropped:
+            logger.warning(
+                "CUDA graph sizes %s are not captured: a decode batch has at most min(max_num_seqs, "
+                "max_num_batched_tokens) = %d rows.", dropped, min(max_num_seqs, batched),
+            )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -125,13 +150,59 @@ class EngineArgs:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
+                enable_chunked_prefill=chunked,
                 async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager, cpu_threads=self.cpu_threads),
+            compilation_config=CompilationConfig(capture_sizes),
             preemption_mode=self.preemption_mode or "recompute",
             max_logprobs=self.max_logprobs,
         )
+
+    def _cudagraph_size_args(self) -> tuple[list[int] | tuple[int, ...] | None, int | None]:
+        """(cudagraph_capture_sizes, max_cudagraph_capture_size) from wherever the user set them:
+        the two arguments, a `compilation_config` (dict, JSON string, level int, or a
+        CompilationConfig), or older vLLM's `cuda_graph_sizes` (one value: the largest size;
+        several: the list). Setting the same thing two ways is an error, as in vLLM."""
+        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        cc = self.compilation_config
+        if isinstance(cc, str):
+            text = cc.strip()
+            try:
+                cc = int(text) if text.lstrip("-").isdigit() else json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"compilation_config must be a JSON object or a level int, got {text!r}: {e}.") from e
+        if isinstance(cc, CompilationConfig):
+            cc = {"cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes)}
+        if isinstance(cc, bool) or not (cc is None or isinstance(cc, (int, dict))):
+            raise ValueError(f"compilation_config must be a dict, a JSON string or a level int, got {cc!r}.")
+        if isinstance(cc, int):
+            logger.info("compilation_config level %d has no effect: pagedllm runs no torch.compile.", cc)
+        elif isinstance(cc, dict):
+            unknown = sorted(set(cc) - set(COMPILATION_CONFIG_KEYS))
+            if unknown:
+                raise ValueError(
+                    f"compilation_config keys {unknown} are not supported; supported: {', '.join(COMPILATION_CONFIG_KEYS)} "
+                    "(the level has no effect: there is no torch.compile here)."
+                )
+            for key, top in (("cudagraph_capture_sizes", sizes), ("max_cudagraph_capture_size", max_size)):
+                if cc.get(key) is not None and top is not None:
+                    raise ValueError(f"{key} and compilation_config.{key} are mutually exclusive.")
+            sizes = cc.get("cudagraph_capture_sizes", sizes)
+            max_size = cc.get("max_cudagraph_capture_size", max_size)
+        if self.cuda_graph_sizes is not None:
+            if sizes is not None or max_size is not None:
+                raise ValueError("cuda_graph_sizes (older vLLM) and cudagraph_capture_sizes / "
+                                 "max_cudagraph_capture_size are mutually exclusive.")
+            old = list(self.cuda_graph_sizes)
+            logger.warning("cuda_graph_sizes is older vLLM's name: use cudagraph_capture_sizes (a list) or "
+                           "max_cudagraph_capture_size (one value).")
+            if len(old) == 1:
+                max_size = old[0]
+            else:
+                sizes = old
+        return sizes, max_size
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -160,7 +231,17 @@ class EngineArgs:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
         g.add_argument("--max-num-seqs", type=int, default=None)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="split long prompts over steps (default: on); off: a prompt runs whole in one step")
         g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
+                       help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... max-num-seqs)")
+        g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                       help="largest CUDA graph; sizes follow vLLM's 1 2 4 8 ... 248 256 272 ... pattern")
+        g.add_argument("--compilation-config", "-O", default=None,
+                       help="vLLM's compilation config as JSON (cudagraph_capture_sizes, max_cudagraph_capture_size) "
+                            "or a level (no effect: no torch.compile here)")
+        g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
         g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])

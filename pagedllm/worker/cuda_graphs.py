@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (vLLM's cuda_graph_sizes), padded up to a captured size.
+"""CUDA graphs for decode-only steps (vLLM's cudagraph_capture_sizes), padded up to a captured size.
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes the
 launch overhead that dominates at small batches. Each captured graph reads its inputs from static
@@ -40,21 +40,13 @@ logger = logging.getLogger(__name__)
 ORDER_MIN_BATCH = 128
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """[1, 2, 4, 8, 16, 24, ..., max_num_seqs] (multiples of 8 past 8, as vLLM), capped at 512."""
-    top = min(max_num_seqs, 512)
-    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
-    if sizes[-1] != top:
-        sizes.append(top)
-    return sizes
-
-
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.device = runner.device
         cfg = runner.config
-        self.sizes = capture_sizes(cfg.scheduler_config.max_num_seqs)
+        # vLLM's cudagraph_capture_sizes, resolved in config.py (default 1, 2, 4, 8, ..., max_num_seqs).
+        self.sizes = list(cfg.compilation_config.cudagraph_capture_sizes)
         self.max_bs = self.sizes[-1]
         self.max_blocks = -(-cfg.model_config.max_model_len // runner.block_size)
         self.max_seq_len = cfg.model_config.max_model_len

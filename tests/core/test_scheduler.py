@@ -119,3 +119,30 @@ def test_prefix_cache_hit_computes_only_the_tail():
     so = s.schedule()
     assert so.num_scheduled_tokens["b"] == 1  # 16 tokens from 4 cached blocks
     assert s.requests["b"].num_cached_tokens == 16
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole():
+    # Budget 40 (>= max_model_len, as SchedulerConfig requires without chunking): b (30 tokens)
+    # does not fit beside a's 20-token prompt, so it waits a step instead of being split; c (10)
+    # then does not fit beside b and a's decode (31 + 10 > 40).
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40, max_model_len=40, enable_chunked_prefill=False),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+    )
+    s.add_request(req("a", 20, max_tokens=3))
+    s.add_request(req("b", 30, max_tokens=3))
+    s.add_request(req("c", 10, max_tokens=3))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 20}  # c waits behind b: first come, first served
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 30}
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 10}
+    drain(s)
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 64
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
+    with pytest.raises(ValueError, match="without chunked prefill max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=40, enable_chunked_prefill=False)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.config import resolve_cudagraph_capture_sizes
 from pagedllm.worker import graph_plan
-from pagedllm.worker.cuda_graphs import capture_sizes
 
 
 def test_every_batch_runs_a_graph_that_fits():
-    sizes = capture_sizes(256)
+    sizes, _ = resolve_cudagraph_capture_sizes(None, None, 256, 8192)
     # Measured shape of the problem: a non-monotone time curve (Llama-3.1-8B on the H200, ms).
     times = {s: 4.0 + s / 100 for s in sizes}
     times[120] = 5.95
