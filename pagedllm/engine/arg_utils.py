@@ -189,8 +189,10 @@ class EngineArgs:
             for key, top in (("cudagraph_capture_sizes", sizes), ("max_cudagraph_capture_size", max_size)):
                 if cc.get(key) is not None and top is not None:
                     raise ValueError(f"{key} and compilation_config.{key} are mutually exclusive.")
-            sizes = cc.get("cudagraph_capture_sizes", sizes)
-            max_size = cc.get("max_cudagraph_capture_size", max_size)
+            if cc.get("cudagraph_capture_sizes") is not None:
+                sizes = cc["cudagraph_capture_sizes"]
+            if cc.get("max_cudagraph_capture_size") is not None:
+                max_size = cc["max_cudagraph_capture_size"]
         if self.cuda_graph_sizes is not None:
             if sizes is not None or max_size is not None:
                 raise ValueError("cuda_graph_sizes (older vLLM) and cudagraph_capture_sizes / "

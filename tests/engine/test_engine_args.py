@@ -64,6 +64,7 @@ def test_every_way_of_setting_sizes_reaches_the_config():
     assert sizes(compilation_config={"cudagraph_capture_sizes": [2, 4]}) == (2, 4)
     assert sizes(compilation_config='{"max_cudagraph_capture_size": 24}') == (1, 2, 4, 8, 16, 24)
     assert sizes(compilation_config=3, max_num_seqs=8) == (1, 2, 4, 8)  # a level: no effect
+    assert sizes(cudagraph_capture_sizes=[1, 4], compilation_config={"level": 3, "cudagraph_capture_sizes": None}) == (1, 4)
     assert sizes(cuda_graph_sizes=[32]) == (1, 2, 4, 8, 16, 24, 32)  # older vLLM: one value = the largest
     assert sizes(cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 64, 128], max_num_seqs=256) == (1, 2, 4, 8, 16, 32, 64, 128)
 
