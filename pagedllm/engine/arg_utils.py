@@ -63,6 +63,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None
     compilation_config: CompilationConfig | dict | int | str | None = None
     cuda_graph_sizes: list[int] | None = None  # older vLLM's spelling of the two above
+    attention_backend: str | None = None  # vLLM's name of the one backend built per device, or auto
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     preemption_mode: str | None = None
@@ -92,6 +93,7 @@ class EngineArgs:
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local path (no model hub is reached).")
         device = self.resolve_device()
+        _check_attention_backend(self.attention_backend, device)
         source = resolve_model(self.model)
         hf = source.hf_config
         config_dtype = getattr(hf, "dtype", None)
@@ -244,6 +246,8 @@ class EngineArgs:
                        help="vLLM's compilation config as JSON (cudagraph_capture_sizes, max_cudagraph_capture_size) "
                             "or a level (no effect: no torch.compile here)")
         g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
+        g.add_argument("--attention-backend", default=None,
+                       help="auto (default), or the backend built for the device: TRITON_ATTN (GPU), CPU_ATTN (CPU)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
         g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
@@ -264,6 +268,23 @@ class EngineArgs:
                 raise ValueError(f"two models given: {args.model_tag!r} and --model {kwargs['model']!r}.")
             kwargs["model"] = args.model_tag
         return cls(**kwargs)
+
+
+# The attention backend built for each device, under vLLM's AttentionBackendEnum name.
+ATTENTION_BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
+
+
+def _check_attention_backend(name: str | None, device: str) -> None:
+    """vLLM's attention_backend: "auto" / None, or the name of the backend this device runs
+    (our own kernels: TRITON_ATTN on a GPU, CPU_ATTN on the CPU); any other is not built."""
+    if name is None or name.lower() == "auto":
+        return
+    if name.upper() != ATTENTION_BACKENDS[device]:
+        raise ValueError(
+            f"attention_backend {name!r} is not built: on {device} pagedllm runs its own "
+            f"{ATTENTION_BACKENDS[device]} kernels; leave attention_backend unset, or pass 'auto' or "
+            f"{ATTENTION_BACKENDS[device]!r}."
+        )
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

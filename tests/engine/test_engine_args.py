@@ -1,6 +1,7 @@
 """EngineArgs -> EngineConfig for the knobs vLLM users bring: CUDA graph capture sizes (vLLM's
 cudagraph_capture_sizes, max_cudagraph_capture_size, compilation_config, older vLLM's
-cuda_graph_sizes) and enable_chunked_prefill. CPU-only: the sizes resolve on any device."""
+cuda_graph_sizes), enable_chunked_prefill and attention_backend. CPU-only: the sizes resolve on
+any device."""
 
 import argparse
 
@@ -112,3 +113,11 @@ def test_chunked_prefill_off_gives_the_same_tokens():
         outs[chunked] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert_pool_idle(llm)
     assert outs[True] == outs[False]
+
+
+def test_attention_backend_names_the_one_built():
+    for name in (None, "auto", "CPU_ATTN", "cpu_attn"):
+        assert sizes(attention_backend=name)  # accepted on the CPU
+    for name in ("FLASHINFER", "TRITON_ATTN"):
+        with pytest.raises(ValueError, match=f"attention_backend '{name}' is not built: on cpu .* CPU_ATTN"):
+            sizes(attention_backend=name)
