@@ -57,8 +57,8 @@ want ours && for m in qwen3-0.6b llama3-8b; do
 done
 want checks || exit 0
 echo "=== fp32 greedy: fast path vs torch reference"
-timeout 260 python3 scripts/gpu_check.py --only correctness correctness-batch > "$OUT/correctness.log" 2>&1
-grep "^| " "$OUT/correctness.log" | tail -13
+timeout 300 python3 scripts/gpu_check.py --only correctness correctness-batch capture-sizes > "$OUT/correctness.log" 2>&1
+grep "^| " "$OUT/correctness.log" | tail -17
 echo "=== kernel tests"
 timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider > "$OUT/kernel_tests.log" 2>&1
 tail -2 "$OUT/kernel_tests.log"

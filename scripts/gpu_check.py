@@ -132,6 +132,32 @@ def correctness_batch() -> None:
     record(f"llama3 fp32 greedy, {len(prompts)} prompts (batches up to 200): graphs == eager", f"{same}/{len(prompts)}")
 
 
+def capture_sizes_check() -> None:
+    """vLLM's capture-size knobs on real graphs: explicit sizes, vLLM's max-size pattern and a
+    compilation_config JSON, each against eager steps (fp32 greedy, 30 prompts whose batch shrinks
+    from 30 to 1, so batches pad to every size and run eagerly above the largest)."""
+    from pagedllm import LLM, SamplingParams
+
+    path = tiny_model_dir("LlamaConfig")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 1000) for _ in range(rng.randint(3, 40))]} for _ in range(30)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 48), ignore_eos=True) for _ in prompts]
+    runs = {}
+    for name, kw in {"eager": dict(enforce_eager=True), "cudagraph_capture_sizes=[3, 8, 24]": dict(
+            cudagraph_capture_sizes=[3, 8, 24]), "max_cudagraph_capture_size=20": dict(max_cudagraph_capture_size=20),
+            "compilation_config JSON [1, 32]": dict(compilation_config='{"cudagraph_capture_sizes": [1, 32]}')}.items():
+        llm = LLM(path, skip_tokenizer_init=True, max_model_len=256, dtype="float32", max_num_seqs=32,
+                  num_gpu_blocks_override=512, **kw)
+        gr = llm.llm_engine.engine_core.model_runner.graph_runner
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if gr is not None:
+            same = sum(a == b for a, b in zip(runs[name], runs["eager"]))
+            record(f"{name}: graphs {gr.sizes} == eager", f"{same}/{len(prompts)}")
+        del gr, llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def w1_run(preset: str, label: str, **kw) -> None:
     from pagedllm import LLM, SamplingParams
 
@@ -402,6 +428,7 @@ def main() -> None:
     sections = {
         "correctness": correctness,
         "correctness-batch": correctness_batch,
+        "capture-sizes": capture_sizes_check,
         "w1-0.6b": lambda: w1_run("qwen3-0.6b", "qwen3-0.6b"),
         "latency-0.6b": lambda: latency_run("qwen3-0.6b", "qwen3-0.6b"),
         "profile-0.6b": lambda: profile_run("qwen3-0.6b", "qwen3-0.6b"),
