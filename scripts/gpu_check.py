@@ -30,10 +30,10 @@ def w1(n: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(100, 1024) for _ in range(n)]
 
 
-def free_engine(llm) -> None:
-    """Collect a dropped engine. The caller must not hold `llm` any more (this `del` only drops the
-    argument's reference): call it as the last use, or `del` its own name after."""
-    del llm
+def release_gpu_memory() -> None:
+    """Collect dropped engines (they hold reference cycles) and hand their cached blocks back, so
+    the next engine's memory profile sees free memory. Callers `del` every name that still refers
+    to an engine first; main() also runs this between sections, after each section's locals die."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -85,8 +85,7 @@ def correctness() -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
             runs[name] = [o.outputs[0] for o in outs]
             del outs, llm  # before the next engine starts: its memory profile counts what is alive
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_gpu_memory()
         ref = runs["ref-cpu-fp32"]
         for name in ("fast-fp32", "eager-fp32"):
             same = sum(a.token_ids == b.token_ids for a, b in zip(ref, runs[name]))
@@ -126,8 +125,7 @@ def correctness_batch() -> None:
                    f"{describe(gr.dispatch, gr.sizes) or 'none'}")
         # Drop every reference before the next engine starts: its memory profile counts what is alive.
         del gr, outs, llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_gpu_memory()
     same = sum(a == b for a, b in zip(runs["graphs"], runs["eager"]))
     record(f"llama3 fp32 greedy, {len(prompts)} prompts (batches up to 200): graphs == eager", f"{same}/{len(prompts)}")
 
@@ -154,8 +152,7 @@ def capture_sizes_check() -> None:
             same = sum(a == b for a, b in zip(runs[name], runs["eager"]))
             record(f"{name}: graphs {gr.sizes} == eager", f"{same}/{len(prompts)}")
         del gr, llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_gpu_memory()
 
 
 def w1_run(preset: str, label: str, **kw) -> None:
@@ -175,7 +172,6 @@ def w1_run(preset: str, label: str, **kw) -> None:
     assert toks == sum(outs), (toks, sum(outs))
     pre = llm.llm_engine.engine_core.scheduler.num_preemptions
     record(f"{label} W1", f"{toks / dt:,.0f} output tok/s ({toks} tokens in {dt:.2f} s, preemptions {pre})")
-    free_engine(llm)
 
 
 def latency_run(preset: str, label: str, **kw) -> None:
@@ -193,7 +189,6 @@ def latency_run(preset: str, label: str, **kw) -> None:
             llm.generate(prompts, sp, use_tqdm=False)
             times[new] = time.perf_counter() - t
         record(f"{label} decode step, batch {bs}", f"{(times[257] - times[1]) / 256 * 1000:.3f} ms")
-    free_engine(llm)
 
 
 def profile_run(preset: str, label: str, batch: int = 256, ctx: int = 800) -> None:
@@ -232,7 +227,6 @@ def profile_run(preset: str, label: str, batch: int = 256, ctx: int = 800) -> No
     eng.abort_request([str(i) for i in range(batch)])
     while eng.has_unfinished_requests():
         eng.step()
-    free_engine(llm)
 
 
 def jit_keys() -> set[tuple[str, str]]:
@@ -381,7 +375,6 @@ def timeline_run(preset: str, label: str, passes: int = 2, **kw) -> None:
         eng.step()
     gc.callbacks.remove(on_gc)
     mr.PendingOutput.get = orig_get
-    free_engine(llm)
 
 
 def kernel_table(preset: str, label: str, batch: int = 1, ctx: int = 128) -> None:
@@ -417,7 +410,6 @@ def kernel_table(preset: str, label: str, batch: int = 1, ctx: int = 128) -> Non
     eng.abort_request([str(i) for i in range(batch)])
     while eng.has_unfinished_requests():
         eng.step()
-    free_engine(llm)
 
 
 def main() -> None:
@@ -447,8 +439,7 @@ def main() -> None:
             continue
         if args.skip_8b and "8b" in name:
             continue
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_gpu_memory()
         try:
             fn()
         except Exception as e:  # keep going: one call, every section
