@@ -4,7 +4,9 @@ Models hand it the raw qkv GEMM output (`forward_qkv`); it splits q/k/v, applies
 per-head q/k RMSNorm and the rotary embedding, writes K/V and attends. On a backend that offers it
 (the Triton one) with a bound cache and a neox rotary, norm + rotary + K/V write run as one fused
 kernel (`pagedllm.kernels.qkv_prep`); PAGEDLLM_FUSED_QKV=0 in the environment (read at import)
-turns that off, e.g. for an A/B timing.
+turns that off, e.g. for an A/B timing. A decode-only step goes further where the backend offers it:
+prep and attention in one kernel (`pagedllm.kernels.decode_attention`); PAGEDLLM_FUSED_DECODE=0
+turns that part off.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pagedllm.attention.backend import AttentionBackend, TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 
 FUSED_QKV_PREP = os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0"
+FUSED_DECODE = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -65,15 +68,23 @@ class Attention(nn.Module):
         if self._use_fused_qkv_prep(qkv, rotary_emb, q_norm, k_norm):
             from pagedllm.kernels.qkv_prep import fused_qkv_prep
 
-            n = attn_metadata.num_actual_tokens
+            md = attn_metadata
+            q_w = q_norm.weight if q_norm is not None else None
+            k_w = k_norm.weight if k_norm is not None else None
+            eps = next((m.variance_epsilon for m in (q_norm, k_norm) if m is not None), 1e-6)
+            if (FUSED_DECODE and getattr(self.backend, "supports_fused_decode", False)
+                    and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs):
+                out = self.backend.forward_decode_qkv(
+                    qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, md, self.scale,
+                    self.num_heads, self.num_kv_heads, self.head_dim, q_w, k_w, eps,
+                )
+                return out.reshape(t, q_size)
+            n = md.num_actual_tokens
             q = fused_qkv_prep(
-                qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, attn_metadata.slot_mapping[:n],
-                self.num_heads, self.num_kv_heads, self.head_dim,
-                q_norm.weight if q_norm is not None else None,
-                k_norm.weight if k_norm is not None else None,
-                next((m.variance_epsilon for m in (q_norm, k_norm) if m is not None), 1e-6),
+                qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, md.slot_mapping[:n],
+                self.num_heads, self.num_kv_heads, self.head_dim, q_w, k_w, eps,
             )
-            out = self.backend.forward_prepared(q, self.kv_cache, attn_metadata, self.scale)
+            out = self.backend.forward_prepared(q, self.kv_cache, md, self.scale)
             return out.reshape(t, q_size)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if q_norm is not None:

@@ -6,6 +6,8 @@ decode-only step can be captured in a CUDA graph.
 
 `supports_fused_qkv_prep`: the attention layer may instead write K/V itself, fused with q/k norm
 and rotary (`pagedllm.kernels.qkv_prep`), and then call `forward_prepared`, which only attends.
+For a decode-only step it may hand over the raw qkv instead (`forward_decode_qkv`): prep and
+attention in one kernel (`pagedllm.kernels.decode_attention`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.decode_attention import decode_attention_fused
 from pagedllm.kernels.kv_cache_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
 
@@ -23,6 +26,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     supports_fused_qkv_prep = True
+    supports_fused_decode = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         if num_splits is not None and num_splits < 1:
@@ -55,3 +59,22 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """Attention only: the caller has already written this step's K/V (`fused_qkv_prep`)."""
         return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)
+
+    def forward_decode_qkv(
+        self,
+        qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), straight from qkv_proj
+        positions: torch.Tensor,  # (num_tokens,)
+        cos_sin_cache: torch.Tensor,  # (max_position, rot_dim), neox layout
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        md: AttentionMetadata,  # decode-only
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """A decode-only step's norm + rotary + K/V write + attention in one launch."""
+        return decode_attention_fused(qkv, positions, cos_sin_cache, kv_cache, md, scale, num_heads, num_kv_heads,
+                                      head_dim, q_norm_weight, k_norm_weight, eps, num_splits=self.num_splits)
