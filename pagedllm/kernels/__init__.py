@@ -2,7 +2,8 @@
 
 Modules: `kv_cache_write` (write K/V through slot_mapping), `paged_attention` (unified prefill +
 decode attention over the paged cache, with a split-K variant), `rmsnorm`, `rotary`, `activation`,
-`qkv_prep` (q/k RMSNorm + rotary + K/V write fused, straight from the qkv GEMM output).
+`qkv_prep` (q/k RMSNorm + rotary + K/V write fused, straight from the qkv GEMM output),
+`decode_attention` (that prep and the attention of a decode-only step in one kernel).
 
 Without CUDA, Triton can run a kernel only in its interpreter (`TRITON_INTERPRET=1`, CPU tensors),
 and it reads that flag when `@triton.jit` decorates a function, i.e. when a kernel module is first
