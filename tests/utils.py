@@ -72,7 +72,9 @@ def smollm_tokenizer():
     return get_tokenizer(resolve_model(None))
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """transformers' greedy tokens. Its generate masks pad tokens (id 0 here) out of the prompt, so
+    prompts that are compared must not hold token 0."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
@@ -80,6 +82,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **generate_kwargs,
         )
     return out[0, len(prompt) :].tolist()
 

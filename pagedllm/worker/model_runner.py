@@ -195,11 +195,15 @@ class ModelRunner:
             return PendingOutput(self, self.step_id, inp.req_ids, [], None, None, [])
         logits = self.model.compute_logits(hidden)
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
+        # skip copying theirs (256 rows of 100-400 prompt tokens, this list: 0.9 -> 0.5 ms a step on a
+        # 2-core CPU).
         smd = SamplingMetadata.build(
             [
                 RowInputs(
                     params=st.sampling_params,
-                    prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
+                    prompt_token_ids=(st.token_ids[: st.num_prompt_tokens]
+                                      if st.sampling_params.repetition_penalty != 1.0 else []),
                     output_token_ids=st.output_token_ids,
                     generator=st.generator,
                 )

@@ -3,7 +3,7 @@
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import assert_pool_idle, tiny_model
+from tests.utils import assert_pool_idle, hf_greedy, tiny_model
 
 PROMPT = "The quick brown fox"
 
@@ -141,3 +141,21 @@ def test_sliding_window_caps_max_model_len(tmp_path):
     assert config.model_config.max_model_len == 256
     with pytest.raises(ValueError, match="sliding window"):
         EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=512).create_engine_config()
+
+
+def test_repetition_penalty_covers_the_prompt_as_in_transformers():
+    # A 512-token vocabulary and a prompt of every odd id (no id 0, which transformers' generate
+    # would mask as padding): the unpenalized continuation reuses prompt ids, so a penalty that
+    # skipped the prompt would part from transformers', which penalizes prompt and output alike (as
+    # vLLM). The runner copies the prompt only for rows with a penalty; the other row must not care.
+    path, hf = tiny_model("qwen2")
+    llm = LLM(path, num_gpu_blocks_override=64, max_model_len=512)
+    prompt = list(range(1, 512, 2))
+    penalized = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=2.0)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = gen(llm, [{"prompt_token_ids": prompt}] * 2, [penalized, plain])
+    got_penalized, got_plain = (o.outputs[0].token_ids for o in outs)
+    assert got_plain == hf_greedy(hf, prompt, 8)
+    assert any(t in prompt for t in got_plain)  # the penalty has prompt ids to act on
+    assert got_penalized == hf_greedy(hf, prompt, 8, repetition_penalty=2.0)
+    assert got_penalized != got_plain
