@@ -196,6 +196,8 @@ def decode_attention_fused(
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width:
         raise ValueError(f"qkv must be (num_tokens, {width}), got {tuple(qkv.shape)}")
+    if positions.shape != (t,):
+        raise ValueError(f"positions must be ({t},), got {tuple(positions.shape)}")
     if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs:
         raise ValueError(
             f"decode_attention_fused takes decode-only batches (one token per request), got max_query_len "

@@ -84,6 +84,8 @@ def test_bad_inputs(device):
     qkv, positions, cos_sin, kv_cache, md, _ = _batch(h, kvh, d, d, 16, False, device)
     with pytest.raises(ValueError, match="qkv must be"):
         decode_attention_fused(qkv[:, :-1], positions, cos_sin, kv_cache, md, 0.1, h, kvh, d)
+    with pytest.raises(ValueError, match="positions must be"):
+        decode_attention_fused(qkv, positions[:-1], cos_sin, kv_cache, md, 0.1, h, kvh, d)
     with pytest.raises(ValueError, match="kv_cache must be"):
         decode_attention_fused(qkv, positions, cos_sin, kv_cache[:, :, :, :1], md, 0.1, h, kvh, d)
     with pytest.raises(ValueError, match="rot_dim"):
