@@ -35,8 +35,8 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.paged_attention import _LOG2E, _attend_tile, _tile_config, paged_attention_ref
-from pagedllm.kernels.qkv_prep import _norm_rotate, fused_qkv_prep_ref
-from pagedllm.kernels.split_k import choose_num_splits, merge_splits
+from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
+from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
 
 __all__ = ["decode_attention_fused", "decode_attention_fused_ref"]
 
@@ -96,17 +96,8 @@ def _decode_fused_kernel(
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     context_len = seq_len - 1  # cached keys; the new key sits at position context_len
 
-    # Rotary angles of this token (layout of kernels/rotary.py), as in qkv_prep.
-    HALF: tl.constexpr = ROT_DIM // 2
-    d = tl.arange(0, HEAD_DIM_PAD)
-    first = d < HALF
-    is_rot = d < ROT_DIM
-    partner = tl.where(first, d + HALF, d - HALF)
-    freq = tl.where(first, d, d - HALF)
-    pos = tl.load(positions_ptr + row).to(tl.int64)
-    cs_row = cos_sin_ptr + pos * stride_cos_sin
-    cos = tl.load(cs_row + freq, mask=is_rot, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row + HALF + freq, mask=is_rot, other=0.0).to(tl.float32)
+    d, partner, first, is_rot, cos, sin = _rotary_angles(positions_ptr, row, cos_sin_ptr, stride_cos_sin,
+                                                         HEAD_DIM_PAD, ROT_DIM)
 
     # q rows of the tile: the group's query heads, padded to BLOCK_M rows.
     offs_m = tl.arange(0, BLOCK_M)
@@ -131,13 +122,7 @@ def _decode_fused_kernel(
             tl.store(v_cache_ptr + dst + d[None, :], v_new, mask=d_mask)
 
     # The context, split or not; every cached key is visible to the token (q_pos = context_len).
-    if USE_SPLIT:
-        chunk = tl.cdiv(tl.cdiv(context_len, num_splits), TILE_N) * TILE_N
-        kv_lo = split * chunk
-        kv_hi = tl.minimum(context_len, kv_lo + chunk)
-    else:
-        kv_lo = context_len * 0
-        kv_hi = context_len
+    kv_lo, kv_hi = split_key_range(context_len, split, num_splits, TILE_N, USE_SPLIT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -163,9 +148,7 @@ def _decode_fused_kernel(
 
     if USE_SPLIT:
         part = (row * NUM_HEADS + head) * num_splits + split  # (BLOCK_M,)
-        tl.store(part_m_ptr + part, m_i, mask=row_valid)
-        tl.store(part_l_ptr + part, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_valid[:, None])
+        store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, row_valid, d, HEAD_DIM_PAD)
     else:
         out = acc / l_i[:, None]  # l >= 1 on valid rows: the new key's term is 2^0 at the max
         tl.store(out_ptr + row * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -193,25 +176,15 @@ def decode_attention_fused(
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
     No host sync, a grid from host ints only: CUDA-graph capturable."""
     t = qkv.shape[0]
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width:
-        raise ValueError(f"qkv must be (num_tokens, {width}), got {tuple(qkv.shape)}")
-    if positions.shape != (t,):
-        raise ValueError(f"positions must be ({t},), got {tuple(positions.shape)}")
+    check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
+                      k_norm_weight)
     if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs:
         raise ValueError(
             f"decode_attention_fused takes decode-only batches (one token per request), got max_query_len "
             f"{md.max_query_len} and {md.num_actual_tokens} tokens for {md.num_reqs} requests"
         )
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"kv_cache must be (2, num_blocks, block_size, {num_kv_heads}, {head_dim}), got {tuple(kv_cache.shape)}"
-        )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    rot_dim = cos_sin_cache.shape[1]
-    if rot_dim % 2 or rot_dim > head_dim:
-        raise ValueError(f"cos_sin_cache rot_dim {rot_dim} must be even and <= head_dim {head_dim}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -224,8 +197,6 @@ def decode_attention_fused(
         qkv = qkv.contiguous()
     cache = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if k_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous along head_dim")
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True)
@@ -233,9 +204,7 @@ def decode_attention_fused(
         num_splits = choose_num_splits(n, num_kv_heads, 1, md.max_seq_len)
     use_split = num_splits > 1
     if use_split:
-        part_acc = torch.empty((t, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=qkv.device)
-        part_m = torch.empty((t, num_heads, num_splits), dtype=torch.float32, device=qkv.device)
-        part_l = torch.empty_like(part_m)
+        part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
     order = md.decode_order
@@ -273,7 +242,7 @@ def decode_attention_fused(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        ROT_DIM=rot_dim,
+        ROT_DIM=cos_sin_cache.shape[1],
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m,
         TILE_N=tile_n,

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.split_k import choose_num_splits, merge_splits
+from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
 
 __all__ = ["paged_attention", "paged_attention_ref"]
 
@@ -197,13 +197,7 @@ def _paged_attention_kernel(
 
     # Keys visible to any row of this tile: 0 .. position of its last token.
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
-    if USE_SPLIT:
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
-        kv_lo = split * chunk
-        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
-    else:
-        kv_lo = kv_end * 0
-        kv_hi = kv_end
+    kv_lo, kv_hi = split_key_range(kv_end, split, num_splits, TILE_N, USE_SPLIT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -237,9 +231,7 @@ def _paged_attention_kernel(
 
     if USE_SPLIT:
         part = (q_row * num_heads + head) * num_splits + split  # (BLOCK_M,)
-        tl.store(part_m_ptr + part, m_i, mask=row_valid)
-        tl.store(part_l_ptr + part, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+        store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, row_valid, offs_d, HEAD_DIM_PAD)
     else:
         # Every valid row sees at least key 0, so l > 0 there; the guard only covers padding rows.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -324,11 +316,7 @@ def paged_attention(
     num_q_blocks = md.num_reqs if decode_only else num_tokens // block_q + md.num_reqs
 
     if use_split:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=query.device
-        )
-        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
+        part_acc, part_m, part_l = alloc_partials(num_tokens, num_heads, num_splits, head_dim_pad, query.device)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](

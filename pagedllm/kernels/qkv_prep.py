@@ -45,7 +45,7 @@ from pagedllm.kernels.kv_cache_write import write_kv_cache_ref
 from pagedllm.kernels.rmsnorm import rms_norm_ref
 from pagedllm.kernels.rotary import rotary_embedding_ref
 
-__all__ = ["fused_qkv_prep", "fused_qkv_prep_ref"]
+__all__ = ["check_prep_inputs", "fused_qkv_prep", "fused_qkv_prep_ref"]
 
 
 @triton.jit
@@ -83,6 +83,23 @@ def _norm_rotate(
     return tl.where(is_rot[None, :], rot, x).to(src.dtype.element_ty)
 
 
+@triton.jit
+def _rotary_angles(positions_ptr, t, cos_sin_ptr, stride_cos_sin, DIM_PAD: tl.constexpr, ROT_DIM: tl.constexpr):
+    """Token t's neox pairing and angles, for `_norm_rotate`: feature index d (DIM_PAD,), its partner
+    (i + R/2 or i - R/2), first (i < R/2), is_rot (i < R), and fp32 cos, sin of its pair (0 past R)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    d = tl.arange(0, DIM_PAD)
+    first = d < HALF
+    is_rot = d < ROT_DIM
+    partner = tl.where(first, d + HALF, d - HALF)
+    freq = tl.where(first, d, d - HALF)  # column of this feature's angle in the cos half
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    row = cos_sin_ptr + pos * stride_cos_sin
+    cos = tl.load(row + freq, mask=is_rot, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF + freq, mask=is_rot, other=0.0).to(tl.float32)
+    return d, partner, first, is_rot, cos, sin
+
+
 @triton.jit(do_not_specialize=["num_slots"])  # per-step token count: no recompiles
 def _qkv_prep_kernel(
     qkv_ptr,  # (T, (H + 2 * KVH) * D)
@@ -114,16 +131,8 @@ def _qkv_prep_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    HALF: tl.constexpr = ROT_DIM // 2
-    d = tl.arange(0, DIM_PAD)
-    first = d < HALF
-    is_rot = d < ROT_DIM
-    partner = tl.where(first, d + HALF, d - HALF)
-    freq = tl.where(first, d, d - HALF)  # column of this feature's angle in the cos half
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    row = cos_sin_ptr + pos * stride_cos_sin
-    cos = tl.load(row + freq, mask=is_rot, other=0.0).to(tl.float32)
-    sin = tl.load(row + HALF + freq, mask=is_rot, other=0.0).to(tl.float32)
+    d, partner, first, is_rot, cos, sin = _rotary_angles(positions_ptr, t, cos_sin_ptr, stride_cos_sin, DIM_PAD,
+                                                         ROT_DIM)
     h = tl.arange(0, HEADS_PER_BLOCK)
     src_row = qkv_ptr + t * stride_qkv_t
     if g < NUM_Q_GROUPS:
@@ -157,6 +166,44 @@ def _heads_per_block(num_heads: int, num_kv_heads: int, dim_pad: int) -> int:
     return min(max(1, 1024 // dim_pad), triton.next_power_of_2(max(num_heads, num_kv_heads)))
 
 
+def check_prep_inputs(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+) -> None:
+    """The shapes `fused_qkv_prep` and the fused decode kernel both read (module doc); ValueError
+    naming the first that does not fit."""
+    t = qkv.shape[0]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(
+            f"qkv must be (num_tokens, ({num_heads} + 2 * {num_kv_heads}) * {head_dim} = {width}), "
+            f"got {tuple(qkv.shape)}"
+        )
+    if positions.shape != (t,):
+        raise ValueError(f"positions must be ({t},), got {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2:
+        raise ValueError(f"cos_sin_cache must be (max_position, rot_dim), got {tuple(cos_sin_cache.shape)}")
+    rot_dim = cos_sin_cache.shape[1]
+    if rot_dim % 2 or rot_dim > head_dim:
+        raise ValueError(f"cos_sin_cache rot_dim {rot_dim} must be even and <= head_dim {head_dim}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"kv_cache must be (2, num_blocks, block_size, {num_kv_heads}, {head_dim}), got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous along head_dim")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and w.shape != (head_dim,):
+            raise ValueError(f"{name} must have shape ({head_dim},), got {tuple(w.shape)}")
+
+
 def fused_qkv_prep(
     qkv: torch.Tensor,  # (T, (H + 2 * KVH) * D)
     positions: torch.Tensor,  # (T,) int
@@ -178,33 +225,14 @@ def fused_qkv_prep(
     two) overrides the work split, for tuning.
     """
     t = qkv.shape[0]
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width:
-        raise ValueError(
-            f"qkv must be (num_tokens, ({num_heads} + 2 * {num_kv_heads}) * {head_dim} = {width}), "
-            f"got {tuple(qkv.shape)}"
-        )
-    if positions.shape != (t,):
-        raise ValueError(f"positions must be ({t},), got {tuple(positions.shape)}")
-    if cos_sin_cache.dim() != 2:
-        raise ValueError(f"cos_sin_cache must be (max_position, rot_dim), got {tuple(cos_sin_cache.shape)}")
-    rot_dim = cos_sin_cache.shape[1]
-    if rot_dim % 2 or rot_dim > head_dim:
-        raise ValueError(f"cos_sin_cache rot_dim {rot_dim} must be even and <= head_dim {head_dim}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"kv_cache must be (2, num_blocks, block_size, {num_kv_heads}, {head_dim}), got {tuple(kv_cache.shape)}"
-        )
+    check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
+                      k_norm_weight)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > t:
         raise ValueError(f"slot_mapping must be (S,) with S <= num_tokens {t}, got {tuple(slot_mapping.shape)}")
-    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if w is not None and w.shape != (head_dim,):
-            raise ValueError(f"{name} must have shape ({head_dim},), got {tuple(w.shape)}")
     if heads_per_block is not None and (heads_per_block < 1 or heads_per_block & (heads_per_block - 1)):
         raise ValueError(f"heads_per_block must be a power of two, got {heads_per_block}")
+    rot_dim = cos_sin_cache.shape[1]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if k_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous along head_dim")
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q

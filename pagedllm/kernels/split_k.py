@@ -19,7 +19,7 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 
-__all__ = ["choose_num_splits", "merge_splits"]
+__all__ = ["alloc_partials", "choose_num_splits", "merge_splits"]
 
 # Split-K heuristic: aim for ~8 programs per SM on an H200 (132 SMs) — a decode program streams
 # K/V with little compute, so memory-level parallelism, not waves, sets its speed (measured: 2048
@@ -33,6 +33,31 @@ _TARGET_PROGRAMS = 1024
 _NO_SPLIT_PROGRAMS = 256
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
+
+
+@triton.jit
+def split_key_range(kv_end, split, num_splits, TILE_N: tl.constexpr, USE_SPLIT: tl.constexpr):
+    """Keys [kv_lo, kv_hi) of partition `split` of 0 .. kv_end: whole TILE_N tiles per partition, the
+    last one ragged, trailing ones empty. Example: 300 keys, 4 splits, TILE_N 64 -> 128 keys each:
+    [0, 128), [128, 256), [256, 300), [384, 300) (empty). Without split-K: [0, kv_end)."""
+    if USE_SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    else:
+        kv_lo = kv_end * 0
+        kv_hi = kv_end
+    return kv_lo, kv_hi
+
+
+@triton.jit
+def store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, row_valid, offs_d,
+                   HEAD_DIM_PAD: tl.constexpr):
+    """Write one program's unnormalised rows for `_merge_splits_kernel`. part (BLOCK_M,): each row's
+    index (token * num_heads + head) * num_splits + split; acc (BLOCK_M, HEAD_DIM_PAD)."""
+    tl.store(part_m_ptr + part, m_i, mask=row_valid)
+    tl.store(part_l_ptr + part, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -98,6 +123,15 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
     if splits < 2:
         return 1
     return 1 << (splits.bit_length() - 1)  # round down to a power of two: fewer kernel variants
+
+
+def alloc_partials(
+    num_tokens: int, num_heads: int, num_splits: int, head_dim_pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty fp32 buffers for the split programs' (acc, m, l): (T, H, S, HEAD_DIM_PAD), (T, H, S) x 2."""
+    part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=device)
+    part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
+    return part_acc, part_m, torch.empty_like(part_m)
 
 
 def merge_splits(
