@@ -43,7 +43,7 @@ from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.messages import AbortRequests, AddRequests, EngineCoreRequest, StepOutputs, StopRequests
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
-from pagedllm.engine.output_stream import RequestOutputCollector, RequestOutputStream, _LiveRequest
+from pagedllm.engine.output_stream import LiveRequest, RequestOutputCollector, RequestOutputStream
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
@@ -112,7 +112,7 @@ class AsyncLLM:
         self.refusal: BaseException | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         # Event-loop state: internal id -> request; caller's id -> internal id; core id -> internal id.
-        self._live: dict[str, _LiveRequest] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._ids_in_use: dict[str, str | None] = {}
         self._core_owner: dict[str, str] = {}
         self._seq = itertools.count()
@@ -186,7 +186,7 @@ class AsyncLLM:
             self._ids_in_use.pop(request_id, None)
             raise
         core_ids = [r.request_id for r in prep.requests]
-        live = _LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
+        live = LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
         self._live[internal_id] = live
         self._ids_in_use[request_id] = internal_id
         for cid in core_ids:
@@ -194,7 +194,7 @@ class AsyncLLM:
         # Output thread first: its states exist before the engine can produce a token for them.
         self._outq.put(_RegisterStates(prep.states))
         self.engine_core.send(AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests]))
-        return RequestOutputStream(self, live)
+        return RequestOutputStream(live, self._abort_live)
 
     def _check_accepting(self) -> None:
         if self.dead_error is not None:
@@ -230,7 +230,7 @@ class AsyncLLM:
             if live is not None:
                 self._abort_live(live)
 
-    def _abort_live(self, live: _LiveRequest) -> None:
+    def _abort_live(self, live: LiveRequest) -> None:
         if self._live.get(live.internal_id) is not live:
             return  # finished or aborted already
         self._forget(live)
@@ -238,7 +238,7 @@ class AsyncLLM:
             self._outq.put(_ForgetRequests([live.internal_id]))
             self.engine_core.send(AbortRequests(live.core_ids))
 
-    def _forget(self, live: _LiveRequest) -> None:
+    def _forget(self, live: LiveRequest) -> None:
         del self._live[live.internal_id]
         if self._ids_in_use.get(live.request_id) == live.internal_id:
             del self._ids_in_use[live.request_id]
