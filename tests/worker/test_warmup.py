@@ -32,7 +32,7 @@ def test_dummy_steps_write_no_kv_and_leave_results_unchanged():
 
 def test_warmup_is_a_no_op_without_cuda():
     path, _ = tiny_model("llama3")
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=16)
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=16, device="cpu")
     worker = llm.llm_engine.engine_core.model_executor.driver_worker
     calls = []
     orig = worker.model.forward
