@@ -121,12 +121,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self.attention_cls(
             config, rotary_emb, quant_config, bias=qkv_bias, bias_o_proj=o_bias, prefix=f"{prefix}.self_attn"
         )
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, quant_config,
-            bias=getattr(config, "mlp_bias", False), prefix=f"{prefix}.mlp",
-        )
+        self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config: PretrainedConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """The feed-forward block; MoE models return their sparse block here (see `layer_index`)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, quant_config,
+                        bias=getattr(config, "mlp_bias", False), prefix=prefix)
 
     @staticmethod
     def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -244,6 +246,15 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Qwen2DecoderLayer
+
+
+def layer_index(prefix: str) -> int:
+    """"model.layers.7.mlp" -> 7: the decoder layer a module belongs to (MoE placement, sliding windows)."""
+    parts = prefix.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    raise ValueError(f"{prefix!r} names no decoder layer (no 'layers.N')")
 
 
 def _join(prefix: str, name: str) -> str:
