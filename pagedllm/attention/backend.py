@@ -27,6 +27,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # keys older than the window are masked (see torch_ref)
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 
@@ -34,5 +36,6 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, md, scale):  # noqa: D102 - see Protocol
-        return paged_attention(query, key, value, kv_cache, md, scale)
+    def forward(self, query, key, value, kv_cache, md, scale, sliding_window=None,  # noqa: D102 - see Protocol
+                logits_soft_cap=None):
+        return paged_attention(query, key, value, kv_cache, md, scale, sliding_window, logits_soft_cap)

@@ -37,8 +37,12 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         prefix: str = "",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"{prefix}: sliding_window must be >= 1, got {sliding_window}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{prefix}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -46,6 +50,11 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.prefix = prefix
+        self.sliding_window = sliding_window  # a query at p sees keys p - W + 1 .. p (None: all)
+        self.logits_soft_cap = logits_soft_cap  # scores s -> cap * tanh(s / cap) (Gemma 2)
+        # Passed to the backend only when set, so layers without them call it as before.
+        self._extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
+                       if v}
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
 
@@ -72,7 +81,7 @@ class Attention(nn.Module):
             q_w = q_norm.weight if q_norm is not None else None
             k_w = k_norm.weight if k_norm is not None else None
             eps = next((m.variance_epsilon for m in (q_norm, k_norm) if m is not None), 1e-6)
-            if (FUSED_DECODE and getattr(self.backend, "supports_fused_decode", False)
+            if (FUSED_DECODE and not self._extra and getattr(self.backend, "supports_fused_decode", False)
                     and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs):
                 out = self.backend.forward_decode_qkv(
                     qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, md, self.scale,
@@ -84,7 +93,7 @@ class Attention(nn.Module):
                 qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, md.slot_mapping[:n],
                 self.num_heads, self.num_kv_heads, self.head_dim, q_w, k_w, eps,
             )
-            out = self.backend.forward_prepared(q, self.kv_cache, md, self.scale)
+            out = self.backend.forward_prepared(q, self.kv_cache, md, self.scale, **self._extra)
             return out.reshape(t, q_size)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if q_norm is not None:
@@ -122,5 +131,6 @@ class Attention(nn.Module):
             self.kv_cache,
             attn_metadata,
             self.scale,
+            **self._extra,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

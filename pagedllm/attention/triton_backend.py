@@ -41,14 +41,17 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         if kv_cache is None:
             # Memory-profiling pass before the cache exists: attention over the new tokens only,
             # which the reference does without a cache; it runs once, so speed does not matter.
-            return torch_ref.paged_attention(query, key, value, None, md, scale)
+            return torch_ref.paged_attention(query, key, value, None, md, scale, sliding_window, logits_soft_cap)
         n = md.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n])
-        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)
+        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     def forward_prepared(
         self,
@@ -56,9 +59,12 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), this step's K/V in it
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """Attention only: the caller has already written this step's K/V (`fused_qkv_prep`)."""
-        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)
+        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     def forward_decode_qkv(
         self,

@@ -92,7 +92,12 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        if sliding_window or logits_soft_cap:
+            # The C kernel attends to the whole context without a cap: the torch reference does both.
+            return paged_attention(query, key, value, kv_cache, md, scale, sliding_window, logits_soft_cap)
         lib = load_cpu_kernels()
         if md is not self._md and lib is not None:
             self._md, self._rows = md, _StepRows(md, lib.cpu_pool_size())

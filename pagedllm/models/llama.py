@@ -27,7 +27,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping
+from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping, sliding_window_for_layer
 from pagedllm.quantization.base import QuantizationConfig
 
 
@@ -96,7 +96,8 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb  # one instance shared by all layers (its cache can be 64 MB)
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn",
+                              sliding_window=sliding_window_for_layer(config, layer_index(prefix)))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -204,13 +205,14 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    model_cls: type[LlamaModel] = LlamaModel  # the decoder stack (Gemma: its own embedding scale, ropes)
 
     def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__()
         self.config = config
         self.quant_config = quant_config
-        self.model = LlamaModel(config, quant_config, prefix=_join(prefix, "model"),
+        self.model = self.model_cls(config, quant_config, prefix=_join(prefix, "model"),
                                 decoder_layer_cls=self.decoder_layer_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                       prefix=_join(prefix, "lm_head"))
@@ -240,8 +242,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral has Llama's graph. Its sliding window (4096 in v0.1) is not applied: outputs match
-    up to that many tokens of context."""
+    """Mistral has Llama's graph plus a sliding window on every layer (4096 in v0.1, none in v0.2+):
+    a token attends to the last `sliding_window` positions, itself included. The KV cache keeps the
+    blocks that fall out of the window (every block of a request stays allocated until it finishes)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
