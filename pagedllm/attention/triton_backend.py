@@ -84,3 +84,16 @@ class TritonAttentionBackend:
         """A decode-only step's norm + rotary + K/V write + attention in one launch."""
         return decode_attention_fused(qkv, positions, cos_sin_cache, kv_cache, md, scale, num_heads, num_kv_heads,
                                       head_dim, q_norm_weight, k_norm_weight, eps, num_splits=self.num_splits)
+
+    def forward_mla(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, W): [q_lat | q_pe] (attention/mla.py)
+        latent_cache: torch.Tensor,  # (1, num_blocks, block_size, 1, W), this step's latents in it
+        md: AttentionMetadata,
+        scale: float,
+        v_width: int,  # values are the first v_width features of each latent
+    ) -> torch.Tensor:  # (num_tokens, num_heads, v_width)
+        """MLA as MQA over the latent cache: the unified kernel reads the one cache as both K and V
+        (a stride-0 view, no copy); the value columns past v_width (the rope part) are dropped."""
+        kv = latent_cache.expand(2, *latent_cache.shape[1:])
+        return paged_attention(query, kv, md, scale, num_splits=self.num_splits)[..., :v_width]

@@ -50,6 +50,10 @@ def resolve_kv_cache_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
 def kv_cache_bytes_per_block(config: EngineConfig) -> int:
     mc = config.model_config
     elem = torch.empty((), dtype=resolve_kv_cache_dtype(config)[0]).element_size()
+    latent = getattr(mc.hf_config, "kv_lora_rank", None)
+    if latent:  # MLA (DeepSeek): one latent of kv_lora_rank + rope dim per token and layer (attention/mla.py)
+        width = int(latent) + int(mc.hf_config.qk_rope_head_dim)
+        return mc.num_layers * config.cache_config.block_size * width * elem
     return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
 
 
@@ -112,9 +116,15 @@ class ModelRunner:
         # touch, so start-up skips a multi-GiB memset and unused blocks cost no memory. Smaller
         # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
-        alloc = torch.empty if fresh_mapping else torch.zeros
-        self.kv_caches = [alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in self.attn_layers]
+
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
+            return (torch.empty if fresh_mapping else torch.zeros)(shape, dtype=dtype, device=device)
+
+        # A layer may declare its own layout (MLA: one latent per token); the rest share `shape`.
+        shapes = [layer.kv_cache_shape(num_blocks, self.block_size) if hasattr(layer, "kv_cache_shape") else shape
+                  for layer in self.attn_layers]
+        self.kv_caches = [alloc(s, dtype=self.kv_cache_dtype, device=self.device) for s in shapes]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.backend)
 

@@ -34,6 +34,9 @@ def save_tiny(config: PretrainedConfig, path: str, seed: int = 0) -> torch.nn.Mo
                 p.copy_((0.0 if "bias" in name else 1.0) + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias is a buffer: saved too
+                b.copy_(0.3 * torch.randn_like(b))
     model.save_pretrained(path)
     return model
 
