@@ -58,10 +58,7 @@ class MLAAttention(Attention):
         latent = torch.cat([kv_c, k_pe], dim=-1)  # (T, W)
         n = md.num_actual_tokens
         if self.kv_cache is not None:
-            flat = self.kv_cache.view(-1, self.head_dim)
-            slots = md.slot_mapping[:n]
-            valid = slots >= 0
-            flat.index_copy_(0, slots[valid], latent[:n][valid].to(flat.dtype))
+            write_latents(latent[:n], self.kv_cache, md.slot_mapping[:n])
         run = getattr(self.backend, "forward_mla", None)
         if run is not None and self.kv_cache is not None:
             o_lat = run(query, self.kv_cache, md, self.scale, self.kv_lora_rank)
@@ -69,6 +66,20 @@ class MLAAttention(Attention):
             o_lat = mla_attention_ref(query, latent, self.kv_cache, md, self.scale, self.kv_lora_rank)
         out = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
         return out.reshape(t, -1)
+
+
+def write_latents(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent (T, W) -> cache slots (-1 = skip). On CUDA the K/V write kernel takes the one cache as
+    both K and V (the same rows written twice): no host sync, so decode steps stay graph-capturable."""
+    if cache.is_cuda:
+        from pagedllm.kernels.kv_cache_write import write_kv_cache
+
+        rows = latent.to(cache.dtype)[:, None, :]
+        write_kv_cache(rows, rows, cache.expand(2, *cache.shape[1:]), slot_mapping)
+        return
+    flat = cache.view(-1, cache.shape[-1])
+    valid = slot_mapping >= 0
+    flat.index_copy_(0, slot_mapping[valid], latent[valid].to(flat.dtype))
 
 
 def mla_attention_ref(

@@ -270,6 +270,11 @@ def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> t
     (token, head) rows; 32-key tiles beat 64 and 128-row tiles (8192-token mixed batch: 200 vs 210 us
     for 16/8 heads, 318 vs 336 us for 32/8). tl.dot needs every dimension >= 16.
     """
+    if head_dim_pad > 256:
+        # MLA's latent (DeepSeek: 512 + 64 = 576, padded to 1024): the smallest tiles, one stage, so
+        # q, acc and a K/V tile fit the registers and shared memory (64-row tiles need 393 KB of it).
+        block_m = max(16, triton.next_power_of_2(queries_per_kv))
+        return block_m, max(1, block_m // queries_per_kv), 16, 8, 1
     rows = 16 if decode_only else 64
     block_m = max(rows, triton.next_power_of_2(queries_per_kv))
     block_q = max(1, block_m // queries_per_kv)

@@ -58,3 +58,27 @@ def test_absorbed_attention_equals_expanded_heads():
     s = s.masked_fill(torch.arange(10)[None, None, :] > (7 + torch.arange(3))[None, :, None], float("-inf"))
     ref = torch.einsum("hts,shv->thv", torch.softmax(s, -1), v)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_latents_write_through_the_kv_write_kernel():
+    # The CUDA path of attention/mla.write_latents: one cache viewed as both K and V.
+    from pagedllm.kernels.kv_cache_write import write_kv_cache
+
+    cache = torch.zeros(1, 4, 4, 1, R + ROPE, device=DEVICE)
+    latent = torch.randn(3, R + ROPE, device=DEVICE)
+    slots = torch.tensor([5, -1, 9], device=DEVICE)
+    write_kv_cache(latent[:, None], latent[:, None], cache.expand(2, *cache.shape[1:]), slots)
+    flat = cache.view(-1, R + ROPE)
+    torch.testing.assert_close(flat[[5, 9]], latent[[0, 2]])
+    assert torch.count_nonzero(flat) == torch.count_nonzero(latent[[0, 2]])
+
+
+def test_deepseek_width_latent_takes_the_small_tile_config():
+    # 512 + 64 = 576 features (padded to 1024 in the kernel): the MLA tile config of _tile_config.
+    g = torch.Generator().manual_seed(1)
+    md = build_metadata([3, 1], [9, 6], [[2, 0, 1], [3, 4]], 4, device=DEVICE)
+    cache = torch.randn(1, 5, 4, 1, 576, generator=g).to(DEVICE)
+    query = torch.randn(4, 16, 576, generator=g).to(DEVICE)
+    out = TritonAttentionBackend().forward_mla(query, cache, md, 0.05, 512)
+    latent = cache.view(-1, 576)[md.slot_mapping]
+    torch.testing.assert_close(out, mla_attention_ref(query, latent, cache, md, 0.05, 512), atol=1e-4, rtol=1e-4)
