@@ -34,7 +34,7 @@ def test_deepseek_v3_greedy_matches_transformers():
 def test_cache_holds_one_latent_per_token(tmp_path):
     from pagedllm.attention.mla import MLAAttention
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.worker.model_runner import kv_cache_bytes_per_block
+    from pagedllm.worker.kv_cache import kv_cache_bytes_per_block
 
     config = DeepseekV2Config(**dict(TINY, num_key_value_heads=4), **MLA, q_lora_rank=None, n_routed_experts=4,
                               architectures=["DeepseekV2ForCausalLM"])
