@@ -164,7 +164,7 @@ def w1() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     for model in ("qwen3-30b-a3b", "deepseek-v2-lite"):
         out = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", f"pagedllm/model_configs/{model}",
+        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model,
                "--load-format", "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)

@@ -97,7 +97,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # one instance shared by all layers (its cache can be 64 MB)
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                               prefix=f"{prefix}.attn",
-                              sliding_window=sliding_window_for_layer(config, layer_index(prefix)))
+                              sliding_window=(sliding_window_for_layer(config, layer_index(prefix))
+                                              if getattr(config, "sliding_window", None) else None))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -23,11 +23,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
 
 
-def save_tiny(config: PretrainedConfig, path: str, seed: int = 0) -> torch.nn.Module:
+def save_tiny(config: PretrainedConfig, path: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Random fp32 HF model saved to `path`; weights widened (std 0.2) so routing and tokens vary,
-    norm weights and biases perturbed so that loading them matters."""
+    norm weights and biases perturbed so that loading them matters. transformers attends with SDPA
+    (faster) unless told "eager" (Gemma 2's soft-capping needs it)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or p.dim() == 1:
@@ -53,10 +54,11 @@ def mixed_prompts(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list
     return first, second
 
 
-def check_greedy_matches_transformers(config: PretrainedConfig, seed: int = 0, **llm_kwargs) -> None:
+def check_greedy_matches_transformers(config: PretrainedConfig, seed: int = 0, attn_implementation: str = "sdpa",
+                                      **llm_kwargs) -> None:
     path = tempfile.mkdtemp(prefix="pagedllm-family-")
     try:
-        hf = save_tiny(config, path, seed)
+        hf = save_tiny(config, path, seed, attn_implementation)
         llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4, num_gpu_blocks_override=256,
                   enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=8, **llm_kwargs)
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

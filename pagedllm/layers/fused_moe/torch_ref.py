@@ -36,6 +36,8 @@ def fused_experts_ref(
         rows = tokens[start : start + n]
         gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[e])
-        out.index_add_(0, rows, y.float() * weights[start : start + n, None])
+        # A token picks an expert at most once, so `rows` has no repeats: a plain indexed add will do
+        # (index_add_ was ~10x slower on a busy 2-core CPU, its parallel scatter waiting on threads).
+        out[rows] += y.float() * weights[start : start + n, None]
         start += n
     return out.to(x.dtype)
