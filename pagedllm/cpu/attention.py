@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.attention.backend import forward_mla_torch, forward_qkv_separate
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention
 from pagedllm.cpu.build import load_cpu_kernels
@@ -83,6 +84,16 @@ class CpuAttentionBackend:
     @staticmethod
     def available() -> bool:
         return load_cpu_kernels() is not None
+
+    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,  # noqa: D102
+                    sliding_window=None, logits_soft_cap=None):
+        # Prep with torch ops, then `forward` (see AttentionBackend in pagedllm/attention/backend.py).
+        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,
+                                    sliding_window, logits_soft_cap)
+
+    def forward_mla(self, query, latent, kv_cache, md, scale, v_width):  # noqa: D102 - see AttentionBackend
+        # MLA's latent MQA has no C kernel: plain torch (attention/mla_ref.py).
+        return forward_mla_torch(query, latent, kv_cache, md, scale, v_width)
 
     def forward(
         self,

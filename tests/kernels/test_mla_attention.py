@@ -31,9 +31,9 @@ def _batch(q_lens, s_lens, block_size=4, seed=0):
                                                     ([7, 1, 12], [20, 5, 12], None)])
 def test_triton_forward_mla_matches_reference(q_lens, s_lens, splits):
     md, cache, query = _batch(q_lens, s_lens)
-    out = TritonAttentionBackend(num_splits=splits).forward_mla(query, cache, md, 0.3, R)
     flat = cache.view(-1, R + ROPE)
-    latent = flat[md.slot_mapping.clamp(min=0)]
+    latent = flat[md.slot_mapping.clamp(min=0)].clone()  # this step's latents: rewritten where they are
+    out = TritonAttentionBackend(num_splits=splits).forward_mla(query, latent, cache, md, 0.3, R)
     ref = mla_attention_ref(query, latent, cache, md, 0.3, R)
     assert out.shape == (sum(q_lens), H, R)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -79,6 +79,6 @@ def test_deepseek_width_latent_takes_the_small_tile_config():
     md = build_metadata([3, 1], [9, 6], [[2, 0, 1], [3, 4]], 4, device=DEVICE)
     cache = torch.randn(1, 5, 4, 1, 576, generator=g).to(DEVICE)
     query = torch.randn(4, 16, 576, generator=g).to(DEVICE)
-    out = TritonAttentionBackend().forward_mla(query, cache, md, 0.05, 512)
-    latent = cache.view(-1, 576)[md.slot_mapping]
+    latent = cache.view(-1, 576)[md.slot_mapping].clone()
+    out = TritonAttentionBackend().forward_mla(query, latent, cache, md, 0.05, 512)
     torch.testing.assert_close(out, mla_attention_ref(query, latent, cache, md, 0.05, 512), atol=1e-4, rtol=1e-4)
