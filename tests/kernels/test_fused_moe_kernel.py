@@ -39,7 +39,8 @@ def test_fused_experts_matches_reference(t, e, top_k, hidden, inter, dtype):
     weights, ids = select_experts(logits, top_k, renormalize=True)
     got = fused_experts(x, w13, w2, weights, ids)
     ref = fused_experts_ref(x, w13, w2, weights, ids)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # Half precision: the reference rounds after each GEMM, the kernel accumulates in fp32 (a wrong expert is O(1)).
+    tol = {torch.float32: 1e-4, torch.float16: 3e-2}.get(dtype, 6e-2)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
