@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.mla_ref import mla_attention_ref, write_latents
 from pagedllm.attention.torch_ref import paged_attention
 
 
@@ -51,6 +52,8 @@ class AttentionBackend(Protocol):
         heads: AttentionHeads,
         q_norm: nn.Module | None,  # RMSNorm(head_dim) per head before rope (Qwen3), or None
         k_norm: nn.Module | None,
+        sliding_window: int | None = None,  # a query at p sees keys p - W + 1 .. p (Mistral, Gemma)
+        logits_soft_cap: float | None = None,  # scores s -> cap * tanh(s / cap) (Gemma 2)
     ) -> torch.Tensor:  # (num_tokens, q_size)
         """q/k norm + rotary, K/V written into the cache, attention: the whole layer after its GEMM."""
         ...
@@ -63,8 +66,22 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor | None,
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # keys older than the window are masked (see torch_ref)
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """K/V written into the cache, then attention over it."""
+        ...
+
+    def forward_mla(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, W): [q_nope absorbed into latent space | q_pe]
+        latent: torch.Tensor,  # (num_tokens, W): this step's [c_kv | k_pe]
+        kv_cache: torch.Tensor | None,  # (1, num_blocks, block_size, 1, W); None: profiling
+        md: AttentionMetadata,
+        scale: float,
+        v_width: int,  # kv_lora_rank: values are each latent's first v_width features
+    ) -> torch.Tensor:  # (num_tokens, num_heads, v_width)
+        """MLA (attention/mla.py): latents written into the cache, MQA over them."""
         ...
 
 
@@ -87,7 +104,8 @@ def split_norm_rotate(
 def forward_qkv_separate(
     backend: AttentionBackend, qkv: torch.Tensor, positions: torch.Tensor, rotary_emb: nn.Module,
     kv_cache: torch.Tensor | None, md: AttentionMetadata, scale: float, heads: AttentionHeads,
-    q_norm: nn.Module | None, k_norm: nn.Module | None,
+    q_norm: nn.Module | None, k_norm: nn.Module | None, sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # (num_tokens, q_size)
     """`forward_qkv` from separate kernels: prep with torch ops, then the backend's `forward`."""
     t = qkv.shape[0]
@@ -96,7 +114,7 @@ def forward_qkv_separate(
         q.view(t, heads.num_heads, heads.head_dim),
         k.view(t, heads.num_kv_heads, heads.head_dim),
         v.view(t, heads.num_kv_heads, heads.head_dim),
-        kv_cache, md, scale,
+        kv_cache, md, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
     )
     return out.reshape(t, heads.q_size)
 
@@ -104,8 +122,22 @@ def forward_qkv_separate(
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm):  # noqa: D102
-        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm)
+    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,  # noqa: D102
+                    sliding_window=None, logits_soft_cap=None):
+        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,
+                                    sliding_window, logits_soft_cap)
 
-    def forward(self, query, key, value, kv_cache, md, scale):  # noqa: D102 - see Protocol
-        return paged_attention(query, key, value, kv_cache, md, scale)
+    def forward(self, query, key, value, kv_cache, md, scale, sliding_window=None,  # noqa: D102 - see Protocol
+                logits_soft_cap=None):
+        return paged_attention(query, key, value, kv_cache, md, scale, sliding_window, logits_soft_cap)
+
+    def forward_mla(self, query, latent, kv_cache, md, scale, v_width):  # noqa: D102 - see Protocol
+        return forward_mla_torch(query, latent, kv_cache, md, scale, v_width)
+
+
+def forward_mla_torch(query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor | None,
+                      md: AttentionMetadata, scale: float, v_width: int) -> torch.Tensor:
+    """`forward_mla` in plain torch (attention/mla_ref.py): the torch and CPU backends' MLA."""
+    if kv_cache is not None:
+        write_latents(latent[: md.num_actual_tokens], kv_cache, md.slot_mapping[: md.num_actual_tokens])
+    return mla_attention_ref(query, latent, kv_cache, md, scale, v_width)

@@ -29,8 +29,12 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         prefix: str = "",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"{prefix}: sliding_window must be >= 1, got {sliding_window}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{prefix}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -39,6 +43,11 @@ class Attention(nn.Module):
         self.heads = AttentionHeads(num_heads, num_kv_heads, head_dim)
         self.scale = scale
         self.prefix = prefix
+        self.sliding_window = sliding_window  # a query at p sees keys p - W + 1 .. p (None: all)
+        self.logits_soft_cap = logits_soft_cap  # scores s -> cap * tanh(s / cap) (Gemma 2)
+        # Passed to the backend only when set, so layers without them call it as before.
+        self._extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
+                       if v}
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
 
@@ -56,7 +65,7 @@ class Attention(nn.Module):
         k_norm: nn.Module | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
         return self.backend.forward_qkv(qkv, positions, rotary_emb, self.kv_cache, attn_metadata, self.scale,
-                                        self.heads, q_norm, k_norm)
+                                        self.heads, q_norm, k_norm, **self._extra)
 
     def forward(
         self,
@@ -73,5 +82,6 @@ class Attention(nn.Module):
             self.kv_cache,
             attn_metadata,
             self.scale,
+            **self._extra,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -42,6 +42,8 @@ def _group_attention(
     max_q: int,
     scale: float,
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written in place
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     device = query.device
     ar_q = torch.arange(max_q, device=device)
@@ -55,15 +57,22 @@ def _group_attention(
     k_pos = torch.arange(key_src.shape[1], device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (G, max_q, S)
     mask &= k_pos[None, None, :] < seq_len[:, None, None]
+    if sliding_window:  # transformers' rule: key j visible to query i when j > i - window
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask[:, :, 0] |= ~q_valid  # keep padded rows finite; they are dropped below
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        key_src.transpose(1, 2).to(q.dtype),
-        value_src.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2)  # (G, max_q, H, D)
+    k_t, v_t = key_src.transpose(1, 2).to(q.dtype), value_src.transpose(1, 2).to(q.dtype)
+    if logits_soft_cap:
+        # SDPA has no soft-cap: scores written out, s -> cap * tanh(s / cap), masked softmax.
+        group = q.shape[2] // k_t.shape[1]
+        k_t, v_t = k_t.repeat_interleave(group, dim=1), v_t.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.transpose(1, 2), k_t.transpose(-1, -2)) * scale  # (G, H, max_q, S)
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v_t.dtype), v_t).transpose(1, 2)
+    else:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_t, v_t, attn_mask=mask[:, None], scale=scale, enable_gqa=True,
+        ).transpose(1, 2)  # (G, max_q, H, D)
     out[rows[q_valid]] = o[q_valid]
 
 
@@ -74,8 +83,13 @@ def paged_attention(
     kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
     md: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns (num_tokens, num_heads, head_dim).
+
+    sliding_window W: a query at position p sees keys p - W + 1 .. p (Mistral, Gemma's local
+    layers); logits_soft_cap c: scores s -> c * tanh(s / c) before the softmax (Gemma 2).
 
     With kv_cache None (the memory-profiling pass before the cache exists) each request attends
     causally over its own new tokens only.
@@ -108,5 +122,6 @@ def paged_attention(
             k_src = kv_cache[0][tables].reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
             v_src = kv_cache[1][tables].reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
             s_len = seq_lens[idx]
-        _group_attention(query, k_src, v_src, qsl[idx], q_lens[idx], s_len, max_q, scale, out)
+        _group_attention(query, k_src, v_src, qsl[idx], q_lens[idx], s_len, max_q, scale, out,
+                         sliding_window, logits_soft_cap)
     return out

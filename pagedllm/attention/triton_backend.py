@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from pagedllm.attention import torch_ref
-from pagedllm.attention.backend import AttentionHeads, forward_qkv_separate
+from pagedllm.attention.backend import AttentionHeads, forward_mla_torch, forward_qkv_separate
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.mla_ref import write_latents
 from pagedllm.kernels.decode_attention import decode_attention_fused
 from pagedllm.kernels.kv_cache_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
@@ -60,23 +61,28 @@ class TritonAttentionBackend:
         heads: AttentionHeads,
         q_norm: nn.Module | None,
         k_norm: nn.Module | None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, q_size)
+        extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap)) if v}
         if not self.uses_fused_prep(qkv, rotary_emb, kv_cache, q_norm, k_norm):
-            return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm)
+            return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,
+                                        **extra)
         assert kv_cache is not None
         t = qkv.shape[0]
         q_w = q_norm.weight if q_norm is not None else None
         k_w = k_norm.weight if k_norm is not None else None
         eps = next((m.variance_epsilon for m in (q_norm, k_norm) if m is not None), 1e-6)
         nh, nkv, hd = heads.num_heads, heads.num_kv_heads, heads.head_dim
-        if self.fused_decode and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs:
+        # The one-kernel decode step has no window / soft-cap: such layers take prep + attention.
+        if self.fused_decode and not extra and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs:
             out = self.forward_decode_qkv(qkv, positions, rotary_emb.cos_sin_cache, kv_cache, md, scale, nh, nkv, hd,
                                           q_w, k_w, eps)
             return out.reshape(t, heads.q_size)
         n = md.num_actual_tokens
         q = fused_qkv_prep(qkv, positions, rotary_emb.cos_sin_cache, kv_cache, md.slot_mapping[:n], nh, nkv, hd,
                            q_w, k_w, eps)
-        return self.forward_prepared(q, kv_cache, md, scale).reshape(t, heads.q_size)
+        return self.forward_prepared(q, kv_cache, md, scale, **extra).reshape(t, heads.q_size)
 
     def forward(
         self,
@@ -86,14 +92,17 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         if kv_cache is None:
             # Memory-profiling pass before the cache exists: attention over the new tokens only,
             # which the reference does without a cache; it runs once, so speed does not matter.
-            return torch_ref.paged_attention(query, key, value, None, md, scale)
+            return torch_ref.paged_attention(query, key, value, None, md, scale, sliding_window, logits_soft_cap)
         n = md.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n])
-        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)
+        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     def forward_prepared(
         self,
@@ -101,9 +110,12 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), this step's K/V in it
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """Attention only: the caller has already written this step's K/V (`fused_qkv_prep`)."""
-        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits)
+        return paged_attention(query, kv_cache, md, scale, num_splits=self.num_splits,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     def forward_decode_qkv(
         self,
@@ -123,3 +135,22 @@ class TritonAttentionBackend:
         """A decode-only step's norm + rotary + K/V write + attention in one launch."""
         return decode_attention_fused(qkv, positions, cos_sin_cache, kv_cache, md, scale, num_heads, num_kv_heads,
                                       head_dim, q_norm_weight, k_norm_weight, eps, num_splits=self.num_splits)
+
+    def forward_mla(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, W): [q_lat | q_pe] (attention/mla.py)
+        latent: torch.Tensor,  # (num_tokens, W): this step's latents
+        kv_cache: torch.Tensor | None,  # (1, num_blocks, block_size, 1, W)
+        md: AttentionMetadata,
+        scale: float,
+        v_width: int,  # values are the first v_width features of each latent
+    ) -> torch.Tensor:  # (num_tokens, num_heads, v_width)
+        """MLA as MQA over the latent cache: the K/V write kernel and the unified kernel read the one
+        cache as both K and V (a stride-0 view, no copy); value columns past v_width (the rope part)
+        are dropped. Without a cache (profiling pass) the torch reference runs."""
+        if kv_cache is None:
+            return forward_mla_torch(query, latent, None, md, scale, v_width)
+        n = md.num_actual_tokens
+        write_latents(latent[:n], kv_cache, md.slot_mapping[:n])
+        kv = kv_cache.expand(2, *kv_cache.shape[1:])
+        return paged_attention(query, kv, md, scale, num_splits=self.num_splits)[..., :v_width]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import forward_qkv_separate
+from pagedllm.attention.backend import forward_mla_torch, forward_qkv_separate
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention
 from pagedllm.cpu.build import load_cpu_kernels
@@ -85,9 +85,15 @@ class CpuAttentionBackend:
     def available() -> bool:
         return load_cpu_kernels() is not None
 
-    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm):  # noqa: D102
+    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,  # noqa: D102
+                    sliding_window=None, logits_soft_cap=None):
         # Prep with torch ops, then `forward` (see AttentionBackend in pagedllm/attention/backend.py).
-        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm)
+        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,
+                                    sliding_window, logits_soft_cap)
+
+    def forward_mla(self, query, latent, kv_cache, md, scale, v_width):  # noqa: D102 - see AttentionBackend
+        # MLA's latent MQA has no C kernel: plain torch (attention/mla_ref.py).
+        return forward_mla_torch(query, latent, kv_cache, md, scale, v_width)
 
     def forward(
         self,
@@ -97,7 +103,12 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        if sliding_window or logits_soft_cap:
+            # The C kernel attends to the whole context without a cap: the torch reference does both.
+            return paged_attention(query, key, value, kv_cache, md, scale, sliding_window, logits_soft_cap)
         lib = load_cpu_kernels()
         if md is not self._md and lib is not None:
             self._md, self._rows = md, _StepRows(md, lib.cpu_pool_size())

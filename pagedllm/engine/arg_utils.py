@@ -106,7 +106,7 @@ class EngineArgs:
         if max_model_len > derived_max:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's maximum context ({derived_max}, "
-                "from max_position_embeddings, or its sliding window: sliding-window attention is not built)."
+                "from max_position_embeddings)."
             )
         names = self.served_model_name or [self.model or source.default_name]
         if isinstance(names, str):
@@ -291,16 +291,13 @@ def _check_attention_backend(name: str | None, device: str) -> None:
 
 
 def _derive_max_model_len(hf_config: Any) -> int:
-    """The model's context, capped at its sliding window when it has one: sliding-window attention
-    is not built, so past the window the outputs would differ from the model's (as vLLM's
-    disable_sliding_window does)."""
+    """The model's context (max_position_embeddings or its older names). A sliding window does not
+    cap it: the window layers mask keys older than the window in the paged attention (vLLM's default,
+    not disable_sliding_window)."""
     limit = 2048
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(hf_config, key, None)
         if isinstance(v, int) and v > 0:
             limit = v
             break
-    window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)
     return limit

@@ -132,7 +132,7 @@ def _decode_fused_kernel(
     for start_n in range(kv_lo, kv_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-            stride_c_blk, stride_c_slot, scale_log2,
+            stride_c_blk, stride_c_slot, scale_log2, 0, 0.0,  # no window, no soft-cap (the backend's rule)
             HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
         )
 

@@ -66,18 +66,22 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q: tl.con
 @triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-    stride_c_blk, stride_c_slot, scale_log2,
+    stride_c_blk, stride_c_slot, scale_log2, window, soft_cap_log2,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr = False,
+    USE_SOFTCAP: tl.constexpr = False,
 ):
     """One online-softmax update with keys start_n .. start_n + TILE_N - 1.
 
     q (BLOCK_M, HEAD_DIM_PAD); m_i, l_i (BLOCK_M,) fp32; acc (BLOCK_M, HEAD_DIM_PAD) fp32.
     MASKED=False promises every key valid (< kv_hi) and visible to every row (<= its q_pos).
+    USE_WINDOW: a row sees only keys > q_pos - window (sliding window; needs MASKED).
+    USE_SOFTCAP: scores s become cap * tanh(s / cap) (Gemma 2), here in base 2: soft_cap_log2 = cap * log2(e).
     """
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -98,8 +102,14 @@ def _attend_tile(
     else:
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
+    if USE_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without NaN when exp overflows.
+        s = soft_cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap_log2) + 1.0))
     if MASKED:
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -138,6 +148,8 @@ def _paged_attention_kernel(
     num_heads,
     num_splits,
     scale_log2,  # softmax scale * log2(e): scores live in base 2
+    window,  # sliding window (keys > q_pos - window visible); read only when USE_WINDOW
+    soft_cap_log2,  # attention logit soft-cap * log2(e); read only when USE_SOFTCAP
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -157,6 +169,8 @@ def _paged_attention_kernel(
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr = False,
+    USE_SOFTCAP: tl.constexpr = False,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -198,6 +212,10 @@ def _paged_attention_kernel(
     # Keys visible to any row of this tile: 0 .. position of its last token.
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
     kv_lo, kv_hi = split_key_range(kv_end, split, num_splits, TILE_N, USE_SPLIT)
+    if USE_WINDOW:
+        # Keys older than the tile's first query's window are never read (whole tiles skipped).
+        win_lo = tl.maximum(context_len + q_block_local * BLOCK_Q - window + 1, 0) // TILE_N * TILE_N
+        kv_lo = tl.maximum(kv_lo, win_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -211,7 +229,7 @@ def _paged_attention_kernel(
     # 64-token query tile at positions 100..163: keys 0..95 unmasked in 3 tiles, 96..163 masked in
     # 3. Prefill-heavy batches gain from the split; decode-only batches keep the one masked loop,
     # where the split made them slower (both measured: BENCHMARKS.md).
-    if DECODE_ONLY:
+    if DECODE_ONLY or USE_WINDOW:  # with a window every tile is masked (its lower edge moves per row)
         kv_full = kv_lo
     else:
         first_q_pos = context_len + q_block_local * BLOCK_Q
@@ -219,14 +237,14 @@ def _paged_attention_kernel(
     for start_n in range(kv_lo, kv_full, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-            stride_c_blk, stride_c_slot, scale_log2,
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, False,
+            stride_c_blk, stride_c_slot, scale_log2, window, soft_cap_log2,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, False, USE_WINDOW, USE_SOFTCAP,
         )
     for start_n in range(kv_full, kv_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-            stride_c_blk, stride_c_slot, scale_log2,
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+            stride_c_blk, stride_c_slot, scale_log2, window, soft_cap_log2,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True, USE_WINDOW, USE_SOFTCAP,
         )
 
     if USE_SPLIT:
@@ -252,6 +270,11 @@ def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> t
     (token, head) rows; 32-key tiles beat 64 and 128-row tiles (8192-token mixed batch: 200 vs 210 us
     for 16/8 heads, 318 vs 336 us for 32/8). tl.dot needs every dimension >= 16.
     """
+    if head_dim_pad > 256:
+        # MLA's latent (DeepSeek: 512 + 64 = 576, padded to 1024): the smallest tiles, one stage, so
+        # q, acc and a K/V tile fit the registers and shared memory (64-row tiles need 393 KB of it).
+        block_m = max(16, triton.next_power_of_2(queries_per_kv))
+        return block_m, max(1, block_m // queries_per_kv), 16, 8, 1
     rows = 16 if decode_only else 64
     block_m = max(rows, triton.next_power_of_2(queries_per_kv))
     block_q = max(1, block_m // queries_per_kv)
@@ -270,8 +293,13 @@ def paged_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """Attend every query token to its request's cached keys 0..its position.
+
+    sliding_window W: a query at position p sees keys p - W + 1 .. p only (transformers' rule);
+    logits_soft_cap c: scores s -> c * tanh(s / c) before the softmax (Gemma 2).
 
     This step's K/V must already be in the cache (`write_kv_cache`). Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros, as in the reference, unless a
@@ -335,6 +363,8 @@ def paged_attention(
         num_heads,
         num_splits,
         scale * _LOG2E,
+        sliding_window or 0,
+        (logits_soft_cap or 0.0) * _LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -354,6 +384,8 @@ def paged_attention(
         ORDERED=ordered,
         USE_SPLIT=use_split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_WINDOW=bool(sliding_window),
+        USE_SOFTCAP=bool(logits_soft_cap),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -367,6 +399,8 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous
     md: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`torch_ref.paged_attention` without its cache write, for holding the kernel to it.
 
@@ -376,4 +410,5 @@ def paged_attention_ref(
     n = md.num_actual_tokens
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     slots = md.slot_mapping[:n].clamp(min=0)
-    return torch_ref.paged_attention(query, flat[0][slots], flat[1][slots], kv_cache, md, scale)
+    return torch_ref.paged_attention(query, flat[0][slots], flat[1][slots], kv_cache, md, scale,
+                                     sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

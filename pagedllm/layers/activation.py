@@ -27,3 +27,18 @@ class SiluAndMul(nn.Module):
                 lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], d)
                 return out
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """(num_tokens, 2 * d) = [gate | up] -> gelu(gate) * up (GeGLU: Gemma's gelu_pytorch_tanh is
+    approximate="tanh"). Plain torch on every device: elementwise, fused by nothing here yet."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GeluAndMul approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]

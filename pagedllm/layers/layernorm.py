@@ -70,3 +70,35 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / rms(x) * (1 + w), the product in float32 before the cast back.
+
+    The checkpoint stores w; the parameter holds 1 + w in float32 (its loader adds the 1), so the
+    fused RMSNorm kernels above compute Gemma's formula unchanged (they multiply in float32).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps, dtype=torch.float32)
+        self.weight.weight_loader = self._load_weight
+
+    @staticmethod
+    def _load_weight(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        if param.shape != loaded_weight.shape:
+            raise ValueError(f"weight: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(loaded_weight.float() + 1.0)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda or x.dtype == torch.float32:
+            return super().forward(x, residual)
+        # Half precision off CUDA: the float32 weight must not promote the output.
+        orig_dtype = x.dtype
+        xf = x.float()
+        if residual is not None:
+            xf = xf + residual.float()
+            residual = xf.to(orig_dtype)
+        y = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon) * self.weight)
+        y = y.to(orig_dtype)
+        return y if residual is None else (y, residual)

@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE) with a precomputed cos/sin cache.
 
-Supported `rope_type`s: "default", "linear" (position interpolation) and "llama3" (Llama 3.1's
-frequency-dependent scaling). Settings come from `get_rope_parameters(config)`, which reads both
+Supported `rope_type`s: "default", "linear" (position interpolation), "llama3" (Llama 3.1's
+frequency-dependent scaling), "yarn" (DeepSeek V2/V3, Qwen2.5's long context) and "longrope"
+(Phi-3 128K's su scaling). Settings come from `get_rope_parameters(config)`, which reads both
 the transformers 5.x form (`config.rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}`)
 and the older one (`config.rope_theta` + `config.rope_scaling = {"type"/"rope_type": ..., ...}`).
 """
@@ -16,7 +17,7 @@ from torch import nn
 
 from pagedllm.cpu.build import load_cpu_kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def get_rope_parameters(config: Any) -> dict[str, Any]:
@@ -37,9 +38,13 @@ def get_rope_parameters(config: Any) -> dict[str, Any]:
     partial = getattr(config, "partial_rotary_factor", None)
     if partial is not None:
         params.setdefault("partial_rotary_factor", partial)
-    if params["rope_type"] == "llama3" and params.get("original_max_position_embeddings") is None:
-        # Same fallback as transformers: the pretraining length is the model's max length.
-        params["original_max_position_embeddings"] = config.max_position_embeddings
+    if params["rope_type"] in ("llama3", "yarn", "longrope") and params.get("original_max_position_embeddings") is None:
+        # Same fallback as transformers: the pretraining length is the config's
+        # original_max_position_embeddings (Phi-3) or else the model's max length.
+        params["original_max_position_embeddings"] = (getattr(config, "original_max_position_embeddings", None)
+                                                      or config.max_position_embeddings)
+    if params["rope_type"] == "longrope" and params.get("factor") is None:
+        params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 
@@ -190,6 +195,90 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(is_medium, blended, scaled)
 
 
+class YaRNScalingRotaryEmbedding(RotaryEmbedding):
+    """YaRN: frequencies with fewer than beta_slow rotations over the pretraining length are
+    interpolated (divided by `factor`), those with more than beta_fast kept, a linear ramp between;
+    cos and sin are scaled by the attention factor (0.1 * ln(factor) + 1 by default, or
+    mscale / mscale_all_dim as DeepSeek sets). Same formulas as transformers' `_compute_yarn_parameters`."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
+                 is_neox_style: bool, scaling_factor: float, orig_max_position: int,
+                 beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float | None = None,
+                 mscale_all_dim: float | None = None, attention_factor: float | None = None,
+                 truncate: bool = True) -> None:
+        self.scaling_factor = scaling_factor
+        self.orig_max_position = orig_max_position
+        self.beta_fast, self.beta_slow, self.truncate = beta_fast, beta_slow, truncate
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor,
+                                                                                              mscale_all_dim)
+            else:
+                attention_factor = yarn_get_mscale(scaling_factor)
+        self.attention_factor = float(attention_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _compute_inv_freq(self, base: float) -> torch.Tensor:
+        dim = self.rotary_dim
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.orig_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # no zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation = 1 - ramp  # 1: keep the original frequency
+        return (1.0 / (self.scaling_factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        return super()._compute_cos_sin_cache() * self.attention_factor
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 1 for scale <= 1, else 0.1 * mscale * ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class LongRoPEScalingRotaryEmbedding(RotaryEmbedding):
+    """Phi-3's LongRoPE (su): per-frequency divisors, `short_factor` for positions below the pretraining
+    length and `long_factor` from there on, cos/sin scaled by sqrt(1 + ln(factor) / ln(orig_max)).
+
+    The cache row of position p uses the long factors when p >= original_max_position_embeddings.
+    transformers switches a whole forward pass by its length instead: the two agree token for token
+    while a prompt is shorter than the pretraining length (4096 for Phi-3), however long the
+    generation; a longer prompt's first original_max positions use the short factors here and the
+    long ones there (vLLM switches per batch, which matches neither exactly).
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
+                 is_neox_style: bool, short_factor: list[float], long_factor: list[float], orig_max_position: int,
+                 scaling_factor: float, attention_factor: float | None = None) -> None:
+        if len(short_factor) != rotary_dim // 2 or len(long_factor) != rotary_dim // 2:
+            raise ValueError(f"longrope short_factor / long_factor need {rotary_dim // 2} entries, got "
+                             f"{len(short_factor)} / {len(long_factor)}")
+        self.short_factor = torch.tensor(short_factor, dtype=torch.float32)
+        self.long_factor = torch.tensor(long_factor, dtype=torch.float32)
+        self.orig_max_position = orig_max_position
+        if attention_factor is None:
+            attention_factor = (1.0 if scaling_factor <= 1.0
+                                else math.sqrt(1 + math.log(scaling_factor) / math.log(orig_max_position)))
+        self.attention_factor = float(attention_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        t = torch.arange(self.max_position_embeddings, dtype=torch.float32)
+        short = torch.outer(t, 1.0 / (self.short_factor * self.base**exponent))
+        long = torch.outer(t, 1.0 / (self.long_factor * self.base**exponent))
+        freqs = torch.where((t >= self.orig_max_position)[:, None], long, short)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_factor
+
+
 def get_rope(
     head_size: int,
     max_position: int,
@@ -220,6 +309,21 @@ def get_rope(
             float(_require(params, "low_freq_factor", rope_type)),
             float(_require(params, "high_freq_factor", rope_type)),
             int(params.get("original_max_position_embeddings") or max_position),
+        )
+    if rope_type == "yarn":
+        optional = {k: float(params[k]) for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                                  "attention_factor") if params.get(k) is not None}
+        return YaRNScalingRotaryEmbedding(
+            head_size, rotary_dim, max_position, theta, is_neox_style, float(_require(params, "factor", rope_type)),
+            int(params.get("original_max_position_embeddings") or max_position),
+            truncate=bool(params.get("truncate", True)), **optional,
+        )
+    if rope_type == "longrope":
+        return LongRoPEScalingRotaryEmbedding(
+            head_size, rotary_dim, max_position, theta, is_neox_style,
+            list(_require(params, "short_factor", rope_type)), list(_require(params, "long_factor", rope_type)),
+            int(params.get("original_max_position_embeddings") or max_position),
+            float(params.get("factor") or 1.0), params.get("attention_factor"),
         )
     raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
 

@@ -27,7 +27,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping
+from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping, sliding_window_for_layer
 from pagedllm.quantization.base import QuantizationConfig
 
 
@@ -96,7 +96,9 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb  # one instance shared by all layers (its cache can be 64 MB)
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn",
+                              sliding_window=(sliding_window_for_layer(config, layer_index(prefix))
+                                              if getattr(config, "sliding_window", None) else None))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -121,12 +123,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self.attention_cls(
             config, rotary_emb, quant_config, bias=qkv_bias, bias_o_proj=o_bias, prefix=f"{prefix}.self_attn"
         )
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, quant_config,
-            bias=getattr(config, "mlp_bias", False), prefix=f"{prefix}.mlp",
-        )
+        self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config: PretrainedConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """The feed-forward block; MoE models return their sparse block here (see `layer_index`)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, quant_config,
+                        bias=getattr(config, "mlp_bias", False), prefix=prefix)
 
     @staticmethod
     def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -202,13 +206,14 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    model_cls: type[LlamaModel] = LlamaModel  # the decoder stack (Gemma: its own embedding scale, ropes)
 
     def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__()
         self.config = config
         self.quant_config = quant_config
-        self.model = LlamaModel(config, quant_config, prefix=_join(prefix, "model"),
+        self.model = self.model_cls(config, quant_config, prefix=_join(prefix, "model"),
                                 decoder_layer_cls=self.decoder_layer_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                       prefix=_join(prefix, "lm_head"))
@@ -238,12 +243,22 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral has Llama's graph. Its sliding window (4096 in v0.1) is not applied: outputs match
-    up to that many tokens of context."""
+    """Mistral has Llama's graph plus a sliding window on every layer (4096 in v0.1, none in v0.2+):
+    a token attends to the last `sliding_window` positions, itself included. The KV cache keeps the
+    blocks that fall out of the window (every block of a request stays allocated until it finishes)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Qwen2DecoderLayer
+
+
+def layer_index(prefix: str) -> int:
+    """"model.layers.7.mlp" -> 7: the decoder layer a module belongs to (MoE placement, sliding windows)."""
+    parts = prefix.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    raise ValueError(f"{prefix!r} names no decoder layer (no 'layers.N')")
 
 
 def _join(prefix: str, name: str) -> str:

@@ -64,6 +64,20 @@ def load_weights_with_mapping(
     return loaded
 
 
+def sliding_window_for_layer(config: object, index: int) -> int | None:
+    """The attention window of decoder layer `index` (None: full attention), as transformers reads it:
+    `layer_types[index] == "sliding_attention"` when the config lists layer types (Qwen2, Gemma 2/3),
+    else `sliding_window` on every layer (Mistral, Mixtral, Phi-3); 0 / None / use_sliding_window=False
+    mean none."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if layer_types[index] == "sliding_attention" else None
+    return int(window)
+
+
 def _lookup(params: dict[str, nn.Parameter], param_name: str, ckpt_name: str) -> nn.Parameter:
     if param_name not in params:
         raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter ({param_name!r})")

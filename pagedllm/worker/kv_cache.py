@@ -2,7 +2,7 @@
 bound into the model's `Attention` layers.
 
 One tensor per attention layer, shaped (2, num_blocks, block_size, num_kv_heads, head_dim): index 0
-holds keys, 1 values. Block ids are the scheduler's (core/block_pool.py); a token's slot is
+holds keys, 1 values; an MLA layer holds (1, num_blocks, block_size, 1, latent width) instead. Block ids are the scheduler's (core/block_pool.py); a token's slot is
 `block_id * block_size + offset`.
 """
 
@@ -42,6 +42,10 @@ def resolve_kv_cache_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
 def kv_cache_bytes_per_block(config: EngineConfig) -> int:
     mc = config.model_config
     elem = torch.empty((), dtype=resolve_kv_cache_dtype(config)[0]).element_size()
+    latent = getattr(mc.hf_config, "kv_lora_rank", None)
+    if latent:  # MLA (DeepSeek): one latent of kv_lora_rank + rope dim per token and layer (attention/mla.py)
+        width = int(latent) + int(mc.hf_config.qk_rope_head_dim)
+        return mc.num_layers * config.cache_config.block_size * width * elem
     return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
 
 
@@ -68,9 +72,15 @@ class KVCache:
         # touch, so start-up skips a multi-GiB memset and unused blocks cost no memory. Smaller
         # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
         elem = torch.empty((), dtype=self.dtype).element_size()
-        fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
-        alloc = torch.empty if fresh_mapping else torch.zeros
-        self.tensors = [alloc(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
+
+        def alloc(shape: tuple[int, ...]) -> torch.Tensor:
+            fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
+            return (torch.empty if fresh_mapping else torch.zeros)(shape, dtype=self.dtype, device=self.device)
+
+        # A layer may declare its own layout (MLA: one latent per token, attention/mla.py); the rest
+        # share `shape`.
+        self.tensors = [alloc(layer.kv_cache_shape(num_blocks, self.block_size) if hasattr(layer, "kv_cache_shape")
+                              else shape) for layer in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.tensors):
             layer.bind_kv_cache(cache, self.backend)
 

@@ -128,7 +128,9 @@ def test_unsupported_engine_args_fail_clearly():
         LLM(path, not_a_flag=1)
 
 
-def test_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_does_not_cap_max_model_len(tmp_path):
+    # Sliding-window attention is built (tests/models/test_sliding_window.py holds it to transformers),
+    # so a model serves its whole max_position_embeddings, as in vLLM.
     import transformers
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -138,9 +140,9 @@ def test_sliding_window_caps_max_model_len(tmp_path):
                                      max_position_embeddings=1024, sliding_window=256)
     transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path)
     config = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True).create_engine_config()
-    assert config.model_config.max_model_len == 256
-    with pytest.raises(ValueError, match="sliding window"):
-        EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=512).create_engine_config()
+    assert config.model_config.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=2048).create_engine_config()
 
 
 def test_repetition_penalty_covers_the_prompt_as_in_transformers():

@@ -29,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from pagedllm.attention.metadata import build_metadata  # noqa: E402
 from pagedllm.kernels import (  # noqa: E402
     activation,
+    fused_moe,
     gemv,
     kv_cache_write,
     paged_attention,
@@ -112,12 +113,34 @@ def _record(launches: list) -> None:
         (sampling, "_gumbel_argmax_split_kernel"),
         (sampling, "_argmax_partials_kernel"),
         (gemv, "_skinny_linear_kernel"),
+        (fused_moe, "_fused_moe_kernel"),
     ]:
         setattr(mod, name, _Recorder(getattr(mod, name), launches))
     _record_attention_and_layers()
     _record_qkv_prep()
     _record_sampling()
     _record_gemv()
+    _record_model_families()
+
+
+def _record_model_families() -> None:
+    """Fused MoE at Qwen3-30B-A3B's expert shape (decode and prefill tiles); attention with a sliding
+    window + soft-cap at Gemma-2's head_dim 256; MLA's latent MQA at DeepSeek-V2's width 576."""
+    bf16 = torch.bfloat16
+    w13, w2 = torch.zeros(128, 2 * 768, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16)
+    for t in (4, 512):
+        ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
+        fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
+    mixed = build_metadata([5, 1], [20, 30], [[0, 1], [2, 3]], 16)
+    decode = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
+    cache = torch.zeros(2, 8, 16, 8, 256, dtype=bf16)
+    for md in (mixed, decode):
+        q = torch.zeros(md.num_actual_tokens, 16, 256, dtype=bf16)
+        paged_attention.paged_attention(q, cache, md, 0.0625, num_splits=1, sliding_window=4096, logits_soft_cap=50.0)
+    latent = torch.zeros(1, 8, 16, 1, 576, dtype=bf16).expand(2, 8, 16, 1, 576)
+    for md in (mixed, decode):
+        paged_attention.paged_attention(torch.zeros(md.num_actual_tokens, 16, 576, dtype=bf16), latent, md, 0.1,
+                                        num_splits=1)
 
 
 def _record_attention_and_layers() -> None:

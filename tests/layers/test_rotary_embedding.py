@@ -106,7 +106,7 @@ def test_get_rope_parameters_reads_both_config_formats():
 
 
 def test_unsupported_rope_type_is_a_value_error():
-    with pytest.raises(ValueError, match="yarn.*supported"):
-        get_rope(HEAD, MAX_POS, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="dynamic.*supported"):
+        get_rope(HEAD, MAX_POS, {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
     with pytest.raises(ValueError, match="factor"):
         get_rope(HEAD, MAX_POS, {"rope_type": "linear"})

@@ -1,0 +1,155 @@
+"""Fused MoE on the GPU: the experts of a step as two grouped GEMMs, with no host sync (CUDA graphs).
+
+    1. moe_align_block_size: sort the T * top_k (token, slot) pairs by expert and pad each expert's
+       run to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted list belong to one expert.
+           top_k 2, topk_ids [[2, 0], [2, 1]], BLOCK_M 4 -> pairs by expert: e0 [1], e1 [3], e2 [0, 2]
+           sorted_token_ids [1, P, P, P, 3, P, P, P, 0, 2, P, P]  (P = 4 = T * top_k: padding)
+           expert_ids       [0, 1, 2]   (one per BLOCK_M rows), num_tokens_post_padded [12]
+    2. _fused_moe_kernel (grouped GEMM): a program takes BLOCK_M sorted rows x BLOCK_N columns and
+       multiplies the rows' inputs by its expert's weight; padding rows are masked out.
+           GEMM 1: x[pair // top_k] @ W13[e]^T  -> (T * top_k, 2 * inter)   [gate | up]
+           SiLU-and-mul                          -> (T * top_k, inter)
+           GEMM 2: h[pair] @ W2[e]^T * weight    -> (T * top_k, hidden)
+    3. combine: the top_k rows of each token summed -> (T, hidden).
+
+Each expert's weights are read once per step however many tokens it got (the kernel's floor is the
+bytes of the experts hit). The plain PyTorch reference is `pagedllm.layers.fused_moe.torch_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.activation import silu_and_mul
+
+__all__ = ["fused_experts", "moe_align_block_size"]
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> sorted_token_ids int32 (max_padded,), expert_ids int32 (max_padded / block_m,),
+    num_tokens_post_padded int32 (1,) (see the module docstring). Device ops only, static shapes:
+    max_padded = T * top_k + min(E, T * top_k) * (block_m - 1), rounded up to block_m."""
+    flat = topk_ids.reshape(-1).long()
+    m = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    unpadded_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+    sorted_experts = flat[order]
+    rank = torch.arange(m, device=device) - unpadded_start[sorted_experts]
+    max_padded = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m) * block_m
+    sorted_token_ids = torch.full((max_padded,), m, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, padded_start[sorted_experts] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_token_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,  # (rows, K): x (GEMM 1, row = pair // TOP_K) or h (GEMM 2, row = pair)
+    b_ptr,  # (E, N, K) expert weights
+    c_ptr,  # (T * top_k, N)
+    topk_weights_ptr,  # (T * top_k,) float32
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    num_valid_pairs,
+    num_n_blocks,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    IEEE_FP32: tl.constexpr,  # fp32 weights: exact fp32 products (no TF32), as the reference
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid // num_n_blocks
+    pid_n = pid % num_n_blocks
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return  # beyond the last expert's padded run
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
+    valid = pair < num_valid_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes: decode-sized steps (few rows per expert) take BLOCK_M 16, big prefills 64."""
+    block_k = 32 if dtype == torch.float32 else 64
+    if num_pairs <= 256:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+
+
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg) -> None:
+    n, k = w.shape[1], w.shape[2]
+    num_n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    grid = (triton.cdiv(sorted_ids.numel(), cfg["BLOCK_M"]) * num_n_blocks,)
+    _fused_moe_kernel[grid](
+        a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, out.shape[0], num_n_blocks,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, IEEE_FP32=w.dtype == torch.float32,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+    )
+
+
+def fused_experts(
+    x: torch.Tensor,  # (T, hidden)
+    w13: torch.Tensor,  # (E, 2 * inter, hidden)
+    w2: torch.Tensor,  # (E, hidden, inter)
+    topk_weights: torch.Tensor,  # (T, top_k) float32
+    topk_ids: torch.Tensor,  # (T, top_k) int32
+) -> torch.Tensor:  # (T, hidden)
+    t, top_k = topk_ids.shape
+    e, two_inter, hidden = w13.shape
+    if x.shape != (t, hidden) or w2.shape != (e, hidden, two_inter // 2):
+        raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
+                         f"and topk_ids {tuple(topk_ids.shape)} do not agree")
+    if not (x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("fused_experts needs row-major x and contiguous expert weights")
+    if t == 0:
+        return torch.zeros_like(x)
+    cfg = _config(t * top_k, w13.dtype)
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg)
+    h = silu_and_mul(gate_up)  # (T * top_k, inter)
+    down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, cfg)
+    return down.view(t, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,129 @@
+"""`FusedMoE`: the routed experts of one MoE block, stacked into two 3-d weights (vLLM's layout).
+
+    w13_weight (E, 2 * inter / tp, hidden)  [gate (w1); up (w3)] of every expert
+    w2_weight  (E, hidden, inter / tp)       down (w2)
+
+Checkpoints store one tensor per expert and projection (Mixtral `experts.3.w1.weight`, Qwen/DeepSeek
+`experts.3.gate_proj.weight`); `make_expert_params_mapping` names them and `weight_loader` copies
+each into its expert's slice, this rank's part of `inter` only (tensor parallel splits every expert's
+intermediate dimension; the partial outputs are all-reduced).
+
+Quantization hook: the layer asks `quant_config.get_quant_method(self, prefix)` like a linear layer;
+the answer must be a `FusedMoEMethodBase` (it creates the weights and runs the experts), else the
+config does not support MoE experts and construction fails naming the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.fused_moe.method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
+from pagedllm.layers.fused_moe.router import select_experts
+from pagedllm.layers.tp import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from pagedllm.layers.utils import check_shape, divide
+from pagedllm.quantization.base import QuantizationConfig
+
+# Checkpoint projection -> (our parameter, shard): w1 = gate, w3 = up, w2 = down.
+_SHARDS = ("w1", "w2", "w3")
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        scoring_func: str = "softmax",
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        e_score_correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        reduce_results: bool = True,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.renormalize = renormalize
+        self.scoring_func = scoring_func
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.reduce_results = reduce_results
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.intermediate_size = intermediate_size
+        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, f"{prefix}: moe intermediate")
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        if method is not None and not isinstance(method, FusedMoEMethodBase):
+            raise ValueError(f"{prefix}: quantization {quant_config.get_name()!r} has no method for MoE experts "
+                             f"(got {type(method).__name__})")
+        self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(
+            self, num_experts, hidden_size, self.intermediate_size_per_partition,
+            params_dtype or torch.get_default_dtype(), weight_loader=self.weight_loader,
+        )
+        if e_score_correction_bias:
+            # DeepSeek-V3 checkpoints: `gate.e_score_correction_bias`; the model moves it here.
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    @staticmethod
+    def make_expert_params_mapping(
+        ckpt_gate_proj_name: str, ckpt_down_proj_name: str, ckpt_up_proj_name: str, num_experts: int
+    ) -> list[tuple[str, str, tuple[int, str]]]:
+        """(our param, checkpoint name, (expert_id, shard)) for `load_weights_with_mapping`, e.g.
+        (".experts.w13_weight", ".experts.3.gate_proj.weight", (3, "w1"))."""
+        mapping = []
+        for e in range(num_experts):
+            for ckpt, shard in ((ckpt_gate_proj_name, "w1"), (ckpt_down_proj_name, "w2"), (ckpt_up_proj_name, "w3")):
+                param = "w2_weight" if shard == "w2" else "w13_weight"
+                mapping.append((f".experts.{param}", f".experts.{e}.{ckpt}.weight", (e, shard)))
+        return mapping
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """One expert's checkpoint tensor (gate/up (inter, hidden), down (hidden, inter)) -> its slice."""
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in _SHARDS):
+            raise ValueError(f"{self.prefix}: expert shard id must be (expert_id, 'w1'|'w2'|'w3'), got {shard_id!r}")
+        expert_id, shard = shard_id
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"{self.prefix}: expert {expert_id} out of range (num_experts {self.num_experts})")
+        inter = self.intermediate_size_per_partition
+        start = self.tp_rank * inter
+        if shard == "w2":
+            check_shape(f"{self.prefix} expert {expert_id} w2", (self.hidden_size, self.intermediate_size),
+                        loaded_weight.shape)
+            param.data[expert_id].copy_(loaded_weight[:, start : start + inter])
+            return
+        check_shape(f"{self.prefix} expert {expert_id} {shard}", (self.intermediate_size, self.hidden_size),
+                    loaded_weight.shape)
+        offset = 0 if shard == "w1" else inter
+        param.data[expert_id, offset : offset + inter].copy_(loaded_weight[start : start + inter])
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden_states (T, hidden), router_logits (T, E) -> (T, hidden), summed over ranks."""
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
+            self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor,
+        )
+        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"inter_per_rank={self.intermediate_size_per_partition}, scoring={self.scoring_func}")

@@ -1,0 +1,194 @@
+"""DeepSeek V2 / V3 (without MTP): Multi-head Latent Attention and routed + shared experts.
+
+Attention (MLA, see `pagedllm.attention.mla`):
+    q = q_proj(x)  or  q_b_proj(RMSNorm(q_a_proj(x)))      (T, H, nope + rope)
+    [c_kv | k_pe] = kv_a_proj_with_mqa(x); c_kv = kv_a_layernorm(c_kv)     one latent per token
+    rope on q_pe and k_pe (interleaved pairs: transformers' complex / rope_interleave form), the cache
+    keeps [c_kv | k_pe]; attention runs in latent space with kv_b_proj absorbed; o_proj.
+    scale = (nope + rope)^-0.5, times mscale^2 under YaRN with mscale_all_dim (as transformers).
+MLP: dense for the first first_k_dense_replace layers, then
+    V2: softmax router (topk_method greedy | group_limited_greedy), renormalised when norm_topk_prob
+    V3: sigmoid router + e_score_correction_bias, noaux_tc groups (top-2 sum), norm_topk_prob
+    both: weights * routed_scaling_factor, + shared experts (n_shared_experts * moe_intermediate_size).
+The router runs in float32 (its weight is kept float32, as transformers computes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.mla import MLAAttention
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters, yarn_get_mscale
+from pagedllm.layers.tp import get_tensor_model_parallel_world_size
+from pagedllm.layers.utils import divide
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, layer_index
+from pagedllm.models.utils import load_weights_with_mapping
+from pagedllm.quantization.base import QuantizationConfig, UnquantizedLinearMethod
+
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+class DeepseekV2MLAAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.num_heads = divide(config.num_attention_heads, tp, f"{prefix}: num_attention_heads")
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        h, heads, qk = config.hidden_size, config.num_attention_heads, self.nope + self.rope
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias, quant_config=quant_config,
+                                             prefix=f"{prefix}.q_a_proj")
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, bias=False, quant_config=quant_config,
+                                                 prefix=f"{prefix}.q_b_proj")
+        else:
+            self.q_proj = ColumnParallelLinear(h, heads * qk, bias=False, quant_config=quant_config,
+                                               prefix=f"{prefix}.q_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias,
+                                                   quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        # Absorbed into the attention (its weight is read as W_UK / W_UV), so it stays dense.
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim), bias=False,
+                                              prefix=f"{prefix}.kv_b_proj")
+        if not isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod):
+            raise ValueError(f"{prefix}.kv_b_proj must be unquantized (MLA absorbs its weight)")
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
+        self.rotary_emb = rotary_emb
+        scale = qk**-0.5
+        params = get_rope_parameters(config)
+        if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+            scale *= yarn_get_mscale(float(params["factor"]), float(params["mscale_all_dim"])) ** 2
+        self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.rope, scale, prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        t, hh = hidden_states.shape[0], self.num_heads
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        else:
+            q = self.q_proj(hidden_states)
+        q = q.view(t, hh, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        latent = self.kv_a_proj_with_mqa(hidden_states)
+        kv_c = self.kv_a_layernorm(latent[:, : self.kv_lora_rank].contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
+                                     latent[:, self.kv_lora_rank :].contiguous())
+        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, self.kv_lora_rank)
+        out = self.attn.forward_mla(q_nope, q_pe.view(t, hh, self.rope), kv_c, k_pe, w[:, : self.nope],
+                                    w[:, self.nope :], attn_metadata)
+        return self.o_proj(out)
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None, prefix: str,
+                 scoring_func: str = "softmax", topk_method: str | None = None) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"{prefix}: unsupported hidden_act {config.hidden_act!r}; only 'silu' is supported")
+        method = topk_method or getattr(config, "topk_method", None) or "greedy"
+        if method not in _TOPK_METHODS:
+            raise ValueError(f"{prefix}: topk_method {method!r} is not supported; supported: {list(_TOPK_METHODS)}")
+        num_experts = config.n_routed_experts
+        grouped = method in ("group_limited_greedy", "noaux_tc")
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, params_dtype=torch.float32,
+                                     prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(
+            num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)), scoring_func=scoring_func,
+            num_expert_group=config.n_group if grouped else None, topk_group=config.topk_group if grouped else None,
+            e_score_correction_bias=method == "noaux_tc",
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+            quant_config=quant_config, prefix=f"{prefix}.experts",
+        )
+        n_shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = (LlamaMLP(config.hidden_size, config.moe_intermediate_size * n_shared, config.hidden_act,
+                                        quant_config, prefix=f"{prefix}.shared_experts") if n_shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x.float()))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = DeepseekV2MLAAttention
+    scoring_func = "softmax"
+    topk_method: str | None = None  # None: config.topk_method (V2); V3 always routes noaux_tc
+
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        self.self_attn = self.attention_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.self_attn")
+        self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config, quant_config, prefix):
+        index = layer_index(prefix)
+        if index >= (getattr(config, "first_k_dense_replace", 0) or 0) and config.n_routed_experts:
+            return DeepseekV2MoE(config, quant_config, prefix, self.scoring_func, self.topk_method)
+        return super().make_mlp(config, quant_config, prefix)
+
+
+class DeepseekV2Model(LlamaModel):
+    def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 decoder_layer_cls: type[nn.Module] = DeepseekV2DecoderLayer) -> None:
+        nn.Module.__init__(self)
+        from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
+        # Interleaved pairs (GPT-J style) on the rope part only; V3 with rope_interleave=False uses neox halves.
+        neox = getattr(config, "rope_interleave", True) is False
+        rotary_emb = get_rope(config.qk_rope_head_dim, config.max_position_embeddings, get_rope_parameters(config),
+                              is_neox_style=neox)
+        self.layers = nn.ModuleList(decoder_layer_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = DeepseekV2DecoderLayer
+    model_cls = DeepseekV2Model
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj",
+                                                      self.config.n_routed_experts or 0)
+        num_layers = self.config.num_hidden_layers
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+
+        def skip(name: str) -> bool:
+            parts = name.split(".")
+            # V3's multi-token-prediction layers (model.layers.61 in DeepSeek-V3) are not run.
+            mtp = len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= num_layers
+            return mtp or "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head."))
+
+        renamed = ((n.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"), t)
+                   for n, t in weights)
+        return load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
+
+
+class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
+    scoring_func = "sigmoid"
+    topk_method = "noaux_tc"
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    decoder_layer_cls = DeepseekV3DecoderLayer

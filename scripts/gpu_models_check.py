@@ -1,0 +1,203 @@
+"""The new model families on the GPU: correctness of the Triton paths with and without CUDA graphs,
+the fused MoE kernel against its floor, and W1 throughput of two MoE shapes. Table printed last.
+
+Usage, from the repo root on the GPU machine (~7 min in all; sections run in this order):
+    python3 scripts/gpu_models_check.py [--only correctness moe-kernel w1]
+Sections:
+    correctness  tiny fp32 models of every new architecture (Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 2,
+                 Gemma 3, Phi-3 LongRoPE, Mistral with a window shorter than the context, DeepSeek V2,
+                 DeepSeek V3): greedy tokens on CUDA (graphs, then eager) == the CPU torch reference, ~3 min
+    moe-kernel   fused_experts per layer-step for the Qwen3-30B-A3B and DeepSeek-V2-Lite expert shapes
+                 (bf16, CUDA-graph replay), against the floor: the experts hit, read once, at the copy
+                 bandwidth measured here, ~20 s
+    w1           `pagedllm bench throughput --dataset w1` on pagedllm/model_configs/qwen3-30b-a3b and
+                 deepseek-v2-lite (dummy bf16 weights), ~3 min; vLLM's figure comes from
+                 scripts/peer_vllm.py on the same config directories
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+RESULTS: list[tuple[str, str]] = []
+
+
+def record(name: str, value: str) -> None:
+    RESULTS.append((name, value))
+    print(f"## {name}: {value}", flush=True)
+
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=1000, max_position_embeddings=1024)
+MLA = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=64,
+           n_shared_experts=1, first_k_dense_replace=1, num_experts_per_tok=2, n_routed_experts=8, num_key_value_heads=4)
+ARCHS = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=96, mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64)),
+    "gemma2": ("Gemma2Config", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+                                    attn_logit_softcapping=20.0, final_logit_softcapping=15.0)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+                                        sliding_window_pattern=2)),
+    "phi3": ("Phi3Config", dict(original_max_position_embeddings=512, pad_token_id=0,
+                                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                 "short_factor": [1.0 + i / 32 for i in range(16)],
+                                                 "long_factor": [1.0 + i / 4 for i in range(16)]})),
+    "mistral_window": ("MistralConfig", dict(sliding_window=24)),
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                             topk_group=2, rope_parameters={
+                                                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                 "original_max_position_embeddings": 256})),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=48, n_group=4, topk_group=2)),
+}
+
+
+def tiny_model_dir(cls: str, extra: dict) -> str:
+    import transformers
+
+    cfg = getattr(transformers, cls)(**dict(TINY, **extra))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)  # save_pretrained names its architecture
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    path = tempfile.mkdtemp()
+    model.save_pretrained(path)
+    return path
+
+
+def correctness() -> None:
+    from pagedllm import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 200))] for _ in range(12)]
+    prompts += [prompts[0][:3] + p for p in prompts[1:4]]  # shared prefixes
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for arch, (cls, extra) in ARCHS.items():
+        try:
+            path = tiny_model_dir(cls, extra)
+            runs = {}
+            for name, kw in {"ref-cpu": dict(device="cpu"), "graphs": dict(device="cuda"),
+                             "eager": dict(device="cuda", enforce_eager=True)}.items():
+                llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=16,
+                          max_num_batched_tokens=256, gpu_memory_utilization=0.3, num_gpu_blocks_override=512, **kw)
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+                runs[name] = [o.outputs[0].token_ids for o in outs]
+                del outs, llm
+                gc.collect()
+                torch.cuda.empty_cache()
+            for name in ("graphs", "eager"):
+                same = sum(a == b for a, b in zip(runs["ref-cpu"], runs[name]))
+                record(f"{arch} fp32 {name} greedy == CPU torch ref (48 tok)", f"{same}/{len(prompts)}")
+        except Exception:  # one architecture failing must not hide the others' rows
+            traceback.print_exc()
+            record(f"{arch} correctness", "ERROR (traceback above)")
+
+
+def _copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device copy (read + write counted), the floor's memory speed."""
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
+    del a, b
+    return bw
+
+
+def moe_kernel() -> None:
+    from pagedllm.kernels.fused_moe import fused_experts
+    from pagedllm.layers.fused_moe.router import select_experts
+
+    bw = _copy_bandwidth()
+    record("device copy bandwidth", f"{bw / 1e12:.2f} TB/s")
+    for shape, (e, top_k, hidden, inter) in {"qwen3-30b-a3b": (128, 8, 2048, 768),
+                                             "deepseek-v2-lite": (64, 6, 2048, 1408)}.items():
+        w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        for tokens in (1, 16, 64, 256, 2048):
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            weights, ids = select_experts(torch.randn(tokens, e, device="cuda"), top_k, True)
+            for _ in range(3):
+                fused_experts(x, w13, w2, weights, ids)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fused_experts(x, w13, w2, weights, ids)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                g.replay()
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - t0) / 50 * 1e6
+            hit = int(torch.unique(ids).numel())
+            floor_us = hit * 3 * hidden * inter * 2 / bw * 1e6
+            record(f"fused MoE {shape} {tokens} tok ({hit}/{e} experts hit)",
+                   f"{us:.1f} us, floor {floor_us:.1f} us, {floor_us / us * 100:.0f}% of floor speed")
+            del g
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+def w1() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    for model in ("qwen3-30b-a3b", "deepseek-v2-lite"):
+        out = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model,
+               "--load-format", "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+            record(f"W1 {model}", f"FAILED rc={proc.returncode}")
+            continue
+        with open(out) as f:
+            r = json.load(f)
+        record(f"W1 {model} (dummy bf16)", f"{r['tokens_per_second']:.0f} tok/s total, "
+               f"{r['output_tokens_per_second']:.0f} output tok/s ({time.monotonic() - t0:.0f} s incl. start)")
+
+
+def main() -> None:
+    sections = {"correctness": correctness, "moe-kernel": moe_kernel, "w1": w1}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for name in args.only:
+        t0 = time.monotonic()
+        try:
+            sections[name]()
+        except Exception:
+            traceback.print_exc()
+            record(name, "ERROR (traceback above)")
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
+    print("\n| check | result |\n|---|---|")
+    for name, value in RESULTS:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""MLA over the latent cache: the Triton backend's forward_mla (interpreter on CPU) equals the torch
+reference, and the reference's absorbed form equals attention with the heads expanded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention.metadata import build_metadata
+from pagedllm.attention.mla import mla_attention_ref
+from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+R, ROPE, H, NOPE, V = 32, 8, 4, 16, 24
+
+
+def _batch(q_lens, s_lens, block_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tables, nxt = [], 0
+    for s in s_lens:
+        n = -(-s // block_size)
+        tables.append(list(range(nxt, nxt + n))[::-1])  # non-contiguous, reversed blocks
+        nxt += n
+    md = build_metadata(q_lens, s_lens, tables, block_size, device=DEVICE)
+    cache = torch.randn(1, nxt, block_size, 1, R + ROPE, generator=g).to(DEVICE)
+    query = torch.randn(sum(q_lens), H, R + ROPE, generator=g).to(DEVICE)
+    return md, cache, query
+
+
+@pytest.mark.parametrize("q_lens, s_lens, splits", [([1, 1, 1], [9, 30, 3], None), ([1, 1], [40, 17], 4),
+                                                    ([7, 1, 12], [20, 5, 12], None)])
+def test_triton_forward_mla_matches_reference(q_lens, s_lens, splits):
+    md, cache, query = _batch(q_lens, s_lens)
+    flat = cache.view(-1, R + ROPE)
+    latent = flat[md.slot_mapping.clamp(min=0)].clone()  # this step's latents: rewritten where they are
+    out = TritonAttentionBackend(num_splits=splits).forward_mla(query, latent, cache, md, 0.3, R)
+    ref = mla_attention_ref(query, latent, cache, md, 0.3, R)
+    assert out.shape == (sum(q_lens), H, R)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_absorbed_attention_equals_expanded_heads():
+    # One request of 10 cached tokens, 3 new: expand the latents with W_UK / W_UV and attend per head.
+    torch.manual_seed(0)
+    md, cache, _ = _batch([3], [10])
+    w_uk, w_uv = torch.randn(H, NOPE, R), torch.randn(H, V, R)
+    q_nope, q_pe = torch.randn(3, H, NOPE), torch.randn(3, H, ROPE)
+    q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], -1)
+    latent = cache.view(-1, R + ROPE)[md.slot_mapping]
+    o_lat = mla_attention_ref(q_abs.to(DEVICE), latent, cache, md, 0.2, R).cpu()
+    out = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+    ctx = cache.view(-1, R + ROPE)[torch.tensor([b * 4 + o for b in md.block_table[0].tolist() for o in range(4)])][:10].cpu()
+    c, k_pe = ctx[:, :R], ctx[:, R:]
+    k = torch.cat([torch.einsum("sr,hnr->shn", c, w_uk), k_pe[:, None].expand(10, H, ROPE)], -1)
+    v = torch.einsum("sr,hvr->shv", c, w_uv)
+    q = torch.cat([q_nope, q_pe], -1)
+    s = torch.einsum("thd,shd->hts", q, k) * 0.2
+    s = s.masked_fill(torch.arange(10)[None, None, :] > (7 + torch.arange(3))[None, :, None], float("-inf"))
+    ref = torch.einsum("hts,shv->thv", torch.softmax(s, -1), v)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_latents_write_through_the_kv_write_kernel():
+    # The CUDA path of attention/mla.write_latents: one cache viewed as both K and V.
+    from pagedllm.kernels.kv_cache_write import write_kv_cache
+
+    cache = torch.zeros(1, 4, 4, 1, R + ROPE, device=DEVICE)
+    latent = torch.randn(3, R + ROPE, device=DEVICE)
+    slots = torch.tensor([5, -1, 9], device=DEVICE)
+    write_kv_cache(latent[:, None], latent[:, None], cache.expand(2, *cache.shape[1:]), slots)
+    flat = cache.view(-1, R + ROPE)
+    torch.testing.assert_close(flat[[5, 9]], latent[[0, 2]])
+    assert torch.count_nonzero(flat) == torch.count_nonzero(latent[[0, 2]])
+
+
+def test_deepseek_width_latent_takes_the_small_tile_config():
+    # 512 + 64 = 576 features (padded to 1024 in the kernel): the MLA tile config of _tile_config.
+    g = torch.Generator().manual_seed(1)
+    md = build_metadata([3, 1], [9, 6], [[2, 0, 1], [3, 4]], 4, device=DEVICE)
+    cache = torch.randn(1, 5, 4, 1, 576, generator=g).to(DEVICE)
+    query = torch.randn(4, 16, 576, generator=g).to(DEVICE)
+    latent = cache.view(-1, 576)[md.slot_mapping].clone()
+    out = TritonAttentionBackend().forward_mla(query, latent, cache, md, 0.05, 512)
+    torch.testing.assert_close(out, mla_attention_ref(query, latent, cache, md, 0.05, 512), atol=1e-4, rtol=1e-4)
