@@ -53,24 +53,25 @@ def build_kv_block_map(
     if max_cells < 1:
         raise ValueError(f"max_cells must be >= 1, got {max_cells}.")
     held = [b.block_id for blocks in req_to_blocks.values() for b in blocks]
-    refs = np.bincount(np.asarray(held, dtype=np.int64), minlength=num_blocks) if held else np.zeros(num_blocks, np.int64)
+    refs = np.bincount(np.asarray(held, dtype=np.intp), minlength=num_blocks) if held else np.zeros(num_blocks, np.intp)
     per_cell = -(-num_blocks // max_cells)
     num_cells = -(-num_blocks // per_cell)
     pad = num_cells * per_cell - num_blocks
 
     def cells_of(values: np.ndarray) -> np.ndarray:  # (num_blocks,) -> (num_cells, per_cell)
-        return np.pad(values, (0, pad)).reshape(num_cells, per_cell)
+        return (np.pad(values, (0, pad)) if pad else values).reshape(num_cells, per_cell)
 
-    used = cells_of(refs >= 1).sum(axis=1)
+    used_mask = refs >= 1
+    used = cells_of(used_mask).sum(axis=1)
     shared = cells_of(refs >= 2).sum(axis=1)
-    cached = cells_of(cached_mask[:num_blocks] & (refs == 0)).sum(axis=1)
-    max_ref = np.minimum(cells_of(refs).max(axis=1), 255)
+    cached = cells_of(cached_mask[:num_blocks] & ~used_mask).sum(axis=1)
+    max_ref = np.minimum(cells_of(refs).max(axis=1), 255) if per_cell > 1 else np.minimum(refs, 255)
     # The last cell may be short: scale by the blocks it really has.
     sizes = np.full(num_cells, per_cell, dtype=np.int64)
     sizes[-1] = per_cell - pad
 
     def scaled(counts: np.ndarray) -> np.ndarray:
-        return np.rint(counts * 255 / sizes).astype(np.uint8)
+        return (counts * 255 + sizes // 2) // sizes  # rounded to the nearest of 0..255
 
-    out = np.stack([scaled(used), scaled(shared), scaled(cached), max_ref.astype(np.uint8)], axis=1)
+    out = np.stack([scaled(used), scaled(shared), scaled(cached), max_ref], axis=1).astype(np.uint8)
     return KVBlockMap(num_blocks=num_blocks, blocks_per_cell=per_cell, cells=out.tobytes())

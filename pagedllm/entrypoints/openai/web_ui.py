@@ -35,7 +35,7 @@ from pagedllm.metrics.console_feed import ConsoleFeed
 UI_PATH = "/ui"
 EVENTS_PATH = "/v1/engine/events"
 # How often the engine core maps its KV pool, and how often each event stream sends a snapshot.
-KV_SNAPSHOT_INTERVAL_S = 0.5
+KV_SNAPSHOT_INTERVAL_S = 1.0
 EVENT_INTERVAL_S = 0.5
 
 LOGIN_PAGE = b"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>pagedllm console</title>
