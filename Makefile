@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean browser
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,13 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/pagedllm serve --host $(HOST) --port $(PORT)
 
-test: install
+# Headless Chromium for the web console's browser tests (Debian's package; Playwright drives it).
+# Where apt-get is not ours to run, those tests skip, except on CI, where they must run.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "no chromium (apt-get install chromium): the web console's browser tests will skip"
+
+test: install browser
 	$(PY) -m ruff check pagedllm tests
 	$(PY) -m pytest -q tests
 

@@ -130,12 +130,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while step N runs on the device (vLLM's async scheduling).
     async_scheduling: bool = False
+    # How often the scheduler's stats carry a map of the KV block pool (the web console's block
+    # map); 0 = never. The server sets it when the web console is on.
+    kv_snapshot_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.kv_snapshot_interval_s < 0:
+            raise ValueError(f"kv_snapshot_interval_s must be >= 0, got {self.kv_snapshot_interval_s}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

@@ -41,6 +41,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="short requests run (untimed) before the measurement, e.g. to compile kernels",
     )
     parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    parser.add_argument(
+        "--kv-snapshot-interval-s",
+        type=float,
+        default=0.0,
+        help="map the KV block pool this often, as the server does while its web console is on "
+             "(web_ui.KV_SNAPSHOT_INTERVAL_S), to measure what that costs; 0: never (default)",
+    )
     parser.set_defaults(func=main)
 
 

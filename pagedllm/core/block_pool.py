@@ -12,6 +12,8 @@ import hashlib
 from array import array
 from collections.abc import Iterable
 
+import numpy as np
+
 BlockHash = bytes
 
 
@@ -100,6 +102,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # cached_mask[i]: block i carries a prefix hash (in use or free). Kept beside `block_hash` so
+        # that a picture of the pool (core/kv_snapshot.py) needs no pass over every block object.
+        self.cached_mask = np.zeros(num_blocks, dtype=bool)
 
     # -- allocation -------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -121,6 +126,7 @@ class BlockPool:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
+            self.cached_mask[block.block_id] = False
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; a free one leaves the free queue."""
@@ -149,6 +155,7 @@ class BlockPool:
             return  # another block already holds this prefix; keep one copy in the map
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        self.cached_mask[block.block_id] = True
 
     def reset_prefix_cache(self) -> bool:
         if self.get_num_free_blocks() != self.num_blocks:
@@ -156,6 +163,7 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.cached_mask[:] = False
         return True
 
     def get_usage(self) -> float:
@@ -176,3 +184,5 @@ class BlockPool:
                 assert b.block_id in seen, f"{b} is unreferenced but not in the free queue"
         for h, b in self.cached_block_hash_to_block.items():
             assert b.block_hash == h, f"{b} is mapped under a hash it does not carry"
+        for b in self.blocks:
+            assert self.cached_mask[b.block_id] == (b.block_hash is not None), f"{b}: cached_mask out of sync"

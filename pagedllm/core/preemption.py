@@ -45,6 +45,10 @@ class PreemptionPolicy(Protocol):
         """(copies out, copies in) the worker performs before this step's forward pass."""
         ...
 
+    def num_held_requests(self) -> int:
+        """Waiting requests whose KV the policy keeps outside the device (the console's "swapped")."""
+        ...
+
     def check_invariants(self) -> None: ...
 
 
@@ -65,6 +69,9 @@ class RecomputePreemption:
 
     def take_block_copies(self) -> tuple[BlockCopies, BlockCopies]:
         return [], []
+
+    def num_held_requests(self) -> int:
+        return 0
 
     def check_invariants(self) -> None:
         pass

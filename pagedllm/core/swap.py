@@ -65,6 +65,9 @@ class SwapManager:
         self._out, self._in = [], []
         return out, inn
 
+    def num_held_requests(self) -> int:
+        return len(self.swapped)
+
     def check_invariants(self) -> None:
         held = sum(len(c) for c, _ in self.swapped.values())
         assert held + len(self.free_cpu_blocks) == self.num_cpu_blocks, "CPU swap blocks leaked"

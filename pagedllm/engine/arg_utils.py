@@ -71,6 +71,8 @@ class EngineArgs:
     max_logprobs: int = 20
     cpu_threads: int | None = None
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU (nothing to overlap)
+    # Not a vLLM argument: the server sets it when its web console is on (SchedulerConfig's field).
+    kv_snapshot_interval_s: float = 0.0
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -155,6 +157,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked,
                 async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
+                kv_snapshot_interval_s=self.kv_snapshot_interval_s,
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend

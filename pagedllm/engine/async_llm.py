@@ -149,6 +149,23 @@ class AsyncLLM:
     def get_num_unfinished_requests(self) -> int:
         return len(self._live)
 
+    def request_overview(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The unfinished sequences (at most `limit`, oldest first) with their token counts, for the
+        web console. Safe to call on the event loop: it copies the output thread's table in one step
+        (list() of a dict holds the GIL throughout) and reads plain attributes."""
+        now = time.time()
+        out = []
+        for st in list(self.output_processor.request_states.values())[:limit]:
+            m = st.metrics
+            out.append({
+                "id": st.request_id,
+                "state": "running" if m.first_token_time is not None else "prefill",
+                "prompt_tokens": len(st.prompt_token_ids),
+                "output_tokens": len(st.token_ids),
+                "age_s": round(now - m.arrival_time, 3),
+            })
+        return out
+
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache); False while requests run."""
         self._check_accepting()
@@ -335,7 +352,10 @@ class AsyncLLM:
         for st in touched:
             if st.finish_reason is not None:
                 it.finished_requests.append(
-                    FinishedRequestStats(st.finish_reason, now - st.metrics.arrival_time, len(st.token_ids))
+                    FinishedRequestStats(
+                        st.finish_reason, now - st.metrics.arrival_time, len(st.token_ids),
+                        request_id=st.request_id, num_prompt_tokens=len(st.prompt_token_ids),
+                    )
                 )
         return request_outputs, it
 

@@ -18,6 +18,8 @@ class FinishedRequestStats:
     finish_reason: str  # "stop" | "length" | "abort"
     e2e_latency: float  # seconds from arrival to the last token
     num_generation_tokens: int
+    request_id: str = ""  # the caller's id (the web console lists recent requests)
+    num_prompt_tokens: int = 0
 
 
 @dataclass

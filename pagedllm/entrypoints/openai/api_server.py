@@ -62,6 +62,9 @@ from pagedllm.entrypoints.openai.serving_engine import EventStream
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.shutdown import DrainingServer, drain
+from pagedllm.entrypoints.openai.web_ui import KV_SNAPSHOT_INTERVAL_S, LOGIN_PAGE, UI_PATH, install_web_ui
+from pagedllm.entrypoints.openai.web_ui_args import web_ui_enabled
+from pagedllm.metrics.console_feed import ConsoleFeed
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 __all__ = ["build_app", "main", "make_arg_parser", "run_server"]
@@ -183,9 +186,17 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=stat_logger.content_type)
 
+    with_ui = web_ui_enabled(args.enable_web_ui, args.host)
+    if with_ui:
+        feed = ConsoleFeed(
+            models.served_model_names[0], mc.max_model_len, cc.block_size, engine.engine_core.num_gpu_blocks,
+            live_requests=engine.request_overview,
+        )
+        engine.stat_loggers.append(feed.record)
+        install_web_ui(app, feed, args.web_ui_max_streams, write_timeout)
     keys = api_keys(args)
     if keys:
-        app.add_middleware(APIKeyMiddleware, keys=keys)
+        app.add_middleware(APIKeyMiddleware, keys=keys, login_pages={UI_PATH: LOGIN_PAGE} if with_ui else None)
     app.add_middleware(DrainMiddleware, admission=admission)
     app.add_middleware(
         HeaderLimitMiddleware, max_count=args.h11_max_header_count, max_bytes=args.h11_max_incomplete_event_size
@@ -242,6 +253,8 @@ def run_server(args: argparse.Namespace) -> None:
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)
         engine_args = EngineArgs.from_cli_args(args)
+        if web_ui_enabled(args.enable_web_ui, args.host):
+            engine_args.kv_snapshot_interval_s = KV_SNAPSHOT_INTERVAL_S  # the console's block map
         if args.served_model_name:
             engine_args.served_model_name = list(args.served_model_name)
         engine = AsyncLLM.from_engine_args(engine_args)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pagedllm.envs as envs
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.web_ui_args import add_web_ui_args
 from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -82,6 +83,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    add_web_ui_args(parser)
     g = parser.add_argument_group("limits (docs/LIMITS.md)")
     g.add_argument(
         "--max-num-queued-reqs",

@@ -10,6 +10,7 @@ import hmac
 from http import HTTPStatus
 
 from starlette.datastructures import Headers
+from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.admission import AdmissionController, shutting_down_error
@@ -68,11 +69,16 @@ class DrainMiddleware:
 
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches one of the keys (constant-time compare;
-    every key is compared so timing does not tell which one was close)."""
+    every key is compared so timing does not tell which one was close).
 
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    `login_pages` maps a path a browser opens (the web console's /ui) to the HTML answered, with
+    401, to a GET without the key: a form that asks for it, instead of a JSON error.
+    """
+
+    def __init__(self, app: ASGIApp, keys: list[str], login_pages: dict[str, bytes] | None = None) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.login_pages = login_pages or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
@@ -86,6 +92,10 @@ class APIKeyMiddleware:
             ok |= hmac.compare_digest(given, key)
         if ok:
             await self.app(scope, receive, send)
+            return
+        page = self.login_pages.get(scope["path"])
+        if page is not None and scope["method"] == "GET":
+            await HTMLResponse(page, status_code=HTTPStatus.UNAUTHORIZED)(scope, receive, send)
             return
         message = "Missing API key: send `Authorization: Bearer <key>`." if not auth else "Incorrect API key provided."
         err = APIError(message, HTTPStatus.UNAUTHORIZED, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
