@@ -155,6 +155,7 @@ class AsyncLLM:
             raise
         core_ids = [r.request_id for r in prep.requests]
         live = _LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
+        live.arrival_time = arrival_time
         self._live[internal_id] = live
         self._ids_in_use[request_id] = internal_id
         for cid in core_ids:
@@ -205,6 +206,17 @@ class AsyncLLM:
         if self.dead_error is None:
             self._outq.put(("abort", [live.internal_id]))
             self.engine_core.send("abort", live.core_ids)
+            self._record_aborted(live)
+
+    def _record_aborted(self, live: _LiveRequest) -> None:
+        """An aborted request finishes with reason "abort" in the stats, one per core request (as
+        vLLM counts request_success_total{finished_reason="abort"})."""
+        if not self.stat_loggers:
+            return
+        e2e = max(0.0, time.time() - live.arrival_time) if live.arrival_time else 0.0
+        it = IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in live.core_ids])
+        for log in self.stat_loggers:
+            log(None, it)
 
     def _forget(self, live: _LiveRequest) -> None:
         del self._live[live.internal_id]

@@ -14,8 +14,8 @@ same work in another process ~0.9 ms. Here the step loop has a GIL of its own.
                      ("failed", [(id, error)])         <- requests the core refused
                      ("dead", error)                   <- a step raised: the engine is gone
 
-Messages are pickled over two one-way pipes. The engine process ignores SIGINT / SIGTERM (the
-frontend drains and then tells it to stop) and exits when its input pipe closes (frontend gone).
+Messages are pickled over two one-way pipes. The engine process ignores SIGINT / SIGTERM / SIGHUP
+(the frontend drains or stops, then tells it to stop) and exits when its input pipe closes (frontend gone).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     """The engine process: build the EngineCore, then serve commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # The frontend's environment as it is now (a forked child has the fork server's), before any
     # pagedllm module reads it.
     os.environ.clear()
