@@ -24,7 +24,7 @@ def wait_for_log(server, text: str, timeout: float = 5.0) -> str:
 
 def test_a_request_id_cannot_forge_a_log_line(hardened_server):
     s = hardened_server
-    forged = "innocent\nINFO 2026-01-01 pagedllm: FORGED" + "z" * 500
+    forged = "innocent\nINFO 2026-01-01 pagedllm: FORGED" + "z" * 100
     r = s.post("/v1/completions", {**CMPL, "request_id": forged})
     assert r.status_code == 200, r.text
     log = wait_for_log(s, "cmpl-innocent\\nINFO")
