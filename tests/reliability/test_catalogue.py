@@ -126,8 +126,8 @@ CASES = [
     chat("unknown-model", ("nope",), status=404, model="nope"),
     cmpl("unknown-model-completions", ("nope",), status=404, model="nope"),
     # -- issue 18: bounded work before anything expensive (every list field is counted) --
-    raw("json-values-over-limit", b'{"model": "tiny", "prompt": [' + b",".join([b"[]"] * 60_000) + b"]}",
-        ("--max-json-values",)),
+    Case("json-values-over-limit", 413, ("--max-json-values",),
+         b'{"model": "tiny", "prompt": [' + b",".join([b"[]"] * 60_000) + b"]}", path="/v1/completions"),
     cmpl("prompts-over-capacity", ("1032 prompts",), prompt=["a"] * 1033),
     cmpl("stop_token_ids-over-limit", ("--max-stop-token-ids", "1024"), stop_token_ids=[1] * 1025),
     chat("messages-over-limit", ("--max-messages", "2048"), messages=[{"role": "user", "content": ""}] * 2049),

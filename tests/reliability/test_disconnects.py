@@ -43,14 +43,20 @@ def waiting(m: dict) -> float:
     return m[("pagedllm:num_requests_waiting", ())]
 
 
+def _success_name(m: dict) -> str:
+    """vLLM's name once the metrics carry it (issue 17), else ours."""
+    return next((n for n in ("vllm:request_success_total", "pagedllm:request_success_total")
+                 if any(name == n for name, _ in m)), "pagedllm:request_success_total")
+
+
 def successes(m: dict) -> float:
     """Requests that ran to their end (stop or length)."""
-    return sum(v for (name, labels), v in m.items()
-               if name == "pagedllm:request_success_total" and labels != (("finished_reason", "abort"),))
+    name = _success_name(m)
+    return sum(v for (n, labels), v in m.items() if n == name and labels != (("finished_reason", "abort"),))
 
 
 def aborts(m: dict) -> float:
-    return m.get(("pagedllm:request_success_total", (("finished_reason", "abort"),)), 0.0)
+    return m.get((_success_name(m), (("finished_reason", "abort"),)), 0.0)
 
 
 @pytest.fixture(scope="module")

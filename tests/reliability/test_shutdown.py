@@ -135,7 +135,8 @@ def run_and_stop_now(server, signals: list[signal.Signals]) -> dict:
 
             async def all_running() -> bool:
                 m = await asyncio.to_thread(server.metrics)
-                return m[("pagedllm:num_requests_running", ())] == 5 and all(e.is_set() for e in started)
+                running = m.get(("vllm:num_requests_running", ()), m.get(("pagedllm:num_requests_running", ())))
+                return running == 5 and all(e.is_set() for e in started)
 
             assert await wait_until(all_running)
             for i, sig in enumerate(signals):

@@ -21,7 +21,7 @@ from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STR
 AUTO_PROMPT_BYTES_PER_TOKEN = 32
 MIN_AUTO_PROMPT_BYTES = 64 * 1024
 # Defaults of the count limits (docs/LIMITS.md says why each is safe and enough).
-DEFAULT_MAX_JSON_VALUES = 1_000_000  # json_body.py: ~30-60 ms of decoding on a 2-core CPU at most
+DEFAULT_MAX_JSON_VALUES = 1_000_000  # json_body.py: the largest body decodes in tens of ms (BENCHMARKS.md)
 DEFAULT_MAX_MESSAGES = 2048
 DEFAULT_MAX_CONTENT_PARTS = 256
 DEFAULT_MAX_STOP_TOKEN_IDS = 1024
