@@ -162,8 +162,9 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tools", type=int, default=limits.DEFAULT_MAX_TOOLS, help="tools per chat request")
     g.add_argument("--max-prompt-cpu-seconds", type=float, default=limits.DEFAULT_MAX_PROMPT_CPU_SECONDS,
                    help="CPU seconds one request may spend in chat-template rendering and tokenization; past it, 400")
-    g.add_argument("--max-log-len", type=int, default=DEFAULT_MAX_LOG_LEN,
-                   help="characters of any client-supplied text (request ids, field names) printed in a log line")
+    if "--max-log-len" not in parser._option_string_actions:  # vLLM's flag; the drop-in flags may define it
+        g.add_argument("--max-log-len", type=int, default=DEFAULT_MAX_LOG_LEN,
+                       help="characters of any client-supplied text (request ids, field names) printed in a log line")
     g.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open between requests")
     g.add_argument("--timeout-request-read", type=float, default=DEFAULT_TIMEOUT_REQUEST_READ_S,
@@ -177,7 +178,7 @@ def validate_reliability_args(args: argparse.Namespace) -> None:
     at_least = {"max_json_values": 1, "max_messages": 1, "max_content_parts": 1, "max_stop_token_ids": 0,
                 "max_tools": 0, "max_log_len": 0, "limit_concurrency": 1, "timeout_request_read": 0}
     for name, low in at_least.items():
-        if getattr(args, name) < low:
+        if getattr(args, name) is not None and getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}.")
     for name in ("max_prompt_cpu_seconds", "timeout_keep_alive"):
         if not getattr(args, name) > 0:
