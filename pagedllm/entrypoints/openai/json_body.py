@@ -1,16 +1,16 @@
 """Request bodies -> JSON objects in bounded time, whatever the body holds.
 
 Decoding JSON is one C call that holds the GIL: a thread does not keep the event loop running
-while it decodes (a 16 MB body of 4 million `[1]` lists takes seconds in msgspec, json or orjson
+while it decodes (a 16 MB body of 4 million `[1]` lists takes over a second in msgspec, json or orjson
 alike; BENCHMARKS.md). So the work is bounded *before* decoding, from bytes counted in 1 MiB slices
 (one slice is well under a millisecond):
 
-    estimate = count(",") + count('"') + 32 * count(":") + 16 * (count("[") + count("{"))
+    estimate = count(",") + count('"') + count("\\") + 32 * count(":") + 16 * (count("[") + count("{"))
 
 Every value past the first in a container needs a `,`, every string two `"`, every object key a
-`:`, every container a bracket; a container costs ~16x a number to build, a new object key ~32x. The estimate is
-an upper bound of the decoding work (bytes inside strings count too), refused past
---max-json-values with 413 before anything is decoded:
+`:`, every container a bracket, every escape in a string a backslash; a container costs ~16x a number
+to build, a new object key ~32x. The estimate is an upper bound of the decoding work (bytes inside
+strings count too), refused past --max-json-values with 413 before anything is decoded:
 
     {"prompt": [[1],[1],...]}  4M lists  ->  estimate 68M  ->  413 before decoding
 
@@ -49,7 +49,7 @@ def estimate_json_values(body: bytes) -> int:
     total = 0
     for start in range(0, len(body), SLICE):
         s = body[start:start + SLICE]
-        total += s.count(b",") + s.count(b'"') + KEY_WEIGHT * s.count(b":")
+        total += s.count(b",") + s.count(b'"') + s.count(b"\\") + KEY_WEIGHT * s.count(b":")
         total += CONTAINER_WEIGHT * (s.count(b"[") + s.count(b"{"))
     return total
 
@@ -66,7 +66,7 @@ def check_json_size(body: bytes, max_values: int) -> None:
     estimate = estimate_json_values(body)
     if estimate > max_values:
         raise APIError(
-            f"The request body holds too many JSON values to parse: about {estimate} (its `,` and `\"` count 1, "
+            f"The request body holds too many JSON values to parse: about {estimate} (its `,` `\"` `\\` count 1, "
             f"`[` and `{{` {CONTAINER_WEIGHT}, `:` {KEY_WEIGHT}); the limit is {max_values} (--max-json-values). "
             "Send fewer list items or messages.",
             413,

@@ -24,6 +24,7 @@ def test_estimate_bounds_every_value():
     # [1,2,3]: 2 commas + 1 bracket * 16; {"a": [1]}: 2 quotes + 1 colon * 32 + 2 containers * 16
     assert estimate_json_values(b"[1,2,3]") == 2 + 16
     assert estimate_json_values(b'{"a": [1]}') == 2 + 32 + 2 * 16
+    assert estimate_json_values(b'["a\\nb"]') == 2 + 1 + 16  # an escape costs like a value
     body = b"[" + b",".join([b"[1]"] * 100_000) + b"]"
     assert estimate_json_values(body) >= len(json.loads(body))  # an upper bound of the values
     # slices do not lose or double count
