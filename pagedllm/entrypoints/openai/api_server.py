@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 import time
@@ -136,6 +137,11 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        # As vLLM does: the startup heap (torch, transformers, the model's modules) is marked static so
+        # the collector never walks it again. Otherwise the first request that allocates many objects
+        # (a large body) sets off a full collection that holds the GIL, and every stream, for a second.
+        gc.collect()
+        gc.freeze()
         yield
         engine.shutdown()
 
