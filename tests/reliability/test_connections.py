@@ -107,3 +107,16 @@ def test_content_length_with_transfer_encoding_closes_the_connection(server):
     assert closed, data[:300]
     assert data.startswith(b"HTTP/1.1 200") and b"connection: close" in data.lower()
     assert data.count(b"HTTP/1.1 ") == 1, data  # the pipelined request was not answered
+
+
+def test_a_body_that_trickles_in_is_cut_at_the_read_timeout(server):
+    s = _open(server.port)
+    start = time.monotonic()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+    closed, _ = _closed_within(s, READ_TIMEOUT_S + 10)
+    s.close()
+    assert closed and time.monotonic() - start < READ_TIMEOUT_S + 10
+    time.sleep(0.2)
+    assert "unhandled error" not in server.log()
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "next", "max_tokens": 2}).status_code == 200

@@ -166,7 +166,7 @@ def check_stopped_now(server, out: dict, signal_name: str) -> None:
     assert out["exit_code"] == 0, server.log()[-2000:]
     assert out["exit_after"] < 15
     log = server.log()
-    assert f"{signal_name}: ending 5 requests in flight (5 in the engine" in log, log[-2000:]
+    assert f"{signal_name}: ending 5 requests in flight (5 engine requests" in log, log[-2000:]
     assert f"{signal_name}: every request in flight was sent its error" in log
     assert "drained: every request finished" not in log
 

@@ -22,6 +22,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import APIError, from_validation_error
@@ -58,14 +59,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(
-                f"The request body is larger than the limit of {max_bytes} bytes (--max-request-body-bytes).",
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(
+                    f"The request body is larger than the limit of {max_bytes} bytes (--max-request-body-bytes).",
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone, or closed by --timeout-request-read while its body trickled in: nobody reads an answer.
+        raise APIError("The client disconnected before sending the whole body.") from None
     body = b"".join(chunks)
     if not body.strip():
         raise APIError("The request body is empty; send a JSON object.")

@@ -139,7 +139,8 @@ async def stop_now(
     in_flight = admission.num_requests
     failed = engine.fail_all_requests(err)
     logger.warning(
-        "%s: ending %d requests in flight (%d in the engine, the rest still being prepared) with an error",
+        "%s: ending %d requests in flight (%d engine requests; a request not yet in the engine is refused "
+        "there) with an error",
         signal_name, in_flight, failed,
     )
     grace = loop.time() + FLUSH_S
