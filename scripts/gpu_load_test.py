@@ -111,7 +111,7 @@ async def one_request(conn: Conn, args: argparse.Namespace, rng: random.Random, 
     body = json.dumps({
         "model": args.model, "prompt": [rng.randrange(100, 30000) for _ in range(args.prompt_len)],
         "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "return_token_ids": True,
-        "stream_options": {"include_usage": True}, "request_id": rid, "temperature": 0.8, "seed": rng.randrange(1 << 30),
+        "stream_options": {"include_usage": True}, "request_id": rid, "temperature": 0.0,
     }).encode()
     tally.sent += 1
     start = time.monotonic()
