@@ -204,19 +204,8 @@ class AsyncLLM:
             return  # finished or aborted already
         self._forget(live)
         if self.dead_error is None:
-            self._outq.put(("abort", [live.internal_id]))
+            self._outq.put(("abort", [live.internal_id], live.arrival_time))
             self.engine_core.send("abort", live.core_ids)
-            self._record_aborted(live)
-
-    def _record_aborted(self, live: _LiveRequest) -> None:
-        """An aborted request finishes with reason "abort" in the stats, one per core request (as
-        vLLM counts request_success_total{finished_reason="abort"})."""
-        if not self.stat_loggers:
-            return
-        e2e = max(0.0, time.time() - live.arrival_time) if live.arrival_time else 0.0
-        it = IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in live.core_ids])
-        for log in self.stat_loggers:
-            log(None, it)
 
     def _forget(self, live: _LiveRequest) -> None:
         del self._live[live.internal_id]
@@ -277,7 +266,7 @@ class AsyncLLM:
                     for st in item[1]:
                         op.add_request(st)
                 elif kind == "abort":
-                    op.abort_requests(item[1])
+                    self._count_aborted(op.abort_requests(item[1]), item[2])
                 elif kind == "dead":  # the engine failed after the outputs queued before this
                     self._call_on_loop(self._on_engine_dead, item[1])
                     return
@@ -288,6 +277,19 @@ class AsyncLLM:
         except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
             logger.exception("output thread died")
             self._call_on_loop(self._on_engine_dead, e)
+
+    def _count_aborted(self, core_ids: list[str], arrival_time: float) -> None:
+        """(output thread) The sequences an abort found unfinished finish with reason "abort" in the
+        stats (vLLM's request_success_total{finished_reason="abort"}). Counted here, in order with the
+        outputs: a sequence that finished while its abort was on the way counts once, as finished."""
+        if core_ids:
+            e2e = max(0.0, time.time() - arrival_time) if arrival_time else 0.0
+            it = IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in core_ids])
+            self._call_on_loop(self._log_stats, it)
+
+    def _log_stats(self, it: IterationStats) -> None:
+        for log in self.stat_loggers:
+            log(None, it)
 
     def _process_outputs(
         self, outputs: list[Any], queue_times: list[float]
