@@ -67,6 +67,7 @@ class _RegisterStates:
 @dataclass(slots=True)
 class _ForgetRequests:
     internal_ids: list[str]  # aborted: drop their detokenizer states
+    arrival_time: float = 0.0  # for the aborted sequences' stats (e2e latency)
 
 
 @dataclass(slots=True)
@@ -204,6 +205,7 @@ class AsyncLLM:
             raise
         core_ids = [r.request_id for r in prep.requests]
         live = LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
+        live.arrival_time = arrival_time
         self._live[internal_id] = live
         self._ids_in_use[request_id] = internal_id
         for cid in core_ids:
@@ -252,7 +254,7 @@ class AsyncLLM:
             return  # finished or aborted already
         self._forget(live)
         if self.dead_error is None:
-            self._outq.put(_ForgetRequests([live.internal_id]))
+            self._outq.put(_ForgetRequests([live.internal_id], live.arrival_time))
             self.engine_core.send(AbortRequests(live.core_ids))
 
     def _forget(self, live: LiveRequest) -> None:
@@ -311,8 +313,8 @@ class AsyncLLM:
                     case _RegisterStates(states=states):
                         for st in states:
                             op.add_request(st)
-                    case _ForgetRequests(internal_ids=ids):
-                        op.abort_requests(ids)
+                    case _ForgetRequests(internal_ids=ids, arrival_time=arrival_time):
+                        self._count_aborted(op.abort_requests(ids), arrival_time)
                     case _EngineFailed(error=error):  # after the outputs queued before it
                         self._call_on_loop(self._on_engine_dead, error)
                         return
@@ -323,6 +325,19 @@ class AsyncLLM:
         except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
             logger.exception("output thread died")
             self._call_on_loop(self._on_engine_dead, e)
+
+    def _count_aborted(self, core_ids: list[str], arrival_time: float) -> None:
+        """(output thread) The sequences an abort found unfinished finish with reason "abort" in the
+        stats (vLLM's request_success_total{finished_reason="abort"}). Counted here, in order with the
+        outputs: a sequence that finished while its abort was on the way counts once, as finished."""
+        if core_ids:
+            e2e = max(0.0, time.time() - arrival_time) if arrival_time else 0.0
+            it = IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in core_ids])
+            self._call_on_loop(self._log_stats, it)
+
+    def _log_stats(self, it: IterationStats) -> None:
+        for log in self.stat_loggers:
+            log(None, it)
 
     def _process_outputs(
         self, outputs: list[Any], queue_times: list[float]

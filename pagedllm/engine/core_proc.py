@@ -18,8 +18,8 @@ costs the step loop several times more in the same process than in another one: 
 
 The messages (engine/messages.py) travel as msgpack frames over two one-way pipes, never as pickle.
 (Only the process's start arguments, the frozen EngineConfig, are pickled by multiprocessing, once.)
-The engine process ignores SIGINT / SIGTERM (the frontend drains and then tells it to stop) and exits
-when its input pipe closes (frontend gone).
+The engine process ignores SIGINT / SIGTERM / SIGHUP (the frontend drains or stops, then tells it
+to stop) and exits when its input pipe closes (frontend gone).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     """The engine process: build the EngineCore, then serve commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # The frontend's environment as it is now (a forked child has the fork server's), before any
     # pagedllm module reads it.
     os.environ.clear()

@@ -82,6 +82,7 @@ class LiveRequest:
     internal_id: str  # unique for this engine's lifetime; the parent id of n > 1 children
     core_ids: list[str]
     collector: RequestOutputCollector
+    arrival_time: float = 0.0  # for the e2e latency of an aborted request's stats
 
 
 class RequestOutputStream:

@@ -31,6 +31,24 @@ LOW_LIMITS = ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--m
               "--h11-max-header-count", "20", "--h11-max-incomplete-event-size", "4096", "--disable-log-requests"]
 
 
+# Issue 18's server: default request limits, the CPU budget lowered, short connection timeouts, a
+# connection cap, a short --max-log-len (test_stalls.py, test_connections.py, test_logs.py).
+HARDENED_READ_TIMEOUT_S = 2
+HARDENED_LIMIT_CONNECTIONS = 24
+HARDENED_MAX_LOG_LEN = 40
+HARDENED = ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--trust-request-chat-template",
+            "--max-prompt-cpu-seconds", "0.5", "--timeout-request-read", str(HARDENED_READ_TIMEOUT_S),
+            "--timeout-keep-alive", "1", "--limit-concurrency", str(HARDENED_LIMIT_CONNECTIONS),
+            "--max-log-len", str(HARDENED_MAX_LOG_LEN)]
+
+
+@pytest.fixture(scope="package")
+def hardened_server(tiny_model_dir: Path):
+    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *HARDENED])
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="package")
 def low_limits_server(tiny_model_dir: Path):
     s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *LOW_LIMITS])

@@ -4,6 +4,7 @@ with exactly the text it gave before, and /metrics shows 0 running, 0 waiting, a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ CASES = [
     raw("json-number", b"42", ("JSON object", "number")),
     raw("empty-body", b"", ("empty",)),
     raw("text-plain", b"hello", ("application/json",), headers={"Content-Type": "text/plain"}),
-    raw("deeply-nested", b"[" * 100_000 + b"]" * 100_000, ("nested",)),
+    raw("deeply-nested", b"[" * 50_000 + b"]" * 50_000, ("nested",)),
     Case("unknown-path", 404, ("/v1/nothing",), path="/v1/nothing", method="GET"),
     Case("wrong-method", 405, ("GET", "/v1/chat/completions"), method="GET"),
     Case("body-over-limit", 413, (str(MAX_BODY),), {**CHAT, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}),
@@ -124,10 +125,53 @@ CASES = [
     cmpl("prompt-negative-token", ("prompt", "vocabulary"), prompt=[3, -1]),
     chat("unknown-model", ("nope",), status=404, model="nope"),
     cmpl("unknown-model-completions", ("nope",), status=404, model="nope"),
+    # -- issue 18: bounded work before anything expensive (every list field is counted) --
+    Case("json-values-over-limit", 413, ("--max-json-values",),
+         b'{"model": "tiny", "prompt": [' + b",".join([b"[]"] * 60_000) + b"]}", path="/v1/completions"),
+    cmpl("prompts-over-capacity", ("1032 prompts",), prompt=["a"] * 1033),
+    cmpl("stop_token_ids-over-limit", ("--max-stop-token-ids", "1024"), stop_token_ids=[1] * 1025),
+    chat("messages-over-limit", ("--max-messages", "2048"), messages=[{"role": "user", "content": ""}] * 2049),
+    chat("content-parts-over-limit", ("--max-content-parts", "256"),
+         messages=[{"role": "user", "content": [{"type": "text", "text": ""}] * 257}]),
+    chat("tools-over-limit", ("--max-tools", "128"), tools=[{"type": "function"}] * 129),
+    Case("detokenize-over-max-model-len", 400, ("--max-model-len",), {"model": MODEL, "tokens": [1] * 513},
+         path="/detokenize"),
+    cmpl("request_id-too-long", ("request_id", "512"), request_id="r" * 513),
+    # -- lone UTF-16 surrogates, anywhere: 400 naming the field, before any 200 when streaming --
+    cmpl("surrogate-prompt", ("prompt", "surrogate"), prompt="hi \ud800"),
+    raw("surrogate-prompt-raw-bytes", b'{"model": "tiny", "prompt": "hi \xed\xa0\x80", "max_tokens": 2}',
+        ("prompt", "surrogate"), path="/v1/completions"),
+    cmpl("surrogate-prompt-list", ("prompt[1]", "surrogate"), prompt=["ok", "\udfff"]),
+    chat("surrogate-message", ("messages[0].content", "surrogate"), messages=[{"role": "user", "content": "\ud800"}]),
+    chat("surrogate-content-part", ("messages[0].content[0].text", "surrogate"),
+         messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
+    chat("surrogate-model", ("model", "surrogate"), model="tiny\ud800"),
+    cmpl("surrogate-request_id", ("request_id", "surrogate"), request_id="id-\ud800"),
+    cmpl("surrogate-stream-completions", ("prompt", "surrogate"), prompt="\ud800", stream=True),
+    chat("surrogate-stream-chat", ("messages[0].content", "surrogate"),
+         messages=[{"role": "user", "content": "\ud800"}], stream=True),
+    cmpl("surrogate-in-a-field-name", ("surrogate",), **{"odd\ud800": 1}),
+    cmpl("surrogate-stop", ("stop[0]", "surrogate"), stop=["\ud800"]),
+    Case("surrogate-tokenize", 400, ("prompt", "surrogate"), {"model": MODEL, "prompt": "\ud800"}, path="/tokenize"),
+    Case("surrogate-tokenize-chat", 400, ("messages[0].content", "surrogate"),
+         {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, path="/tokenize"),
+    Case("surrogate-detokenize-model", 400, ("model", "surrogate"), {"model": "\ud800", "tokens": [1]},
+         path="/detokenize"),
+    # -- integers past CPython's 4,300-digit limit are invalid JSON (they were a 500) --
+    raw("max_tokens-5000-digits", b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+        ("not valid JSON", "4300"), path="/v1/completions"),
+    raw("seed-4301-digits", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": -'
+        + b"9" * 4301 + b"}", ("not valid JSON", "4300")),
+    # -- errors name max_completion_tokens when the request used it --
+    chat("max_completion_tokens-0", ("max_completion_tokens",), max_completion_tokens=0),
+    chat("min_tokens-over-max_completion_tokens", ("min_tokens", "max_completion_tokens"), min_tokens=10,
+         max_completion_tokens=4),
     # -- auth --
     Case("api-key-missing", 401, ("API key",), CHAT, auth=False),
     Case("api-key-wrong", 401, ("Incorrect API key",), CHAT, headers={"Authorization": "Bearer nope"}),
     Case("api-key-wrong-scheme", 401, ("API key",), CHAT, headers={"Authorization": f"Basic {API_KEY}"}),
+    Case("api-key-docs", 401, ("API key",), path="/docs", method="GET", auth=False),
+    Case("api-key-openapi", 401, ("API key",), path="/openapi.json", method="GET", auth=False),
 ]
 
 
@@ -160,7 +204,9 @@ def send(server, case: Case) -> httpx.Response:
         headers.setdefault("Content-Type", "application/json")
         kwargs["content"] = case.body
     elif case.body is not None:
-        kwargs["json"] = case.body
+        # json.dumps escapes lone surrogates as \\ud800 (httpx's own encoder would fail on them).
+        headers.setdefault("Content-Type", "application/json")
+        kwargs["content"] = json.dumps(case.body).encode()
     return httpx.request(case.method, server.url(case.path), **kwargs)
 
 

@@ -43,8 +43,20 @@ def waiting(m: dict) -> float:
     return m[("pagedllm:num_requests_waiting", ())]
 
 
+def _success_name(m: dict) -> str:
+    """vLLM's name once the metrics carry it (issue 17), else ours."""
+    return next((n for n in ("vllm:request_success_total", "pagedllm:request_success_total")
+                 if any(name == n for name, _ in m)), "pagedllm:request_success_total")
+
+
 def successes(m: dict) -> float:
-    return sum(v for (name, _), v in m.items() if name == "pagedllm:request_success_total")
+    """Requests that ran to their end (stop or length)."""
+    name = _success_name(m)
+    return sum(v for (n, labels), v in m.items() if n == name and labels != (("finished_reason", "abort"),))
+
+
+def aborts(m: dict) -> float:
+    return m.get((_success_name(m), (("finished_reason", "abort"),)), 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +129,8 @@ def test_disconnect_storm_frees_everything(server):
     assert all(c >= 3 for c in seen["hog_chunks"]), seen
     m = assert_idle(server)
     assert successes(m) == successes(before)  # every dropped request was aborted, none finished
+    # ... and counted as aborted (issue 18): 4 hogs, 1 in prefill, 6 queued, 1 non-streaming.
+    assert aborts(m) - aborts(before) == 12
     made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
     assert made < LONG  # 5 long requests were cut short, far before LONG tokens each
     assert server.post("/v1/completions", NORMAL).json()["choices"][0]["text"] == reference
@@ -158,5 +172,6 @@ def test_a_client_that_stops_reading_is_dropped(server):
         sock.close()
     made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
     assert successes(m) == successes(before)  # aborted, not finished
+    assert aborts(m) - aborts(before) == 5  # n=5: five sequences
     assert 0 < made < 5 * LONG / 2
     assert server.post("/v1/completions", NORMAL).status_code == 200

@@ -95,6 +95,16 @@ def test_header_limits(server):
         (["--max-prompt-bytes", "0"], ["--max-prompt-bytes"]),
         (["--h11-max-header-count", "0"], ["--h11-max-header-count"]),
         (["--h11-max-incomplete-event-size", "10"], ["--h11-max-incomplete-event-size"]),
+        (["--max-json-values", "0"], ["--max-json-values"]),
+        (["--max-messages", "0"], ["--max-messages"]),
+        (["--max-content-parts", "0"], ["--max-content-parts"]),
+        (["--max-stop-token-ids", "-1"], ["--max-stop-token-ids"]),
+        (["--max-tools", "-1"], ["--max-tools"]),
+        (["--max-prompt-cpu-seconds", "0"], ["--max-prompt-cpu-seconds"]),
+        (["--max-log-len", "-1"], ["--max-log-len"]),
+        (["--timeout-keep-alive", "0"], ["--timeout-keep-alive"]),
+        (["--timeout-request-read", "-1"], ["--timeout-request-read"]),
+        (["--limit-concurrency", "0"], ["--limit-concurrency"]),
     ],
 )
 def test_bad_limit_flags_are_refused(flags, words):

@@ -108,3 +108,77 @@ def test_sigterm_past_the_timeout_ends_the_rest_with_an_error_and_exits_0(start_
     assert out["exit_code"] == 0, server.log()[-2000:]
     assert out["exit_after"] < 1 + 10
     assert "shutdown timeout: ending 5 requests" in server.log()
+
+
+def run_and_stop_now(server, signals: list[signal.Signals]) -> dict:
+    """3 streams and 2 non-streaming requests that cannot finish soon; once they all run, send the
+    signals (waiting for the drain to show between two of them)."""
+    out: dict = {}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            url = server.url("/v1/completions")
+            body = {"model": MODEL, "prompt": "stop me", "max_tokens": 1900, "ignore_eos": True}
+            started = [asyncio.Event() for _ in range(3)]
+
+            async def stream(i: int):
+                async with http.stream("POST", url, json={**body, "stream": True}) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+                        if line.startswith("data: {"):
+                            started[i].set()
+                    return r.status_code, *parse_sse(lines)
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(3)]
+            tasks += [asyncio.create_task(http.post(url, json=body)) for _ in range(2)]
+
+            async def all_running() -> bool:
+                m = await asyncio.to_thread(server.metrics)
+                running = m.get(("vllm:num_requests_running", ()), m.get(("pagedllm:num_requests_running", ())))
+                return running == 5 and all(e.is_set() for e in started)
+
+            assert await wait_until(all_running)
+            for i, sig in enumerate(signals):
+                if i:
+                    async def draining() -> bool:
+                        return (await http.get(server.url("/health"))).status_code == 503
+
+                    assert await wait_until(draining, 5)
+                server.proc.send_signal(sig)
+            out["signal_at"] = time.monotonic()
+            results = await asyncio.gather(*tasks)
+            out["streams"], out["plain"] = results[:3], results[3:]
+
+    asyncio.run(run())
+    out["exit_code"] = server.proc.wait(timeout=60)
+    out["exit_after"] = time.monotonic() - out["signal_at"]
+    return out
+
+
+def check_stopped_now(server, out: dict, signal_name: str) -> None:
+    for status, events, done in out["streams"]:
+        assert status == 200 and done, (status, events[-1:], done)  # an error event, then [DONE]
+        error = events[-1]["error"]
+        assert error["code"] == "server_shutting_down" and signal_name in error["message"], error
+    for r in out["plain"]:
+        assert assert_openai_error(r, 503, signal_name)["code"] == "server_shutting_down"
+    assert out["exit_code"] == 0, server.log()[-2000:]
+    assert out["exit_after"] < 15
+    log = server.log()
+    assert f"{signal_name}: ending 5 requests in flight (5 engine requests" in log, log[-2000:]
+    assert f"{signal_name}: every request in flight was sent its error" in log
+    assert "drained: every request finished" not in log
+
+
+def test_sighup_ends_every_stream_with_an_error_event(start_server):
+    """SIGHUP used to kill the process at once: every stream cut with no error event, no [DONE]."""
+    server = start_server([*FLAGS, "--shutdown-timeout", "30"])
+    check_stopped_now(server, run_and_stop_now(server, [signal.SIGHUP]), "SIGHUP")
+
+
+def test_a_second_sigterm_ends_every_stream_with_an_error_event(start_server):
+    """A second SIGTERM while draining used to cut the streams after uvicorn's grace with no error
+    event, while the log said every request finished."""
+    server = start_server([*FLAGS, "--shutdown-timeout", "30"])
+    check_stopped_now(server, run_and_stop_now(server, [signal.SIGTERM, signal.SIGTERM]), "SIGTERM")

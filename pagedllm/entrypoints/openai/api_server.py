@@ -8,14 +8,17 @@ Endpoints: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; G
 FastAPI, so every refusal is a 400 with OpenAI's error body, never FastAPI's 422.
 
 Hardening lives beside this file: limits.py (per-request limits), admission.py (503 when full),
-middleware.py (headers, draining, API keys), http_io.py (bodies, disconnects, stalled streams),
-shutdown.py (SIGTERM drain). docs/LIMITS.md lists every limit with its flag.
+middleware.py (headers, framing, draining, API keys), http_io.py (bodies, disconnects, stalled streams),
+json_body.py (bounded decoding), prompt_budget.py (CPU budget of templates), request_log.py (safe
+logs), connections.py (read timeout, connection cap), shutdown.py (SIGTERM drain, SIGHUP).
+docs/LIMITS.md lists every limit with its flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 import time
@@ -27,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter
 from pydantic import BaseModel
 
 import pagedllm
@@ -39,16 +43,21 @@ from pagedllm.entrypoints.openai.cli_args import (
     make_arg_parser,
     validate_parsed_serve_args,
 )
+from pagedllm.entrypoints.openai.connections import make_protocol_class
 from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedllm.entrypoints.openai.http_io import (
     ResetStalledConnections,
     SSEResponse,
     cancel_on_disconnect,
-    parse_as,
-    read_json_object,
+    read_request,
 )
 from pagedllm.entrypoints.openai.limits import ServerLimits
-from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, DrainMiddleware, HeaderLimitMiddleware
+from pagedllm.entrypoints.openai.middleware import (
+    AmbiguousFramingMiddleware,
+    APIKeyMiddleware,
+    DrainMiddleware,
+    HeaderLimitMiddleware,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,12 +65,13 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagedllm.entrypoints.openai.request_log import UnknownFieldReporter
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import EventStream
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.entrypoints.openai.shutdown import DrainingServer, drain
+from pagedllm.entrypoints.openai.shutdown import DrainingServer, drain, stop_now
 from pagedllm.entrypoints.openai.web_ui import KV_SNAPSHOT_INTERVAL_S, LOGIN_PAGE, UI_PATH, install_web_ui
 from pagedllm.entrypoints.openai.web_ui_args import web_ui_enabled
 from pagedllm.metrics.console_feed import ConsoleFeed
@@ -82,7 +92,10 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     chat_template = load_chat_template(args.chat_template)
     log_requests = not args.disable_log_requests
     models = OpenAIServingModels(list(mc.served_model_name), mc.model, mc.max_model_len)
-    limits = ServerLimits.from_args(args, mc.max_model_len, engine.config.max_logprobs)
+    max_num_seqs = engine.config.scheduler_config.max_num_seqs
+    limits = ServerLimits.from_args(
+        args, mc.max_model_len, engine.config.max_logprobs, max_prompts=max_num_seqs + args.max_num_queued_reqs
+    )
     cc = engine.config.cache_config
     stat_logger = PrometheusStatLogger(
         models.served_model_names[0],
@@ -109,12 +122,29 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         engine, models, chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
         limits=limits,
     )
+    # One reporter for every endpoint: unknown fields counted in /metrics, logged rate-limited.
+    unknown_fields_total = Counter(
+        "pagedllm:request_unknown_fields",
+        "Requests that carried unknown or unsupported fields (ignored; logged rate-limited).",
+        ["model_name"], registry=stat_logger.registry,
+    ).labels(models.served_model_names[0])
+    unknown_fields = UnknownFieldReporter(
+        log_enabled=log_requests, max_log_len=args.max_log_len, on_count=unknown_fields_total.inc
+    )
+    for serving in (chat, completion, tokenization):
+        serving.unknown_fields = unknown_fields
+        serving.max_log_len = args.max_log_len
     max_body = args.max_request_body_bytes
     write_timeout = args.stream_write_timeout or None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        # As vLLM does: the startup heap (torch, transformers, the model's modules) is marked static so
+        # the collector never walks it again. Otherwise the first request that allocates many objects
+        # (a large body) sets off a full collection that holds the GIL, and every stream, for a second.
+        gc.collect()
+        gc.freeze()
         yield
         engine.shutdown()
 
@@ -138,13 +168,13 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         arrival = time.time()
-        request = parse_as(ChatCompletionRequest, await read_json_object(raw, max_body))
+        request = await read_request(raw, ChatCompletionRequest, max_body, limits)
         return respond(await cancel_on_disconnect(raw, chat.create_chat_completion(request, arrival)))
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
         arrival = time.time()
-        request = parse_as(CompletionRequest, await read_json_object(raw, max_body))
+        request = await read_request(raw, CompletionRequest, max_body, limits)
         return respond(await cancel_on_disconnect(raw, completion.create_completion(request, arrival)))
 
     @app.get("/v1/models")
@@ -153,13 +183,14 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        obj = await read_json_object(raw, max_body)
-        request = parse_as(TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest, obj)
+        request = await read_request(
+            raw, lambda obj: TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest, max_body, limits
+        )
         return JSONResponse((await tokenization.create_tokenize(request)).model_dump())
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        request = parse_as(DetokenizeRequest, await read_json_object(raw, max_body))
+        request = await read_request(raw, DetokenizeRequest, max_body, limits)
         return JSONResponse((await tokenization.create_detokenize(request)).model_dump())
 
     @app.get("/health")
@@ -201,6 +232,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     app.add_middleware(
         HeaderLimitMiddleware, max_count=args.h11_max_header_count, max_bytes=args.h11_max_incomplete_event_size
     )
+    app.add_middleware(AmbiguousFramingMiddleware)
     # Added last = outermost: CORS answers preflights before auth sees them.
     app.add_middleware(
         CORSMiddleware,
@@ -225,13 +257,20 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         # h11 explicitly (not "auto", which prefers httptools when installed): its header-size
-        # limit is the one --h11-max-incomplete-event-size sets.
-        http="h11",
+        # limit is the one --h11-max-incomplete-event-size sets; our subclass adds the read timeout
+        # and the connection cap (connections.py).
+        http=make_protocol_class(args.timeout_request_read or None, args.limit_concurrency),
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=5,
     )
     server: DrainingServer
-    server = DrainingServer(config, lambda: drain(server, engine, app.state.admission, args.shutdown_timeout))
+    admission = app.state.admission
+    server = DrainingServer(
+        config,
+        lambda: drain(server, engine, admission, args.shutdown_timeout),
+        lambda signal_name: stop_now(server, engine, admission, signal_name),
+    )
     exit_code = 0
 
     def on_engine_dead(err: Exception) -> None:
@@ -246,9 +285,26 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     return exit_code
 
 
+def raise_open_file_limit(target: int = 65536) -> None:
+    """Raise the soft limit on open files toward the hard one (as vLLM does): each connection is a
+    file, and a soft limit of 1024 would refuse connections far below --limit-concurrency."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            logger.warning("could not raise the open-file limit from %d to %d", soft, want)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Load the model, then serve; exits non-zero with a clear message on a bad flag."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    raise_open_file_limit()
     try:
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)

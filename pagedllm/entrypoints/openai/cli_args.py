@@ -53,8 +53,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=None,
-        help=f"accept only requests with `Authorization: Bearer KEY` on /v1/* and the tokenizer endpoints; "
-        f"repeat for several keys (also from ${API_KEY_ENV})",
+        help=f"accept only requests with `Authorization: Bearer KEY` on every path but /health, /ping, /version "
+        f"and /metrics (/docs and /openapi.json need the key too); repeat for several keys (also from ${API_KEY_ENV})",
     )
     g.add_argument(
         "--served-model-name",
@@ -78,6 +78,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="larger request bodies get 413 before they are read",
     )
     add_limit_args(parser)
+    add_reliability_args(parser)
     EngineArgs.add_cli_args(parser, model_positional=True)
     return parser
 
@@ -142,6 +143,50 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# -- reliability limits (issue 18; docs/LIMITS.md) -------------------------------------------------------
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
+DEFAULT_TIMEOUT_REQUEST_READ_S = 30.0
+DEFAULT_LIMIT_CONCURRENCY = 8192
+
+
+def add_reliability_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai import limits
+    from pagedllm.entrypoints.openai.request_log import DEFAULT_MAX_LOG_LEN
+
+    g = parser.add_argument_group("request and connection limits (docs/LIMITS.md)")
+    g.add_argument("--max-json-values", type=int, default=limits.DEFAULT_MAX_JSON_VALUES,
+                   help="bound on a body's JSON values, estimated from its bytes before parsing; past it, 413")
+    g.add_argument("--max-messages", type=int, default=limits.DEFAULT_MAX_MESSAGES, help="chat messages per request")
+    g.add_argument("--max-content-parts", type=int, default=limits.DEFAULT_MAX_CONTENT_PARTS,
+                   help="content parts per chat message")
+    g.add_argument("--max-stop-token-ids", type=int, default=limits.DEFAULT_MAX_STOP_TOKEN_IDS,
+                   help="stop_token_ids per request")
+    g.add_argument("--max-tools", type=int, default=limits.DEFAULT_MAX_TOOLS, help="tools per chat request")
+    g.add_argument("--max-prompt-cpu-seconds", type=float, default=limits.DEFAULT_MAX_PROMPT_CPU_SECONDS,
+                   help="CPU seconds one request may spend in chat-template rendering and tokenization; past it, 400")
+    if "--max-log-len" not in parser._option_string_actions:  # vLLM's flag; the drop-in flags may define it
+        g.add_argument("--max-log-len", type=int, default=DEFAULT_MAX_LOG_LEN,
+                       help="characters of any client-supplied text (request ids, field names) printed in a log line")
+    g.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    g.add_argument("--timeout-request-read", type=float, default=DEFAULT_TIMEOUT_REQUEST_READ_S,
+                   help="seconds a client may take to send a request's headers and body (0: no limit); past it, "
+                   "408 and the connection is closed")
+    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                   help="open connections; one more gets 503 and is closed")
+
+
+def validate_reliability_args(args: argparse.Namespace) -> None:
+    at_least = {"max_json_values": 1, "max_messages": 1, "max_content_parts": 1, "max_stop_token_ids": 0,
+                "max_tools": 0, "max_log_len": 0, "limit_concurrency": 1, "timeout_request_read": 0}
+    for name, low in at_least.items():
+        if getattr(args, name) is not None and getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}.")
+    for name in ("max_prompt_cpu_seconds", "timeout_keep_alive"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}.")
+
+
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     """Server-flag checks that argparse cannot express; ValueError naming the flag."""
     if not 0 <= args.port <= 65535:
@@ -171,6 +216,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     for key in api_keys(args):
         if not key:
             raise ValueError("--api-key must not be empty.")
+    validate_reliability_args(args)
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:

@@ -1,6 +1,7 @@
 """Reading request bodies and writing streams, safely against careless or hostile clients.
 
-- Bodies: 413 past the size limit before they are buffered, 400 for anything but a JSON object.
+- Bodies: 413 past the size limit before they are buffered, 400 for anything but a JSON object;
+  decoding and validation in bounded time (json_body.py, limits.py), large bodies in a thread.
 - A client that disconnects while its answer is computed cancels that work (its engine requests
   are aborted and their KV blocks freed).
 - A stream whose client leaves, or stops reading (a send that makes no progress for
@@ -10,11 +11,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import struct
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -22,9 +22,12 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import APIError, from_validation_error
+from pagedllm.entrypoints.openai.json_body import check_json_size, decode_json, json_kind
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.serving_engine import EventStream
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -32,22 +35,22 @@ logger = logging.getLogger("pagedllm.entrypoints.openai")
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
-# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a thread.
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a thread,
+# in bounded time (json_body.py), so that one thread's hold on the GIL stays short.
 PARSE_INLINE_BYTES = 64 * 1024
 # Scope key through which a stream reports that its client stopped reading.
 STALL_KEY = "pagedllm.stalled"
 
 
 # -- request bodies -----------------------------------------------------------------------------------
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, or APIError: 413 past max_bytes (checked before buffering when
-    Content-Length says so), 400 for a non-JSON content type, an empty body, invalid JSON or
-    anything but an object."""
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, or APIError: 413 past max_bytes (checked before buffering when Content-Length
+    says so), 400 for a non-JSON content type or an empty body."""
     ctype = request.headers.get("content-type")
     if ctype is not None:
         main = ctype.split(";", 1)[0].strip().lower()
         if main != "application/json" and not main.endswith("+json"):
-            raise APIError(f"Content-Type must be application/json, got {main!r}.")
+            raise APIError(f"Content-Type must be application/json, got {main[:64]!r}.")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(
@@ -56,35 +59,63 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(
-                f"The request body is larger than the limit of {max_bytes} bytes (--max-request-body-bytes).",
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(
+                    f"The request body is larger than the limit of {max_bytes} bytes (--max-request-body-bytes).",
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone, or closed by --timeout-request-read while its body trickled in: nobody reads an answer.
+        raise APIError("The client disconnected before sending the whole body.") from None
     body = b"".join(chunks)
     if not body.strip():
         raise APIError("The request body is empty; send a JSON object.")
-    try:
-        # A large body parses in a worker thread: megabytes of JSON would stall every stream for a while.
-        obj = json.loads(body) if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
-    except RecursionError:
-        raise APIError("The request body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
+    return body
+
+
+def parse_request(body: bytes, select: Callable[[dict[str, Any]], type[M]], limits: ServerLimits) -> M:
+    """Bounded work whatever the body: size estimate, decode, list counts, then typed validation of
+    the model `select(obj)` picks."""
+    check_json_size(body, limits.max_json_values)
+    obj = decode_json(body)
     if not isinstance(obj, dict):
-        kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(obj), "a number")
-        raise APIError(f"The request body must be a JSON object, got {kind}.")
-    return obj
-
-
-def parse_as(model_cls: type[M], obj: dict[str, Any]) -> M:
+        raise APIError(f"The request body must be a JSON object, got {json_kind(obj)}.")
+    limits.check_counts(obj)
     try:
-        return model_cls.model_validate(obj)
+        return select(obj).model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _parse_in_thread(
+    body: bytes, select: Callable[[dict[str, Any]], type[M]], limits: ServerLimits
+) -> tuple[M | None, APIError | None]:
+    """parse_request, returning its error instead of raising it: the decoded body is freed here, in the
+    thread (freeing millions of objects takes time too), not by a traceback later on the loop."""
+    try:
+        return parse_request(body, select, limits), None
+    except APIError as e:
+        e.__traceback__ = e.__context__ = e.__cause__ = None
+        return None, e
+
+
+async def read_request(
+    request: Request, select: type[M] | Callable[[dict[str, Any]], type[M]], max_bytes: int, limits: ServerLimits
+) -> M:
+    """Read, decode and validate a request body as the model `select` is (or returns for the object)."""
+    pick = (lambda _: select) if isinstance(select, type) else select
+    body = await read_body(request, max_bytes)
+    if len(body) <= PARSE_INLINE_BYTES:
+        return parse_request(body, pick, limits)
+    parsed, err = await asyncio.to_thread(_parse_in_thread, body, pick, limits)
+    if err is not None:
+        raise err
+    assert parsed is not None
+    return parsed
 
 
 # -- disconnects ----------------------------------------------------------------------------------------

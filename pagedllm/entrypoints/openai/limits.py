@@ -20,6 +20,15 @@ from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STR
 # tokenizer packs more than a few bytes into a token), and never less than MIN_AUTO_PROMPT_BYTES.
 AUTO_PROMPT_BYTES_PER_TOKEN = 32
 MIN_AUTO_PROMPT_BYTES = 64 * 1024
+# Defaults of the count limits (docs/LIMITS.md says why each is safe and enough).
+DEFAULT_MAX_JSON_VALUES = 1_000_000  # json_body.py: the largest body decodes in tens of ms (BENCHMARKS.md)
+DEFAULT_MAX_MESSAGES = 2048
+DEFAULT_MAX_CONTENT_PARTS = 256
+DEFAULT_MAX_STOP_TOKEN_IDS = 1024
+DEFAULT_MAX_TOOLS = 128  # OpenAI's own limit on functions
+DEFAULT_MAX_PROMPT_CPU_SECONDS = 2.0
+# Not a flag: a request_id is echoed in every chunk of a stream and in logs.
+MAX_REQUEST_ID_LEN = 512
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,14 @@ class ServerLimits:
     max_logprobs: int = 20
     max_prompt_bytes: int = MIN_AUTO_PROMPT_BYTES
     max_model_len: int = 2048
+    max_json_values: int = DEFAULT_MAX_JSON_VALUES
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_content_parts: int = DEFAULT_MAX_CONTENT_PARTS
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_tools: int = DEFAULT_MAX_TOOLS
+    # Prompts of one completions request: at most what the server ever runs or queues at once.
+    max_prompts: int = 1088
+    max_prompt_cpu_seconds: float = DEFAULT_MAX_PROMPT_CPU_SECONDS
 
     def __post_init__(self) -> None:
         for name, ceiling in (
@@ -46,9 +63,19 @@ class ServerLimits:
                 raise ValueError(f"{flag} must be in [{low}, {ceiling}], got {v}.")
         if self.max_prompt_bytes < 1:
             raise ValueError(f"--max-prompt-bytes must be >= 1, got {self.max_prompt_bytes}.")
+        for name in ("max_json_values", "max_messages", "max_content_parts", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        for name in ("max_stop_token_ids", "max_tools"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}.")
+        if not self.max_prompt_cpu_seconds > 0:
+            raise ValueError(f"--max-prompt-cpu-seconds must be > 0, got {self.max_prompt_cpu_seconds}.")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, max_model_len: int, max_logprobs: int) -> ServerLimits:
+    def from_args(
+        cls, args: argparse.Namespace, max_model_len: int, max_logprobs: int, max_prompts: int = 1088
+    ) -> ServerLimits:
         prompt_bytes = args.max_prompt_bytes
         if prompt_bytes is None:
             prompt_bytes = max(MIN_AUTO_PROMPT_BYTES, AUTO_PROMPT_BYTES_PER_TOKEN * max_model_len)
@@ -60,7 +87,68 @@ class ServerLimits:
             max_logprobs=max_logprobs,
             max_prompt_bytes=prompt_bytes,
             max_model_len=max_model_len,
+            max_json_values=args.max_json_values,
+            max_messages=args.max_messages,
+            max_content_parts=args.max_content_parts,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_tools=args.max_tools,
+            max_prompts=max_prompts,
+            max_prompt_cpu_seconds=args.max_prompt_cpu_seconds,
         )
+
+    # -- counts, on the decoded JSON before any typed validation ---------------------------------
+    def check_counts(self, obj: dict[str, Any]) -> None:
+        """Every list field of any endpoint's body, by length only (O(fields), whatever the lists
+        hold), so typed validation and everything after it work on bounded data. Wrong types are
+        left to the typed validation, which names them."""
+        def too_many(param: str, got: int, limit: int, flag: str, what: str) -> APIError:
+            return APIError(f"{param} may hold at most {limit} {what} ({flag}), got {got}.", param=param)
+
+        prompt = obj.get("prompt")
+        if isinstance(prompt, list):
+            if prompt and isinstance(prompt[0], int):  # one prompt of token ids
+                if len(prompt) >= self.max_model_len:
+                    self.check_prompt_token_ids(len(prompt), None, "prompt")
+            else:
+                if len(prompt) > self.max_prompts:
+                    raise APIError(
+                        f"prompt may hold at most {self.max_prompts} prompts (what the server runs or queues at "
+                        f"once: --max-num-seqs + --max-num-queued-reqs), got {len(prompt)}.",
+                        param="prompt",
+                    )
+                for p in prompt:
+                    if isinstance(p, list) and len(p) >= self.max_model_len:
+                        self.check_prompt_token_ids(len(p), None, "prompt")
+        tokens = obj.get("tokens")  # /detokenize
+        if isinstance(tokens, list) and len(tokens) > self.max_model_len:
+            raise too_many("tokens", len(tokens), self.max_model_len, "--max-model-len", "token ids")
+        messages = obj.get("messages")
+        if isinstance(messages, list):
+            if len(messages) > self.max_messages:
+                raise too_many("messages", len(messages), self.max_messages, "--max-messages", "messages")
+            for i, m in enumerate(messages):
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list) and len(content) > self.max_content_parts:
+                    raise too_many(f"messages[{i}].content", len(content), self.max_content_parts,
+                                   "--max-content-parts", "content parts")
+        stop = obj.get("stop")
+        if isinstance(stop, list) and len(stop) > self.max_stop_strings:
+            raise too_many("stop", len(stop), self.max_stop_strings, "--max-stop-strings", "strings")
+        ids = obj.get("stop_token_ids")
+        if isinstance(ids, list) and len(ids) > self.max_stop_token_ids:
+            raise too_many("stop_token_ids", len(ids), self.max_stop_token_ids, "--max-stop-token-ids", "token ids")
+        bias = obj.get("logit_bias")
+        if isinstance(bias, dict) and len(bias) > self.max_logit_bias_entries:
+            raise too_many("logit_bias", len(bias), self.max_logit_bias_entries, "--max-logit-bias-entries",
+                           "entries")
+        tools = obj.get("tools")
+        if isinstance(tools, list) and len(tools) > self.max_tools:
+            raise too_many("tools", len(tools), self.max_tools, "--max-tools", "tools")
+        rid = obj.get("request_id")
+        if isinstance(rid, str) and len(rid) > MAX_REQUEST_ID_LEN:
+            raise APIError(
+                f"request_id may be at most {MAX_REQUEST_ID_LEN} characters, got {len(rid)}.", param="request_id"
+            )
 
     # -- checks ------------------------------------------------------------------------------------
     def check_sampling(self, request: Any, *, logprobs_field: str) -> None:

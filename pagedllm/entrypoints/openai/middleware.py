@@ -1,7 +1,7 @@
 """ASGI middleware of the server: header limits, shutdown draining, API keys. Each refusal has
 OpenAI's error body.
 
-Order, outermost first: CORS (answers preflights), header limits, draining, API key, the app.
+Order, outermost first: CORS (answers preflights), framing, header limits, draining, API key, the app.
 """
 
 from __future__ import annotations
@@ -11,13 +11,40 @@ from http import HTTPStatus
 
 from starlette.datastructures import Headers
 from starlette.responses import HTMLResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.admission import AdmissionController, shutting_down_error
 from pagedllm.entrypoints.openai.errors import APIError
 
-# Paths that answer without an API key and while draining (probes and monitoring).
+# Paths that answer without an API key and while draining (probes and monitoring). Everything else
+# needs the key when --api-key is set, /docs and /openapi.json included.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+
+
+class AmbiguousFramingMiddleware:
+    """A request with both Content-Length and Transfer-Encoding is answered, then its connection is
+    closed (RFC 9112 section 6.1): a front proxy may have framed it differently, so bytes after it on
+    the connection may belong to a request smuggled past the proxy."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        names = {k for k, _ in scope["headers"]}
+        if b"content-length" not in names or b"transfer-encoding" not in names:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_and_close(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_and_close)
 
 
 class HeaderLimitMiddleware:

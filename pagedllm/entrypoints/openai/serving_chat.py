@@ -92,7 +92,9 @@ class OpenAIServingChat(OpenAIServing):
         arrival_time: float,
     ) -> ChatCompletionResponse | EventStream:
         try:
-            prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(self._render, request)
+            prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(
+                self.budgeted(self._render, "messages"), request
+            )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
         self.log_request(request_id, len(prompt_ids), params)
@@ -144,6 +146,7 @@ class OpenAIServingChat(OpenAIServing):
         text = render_chat(
             tokenizer, messages, request.chat_template or self.chat_template, request.add_generation_prompt, kwargs
         )
+        self.limits.check_prompt_bytes(len(text.encode()), "messages")  # the whole rendered input
         ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         # vLLM's echo: the last message is repeated at the start of the answer when it is the
         # assistant's own (a continuation).

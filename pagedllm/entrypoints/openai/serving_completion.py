@@ -133,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
         arrival_time: float,
     ) -> CompletionResponse | EventStream:
         try:
-            encoded = await self.engine.run_in_tokenizer_pool(self._encode, prompts, request)
+            encoded = await self.engine.run_in_tokenizer_pool(self.budgeted(self._encode, "prompt"), prompts, request)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
 

@@ -19,6 +19,7 @@ from pagedllm.engine.output_stream import RequestOutputStream
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.prompt_budget import prompt_cpu_budget
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     StreamOptions,
     UsageInfo,
 )
+from pagedllm.entrypoints.openai.request_log import UnknownFieldReporter, for_log
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -150,6 +152,19 @@ class OpenAIServing:
         sc = engine.config.scheduler_config
         # Without a server-wide controller (unit use), admit up to one running batch plus a queue.
         self.admission = admission or AdmissionController(sc.max_num_seqs, 1024)
+        # The server replaces these with its shared reporter and --max-log-len.
+        self.unknown_fields = UnknownFieldReporter(log_enabled=log_requests)
+        self.max_log_len: int | None = self.unknown_fields.max_log_len
+
+    def budgeted(self, fn: Callable[..., R], param: str) -> Callable[..., R]:
+        """fn under --max-prompt-cpu-seconds, for the tokenizer pool (prompt_budget.py)."""
+        seconds = self.limits.max_prompt_cpu_seconds
+
+        def run(*args: Any, **kwargs: Any) -> R:
+            with prompt_cpu_budget(seconds, param):
+                return fn(*args, **kwargs)
+
+        return run
 
     async def run_admitted(self, num_seqs: int, work: Callable[[], Awaitable[R]]) -> R:
         """Admit (503 when full, before any tokenization), then run `work`; the admission is held
@@ -184,15 +199,13 @@ class OpenAIServing:
         return self.tokenizer
 
     def log_unknown_fields(self, request: OpenAIBaseModel, request_id: str) -> None:
-        extra = request.model_extra
-        if extra:
-            logger.warning("%s: ignoring unknown or unsupported fields: %s", request_id, ", ".join(sorted(extra)))
+        self.unknown_fields.report(request_id, request.model_extra or ())
 
     def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
         if self.log_requests:
             logger.info(
                 "received request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
-                request_id, num_prompt_tokens, params.n, params.max_tokens, params.temperature,
+                for_log(request_id, self.max_log_len), num_prompt_tokens, params.n, params.max_tokens, params.temperature,
                 params.output_kind.name,
             )
 
@@ -204,6 +217,10 @@ class OpenAIServing:
             msg = str(e)
             first = msg.split(" ", 1)[0]
             param = first if first in type(request).model_fields else None
+            if getattr(request, "max_completion_tokens", None) is not None and "max_tokens" in msg:
+                # The chat request set max_completion_tokens (SamplingParams calls it max_tokens).
+                msg = msg.replace("max_tokens", "max_completion_tokens")
+                param = "max_completion_tokens" if param in (None, "max_tokens") else param
             raise APIError(msg, param=param) from None
 
     async def add_request(

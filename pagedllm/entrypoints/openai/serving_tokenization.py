@@ -63,12 +63,15 @@ class OpenAIServingTokenization(OpenAIServing):
                     tokenizer, request.messages, request.chat_template or self.chat_template,
                     request.add_generation_prompt, kwargs,
                 )
+                self.limits.check_prompt_bytes(len(text.encode()), "messages")  # the whole rendered input
             else:
                 text = request.prompt
             return tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
         try:
-            ids = await self.engine.run_in_tokenizer_pool(work)
+            ids = await self.engine.run_in_tokenizer_pool(
+                self.budgeted(work, "messages" if isinstance(request, TokenizeChatRequest) else "prompt")
+            )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(str(e)) from None
         token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
@@ -77,6 +80,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.models.resolve(request.model)
         tokenizer = self.require_tokenizer()
+        self.unknown_fields.report("detokenize", request.model_extra or ())
         vocab = self.engine.model_config.vocab_size
         for t in request.tokens:
             if not 0 <= t < vocab:
