@@ -99,8 +99,9 @@ class SamplingParams:
             raise bad("top_k", "an integer >= 1, or 0 / -1 for no limit")
         if not _is_number(self.min_p) or math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "a number in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or None")
+        # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; a larger seed would fail in the engine.
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "None or an integer in [-2**63, 2**64 - 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

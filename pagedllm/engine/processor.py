@@ -51,7 +51,10 @@ class Processor:
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model_config.generation_config
-        return SamplingParams(**{k: gen[k] for k in _GEN_DEFAULT_KEYS if gen.get(k) is not None})
+        kwargs = {k: gen[k] for k in _GEN_DEFAULT_KEYS if gen.get(k) is not None}
+        if isinstance(gen.get("max_new_tokens"), int):
+            kwargs["max_tokens"] = gen["max_new_tokens"]  # vLLM: generation_config's max_new_tokens
+        return SamplingParams(**kwargs)
 
     def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         salt = None
@@ -97,7 +100,11 @@ class Processor:
                 f"{num_prompt_tokens} tokens, leaving no room for output. Please shorten the prompt."
             )
         if params.max_tokens is None:
+            # As long as the context allows, capped by generation_config's max_new_tokens (vLLM's rule).
             params.max_tokens = self.max_model_len - num_prompt_tokens
+            gen_max = self.config.model_config.generation_config.get("max_new_tokens")
+            if isinstance(gen_max, int) and gen_max > 0:
+                params.max_tokens = min(params.max_tokens, gen_max)
         elif num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

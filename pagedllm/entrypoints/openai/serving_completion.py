@@ -141,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             for i, (text, ids, _) in enumerate(encoded):
                 sub_id = request_id if len(encoded) == 1 else f"{request_id}-{i}"
-                self.log_request(sub_id, len(ids), params)
+                self.log_request(sub_id, len(ids), params, text if text is not None else ids)
                 # cache_salt (vLLM): only requests with the same salt share prefix-cache blocks.
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}
                 streams.append(await self.add_request(sub_id, prompt, params, arrival_time))
