@@ -158,6 +158,9 @@ class EngineArgs:
             batched = 8192 if device == "cuda" else 2048
         if not chunked and self.max_num_batched_tokens is None:
             batched = max(batched, max_model_len)  # every prompt must fit one step (as vLLM)
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", batched)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
         sizes_arg, max_size_arg = self._cudagraph_size_args()
         capture_sizes, dropped = resolve_cudagraph_capture_sizes(sizes_arg, max_size_arg, max_num_seqs, batched)
         if dropped:

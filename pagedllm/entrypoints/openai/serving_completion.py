@@ -116,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = normalize_prompts(request.prompt)
         self.limits.check_prompt_bytes(sum(len(p.encode()) for p in prompts if isinstance(p, str)), "prompt")
         for p in prompts:
-            if isinstance(p, list):
+            if isinstance(p, list) and params.truncate_prompt_tokens is None:  # truncation comes first
                 self.limits.check_prompt_token_ids(len(p), params.max_tokens, "prompt")
         return await self.run_admitted(
             len(prompts) * params.n,

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.unbuilt_fields import refuse_unbuilt_fields
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -183,6 +184,7 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
         if request.use_beam_search:
             raise APIError("use_beam_search is not supported.", param="use_beam_search")
+        refuse_unbuilt_fields(request)
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
