@@ -75,10 +75,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system_prompt:
         history.append({"role": "system", "content": args.system_prompt})
     turn = 0
+    print("Chatting with the model. /exit (or Ctrl-D) ends the chat; Ctrl-C stops an answer.", flush=True)
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt: leave quietly
             print()
             return 0
         if line.strip() in ("/exit", "/quit"):
@@ -93,12 +94,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
         engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params)
         reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                delta = out.outputs[0].text
-                reply.append(delta)
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    delta = out.outputs[0].text
+                    reply.append(delta)
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            # Ctrl-C stops this answer (as in vLLM's chat), not the program: the partial reply stays.
+            engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            sys.stdout.write(" [stopped]")
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -111,7 +119,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import pagedllm
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
+    parser.add_argument("-v", "--version", action="version", version=pagedllm.__version__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
