@@ -15,8 +15,9 @@ huggingface_hub was imported, so a variable set later still counts. `revision` i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+import pagedllm.envs as envs
 
 
 def hub_cache_dirs(download_dir: str | None = None) -> list[Path]:
@@ -24,9 +25,9 @@ def hub_cache_dirs(download_dir: str | None = None) -> list[Path]:
     dirs: list[Path] = []
     if download_dir:
         dirs.append(Path(download_dir).expanduser())
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]).expanduser())
-    home = Path(os.environ.get("HF_HOME") or "~/.cache/huggingface").expanduser()
+    if envs.HF_HUB_CACHE:
+        dirs.append(Path(envs.HF_HUB_CACHE).expanduser())
+    home = Path(envs.HF_HOME or "~/.cache/huggingface").expanduser()
     dirs.append(home / "hub")
     unique: list[Path] = []
     for d in dirs:

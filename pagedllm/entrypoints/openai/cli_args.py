@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
+import pagedllm.envs as envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from pagedllm.vllm_flags import add_table_flags
@@ -198,8 +198,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
 def api_keys(args: argparse.Namespace) -> list[str]:
     """--api-key values, plus $PAGEDLLM_API_KEY and vLLM's $VLLM_API_KEY when set."""
     keys = list(args.api_key or [])
-    for var in (API_KEY_ENV, VLLM_API_KEY_ENV):
-        env = os.environ.get(var)
+    for env in (envs.PAGEDLLM_API_KEY, envs.VLLM_API_KEY):
         if env and env not in keys:
             keys.append(env)
     return keys
