@@ -103,6 +103,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Hugging Face's cache locations, searched for hub ids (loader/hf_cache.py): HF_HUB_CACHE, else
     # $HF_HOME/hub, else ~/.cache/huggingface/hub. Nothing is downloaded.
     "HF_HUB_CACHE": _str("HF_HUB_CACHE"),
+    # Hugging Face's home directory; its hub/ subdirectory is the cache when HF_HUB_CACHE is unset.
     "HF_HOME": _str("HF_HOME"),
     # The key `pagedllm bench serve` sends when --api-key is not given (the openai client's variable).
     "OPENAI_API_KEY": _str("OPENAI_API_KEY"),

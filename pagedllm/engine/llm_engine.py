@@ -132,4 +132,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Drop the core (model, KV cache, CUDA graphs): `del llm` relies on this (entrypoints/llm.py)."""
-        self.engine_core = None  # type: ignore[assignment]
+        core, self.engine_core = self.engine_core, None  # type: ignore[assignment]
+        if core is not None:
+            core.shutdown()  # the executor lets its workers go

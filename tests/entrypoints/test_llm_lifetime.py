@@ -31,7 +31,7 @@ def test_del_llm_alone_frees_the_engine_as_in_the_seed_loop():
     path, _ = tiny_model("llama3")
     for _ in range(2):
         llm = LLM(path, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=128)
-        runner = llm.llm_engine.engine_core.model_runner
-        refs = [weakref.ref(x) for x in (llm.llm_engine, runner.model, runner.kv_caches[0])]
-        del llm, runner
+        worker = llm.llm_engine.engine_core.model_executor.driver_worker
+        refs = [weakref.ref(x) for x in (llm.llm_engine, worker.model, worker.kv_cache.tensors[0])]
+        del llm, worker
         assert [r() for r in refs] == [None, None, None]
