@@ -122,3 +122,17 @@ def test_periodic_stats_line(client):
     assert "Avg prompt throughput:" in line and "Running: 0 reqs" in line and "GPU KV cache usage:" in line
     stats.log()  # idle
     assert stats.log() is None  # idle twice: nothing printed
+
+
+def test_disable_log_stats_drops_the_stats_line_only(client, tiny_model_dir):
+    from pagedllm.entrypoints.openai.api_server import build_app, parse_server_args
+
+    engine = client.app_state.engine
+    before = list(engine.stat_loggers)
+    args = parse_server_args(["--model", str(tiny_model_dir), "--disable-log-stats"])
+    app = build_app(args, engine)  # not started: only what it registers is looked at
+    try:
+        assert app.state.log_stat_logger is None and app.state.stat_logger is not None
+        assert len(engine.stat_loggers) == len(before) + 1  # the Prometheus logger only
+    finally:
+        engine.stat_loggers[:] = before
