@@ -100,7 +100,6 @@ REFUSED_FLAGS: dict[str, FlagNote] = {
     "--model-loader-extra-config": FlagNote("the loaders take no extra config"),
     "--ignore-patterns": FlagNote("only the model's safetensors / .bin / .gguf weights are read"),
     "--pt-load-map-location": FlagNote(".bin weights are always loaded to the CPU, then moved"),
-    "--distributed-executor-backend": FlagNote("one process runs one GPU; multi-GPU executors are issue 20"),
     "--decode-context-parallel-size": FlagNote("context parallelism is not built"),
     "-dcp": FlagNote("context parallelism is not built"),
     "--data-parallel-size": FlagNote("data parallelism is not built; run one server per GPU behind a load balancer"),
@@ -185,7 +184,7 @@ WORKING_FLAGS: tuple[str, ...] = (
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-num-batched-tokens", "--max-num-seqs",
     "--cuda-graph-sizes", "--scheduling-policy", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--async-scheduling", "--no-async-scheduling", "--preemption-mode", "--compilation-config", "-O",
-    "--device", "--attention-backend",
+    "--device", "--attention-backend", "--distributed-executor-backend",
 )
 
 
@@ -224,13 +223,17 @@ def kwarg_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_llm_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+def check_llm_kwargs(kwargs: dict[str, Any], engine_arg_names: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
     """Drop LLM(...) keywords that are vLLM-design-only (one warning each) and refuse the keywords
     of features not built (ValueError); return the rest untouched. A keyword left at a value that
-    means "off" (False, None) is dropped silently: it asks for nothing."""
+    means "off" (False, None) is dropped silently: it asks for nothing. Names in engine_arg_names
+    (EngineArgs' own fields) always pass: a feature built later is no longer the table's."""
     rest: dict[str, Any] = {}
     for name, value in kwargs.items():
         flag = kwarg_flag(name)
+        if name in engine_arg_names:
+            rest[name] = value
+            continue
         if flag in REFUSED_FLAGS:
             if value in (None, False, 0, "", [], {}) or (name == "task" and value in ("auto", "generate")):
                 continue

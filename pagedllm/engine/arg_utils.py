@@ -14,6 +14,7 @@ import torch
 
 import pagedllm.envs as envs
 from pagedllm.config import (
+    EXECUTOR_BACKENDS,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -290,6 +291,9 @@ class EngineArgs:
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap scheduling with the running step (default: on for CUDA)")
         g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: all cores)")
+        g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+                       help="uni (one worker in this process), mp (one process per rank) or ray; default: uni "
+                            "for one GPU, else mp")
         g.add_argument("--tokenizer-mode", default="auto", choices=list(TOKENIZER_MODES) + ["mistral", "custom"],
                        help="auto: the fast tokenizer when there is one; slow: the Python one")
         g.add_argument("--revision", default=None,

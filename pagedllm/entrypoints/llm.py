@@ -29,7 +29,7 @@ class LLM:
     (pagedllm/vllm_flags.py holds the table)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        kwargs = check_llm_kwargs(kwargs)
+        kwargs = check_llm_kwargs(kwargs, _ENGINE_ARG_NAMES)
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise TypeError(
