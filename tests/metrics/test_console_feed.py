@@ -32,7 +32,7 @@ def test_series_gauges_and_recent_requests():
     feed.record(stats(2, 0, 0.30), IterationStats(num_generation_tokens=2))
     clock.t += 2.0  # a quiet second, then one more batch with a finished request
     feed.record(stats(1, 0, 0.1), IterationStats(
-        num_generation_tokens=1, finished_requests=[FinishedRequestStats("stop", 1.5, 4, "r1", 40)]))
+        num_generation_tokens=1, finished_requests=[FinishedRequestStats("stop", 1.5, 4, num_prompt_tokens=40, request_id="r1")]))
     snap = feed.snapshot()
     assert (snap["running"], snap["waiting"], snap["kv_usage"], snap["preemptions"]) == (1, 0, 0.1, 1)
     assert snap["prefix_cache_hit_rate"] == 0.25 and snap["total_generation_tokens"] == 5

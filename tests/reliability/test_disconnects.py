@@ -36,11 +36,11 @@ async def wait_metrics(server, cond, timeout: float = 20.0) -> dict:
 
 
 def running(m: dict) -> float:
-    return m[("pagedllm:num_requests_running", ())]
+    return m[("vllm:num_requests_running", ())]
 
 
 def waiting(m: dict) -> float:
-    return m[("pagedllm:num_requests_waiting", ())]
+    return m[("vllm:num_requests_waiting", ())]
 
 
 def _success_name(m: dict) -> str:
@@ -131,7 +131,7 @@ def test_disconnect_storm_frees_everything(server):
     assert successes(m) == successes(before)  # every dropped request was aborted, none finished
     # ... and counted as aborted (issue 18): 4 hogs, 1 in prefill, 6 queued, 1 non-streaming.
     assert aborts(m) - aborts(before) == 12
-    made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
+    made = m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
     assert made < LONG  # 5 long requests were cut short, far before LONG tokens each
     assert server.post("/v1/completions", NORMAL).json()["choices"][0]["text"] == reference
 
@@ -170,7 +170,7 @@ def test_a_client_that_stops_reading_is_dropped(server):
         assert received < 256 * 1024, received
     finally:
         sock.close()
-    made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
+    made = m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
     assert successes(m) == successes(before)  # aborted, not finished
     assert aborts(m) - aborts(before) == 5  # n=5: five sequences
     assert 0 < made < 5 * LONG / 2

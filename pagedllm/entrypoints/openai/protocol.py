@@ -123,6 +123,10 @@ class _SamplingRequest(OpenAIBaseModel):
     # vLLM: also return the prompt's and each choice's token ids.
     return_token_ids: bool | None = False
     use_beam_search: bool = False  # vLLM's field; refused when true (beam search is not built)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # keep only the last k prompt tokens; -1: as many as the context allows
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     def _sampling_kwargs(self, default: SamplingParams) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -140,6 +144,9 @@ class _SamplingRequest(OpenAIBaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
         for name in _DEFAULTABLE:

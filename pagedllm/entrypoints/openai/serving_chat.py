@@ -97,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
-        self.log_request(request_id, len(prompt_ids), params)
+        self.log_request(request_id, len(prompt_ids), params, prompt_text)
         stream = await self.add_request(
             request_id,
             {"prompt": prompt_text, "prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt},
@@ -185,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role="assistant", content=echo_text + c.text),
+                    message=ChatMessage(role=self.response_role, content=echo_text + c.text),
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -232,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(params.n):
                 yield chunk(
                     ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=echo_text),
+                        index=i, delta=DeltaMessage(role=self.response_role, content=echo_text),
                         token_ids=[] if return_token_ids else None,
                     ),
                     first=True,
