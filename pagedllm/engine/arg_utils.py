@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 # "level" in older vLLM) is accepted and has no effect (there is no torch.compile to switch).
 COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "mode", "level")
 
-# Quantization methods that are built: GGUF ("gguf"), computed on its blocks on the CPU, dequantized on a GPU.
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -82,20 +80,22 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.loader.source import resolve_model
+        from pagedllm.quantization.registry import build_quant_config, canonical_method, resolve_quantization
 
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
-        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported yet; built: {', '.join(SUPPORTED_QUANTIZATION)} "
-                "(GGUF files: blocks computed in place on the CPU, dequantized on a GPU)."
-            )
+        if self.quantization is not None:
+            canonical_method(self.quantization)  # an unbuilt method is refused before the model is read
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local path (no model hub is reached).")
         device = self.resolve_device()
         _check_attention_backend(self.attention_backend, device)
         source = resolve_model(self.model)
         hf = source.hf_config
+        # The checkpoint's quantization_config against the user's choice; its settings parse at load.
+        quantization = resolve_quantization(self.quantization, hf)
+        if quantization not in (None, "gguf"):
+            build_quant_config(quantization, hf, self.load_format)  # refuse unbuilt schemes at start
         config_dtype = getattr(hf, "dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
@@ -122,7 +122,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             trust_remote_code=self.trust_remote_code,
             seed=self.seed,
-            quantization=self.quantization,
+            quantization=quantization,
             generation_config=dict(source.generation_config),
         )
         max_num_seqs = self.max_num_seqs or (256 if device == "cuda" else 64)
