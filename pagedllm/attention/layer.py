@@ -48,6 +48,11 @@ class Attention(nn.Module):
         self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
+        # Per-tensor scales of an fp8 KV cache (quantization/kv_cache.py): the cache holds K / k_scale
+        # and V / v_scale. softmax(q . K * scale) = softmax(q . (K / k_scale) * scale * k_scale), and
+        # attention is linear in V, so both fold into the call around the kernels.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None, backend: AttentionBackend) -> None:
         self.kv_cache = kv_cache
@@ -100,7 +105,7 @@ class Attention(nn.Module):
     ) -> bool:
         # Not in the profiling pass (no cache yet), not on the CPU backends (they lack the method),
         # only for neox rotary (the kernel's pairing) and one eps for both norms.
-        if not (FUSED_QKV_PREP and self.kv_cache is not None
+        if not (FUSED_QKV_PREP and self.kv_cache is not None and not self._scaled_cache()
                 and getattr(self.backend, "supports_fused_qkv_prep", False)
                 and getattr(rotary_emb, "is_neox_style", False)):
             return False
@@ -115,12 +120,22 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
         t = q.shape[0]
+        scale = self.scale
+        if self._scaled_cache():  # the fused kernels above are skipped: they write K and V as they are
+            k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
         out = self.backend.forward(
             q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
+            k.reshape(t, self.num_kv_heads, self.head_dim),
+            v.reshape(t, self.num_kv_heads, self.head_dim),
             self.kv_cache,
             attn_metadata,
-            self.scale,
+            scale,
         )
+        if self._scaled_cache():
+            out = out * self.v_scale
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def _scaled_cache(self) -> bool:
+        """An fp8 cache with checkpoint scales other than 1.0."""
+        return (self.kv_cache is not None and self.kv_cache.element_size() == 1
+                and (self.k_scale != 1.0 or self.v_scale != 1.0))

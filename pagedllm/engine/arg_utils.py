@@ -230,7 +230,8 @@ class EngineArgs:
         g.add_argument("--cpu-kvcache-space", type=float, default=None, help="KV cache GiB when on the CPU")
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="KV cache element type: auto (the model dtype; float16 for GGUF weights computed on "
-                            "the CPU), float16, bfloat16 or float32")
+                            "the CPU), float16, bfloat16, float32, or fp8 / fp8_e4m3 (per-tensor scales from the "
+                            "checkpoint, else 1.0)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
         g.add_argument("--max-num-seqs", type=int, default=None)

@@ -13,6 +13,7 @@ from pagedllm.loader.dummy import initialize_dummy_weights
 from pagedllm.loader.weights import iter_weights
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.quantization.base import QuantizationConfig
+from pagedllm.quantization.kv_cache import take_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                                skip_dense=skip_dense)
         # Tensors keep their checkpoint dtype here: each parameter's loader copies (and so casts) into
         # the parameter's own dtype, and quantized ones check theirs (fp8 must not become bf16 on the way).
+        weights = take_kv_scales(model, weights)  # fp8 KV-cache scales go to the attention layers
         model.load_weights((name, t.to(device)) for name, t in weights)
     for module in model.modules():
         quant_method = getattr(module, "quant_method", None)

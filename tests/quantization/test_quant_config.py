@@ -155,3 +155,16 @@ def test_online_fp8_and_dummy_quantized_layouts(base, gptq):
         assert tensor.dtype in (torch.int32, torch.int8) and tensor.unique().numel() > 8, method
         out = layer(torch.randn(3, 128))
         assert out.shape == (3, 64) and torch.isfinite(out).all()
+
+
+def test_gptq_v2_stores_zero_points_without_the_offset(base, gptq):
+    from pagedllm.quantization.wna16 import unpack_int32
+
+    def to_v2(tensors):
+        for name in [n for n in tensors if n.endswith(".qzeros")]:
+            true_zero = unpack_int32(tensors[name], 4, dim=1) + 1  # v1 stores zero - 1
+            tensors[name] = qc.gptq_pack_qzeros(true_zero + 1, 4)  # the packer subtracts 1: stores zero
+    v2 = _variant(gptq, edit_tensors=to_v2, edit_config=lambda c: c.update(checkpoint_format="gptq_v2"))
+    x = torch.randn(3, 64)
+    a, b = _load(gptq).model.layers[0].self_attn.qkv_proj, _load(v2).model.layers[0].self_attn.qkv_proj
+    assert torch.equal(a.wna16_zeros, b.wna16_zeros) and torch.equal(a(x), b(x))
