@@ -18,7 +18,7 @@ from pagedllm.attention.backend import TorchAttentionBackend
 from pagedllm.attention.layer import Attention
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.model_loader import load_model
-from pagedllm.worker.model_runner import kv_cache_bytes_per_block
+from pagedllm.worker.kv_cache import kv_cache_bytes_per_block
 from tests.models.hf_compare import PagedRunner
 from tests.quantization import quant_ckpt as qc
 
@@ -120,7 +120,7 @@ def test_engine_runs_an_fp8_cache_with_swap_preemption():
         llm = LLM(path, skip_tokenizer_init=True, kv_cache_dtype=cache, block_size=4, num_gpu_blocks_override=16,
                   preemption_mode="swap", max_model_len=64, swap_space=0.01)
         tokens[cache] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        swapped = llm.llm_engine.engine_core.model_runner.swap_space
+        swapped = llm.llm_engine.engine_core.model_executor.driver_worker.swap_space
         assert swapped is not None and swapped.cpu_caches[0].dtype == (torch.uint8 if cache == "fp8" else torch.float32)
         del llm
     equal = sum(a == b for x, y in zip(tokens["float32"], tokens["fp8"]) for a, b in zip(x, y))
