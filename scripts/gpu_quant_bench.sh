@@ -3,7 +3,7 @@
 #   bash scripts/gpu_quant_bench.sh OUT_DIR SECTION [SECTION ...]
 # Sections (each fits one 10-minute device call with room to spare; run them in separate calls):
 #   check       every quantized GEMM kernel vs its torch reference at Llama-3.1-8B sizes, with
-#               times beside bf16 cuBLAS, and the quantization/kernel tests on the GPU, ~3 min
+#               times beside bf16 cuBLAS, and the quant / fp8-KV kernel tests on the GPU, ~3 min
 #   fp8         pagedllm W1 Llama-3.1-8B shape: quantization=fp8 (online), and + kv_cache_dtype=fp8
 #               when it is built; then vLLM 0.21 the same (when under /tmp/site), ~6 min
 #   int8        W8A8-INT8 (compressed-tensors config), pagedllm then vLLM, ~4 min
@@ -87,9 +87,9 @@ if want check; then
   echo "=== kernels vs references, Llama-3.1-8B sizes"
   timeout 240 python3 scripts/gpu_quant_check.py > "$OUT/check.log" 2>&1
   grep "^| \|within" "$OUT/check.log" | tail -80
-  echo "=== quantization + quant kernel tests on the GPU"
+  echo "=== quant kernel tests on the GPU (fp8 KV cache: bit-exact against torch there)"
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py tests/kernels/test_scaled_mm.py \
-    tests/quantization/test_quant_fidelity.py > "$OUT/tests.log" 2>&1
+    tests/kernels/test_kv_cache_fp8_kernels.py > "$OUT/tests.log" 2>&1
   tail -2 "$OUT/tests.log"
   elapsed
 fi
