@@ -7,7 +7,7 @@
 #   fp8         pagedllm W1 Llama-3.1-8B shape: quantization=fp8 (online), and + kv_cache_dtype=fp8
 #               when it is built; then vLLM 0.21 the same (when under /tmp/site), ~6 min
 #   int8        W8A8-INT8 (compressed-tensors config), pagedllm then vLLM, ~4 min
-#   int4        AWQ and GPTQ int4 (g128): W1 and the batch-1 decode step, pagedllm then vLLM, ~7 min
+#   awq, gptq   int4 g128 (one section each): W1 and the batch-1 decode step, pagedllm then vLLM, ~4.5 min
 #   72b         Qwen2.5-72B-shaped AWQ (dummy int4 weights) on one H200, max_model_len 4096, W1
 #               (pagedllm, then vLLM), ~7 min
 # All runs use dummy weights in each method's quantized layout (--load-format dummy) and configs
@@ -108,14 +108,12 @@ if want int8; then
   ours_w1 int8 "$OUT/cfg/llama3-8b-w8a8"
   vllm_w1 int8 "$OUT/cfg/llama3-8b-w8a8"
 fi
-if want int4; then
-  for q in awq gptq; do
-    ours_w1 $q "$OUT/cfg/llama3-8b-$q"
-    ours_lat $q "$OUT/cfg/llama3-8b-$q"
-  done
-  vllm_w1 awq "$OUT/cfg/llama3-8b-awq"
-  vllm_w1 gptq "$OUT/cfg/llama3-8b-gptq"
-fi
+for q in awq gptq; do
+  want $q || continue
+  ours_w1 $q "$OUT/cfg/llama3-8b-$q"
+  ours_lat $q "$OUT/cfg/llama3-8b-$q"
+  vllm_w1 $q "$OUT/cfg/llama3-8b-$q"
+done
 if want 72b; then
   ours_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92
   vllm_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92
