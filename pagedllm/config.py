@@ -23,8 +23,10 @@ _DTYPES = {
 
 # --kv-cache-dtype values this build honours, in vLLM's spelling, besides "auto" (the model runner
 # resolves it: the model dtype, or float16 for GGUF weights computed on their blocks on the CPU).
-# vLLM's 8-bit caches (fp8, fp8_e4m3, fp8_e5m2, int8, ...) are not built.
-KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# "fp8" is e4m3 (as vLLM on CUDA) with per-tensor k/v scales from the checkpoint, else 1.0;
+# fp8_e5m2 and the other 8-bit caches are not built.
+KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
@@ -119,7 +121,7 @@ class CacheConfig:
         if self.cache_dtype != "auto" and self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.cache_dtype!r} is not supported; choose one of auto, "
-                f"{', '.join(KV_CACHE_DTYPES)} (8-bit KV caches such as fp8 are not built)."
+                f"{', '.join(KV_CACHE_DTYPES)} (fp8_e5m2 and int8 KV caches are not built)."
             )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.backend import AttentionBackend, AttentionHeads, TorchAttentionBackend
+from pagedllm.attention.backend import AttentionBackend, AttentionHeads, TorchAttentionBackend, split_norm_rotate
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -50,6 +50,11 @@ class Attention(nn.Module):
                        if v}
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
+        # Per-tensor scales of an fp8 KV cache (quantization/kv_cache.py): the cache holds K / k_scale
+        # and V / v_scale. softmax(q . K * scale) = softmax(q . (K / k_scale) * scale * k_scale), and
+        # attention is linear in V, so both fold into the call around the kernels.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None, backend: AttentionBackend) -> None:
         self.kv_cache = kv_cache
@@ -64,6 +69,11 @@ class Attention(nn.Module):
         q_norm: nn.Module | None = None,  # RMSNorm(head_dim), applied per head before rope (Qwen3)
         k_norm: nn.Module | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
+        if self._scaled_cache():
+            # An fp8 cache with checkpoint scales: the backend's fused prep kernels write K/V unscaled,
+            # so prep runs separately here and `forward` folds the scales in.
+            q, k, v = split_norm_rotate(qkv, positions, rotary_emb, self.heads, q_norm, k_norm)
+            return self.forward(q, k, v, attn_metadata)
         return self.backend.forward_qkv(qkv, positions, rotary_emb, self.kv_cache, attn_metadata, self.scale,
                                         self.heads, q_norm, k_norm, **self._extra)
 
@@ -75,13 +85,23 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
         t = q.shape[0]
+        scale = self.scale
+        if self._scaled_cache():  # K / k_scale and V / v_scale go to the cache (quantization/kv_cache.py)
+            k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
         out = self.backend.forward(
             q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
+            k.reshape(t, self.num_kv_heads, self.head_dim),
+            v.reshape(t, self.num_kv_heads, self.head_dim),
             self.kv_cache,
             attn_metadata,
-            self.scale,
+            scale,
             **self._extra,
         )
+        if self._scaled_cache():
+            out = out * self.v_scale
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def _scaled_cache(self) -> bool:
+        """An fp8 cache with checkpoint scales other than 1.0."""
+        return (self.kv_cache is not None and self.kv_cache.element_size() == 1
+                and (self.k_scale != 1.0 or self.v_scale != 1.0))

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def write_kv_cache(
     key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -21,15 +23,28 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # int64 (num_tokens,), -1 = skip (padding)
 ) -> None:
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    flat = _indexable(kv_cache).view(2, -1, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     if bool(valid.all()):
-        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        flat[0].index_copy_(0, slot_mapping, _indexable(key.to(kv_cache.dtype)))
+        flat[1].index_copy_(0, slot_mapping, _indexable(value.to(kv_cache.dtype)))
     else:
         slots = slot_mapping[valid]
-        flat[0].index_copy_(0, slots, key[valid].to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+        flat[0].index_copy_(0, slots, _indexable(key[valid].to(kv_cache.dtype)))
+        flat[1].index_copy_(0, slots, _indexable(value[valid].to(kv_cache.dtype)))
+
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    """torch has no CPU index/index_copy kernels for float8: move fp8 caches' bytes as uint8 instead.
+
+    `.to(float8_e4m3fn)` saturates at +-448 (kv_cache_dtype "fp8"), so nothing becomes NaN on the way in.
+    """
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache[tables] for any cache dtype (fp8 through its bytes)."""
+    return _indexable(cache)[tables].view(cache.dtype)
 
 
 def _group_attention(
@@ -119,8 +134,8 @@ def paged_attention(
             num_blocks = -(-max_seq // block_size)
             tables = md.block_table[idx, :num_blocks].long()  # (G, nb)
             g = tables.shape[0]
-            k_src = kv_cache[0][tables].reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
-            v_src = kv_cache[1][tables].reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
+            k_src = _gather(kv_cache[0], tables).reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
+            v_src = _gather(kv_cache[1], tables).reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
             s_len = seq_lens[idx]
         _group_attention(query, k_src, v_src, qsl[idx], q_lens[idx], s_len, max_q, scale, out,
                          sliding_window, logits_soft_cap)

@@ -32,8 +32,6 @@ logger = logging.getLogger(__name__)
 # "level" in older vLLM) is accepted and has no effect (there is no torch.compile to switch).
 COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "mode", "level")
 
-# Quantization methods that are built: GGUF ("gguf"), computed on its blocks on the CPU, dequantized on a GPU.
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
@@ -96,14 +94,12 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.loader.source import resolve_model
+        from pagedllm.quantization.registry import build_quant_config, canonical_method, resolve_quantization
 
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
-        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported yet; built: {', '.join(SUPPORTED_QUANTIZATION)} "
-                "(GGUF files: blocks computed in place on the CPU, dequantized on a GPU)."
-            )
+        if self.quantization is not None:
+            canonical_method(self.quantization)  # an unbuilt method is refused before the model is read
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local path (no model hub is reached).")
         device = self.resolve_device()
@@ -124,7 +120,10 @@ class EngineArgs:
             generation_config=self.generation_config,
         )
         hf = source.hf_config
-        _check_checkpoint_quantization(hf, self.quantization)
+        # The checkpoint's quantization_config against the user's choice; its settings parse at load.
+        quantization = resolve_quantization(self.quantization, hf)
+        if quantization not in (None, "gguf"):
+            build_quant_config(quantization, hf, self.load_format)  # refuse unbuilt schemes at start
         config_dtype = getattr(hf, "dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
@@ -151,7 +150,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             trust_remote_code=self.trust_remote_code,
             seed=self.seed,
-            quantization=self.quantization,
+            quantization=quantization,
             generation_config=dict(source.generation_config),
             tokenizer_mode=self.tokenizer_mode,
         )
@@ -269,7 +268,8 @@ class EngineArgs:
         g.add_argument("--cpu-kvcache-space", type=float, default=None, help="KV cache GiB when on the CPU")
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="KV cache element type: auto (the model dtype; float16 for GGUF weights computed on "
-                            "the CPU), float16, bfloat16 or float32")
+                            "the CPU), float16, bfloat16, float32, or fp8 / fp8_e4m3 (per-tensor scales from the "
+                            "checkpoint, else 1.0)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
         g.add_argument("--max-num-seqs", type=int, default=None)
@@ -374,25 +374,6 @@ def _env_kvcache_space() -> float | None:
     except ValueError:
         raise ValueError(f"{VLLM_CPU_KVCACHE_SPACE_ENV} must be a number of GiB, got {value!r}.") from None
     return space if space > 0 else None  # vLLM: 0 means "the default"
-
-
-def _check_checkpoint_quantization(hf_config: Any, quantization: str | None) -> None:
-    """A checkpoint quantized by a method nothing here loads (config.json's quantization_config)
-    is refused by name before any weight is read, not later as "tensor ... qweight matches no
-    model parameter"."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = str(getattr(method, "value", method) or "unknown")
-    if method.lower() not in SUPPORTED_QUANTIZATION:
-        raise ValueError(
-            f"this checkpoint is quantized with {method!r} (quantization_config in its config.json), which "
-            f"pagedllm cannot load yet; built: {', '.join(SUPPORTED_QUANTIZATION)}. Use an unquantized checkpoint "
-            "or a GGUF file."
-        )
-    if quantization is not None and quantization.lower() != method.lower():
-        raise ValueError(f"quantization={quantization!r} does not match the checkpoint's method {method!r}.")
 
 
 def _parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import _LOG2E, _attend_tile, _tile_config, paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
 from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
@@ -110,10 +111,9 @@ def _decode_fused_kernel(
     one = tl.full([1], 1, tl.int1)
     d_mask = (d < HEAD_DIM)[None, :]
     k_src = src + (NUM_HEADS + kv_head) * HEAD_DIM
-    k_new = _norm_rotate(k_src, one, d, partner, first, is_rot, cos, sin, k_norm_ptr, eps, HAS_K_NORM,
-                         HEAD_DIM, 1).to(k_cache_ptr.dtype.element_ty)
-    v_new = tl.load(k_src + NUM_KV_HEADS * HEAD_DIM + d[None, :], mask=d_mask, other=0.0
-                    ).to(v_cache_ptr.dtype.element_ty)
+    k_new = to_cache(_norm_rotate(k_src, one, d, partner, first, is_rot, cos, sin, k_norm_ptr, eps, HAS_K_NORM,
+                                  HEAD_DIM, 1), k_cache_ptr)
+    v_new = to_cache(tl.load(k_src + NUM_KV_HEADS * HEAD_DIM + d[None, :], mask=d_mask, other=0.0), v_cache_ptr)
     if split == 0:
         slot = tl.load(slot_mapping_ptr + row, mask=row < num_slots, other=-1).to(tl.int64)
         if slot >= 0:

@@ -13,6 +13,15 @@ import triton.language as tl
 
 from pagedllm.attention.torch_ref import write_kv_cache as write_kv_cache_ref
 
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x cast to the cache's element type. An fp8 (e4m3, kv_cache_dtype "fp8") cache saturates at
+    +-448 first, as torch's cast does (the reference), instead of relying on the conversion's overflow."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
 __all__ = ["write_kv_cache", "write_kv_cache_ref"]
 
 
@@ -48,9 +57,9 @@ def _write_kv_cache_kernel(
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
     dst = blk * stride_c_blk + off * stride_c_slot + h[:, None] * stride_c_h + d[None, :]
     k = tl.load(key_ptr + t * stride_k_t + h[:, None] * stride_k_h + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr), mask=mask)
     v = tl.load(value_ptr + t * stride_v_t + h[:, None] * stride_v_h + d[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr), mask=mask)
 
 
 def write_kv_cache(

@@ -410,5 +410,6 @@ def paged_attention_ref(
     n = md.num_actual_tokens
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     slots = md.slot_mapping[:n].clamp(min=0)
-    return torch_ref.paged_attention(query, flat[0][slots], flat[1][slots], kv_cache, md, scale,
+    key, value = torch_ref._gather(flat[0], slots), torch_ref._gather(flat[1], slots)
+    return torch_ref.paged_attention(query, key, value, kv_cache, md, scale,
                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

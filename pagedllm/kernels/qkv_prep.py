@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.kv_cache_write import write_kv_cache_ref
+from pagedllm.kernels.kv_cache_write import to_cache, write_kv_cache_ref
 from pagedllm.kernels.rmsnorm import rms_norm_ref
 from pagedllm.kernels.rotary import rotary_embedding_ref
 
@@ -154,10 +154,10 @@ def _qkv_prep_kernel(
                              k_norm_ptr, eps, HAS_K_NORM, HEAD_DIM, HEADS_PER_BLOCK)
             dst = ((slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
                    + (h0 + h)[:, None] * stride_c_h + d[None, :])
-            tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr), mask=mask)
             v_src = k_src + NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
             v = tl.load(v_src, mask=mask, other=0.0)
-            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr), mask=mask)
 
 
 def _heads_per_block(num_heads: int, num_kv_heads: int, dim_pad: int) -> int:

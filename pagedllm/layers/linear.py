@@ -41,11 +41,13 @@ def load_slice(
     """param[param_offset : +size] <- loaded_weight[loaded_offset : +size], both along `dim`.
 
     Offsets and sizes are logical (unpacked) counts; a parameter packed along `dim` (`packed_dim`,
-    `pack_factor` attributes, e.g. 8 int4 values per int32) is addressed in packed units.
-    `loaded_total` is the size the checkpoint tensor must have along `dim`.
+    `pack_factor` attributes, e.g. 8 int4 values per int32) is addressed in packed units, and one
+    holding one value per group of inputs (`group_dims` {dim: group_size}: a GPTQ scale row per 128
+    inputs) in groups. `loaded_total` is the size the checkpoint tensor must have along `dim`.
     """
-    if getattr(param, "packed_dim", None) == dim:
-        factor = param.pack_factor
+    factor = param.pack_factor if getattr(param, "packed_dim", None) == dim else 1
+    factor *= getattr(param, "group_dims", {}).get(dim, 1)
+    if factor != 1:
         param_offset, size = param_offset // factor, size // factor
         loaded_offset, loaded_total = loaded_offset // factor, loaded_total // factor
     if loaded_weight.dim() != param.dim() or loaded_weight.shape[dim] != loaded_total:

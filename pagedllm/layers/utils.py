@@ -12,7 +12,8 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any] | None) -> None:
 
     Attributes the linear layers read: `output_dim` / `input_dim` (which tensor dim is sharded when
     the layer is split across TP ranks, None = not sharded), `packed_dim` + `pack_factor` (that dim
-    holds pack_factor logical values per element, e.g. eight 4-bit weights in one int32), and
+    holds pack_factor logical values per element, e.g. eight 4-bit weights in one int32), `group_dims`
+    ({dim: group_size}: one element per group of logical values, a group-wise scale), and
     `weight_loader(param, loaded_weight, shard_id=None)`.
     """
     for key, value in (attrs or {}).items():

@@ -19,16 +19,22 @@ from torch import nn
 def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
     """Fill every floating-point parameter of `model` in place, on its own device, with U(low, high).
 
-    Integer parameters (packed quantized weights) are left alone. Buffers are left alone too, unlike
-    vLLM's `state_dict()` walk: ours hold derived tables (rotary cos/sin) that must stay exact.
+    Integer parameters (packed int4/int8 quantized weights, zero points) get random bits, so a
+    quantized layout is exercised as a real checkpoint would; parameters marked `skip_dummy_init`
+    (GPTQ g_idx, compressed-tensors weight_shape) keep the valid values their method created.
+    Buffers are left alone too, unlike vLLM's `state_dict()` walk: ours hold derived tables (rotary
+    cos/sin) that must stay exact.
     """
     if not low < high:
         raise ValueError(f"initialize_dummy_weights needs low < high, got low={low}, high={high}")
     for param in model.parameters():
-        if not torch.is_floating_point(param):
+        if getattr(param, "skip_dummy_init", False):
             continue
         generator = torch.Generator(device=param.device)
         generator.manual_seed(seed)
+        if not torch.is_floating_point(param):
+            param.random_(generator=generator)
+            continue
         if torch.finfo(param.dtype).bits < 16:
             # uniform_ has no kernel for 8-bit floats (fp8 weights): draw in fp16, then cast.
             tmp = torch.empty(param.shape, dtype=torch.float16, device=param.device)

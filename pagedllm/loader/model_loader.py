@@ -13,6 +13,7 @@ from pagedllm.loader.dummy import initialize_dummy_weights
 from pagedllm.loader.weights import iter_weights
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.quantization.base import QuantizationConfig
+from pagedllm.quantization.kv_cache import take_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,12 @@ def _default_dtype(dtype: torch.dtype):
 def get_quant_config(model_config: ModelConfig, device: torch.device) -> QuantizationConfig | None:
     """The quantization config the model is built with (None: dense weights in model_config.dtype)."""
     from pagedllm.quantization.gguf import select_gguf_config
+    from pagedllm.quantization.registry import build_quant_config
 
+    if model_config.quantization not in (None, "gguf"):
+        config = build_quant_config(model_config.quantization, model_config.hf_config, model_config.load_format)
+        logger.info("quantization: %s", config.get_name())
+        return config
     return select_gguf_config(model_config, device)
 
 
@@ -50,11 +56,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         keep_quantized, skip_dense = names_fn(model) if names_fn is not None else ((), ())
         weights = iter_weights(model_config.source, model_config.load_format, keep_quantized=keep_quantized,
                                skip_dense=skip_dense)
-        # Floating tensors take the run dtype; raw quantized blocks (uint8) stay as they are.
-        model.load_weights(
-            (name, t.to(device=device, dtype=model_config.dtype) if t.is_floating_point() else t.to(device))
-            for name, t in weights
-        )
+        # Tensors keep their checkpoint dtype here: each parameter's loader copies (and so casts) into
+        # the parameter's own dtype, and quantized ones check theirs (fp8 must not become bf16 on the way).
+        weights = take_kv_scales(model, weights)  # fp8 KV-cache scales go to the attention layers
+        model.load_weights((name, t.to(device)) for name, t in weights)
     for module in model.modules():
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:

@@ -41,17 +41,18 @@ def load_weights_with_mapping(
                 continue
             param_name = name.replace(ckpt_name, fused)
             param = _lookup(params, param_name, name)
-            param.weight_loader(param, tensor, shard_id)
+            _named(name, param.weight_loader, param, tensor, shard_id)
             shards_seen.setdefault(param_name, set()).add(shard_id)
             break
         else:
             param_name = name
             param = _lookup(params, param_name, name)
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            _named(name, getattr(param, "weight_loader", default_weight_loader), param, tensor)
             shards_seen.setdefault(param_name, set()).add(None)  # the whole tensor: every shard
         loaded.add(param_name)
 
-    missing = sorted(set(params) - loaded)
+    # Optional parameters (a GPTQ g_idx without act order) keep their defaults when absent.
+    missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional", False))
     partial = []
     for param_name, seen in shards_seen.items():
         if None in seen:  # loaded from an already fused checkpoint tensor
@@ -76,6 +77,16 @@ def sliding_window_for_layer(config: object, index: int) -> int | None:
     if layer_types is not None:
         return int(window) if layer_types[index] == "sliding_attention" else None
     return int(window)
+
+
+def _named(ckpt_name: str, loader: Callable[..., None], *args) -> None:
+    """Run a weight loader; its ValueError (wrong shape or dtype) gets the checkpoint tensor's name."""
+    try:
+        loader(*args)
+    except ValueError as e:
+        if ckpt_name in str(e):
+            raise
+        raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from e
 
 
 def _lookup(params: dict[str, nn.Parameter], param_name: str, ckpt_name: str) -> nn.Parameter:

@@ -13,7 +13,10 @@ import torch
 
 class CpuSwapSpace:
     def __init__(self, num_cpu_blocks: int, gpu_caches: list[torch.Tensor]) -> None:
-        self.gpu_caches = gpu_caches
+        # fp8 caches move as their bytes: torch has no CPU index kernels for float8.
+        self.gpu_caches = [c.view(torch.uint8) if c.is_floating_point() and c.element_size() == 1 else c
+                           for c in gpu_caches]
+        gpu_caches = self.gpu_caches
         pin = gpu_caches[0].is_cuda if gpu_caches else False
         # Same layout as the device cache: (2, num_blocks, block_size, num_kv_heads, head_dim). Blocks
         # must hold finite numbers (a masked slot still meets a 0 weight in the torch reference): zeros.

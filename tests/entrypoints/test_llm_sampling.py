@@ -122,8 +122,10 @@ def test_unsupported_engine_args_fail_clearly():
     path, _ = tiny_model("llama3")
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True)
-    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
+    with pytest.raises(ValueError, match="quantization='awq' needs a quantized awq checkpoint"):
         LLM(path, quantization="awq", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="'bitsandbytes' is not built"):
+        LLM(path, quantization="bitsandbytes", skip_tokenizer_init=True)
     with pytest.raises(TypeError, match="not_a_flag"):
         LLM(path, not_a_flag=1)
 

@@ -61,14 +61,19 @@ class Fp8AndInt(nn.Module):
         super().__init__()
         self.fp8 = nn.Parameter(torch.zeros(64, 64, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.packed = nn.Parameter(torch.full((4, 4), 7, dtype=torch.int32), requires_grad=False)
+        self.g_idx = nn.Parameter(torch.arange(8, dtype=torch.int32), requires_grad=False)
+        self.g_idx.skip_dummy_init = True
         self.register_buffer("cos_sin_cache", torch.ones(8))
 
 
-def test_fp8_filled_int_and_buffers_untouched() -> None:
+def test_fp8_filled_int_random_marked_and_buffers_untouched() -> None:
     module = Fp8AndInt()
     initialize_dummy_weights(module)
     # e4m3's smallest step is 2**-9 ~ 0.00195, so U(-1e-3, 1e-3) rounds to {0, +-2**-9}: as in vLLM
     fp8 = module.fp8.float()
     assert set(fp8.unique().abs().tolist()) == {0.0, 2.0**-9}
-    assert torch.equal(module.packed, torch.full((4, 4), 7, dtype=torch.int32))
+    # Packed int weights get random bits (a quantized layout exercised as a real checkpoint would);
+    # index tensors marked skip_dummy_init keep their valid values.
+    assert module.packed.unique().numel() > 4
+    assert torch.equal(module.g_idx, torch.arange(8, dtype=torch.int32))
     assert torch.equal(module.cos_sin_cache, torch.ones(8))

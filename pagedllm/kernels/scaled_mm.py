@@ -1,0 +1,143 @@
+"""W8A8 GEMMs, FP8 (e4m3) and INT8, with per-token activation scales and per-channel weight scales.
+
+    x (M, K) float  --quantize-->  xq (M, K) fp8/int8, x_scale (M, 1) fp32   (dynamic: amax per row,
+                                                                             static: one checkpoint scale)
+    y = (xq @ wq^T) * x_scale * w_scale[None, :] + bias     wq (N, K) fp8/int8, w_scale (N,) fp32
+
+A per-tensor weight scale is the per-channel case with equal entries (fused q/k/v shards each keep
+their own scale as rows of w_scale, so nothing is requantized at load).
+
+Where each runs:
+    CPU                    `scaled_mm_ref`: the quantized values dequantized in fp32 and multiplied
+                           (exact products; fp32 sums), which is also every kernel's reference
+    CUDA, FP8              torch._scaled_mm (cuBLASLt FP8 tensor cores, row-wise scales, bf16 out)
+    CUDA, INT8, M > 16     torch._int_mm (cuBLASLt int8 -> int32), scales applied after
+    CUDA, INT8, M <= 16    `_scaled_gemm_kernel` (Triton; _int_mm refuses M <= 16)
+
+The Triton kernel takes int8 or fp8 operands (int32 or fp32 accumulators) and applies both scales
+and the bias in its epilogue; it is checked against `scaled_mm_ref` under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "quantize_activation", "scaled_gemm_triton", "scaled_mm_ref",
+           "w8a8_linear"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INT8_MAX = 127.0
+
+
+def quantize_activation(x: torch.Tensor, qdtype: torch.dtype,
+                        static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (xq (M, K) qdtype, scale (M, 1) fp32) with x ~= xq * scale.
+
+    Dynamic (static_scale None): scale = amax(|row|) / qmax, per token, as vLLM's per-token dynamic
+    quantization; INT8 rounds half to even (torch.round), as compressed-tensors does.
+    """
+    xf = x.float()
+    qmax = FP8_MAX if qdtype == FP8_DTYPE else INT8_MAX
+    if static_scale is None:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(xf.shape[0], 1)
+    y = xf / scale
+    if qdtype == FP8_DTYPE:
+        return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
+    return torch.round(y).clamp(-128, 127).to(torch.int8), scale.contiguous()
+
+
+def scaled_mm_ref(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(xq @ wq^T) * x_scale * w_scale + bias in fp32, cast to out_dtype."""
+    out = (xq.float() @ wq.float().t()) * x_scale.float() * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
+@triton.jit
+def _scaled_gemm_kernel(
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_am, stride_bn, stride_om,
+    HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if IS_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a_mask = m_mask[:, None] & k_mask[None, :]
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        # b is (N, K) row-major; the tile is read as (BLOCK_K, BLOCK_N) = W^T.
+        if IS_INT:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=a_mask, other=0)
+            b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None], mask=b_mask, other=0)
+            acc += tl.dot(a, b, out_dtype=tl.int32)
+        else:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=a_mask, other=0.0)
+            b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None], mask=b_mask, other=0.0)
+            acc += tl.dot(a, b, out_dtype=tl.float32)  # fp8 x fp8 on tensor cores (sm_89+)
+    a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
+    b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def scaled_gemm_triton(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype,
+                       block: tuple[int, int, int] = (16, 64, 128)) -> torch.Tensor:
+    """The Triton W8A8 GEMM (int8 or fp8 operands); same contract as `scaled_mm_ref`."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    bm, bn, bk = block
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _scaled_gemm_kernel[grid](
+        xq, wq, x_scale.reshape(-1).float().contiguous(), w_scale.reshape(-1).float().contiguous(),
+        bias if bias is not None else out, out, m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )
+    return out
+
+
+def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) float -> (M, N) in x's dtype through the fastest path for the device (table above)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_activation(x2, wq.dtype, input_scale)
+    if not x.is_cuda:
+        out = scaled_mm_ref(xq, wq, x_scale, w_scale, bias, x.dtype)
+    elif wq.dtype == FP8_DTYPE:
+        out = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1).float(),
+                               bias=bias if bias is not None and x.dtype == torch.bfloat16 else None,
+                               out_dtype=torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
+        if bias is not None and x.dtype != torch.bfloat16:
+            out = out + bias
+        out = out.to(x.dtype)
+    elif xq.shape[0] > 16:
+        acc = torch._int_mm(xq, wq.t())
+        out = acc.float().mul_(x_scale).mul_(w_scale.reshape(1, -1))
+        if bias is not None:
+            out += bias.float()
+        out = out.to(x.dtype)
+    else:
+        out = scaled_gemm_triton(xq, wq, x_scale, w_scale, bias, x.dtype)
+    return out.reshape(*lead, wq.shape[0])

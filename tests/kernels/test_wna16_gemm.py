@@ -1,0 +1,65 @@
+"""W4A16 / W8A16 dequant-GEMM (Triton) against its fp32 reference, and the reference against a dense
+matmul of independently dequantized weights, for ragged shapes, split-K and act-order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels.wna16_gemm import (
+    dequantize_wna16,
+    pack_along_k,
+    unpack_along_k,
+    wna16_config,
+    wna16_linear,
+    wna16_linear_ref,
+)
+
+
+def _weights(k: int, n: int, bits: int, group: int, device):
+    q = torch.randint(0, 1 << bits, (k, n), device=device)
+    scales = (torch.rand(k // group, n, device=device) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 1 << bits, (k // group, n), device=device, dtype=torch.uint8)
+    return q, pack_along_k(q, bits), scales, zeros
+
+
+def test_pack_layout_worked_example():
+    word = pack_along_k(torch.tensor([[1], [2], [10], [3], [0], [0], [0], [0]]), 4)
+    assert word.item() == 0x00003A21
+    w = dequantize_wna16(word, torch.tensor([[0.5], [0.25]]), torch.tensor([[8], [8]], dtype=torch.uint8), 4, 4)
+    assert w.flatten().tolist() == [-3.5, -3, 1, -2.5, -2, -2, -2, -2]
+    high = pack_along_k(torch.full((8, 1), 15), 4)  # the sign bit set: still every nibble back
+    assert high.item() == -1 and unpack_along_k(high, 4).flatten().tolist() == [15] * 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("m", "config"), [(1, None), (3, (16, 32, 32, 4)), (40, None), (21, (32, 64, 64, 1))])
+def test_kernel_matches_reference(device, bits, m, config):
+    k, n, group = 256, 48, 64  # n not a multiple of BLOCK_N: ragged last column block
+    q, qweight, scales, zeros = _weights(k, n, bits, group, device)
+    x = torch.randn(m, k, device=device)
+    bias = torch.randn(n, device=device)
+    ref = wna16_linear_ref(x, qweight, scales, zeros, bits, group, bias=bias)
+    dense = x @ ((q.float() - zeros.float().repeat_interleave(group, 0)) * scales.float().repeat_interleave(group, 0))
+    torch.testing.assert_close(ref, dense + bias, atol=1e-4, rtol=1e-4)
+    out = wna16_linear(x, qweight, scales, zeros, bits, group, bias=bias, config=config)
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_act_order_permutation(device):
+    k, n, group, bits = 128, 32, 32, 4
+    q, qweight, scales, zeros = _weights(k, n, bits, group, device)
+    perm = torch.randperm(k, device=device)
+    x = torch.randn(5, k, device=device)
+    ref = wna16_linear_ref(x, qweight, scales, zeros, bits, group, perm=perm)
+    torch.testing.assert_close(ref, x[:, perm] @ dequantize_wna16(qweight, scales, zeros, bits, group))
+    torch.testing.assert_close(wna16_linear(x, qweight, scales, zeros, bits, group, perm=perm), ref,
+                               atol=1e-3, rtol=1e-3)
+
+
+def test_config_splits_k_for_skinny_batches():
+    bm, bn, bk, split = wna16_config(1, 4096, 4096, 128)
+    assert (bm, bk) == (16, 128) and split > 1 and (4096 // bn) * split >= 132
+    assert wna16_config(4096, 4096, 4096, 128)[3] == 1
+    with pytest.raises(ValueError, match="multiple of 16"):
+        wna16_config(1, 64, 64, 8)

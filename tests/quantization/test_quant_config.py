@@ -1,0 +1,170 @@
+"""`quantization=` and config.json's quantization_config: what is refused at start (with its name),
+and malformed quantized checkpoints failing at load naming the tensor and what was expected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.loader.model_loader import load_model
+from tests.quantization import quant_ckpt as qc
+from tests.utils import tiny_model
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama3")
+
+
+@pytest.fixture(scope="module")
+def gptq(base):
+    return qc.gptq_checkpoint(base[1], 4, 32)[0]
+
+
+@pytest.fixture(scope="module")
+def fp8(base):
+    return qc.fp8_checkpoint(base[1], per_channel=False, static=True)[0]
+
+
+def _load(path, **kwargs):
+    config = EngineArgs(model=str(path), skip_tokenizer_init=True, **kwargs).create_engine_config()
+    return load_model(config.model_config, torch.device("cpu"))
+
+
+def _variant(src: Path, edit_tensors=None, edit_config=None) -> Path:
+    """A copy of checkpoint `src` with its tensors and/or quantization_config edited."""
+    dst = Path(tempfile.mkdtemp(prefix="pagedllm-bad-"))
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    if edit_tensors:
+        edit_tensors(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    if edit_config:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("foo", "unknown quantization method 'foo'"),
+    ("bitsandbytes", "'bitsandbytes' is not built"),
+    ("modelopt", "'modelopt' is not built"),
+])
+def test_unbuilt_methods_refused_by_name(base, name, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=base[0], quantization=name).create_engine_config()
+
+
+def test_method_must_match_the_checkpoint(gptq):
+    with pytest.raises(ValueError, match=r"model config \(gptq\) does not match .* argument \(awq\)"):
+        EngineArgs(model=str(gptq), quantization="awq").create_engine_config()
+    # vLLM's kernel-named spelling of the same method is accepted.
+    assert EngineArgs(model=str(gptq), quantization="gptq_marlin").create_engine_config().model_config.quantization \
+        == "gptq"
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda c: c.update(bits=3), "GPTQ with 3-bit weights is not built"),
+    (lambda c: c.update(dynamic={"-:.*down_proj": {}}), "'dynamic' overrides are not built"),
+    (lambda c: c.update(quant_method="awq", version="gemv"), "AWQ version 'gemv' is not built"),
+    (lambda c: c.update(quant_method="fp8", weight_block_size=[128, 128]), "weight_block_size"),
+    (lambda c: c.update(quant_method="fp8", activation_scheme="per_token"), "activation_scheme"),
+    (lambda c: c.update(group_size=24), "group_size must be -1"),
+])
+def test_unbuilt_schemes_refused_at_start(gptq, edit, message):
+    bad = _variant(gptq, edit_config=edit)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=str(bad)).create_engine_config()
+
+
+def test_compressed_tensors_unbuilt_scheme_named(base):
+    path, _ = qc.ct_checkpoint(base[1], "W4A16")
+
+    def to_w4a8(c):
+        c["config_groups"]["group_0"]["input_activations"] = {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    bad = _variant(path, edit_config=to_w4a8)
+    with pytest.raises(ValueError, match=r"weights int4 group sym, input activations int8 token sym dynamic"):
+        EngineArgs(model=str(bad)).create_engine_config()
+
+
+def _drop(name):
+    return lambda t: t.pop(name)
+
+
+def _reshape(name, fn):
+    def edit(t):
+        t[name] = fn(t[name])
+    return edit
+
+
+@pytest.mark.parametrize(("which", "edit", "message"), [
+    ("gptq", _drop("model.layers.1.mlp.down_proj.scales"),
+     r"parameters without weights: \['model.layers.1.mlp.down_proj.scales'\]"),
+    ("gptq", _drop("model.layers.0.self_attn.k_proj.qzeros"),
+     r"model.layers.0.self_attn.qkv_proj.qzeros \(has shards \['q', 'v'\]\)"),
+    ("gptq", _reshape("model.layers.0.self_attn.q_proj.scales", lambda s: s[:1]),
+     r"'model.layers.0.self_attn.q_proj.scales'.*has shape \(1, 64\), expected \(2, 64\)"),
+    # 8-bit packing in a checkpoint that says 4 bits: qweight has K/4 rows, not K/8.
+    ("gptq", _reshape("model.layers.0.mlp.down_proj.qweight", lambda q: torch.cat([q, q])),
+     r"'model.layers.0.mlp.down_proj.qweight'.*shape \(32, 64\), expected 16 along dim 0"),
+    ("gptq", _reshape("model.layers.0.mlp.up_proj.qweight", lambda q: q.float()),
+     r"'model.layers.0.mlp.up_proj.qweight'.*dtype float32, expected int32"),
+    ("fp8", _reshape("model.layers.0.self_attn.o_proj.weight", lambda w: w.to(torch.bfloat16)),
+     r"model.layers.0.self_attn.o_proj.weight: .*dtype bfloat16, expected float8_e4m3fn"),
+    ("fp8", _drop("model.layers.0.mlp.gate_proj.input_scale"),
+     r"model.layers.0.mlp.gate_up_proj.input_scale \(has shards \['1'\]\)"),
+    ("fp8", _reshape("model.layers.0.mlp.down_proj.weight_scale", lambda s: torch.ones(3)),
+     r"model.layers.0.mlp.down_proj.weight_scale: .*shape \(3,\), expected a per-tensor scale"),
+])
+def test_malformed_checkpoints_name_the_tensor(gptq, fp8, which, edit, message):
+    bad = _variant(gptq if which == "gptq" else fp8, edit_tensors=edit)
+    with pytest.raises(ValueError, match=message):
+        _load(bad)
+
+
+def test_ct_weight_shape_checked(base):
+    path, _ = qc.ct_checkpoint(base[1], "W4A16")
+    bad = _variant(path, edit_tensors=_reshape("model.layers.0.mlp.down_proj.weight_shape",
+                                               lambda s: torch.tensor([64, 256])))
+    with pytest.raises(ValueError, match=r"down_proj.weight_shape: checkpoint says the weight is \[64, 256\], "
+                                         r"expected \[64, 128\]"):
+        _load(bad)
+
+
+def test_online_fp8_and_dummy_quantized_layouts(base, gptq):
+    """Online fp8 keeps only fp8 weights; dummy weights take each method's quantized layout (from the
+    checkpoint's quantization_config, or the method's defaults when it has none)."""
+    model = _load(base[0], quantization="fp8")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.weight.shape[0],)
+    awq = _variant(gptq, edit_config=lambda c: c.update(quant_method="awq", version="gemm", zero_point=True))
+    for path, method, param in [(awq, None, "wna16_qweight"), (gptq, None, "wna16_qweight"),
+                                (base[0], "compressed-tensors", "weight")]:
+        model = _load(path, quantization=method, load_format="dummy")
+        layer = model.model.layers[0].mlp.down_proj
+        tensor = getattr(layer, param)
+        assert tensor.dtype in (torch.int32, torch.int8) and tensor.unique().numel() > 8, method
+        out = layer(torch.randn(3, 128))
+        assert out.shape == (3, 64) and torch.isfinite(out).all()
+
+
+def test_gptq_v2_stores_zero_points_without_the_offset(base, gptq):
+    from pagedllm.quantization.wna16 import unpack_int32
+
+    def to_v2(tensors):
+        for name in [n for n in tensors if n.endswith(".qzeros")]:
+            true_zero = unpack_int32(tensors[name], 4, dim=1) + 1  # v1 stores zero - 1
+            tensors[name] = qc.gptq_pack_qzeros(true_zero + 1, 4)  # the packer subtracts 1: stores zero
+    v2 = _variant(gptq, edit_tensors=to_v2, edit_config=lambda c: c.update(checkpoint_format="gptq_v2"))
+    x = torch.randn(3, 64)
+    a, b = _load(gptq).model.layers[0].self_attn.qkv_proj, _load(v2).model.layers[0].self_attn.qkv_proj
+    assert torch.equal(a.wna16_zeros, b.wna16_zeros) and torch.equal(a(x), b(x))
