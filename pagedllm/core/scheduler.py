@@ -50,8 +50,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Requests the runner must drop state for, reported on the next schedule().
+        # Requests the runner must drop state for, reported on the next schedule(); the preempted
+        # ones among them come back.
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         # Requests the runner has state for (seen since their last (re)admission).
         self._runner_knows: set[str] = set()
@@ -173,12 +175,14 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
             sampling_req_ids=sampling,
             needs_output_history=needs_history,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
         )
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
         if kv.debug:
             kv.check_invariants()
             if self.swap:
@@ -199,7 +203,6 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             output_token_ids=list(req.output_token_ids),
             sampling_params=req.sampling_params,
-            generator=req.generator,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
         )
@@ -216,6 +219,7 @@ class Scheduler:
         if req.request_id in self._runner_knows:
             self._runner_knows.discard(req.request_id)
             self.finished_req_ids.add(req.request_id)
+            self.preempted_req_ids.add(req.request_id)
 
     # -- results -----------------------------------------------------------------------------------
     def update_from_output(
@@ -284,9 +288,12 @@ class Scheduler:
             self.swap.drop(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
-        if req.request_id in self._runner_knows:
+        # A request preempted earlier is unknown to the runner's batch but may still hold worker
+        # state that outlives preemption: report it too.
+        if req.request_id in self._runner_knows or req.num_preemptions:
             self._runner_knows.discard(req.request_id)
             self.finished_req_ids.add(req.request_id)
+            self.preempted_req_ids.discard(req.request_id)
 
     # -- introspection -----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

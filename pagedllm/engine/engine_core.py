@@ -1,7 +1,8 @@
 """EngineCore: schedule -> execute -> update, the one step loop. No sockets, no asyncio, no text.
 
 The frontends (LLMEngine for `LLM`, AsyncLLM for the server) own tokenization, detokenization and
-stop strings; the core sees token ids only.
+stop strings; the core sees token ids only. It reaches the model only through its Executor
+(pagedllm/executor/): `initialize()` at start, `execute_model()` each step.
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
-from pagedllm.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
-from pagedllm.worker.warmup import warmup_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -56,52 +54,30 @@ def unfreeze_gc_heap() -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
         t0 = time.monotonic()
-        threads = config.device_config.cpu_threads
-        if threads is not None:
-            if threads < 1:
-                raise ValueError(f"cpu_threads must be >= 1, got {threads}.")
-            torch.set_num_threads(threads)
-        self.model_runner = ModelRunner(config)
-        num_blocks = self.model_runner.determine_num_blocks()
-        bs = config.cache_config.block_size
-        max_len = config.model_config.max_model_len
-        if num_blocks * bs < max_len:
-            raise ValueError(
-                f"The model's max_model_len ({max_len}) is larger than the {num_blocks * bs} tokens "
-                f"({num_blocks} blocks of {bs}) that fit in the KV cache. Increase gpu_memory_utilization / "
-                f"cpu_kvcache_space / num_gpu_blocks_override, or set max_model_len <= {num_blocks * bs}."
-            )
-        self.model_runner.initialize_kv_cache(num_blocks)
-        warmup_kernels(self.model_runner)
-        self.model_runner.capture_model()
-        self.num_gpu_blocks = num_blocks
-        num_cpu_blocks = 0
-        if config.preemption_mode == "swap":
-            per_block = kv_cache_bytes_per_block(config)
-            num_cpu_blocks = int(config.cache_config.swap_space * (1 << 30)) // per_block
-            self.model_runner.init_swap_space(num_cpu_blocks)
+        if executor_class is None:
+            executor_class = Executor.get_class(config.parallel_config)
+        self.model_executor = executor_class(config)
+        kv = self.model_executor.initialize()
+        self.num_gpu_blocks = kv.num_gpu_blocks
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, config.preemption_mode, num_cpu_blocks
+            config.scheduler_config, config.cache_config, kv.num_gpu_blocks, config.preemption_mode,
+            kv.num_cpu_blocks,
         )
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self.inflight: tuple[SchedulerOutput, PendingOutput] | None = None
+        self.inflight: tuple[SchedulerOutput, ModelRunnerOutputHandle] | None = None
         freeze_gc_heap()
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
-            time.monotonic() - t0, num_blocks, bs, num_blocks * bs,
+            time.monotonic() - t0, kv.num_gpu_blocks, kv.block_size, kv.num_gpu_blocks * kv.block_size,
             config.model_config.dtype, config.device_config.device,
         )
 
     def add_request(self, request: Request) -> None:
         """Validate and queue; raises ValueError (nothing queued) when the request can never run."""
-        if request.sampling_params.seed is not None and request.generator is None:
-            gen = torch.Generator(device=self.model_runner.device)
-            gen.manual_seed(request.sampling_params.seed)
-            request.generator = gen
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -127,7 +103,7 @@ class EngineCore:
         if self.inflight is not None and (so is None or not self.async_scheduling or so.needs_output_history):
             outputs += self._collect_inflight()
         if so is not None:
-            pending = self.model_runner.execute_model(so)
+            pending = self.model_executor.execute_model(so)
             self.step_count += 1
             if self.inflight is not None:
                 outputs += self._collect_inflight()
@@ -153,6 +129,9 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()
 
 
 def step_and_queue_times(core: EngineCore, unscheduled: dict[str, Request]) -> tuple[list[EngineCoreOutput], list[float]]:
