@@ -26,3 +26,19 @@ def num_kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
     if total_num_kv_heads % tp_size:
         raise ValueError(f"the model's {total_num_kv_heads} KV heads do not split over tensor_parallel_size {tp_size}")
     return total_num_kv_heads // tp_size
+
+
+def check_parallel_sizes(hf_config: object, tp_size: int, pp_size: int) -> None:
+    """Refuse, before any process starts, sizes the model cannot split into (vLLM's checks).
+
+    SmolLM2-135M has 9 attention heads: tensor_parallel_size 3 splits them, 2 does not.
+    """
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    layers = int(hf_config.num_hidden_layers)
+    if heads % tp_size:
+        raise ValueError(f"the model's {heads} attention heads are not divisible by tensor_parallel_size {tp_size}.")
+    num_kv_heads_per_rank(kv_heads, tp_size)
+    if pp_size > layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} is larger than the model's {layers} layers; every "
+                         "stage needs at least one layer.")

@@ -34,10 +34,10 @@ from typing import Any
 
 import msgspec
 import zmq
-from pagedllm.executor.abstract import Executor
 
 import pagedllm
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc_worker import WorkerStart
 from pagedllm.executor.rank_worker import decode_output, encode_step, output_rank
 

@@ -51,7 +51,8 @@ def _exit_when_driver_dies() -> None:
     """The driver holds our stdin open; EOF means it exited (even by SIGKILL): so do we, without
     waiting for a collective that will never finish."""
     try:
-        sys.stdin.buffer.read()
+        while os.read(0, 4096):  # the raw fd: no buffered reader's lock held at interpreter exit
+            pass
     finally:
         os._exit(1)
 

@@ -87,9 +87,8 @@ class RankWorker:
         self.worker: Any = None
 
     def init_device(self) -> None:
-        from pagedllm.worker.worker import Worker
-
         from pagedllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        from pagedllm.worker.worker import Worker
 
         pc = self.config.parallel_config
         init_distributed_environment(pc.world_size, self.rank, self.local_rank, self.distributed_init_method,
