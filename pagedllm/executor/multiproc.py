@@ -180,7 +180,7 @@ class MultiprocExecutor(Executor):
         while len(results) < self.world_size:
             rank, status, got_seq, payload = self._recv(deadline, method)
             if status == b"error":
-                self._fail(f"rank {rank} failed in {method}: {payload.decode()}")
+                self._fail_after_error(f"rank {rank} failed in {method}: {payload.decode()}", method)
             if got_seq == seq:
                 results[rank] = msgspec.msgpack.decode(payload)
         return [results[r] for r in range(self.world_size)]
@@ -208,7 +208,7 @@ class MultiprocExecutor(Executor):
         while handle.output is None:
             rank, status, seq, payload = self._recv(deadline, "execute_model")
             if status == b"error":
-                self._fail(f"rank {rank} failed a step: {payload.decode()}")
+                self._fail_after_error(f"rank {rank} failed a step: {payload.decode()}", "execute_model")
             oldest = self._pending.popleft()
             if int(seq) != oldest.seq or rank != self.output_rank:
                 self._fail(f"rank {rank} answered step {seq.decode()}, expected step {oldest.seq} from rank "
@@ -229,6 +229,18 @@ class MultiprocExecutor(Executor):
                 self._fail(f"worker rank {rank} (pid {p.pid}) exited with code {code} during {what}")
         if time.monotonic() > deadline:
             self._fail(f"the workers did not answer {what} in time (a rank is hung?)")
+
+    def _fail_after_error(self, error: str, what: str) -> None:
+        """A rank raised. When a peer died, the survivors' collectives fail first ("connection closed
+        by peer"): give the dead one a moment to be seen, so the error names the rank that exited."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for rank, p in enumerate(self.processes):
+                if p.poll() is not None:
+                    self._fail(f"worker rank {rank} (pid {p.pid}) exited with code {p.returncode} during {what} "
+                               f"(then {error[:300]})")
+            time.sleep(0.05)
+        self._fail(error)
 
     def _fail(self, why: str) -> None:
         """Mark the executor dead, stop every rank, raise."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,22 @@ from pagedllm.executor.multiproc import STARTUP_TIMEOUT_S, WorkerDiedError, exec
 from pagedllm.executor.rank_worker import RankWorker, decode_output, encode_step, output_rank
 
 logger = logging.getLogger(__name__)
+
+
+def _kill_actors(actors: list[Any], pg: Any) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    try:
+        ray.util.remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - the cluster may be gone
+        pass
 
 
 class RayRankActor:
@@ -124,6 +141,8 @@ class RayDistributedExecutor(Executor):
             local_rank = 0 if on_gpu else nodes[:rank].count(nodes[rank])
             starts.append(actor.start.remote(self.config, rank, local_rank, init_method, nodes.count(nodes[rank])))
         self._get(starts, STARTUP_TIMEOUT_S, "start")
+        # Dropped without shutdown (`del llm`): the actors and their placement group go too.
+        self._finalizer = weakref.finalize(self, _kill_actors, list(self.actors), self._pg)
         logger.info("Ray executor: %d ranks on %d node(s), rendezvous %s", self.world_size, len(set(nodes)),
                     init_method)
         self.collective_rpc("init_device")
@@ -174,20 +193,12 @@ class RayDistributedExecutor(Executor):
         self.collective_rpc("check_health", timeout=60.0)
 
     def _stop_actors(self) -> None:
-        import ray
-
-        for actor in getattr(self, "actors", []):
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        _kill_actors(getattr(self, "actors", []), getattr(self, "_pg", None))
         self.actors = []
-        if getattr(self, "_pg", None) is not None:
-            try:
-                ray.util.remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001 - the cluster may be gone
-                pass
-            self._pg = None
+        self._pg = None
 
     def shutdown(self) -> None:
         import ray

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 
+import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -24,16 +25,27 @@ ENGINE = dict(skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=
 def generate(path: str, **parallel: object) -> tuple[list[list[int]], list[int]]:
     """Greedy tokens of both batches, and the prefix-cache hits of batch 2."""
     llm = LLM(path, **ENGINE, **parallel)
-    try:
-        tokens = []
-        for batch in (BATCH_1, BATCH_2):
-            outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
-            tokens += [list(o.outputs[0].token_ids) for o in outs]
-        return tokens, [o.num_cached_tokens for o in outs]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    tokens = []
+    for batch in (BATCH_1, BATCH_2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+    # As vLLM users free an engine: its worker processes go with it, and the next engine starts clean.
+    del llm
+    gc.collect()
+    assert worker_processes() == [], worker_processes()
+    return tokens, [o.num_cached_tokens for o in outs]
+
+
+def worker_processes() -> list[psutil.Process]:
+    """Rank processes of the mp executor still alive under this process."""
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "multiproc_worker" in " ".join(p.cmdline()):
+                procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
 
 
 @pytest.fixture(scope="module")
