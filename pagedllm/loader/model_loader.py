@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.loader.dummy import initialize_dummy_weights
 from pagedllm.loader.weights import iter_weights
 from pagedllm.models.registry import resolve_model_cls
@@ -48,8 +49,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         # A config that computes on a checkpoint's quantized blocks names the tensors it takes raw.
         names_fn = getattr(quant_config, "quantized_weight_names", None)
         keep_quantized, skip_dense = names_fn(model) if names_fn is not None else ((), ())
+        # Tensor-parallel ranks read only their slices of each safetensors tensor.
+        lazy = get_tp_group().world_size > 1
         weights = iter_weights(model_config.source, model_config.load_format, keep_quantized=keep_quantized,
-                               skip_dense=skip_dense)
+                               skip_dense=skip_dense, lazy=lazy)
         # Floating tensors take the run dtype; raw quantized blocks (uint8) stay as they are.
         model.load_weights(
             (name, t.to(device=device, dtype=model_config.dtype) if t.is_floating_point() else t.to(device))
