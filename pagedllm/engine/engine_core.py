@@ -12,7 +12,6 @@ import functools
 import gc
 import logging
 import time
-from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
@@ -21,10 +20,6 @@ from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-# Test-only fault injection: raise inside the N-th engine step (1-based). Lets tests check that a
-# dying engine fails in-flight requests, turns /health to 503 and ends the server.
-FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
 
 
 @functools.cache
@@ -132,55 +127,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
-
-
-def step_and_queue_times(core: EngineCore, unscheduled: dict[str, Request]) -> tuple[list[EngineCoreOutput], list[float]]:
-    """One `core.step()`, and the time in queue of each request in `unscheduled` (added, not yet
-    scheduled) that this step scheduled: from its arrival until the step started (vLLM's
-    time-in-queue metric). Scheduled and finished requests leave `unscheduled`; both engine shells
-    (the AsyncLLM engine thread and the engine process) call this."""
-    step_start = time.time()
-    outputs = core.step()
-    queue_times = []
-    for rid, req in list(unscheduled.items()):
-        if req.is_finished():
-            del unscheduled[rid]
-        elif req.status != RequestStatus.WAITING:
-            queue_times.append(step_start - req.arrival_time)
-            del unscheduled[rid]
-    return outputs, queue_times
-
-
-def check_injected_fault(step: int, fail_at: int | None) -> None:
-    """Raise in engine step `fail_at` (FAULT_INJECT_ENV) and after; both engine shells call this."""
-    if fail_at is not None and step >= fail_at:
-        raise RuntimeError(f"injected fault in engine step {step} ({FAULT_INJECT_ENV})")
-
-
-def apply_command(
-    core: EngineCore, kind: str, payload: Any, unscheduled: dict[str, Request], failed: list[tuple[str, Exception]]
-) -> bool:
-    """Apply one frontend command to the core; False for "shutdown". Both engine shells call this.
-
-    "add" (a list of Requests): each joins `unscheduled` (its queue time is measured), or, when the
-    core refuses it, goes to `failed` as (request id, error): it fails alone, the engine lives on.
-    "abort" (core request ids), "stop" ({core request id: the stop string the frontend found}).
-    """
-    if kind == "shutdown":
-        return False
-    if kind == "add":
-        for req in payload:
-            try:
-                core.add_request(req)
-                unscheduled[req.request_id] = req
-            except Exception as e:  # noqa: BLE001 - reported to the request's owner
-                if not isinstance(e, ValueError):
-                    logger.exception("engine core refused request %s", req.request_id)
-                failed.append((req.request_id, e))
-    elif kind == "abort":
-        core.abort_requests(payload)
-    elif kind == "stop":
-        core.stop_requests(payload)
-    else:
-        raise AssertionError(f"unknown engine command {kind!r}")
-    return True

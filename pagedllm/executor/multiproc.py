@@ -36,6 +36,7 @@ import msgspec
 import zmq
 
 import pagedllm
+import pagedllm.envs as envs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc_worker import WorkerStart
@@ -53,7 +54,7 @@ _POLL_MS = 200
 def execute_model_timeout_s() -> float:
     """PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S (default 300): a step's output may be this late before the
     ranks count as hung."""
-    return float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "300"))
+    return float(envs.PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S)
 
 
 def get_open_port() -> int:
@@ -127,7 +128,7 @@ class MultiprocExecutor(Executor):
         self._encoder = msgspec.msgpack.Encoder()
 
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
-        env = dict(os.environ)
+        env = dict(os.environ)  # the ranks' environment: this process's, handed over whole
         # The ranks import the same pagedllm as this process, wherever it was imported from.
         root = str(Path(pagedllm.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,8 @@ class RayDistributedExecutor(Executor):
                 f"{STARTUP_TIMEOUT_S:.0f} s; available: {ray.available_resources()}"
             ) from None
         root = str(Path(pagedllm.__file__).resolve().parent.parent)
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        # Ray's env_vars replace the variable: this process's whole import path goes along.
+        env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in (root, *sys.path) if p))}
         actor_cls = ray.remote(RayRankActor)
         self.actors = [
             actor_cls.options(

@@ -27,6 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import num_kv_heads_per_rank
+from pagedllm.envs import KernelSwitches, kernel_switches
 from pagedllm.loader.model_loader import load_model
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
@@ -38,11 +39,11 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
-def pick_attention_backend(device: torch.device) -> AttentionBackend:
+def pick_attention_backend(device: torch.device, switches: KernelSwitches) -> AttentionBackend:
     if device.type == "cuda":
         from pagedllm.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(fused_qkv_prep=switches.fused_qkv, fused_decode=switches.fused_decode)
     from pagedllm.attention.backend import TorchAttentionBackend
     from pagedllm.cpu.attention import CpuAttentionBackend
 
@@ -63,6 +64,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.kv_cache: KVCache | None = None
         self.swap_space: CpuSwapSpace | None = None
+        self.kernel_switches = kernel_switches()  # read once; steps never read the environment
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -90,8 +92,8 @@ class Worker:
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # This rank's KV heads only (tensor parallel), for this stage's layers only (pipeline).
         kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size)
-        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device), dtype, self.device,
-                                config.cache_config.block_size, kv_heads, mc.head_dim)
+        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device, self.kernel_switches), dtype,
+                                self.device, config.cache_config.block_size, kv_heads, mc.head_dim)
         self.model_runner = ModelRunner(config, self.model, self.device)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
@@ -137,7 +139,7 @@ class Worker:
                 vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
             )
             warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype, shape)
-        self.model_runner.capture_model()
+        self.model_runner.capture_model(self.kernel_switches.graph_tuning)
 
     # -- serving -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:

@@ -67,5 +67,5 @@ def test_16bit_cache_through_prefill_decode_and_swap(cpu_kernels):
     # so the tokens are those of the run that kept everything.
     llm, out = _run(path, "float16", num_gpu_blocks_override=4, preemption_mode="swap")
     assert all(c.dtype == torch.float16 for c in llm.llm_engine.engine_core.model_executor.driver_worker.swap_space.cpu_caches)
-    assert llm.llm_engine.engine_core.scheduler.swap.num_swapped_out > 0
+    assert llm.llm_engine.engine_core.scheduler.preemption.num_swapped_out > 0
     assert out == ref
