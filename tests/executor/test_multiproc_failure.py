@@ -61,3 +61,25 @@ def test_killed_worker_fails_the_engine_and_the_server_exits(tmp_path):
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait(10)
+
+
+def test_hung_rank_fails_the_engine_within_the_timeout(monkeypatch):
+    """A rank that stops answering (SIGSTOP: alive, silent) fails the step after
+    PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S instead of hanging; every rank is stopped."""
+    import pytest
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.executor.multiproc import WorkerDiedError
+    from tests.utils import tiny_model
+
+    monkeypatch.setenv("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "3")
+    path, _ = tiny_model("llama3")
+    llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, cpu_threads=1, num_gpu_blocks_override=32,
+              max_model_len=128)
+    ranks = llm.llm_engine.engine_core.model_executor.processes
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="hung"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 15
+    assert all(p.poll() is not None for p in ranks)
