@@ -50,3 +50,17 @@ def test_parallel_config_backend_defaults_and_refusals():
         ParallelConfig(0)
     with pytest.raises(ValueError, match="'uni' runs one worker"):
         ParallelConfig(2, 1, "uni")
+
+
+def test_cli_flags_reach_the_parallel_config():
+    """The seed's flags, as vLLM spells them."""
+    import argparse
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--tensor-parallel-size", "4", "--pipeline-parallel-size", "2",
+                              "--distributed-executor-backend", "ray", "--ray-address", "auto"])
+    ea = EngineArgs.from_cli_args(args)
+    assert (ea.tensor_parallel_size, ea.pipeline_parallel_size, ea.distributed_executor_backend,
+            ea.ray_address) == (4, 2, "ray", "auto")

@@ -83,3 +83,18 @@ def test_hung_rank_fails_the_engine_within_the_timeout(monkeypatch):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 15
     assert all(p.poll() is not None for p in ranks)
+
+
+def test_failed_start_leaves_no_rank_process():
+    """initialize() refuses a KV cache smaller than max_model_len: the ranks are gone at once."""
+    import pytest
+
+    from pagedllm import LLM
+    from tests.distributed.test_parallel_equivalence import worker_processes
+    from tests.utils import tiny_model
+
+    path, _ = tiny_model("llama3")
+    with pytest.raises(ValueError, match="larger than the 512 tokens"):
+        LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, cpu_threads=1, num_gpu_blocks_override=32,
+            max_model_len=1024)
+    assert worker_processes() == []
