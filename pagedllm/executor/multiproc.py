@@ -67,6 +67,15 @@ class WorkerDiedError(RuntimeError):
     """A rank exited, failed a step, or stopped answering: the engine cannot go on."""
 
 
+def _release(procs: list[subprocess.Popen], ipc_dir: str, ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+    """Everything the executor holds outside Python objects: the rank processes, the sockets and
+    their context (closed explicitly: a context collected with open sockets would block in term())."""
+    _kill_processes(procs, ipc_dir, 0.0)
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
 def _kill_processes(procs: list[subprocess.Popen], ipc_dir: str, timeout: float) -> None:
     """Stop every rank: wait up to `timeout` for a clean exit, then SIGTERM, then SIGKILL."""
     deadline = time.monotonic() + timeout
@@ -143,7 +152,8 @@ class MultiprocExecutor(Executor):
             proc.stdin.flush()
             self.processes.append(proc)
         # However the executor ends (shutdown, garbage collection, interpreter exit), no rank outlives it.
-        self._finalizer = weakref.finalize(self, _kill_processes, self.processes, self._ipc_dir, 0.0)
+        self._finalizer = weakref.finalize(self, _release, self.processes, self._ipc_dir, self._ctx,
+                                           [self._pub, self._pull])
         logger.info("started %d worker processes (pids %s)", self.world_size, [p.pid for p in self.processes])
         self._wait_for_ranks()
         self.collective_rpc("init_device")
@@ -247,8 +257,7 @@ class MultiprocExecutor(Executor):
         """Mark the executor dead, stop every rank, raise."""
         self._dead = why
         logger.error("distributed executor failed: %s; stopping every worker", why)
-        self._finalizer.detach()
-        _kill_processes(self.processes, self._ipc_dir, 0.0)
+        _kill_processes(self.processes, self._ipc_dir, 0.0)  # the sockets close at shutdown()
         raise WorkerDiedError(why)
 
     def _raise_if_dead(self) -> None:
@@ -264,14 +273,11 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if not self._finalizer.alive:
             return
-        self._finalizer.detach()
         if self._dead is None:
             try:
                 self._pub.send_multipart([b"shutdown"], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        self._dead = self._dead or "shut down"
-        _kill_processes(self.processes, self._ipc_dir, SHUTDOWN_TIMEOUT_S)
-        self._pub.close(0)
-        self._pull.close(0)
-        self._ctx.term()
+            self._dead = "shut down"
+            _kill_processes(self.processes, self._ipc_dir, SHUTDOWN_TIMEOUT_S)  # a clean exit first
+        self._finalizer()  # whatever is left, killed; the sockets and the context closed
