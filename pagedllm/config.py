@@ -160,18 +160,27 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # "uni": one worker in the engine core's process; "mp": one worker process per rank; "ray": Ray
-    # actors. None resolves to "uni" for one worker, else "mp" (as vLLM on one node).
+    # actors. None resolves to "uni" for one worker, else "mp" (as vLLM on one node), or "ray" when
+    # a ray_address is given.
     distributed_executor_backend: str | None = None
+    # The Ray cluster to join ("auto": the one `ray start` runs on this node; "host:port"; None: a
+    # local one started for this engine). Only the Ray executor reads it.
+    ray_address: str | None = None
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
         backend = self.distributed_executor_backend
         if backend is None:
             # Resolved once here, as frozen configs resolve their own defaults.
-            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
+            default = "ray" if self.ray_address else ("uni" if self.world_size == 1 else "mp")
+            object.__setattr__(self, "distributed_executor_backend", default)
         elif backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}."
@@ -181,13 +190,10 @@ class ParallelConfig:
                 f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size x "
                 f"pipeline_parallel_size is {self.world_size}; use 'mp' or 'ray'."
             )
-        if self.tensor_parallel_size != 1:
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; only 1 is built."
-            )
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; only 1 is built."
+                f"ray_address={self.ray_address!r} is only used by distributed_executor_backend='ray', "
+                f"not {self.distributed_executor_backend!r}."
             )
 
 

@@ -90,6 +90,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs AsyncLLM's engine core in its own process, 0 in a
     # thread; unset (None): a process on the CPU, a thread on a GPU (engine/core_client.py).
     "PAGEDLLM_ENABLE_MULTIPROCESSING": _multiprocessing,
+    # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
+    # every rank and fails the engine (executor/multiproc.py). Default 300.
+    "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),
     # 1: check the block pool's invariants at every schedule() (slow; the test suite sets it).
     "PAGEDLLM_DEBUG_BLOCKS": lambda: os.environ.get("PAGEDLLM_DEBUG_BLOCKS") == "1",
     # -- server --

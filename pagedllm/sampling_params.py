@@ -80,7 +80,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # A union, not a reset: a copy decoded in a worker process keeps what the engine added.
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids or ())
 
     # -- validation -----------------------------------------------------------------------------
     def _verify(self) -> None:

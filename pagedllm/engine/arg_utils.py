@@ -67,6 +67,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    ray_address: str | None = None  # "auto" or "host:port" of a `ray start` cluster (Ray executor)
     preemption_mode: str | None = None
     max_logprobs: int = 20
     cpu_threads: int | None = None
@@ -154,6 +155,13 @@ class EngineArgs:
             generation_config=dict(source.generation_config),
             tokenizer_mode=self.tokenizer_mode,
         )
+        parallel_config = ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend,
+            self.ray_address,
+        )
+        from pagedllm.distributed.utils import check_parallel_sizes
+
+        check_parallel_sizes(hf, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
         # `is None`, not `or`: --max-num-seqs 0 must reach SchedulerConfig's check, not become the default.
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if device == "cuda" else 64)
         chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
@@ -191,9 +199,7 @@ class EngineArgs:
                 async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
                 kv_snapshot_interval_s=self.kv_snapshot_interval_s,
             ),
-            parallel_config=ParallelConfig(
-                self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
-            ),
+            parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager, cpu_threads=self.cpu_threads),
             compilation_config=CompilationConfig(capture_sizes),
             preemption_mode=self.preemption_mode or "recompute",
@@ -289,6 +295,12 @@ class EngineArgs:
                        help="auto (default), or the backend built for the device: TRITON_ATTN (GPU), CPU_ATTN (CPU)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
+                       help="where the ranks run: mp (one process per rank, this node), ray (Ray actors, one "
+                            "node or many), uni (one worker in the engine process); default: uni for one rank, "
+                            "else mp, or ray with --ray-address")
+        g.add_argument("--ray-address", default=None,
+                       help="Ray cluster for the ray backend: auto (the `ray start` of this node) or host:port")
         g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
         g.add_argument("--max-logprobs", type=int, default=20)
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -56,7 +56,13 @@ class EngineCore:
         if executor_class is None:
             executor_class = Executor.get_class(config.parallel_config)
         self.model_executor = executor_class(config)
-        kv = self.model_executor.initialize()
+        try:
+            kv = self.model_executor.initialize()
+        except BaseException:
+            # A cache that does not fit, a failed warm-up: the executor's worker processes or Ray
+            # actors are stopped now, not when the garbage collector finds the executor.
+            self.model_executor.shutdown()
+            raise
         self.num_gpu_blocks = kv.num_gpu_blocks
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, kv.num_gpu_blocks, config.preemption_mode,

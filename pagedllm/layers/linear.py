@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.tp import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -79,6 +80,7 @@ class LinearBase(nn.Module):
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_group = get_tp_group()  # taken once: forward's collectives read no process state
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
 
@@ -173,7 +175,7 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias)
         if self.gather_output:
-            out = tensor_model_parallel_all_gather(out)
+            out = tensor_model_parallel_all_gather(out, group=self.tp_group)
         return out
 
 
@@ -343,5 +345,5 @@ class RowParallelLinear(LinearBase):
         bias = self.bias if self.tp_rank == 0 else None
         out = self.quant_method.apply(self, x, bias)
         if self.reduce_results:
-            out = tensor_model_parallel_all_reduce(out)
+            out = tensor_model_parallel_all_reduce(out, group=self.tp_group)
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.tp import tensor_model_parallel_all_gather
 from pagedllm.layers.vocab_embedding import ParallelLMHead
 
@@ -14,6 +15,7 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.scale = scale
+        self.tp_group = get_tp_group()
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states (T', hidden) -> logits (T', vocab_size) in the LM head's output dtype.
@@ -23,7 +25,9 @@ class LogitsProcessor(nn.Module):
         With a padded head the result is a view with row stride num_embeddings_padded.
         """
         logits = lm_head.quant_method.apply(lm_head, hidden_states, lm_head.bias)
-        logits = tensor_model_parallel_all_gather(logits)
+        # Every TP rank gets the whole vocabulary and samples the same token (greedy, or the same
+        # seeded draw), so each keeps its own copy of the request state without another message.
+        logits = tensor_model_parallel_all_gather(logits, group=self.tp_group)
         # (T', num_embeddings_padded) -> (T', vocab_size): padded rows are not tokens.
         logits = logits[..., : self.vocab_size]
         if self.scale != 1.0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.tp import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -43,11 +44,14 @@ class VocabParallelEmbedding(nn.Module):
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_group = get_tp_group()
         self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
         self.num_embeddings_per_partition = divide(self.num_embeddings_padded, self.tp_size, "vocab")
         # Real (unpadded) vocab rows this rank holds: [vocab_start_index, vocab_end_index).
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
-        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
+        # (A tiny vocabulary over many ranks leaves a rank only padding: end == start, no real rows.)
+        self.vocab_end_index = max(min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings),
+                                   self.vocab_start_index)
         self.params_dtype = params_dtype or torch.get_default_dtype()
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self.quant_method: QuantizeMethodBase = method or UnquantizedEmbeddingMethod()
@@ -84,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         local = torch.where(outside, 0, input_ - self.vocab_start_index)
         out = self.quant_method.embedding(self, local)
         out = out.masked_fill(outside.unsqueeze(-1), 0)
-        return tensor_model_parallel_all_reduce(out)
+        return tensor_model_parallel_all_reduce(out, group=self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "

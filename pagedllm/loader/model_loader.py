@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.loader.dummy import initialize_dummy_weights
 from pagedllm.loader.weights import iter_weights
 from pagedllm.models.registry import resolve_model_cls
@@ -54,8 +55,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         # A config that computes on a checkpoint's quantized blocks names the tensors it takes raw.
         names_fn = getattr(quant_config, "quantized_weight_names", None)
         keep_quantized, skip_dense = names_fn(model) if names_fn is not None else ((), ())
+        # Tensor-parallel ranks read only their slices of each safetensors tensor.
+        lazy = get_tp_group().world_size > 1
         weights = iter_weights(model_config.source, model_config.load_format, keep_quantized=keep_quantized,
-                               skip_dense=skip_dense)
+                               skip_dense=skip_dense, lazy=lazy)
         # Tensors keep their checkpoint dtype here: each parameter's loader copies (and so casts) into
         # the parameter's own dtype, and quantized ones check theirs (fp8 must not become bf16 on the way).
         weights = take_kv_scales(model, weights)  # fp8 KV-cache scales go to the attention layers

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedllm.loader.gguf_weights import gguf_weights_iterator
+from pagedllm.loader.lazy_tensor import LazySlice
 from pagedllm.loader.source import ModelSource
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
@@ -61,8 +62,12 @@ def iter_weights(
     use_tqdm: bool = True,
     keep_quantized: Container[str] = (),
     skip_dense: Container[str] = (),
+    lazy: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF tensor name, CPU tensor) for every tensor of the checkpoint.
+
+    lazy=True (tensor-parallel ranks): safetensors tensors come as `LazySlice`s, read only where a
+    weight loader narrows them to this rank's slice (loader/lazy_tensor.py).
 
     Validation happens here, at call time, not at the first `next()`. Safetensors tensors keep their
     stored dtype; GGUF tensors are dequantized to float32 (for the names in `keep_quantized` the raw
@@ -80,7 +85,7 @@ def iter_weights(
                                      keep_quantized=keep_quantized, skip_dense=skip_dense)
     if fmt == "pt":
         return pt_weights_iterator(pt_files(source.path), use_tqdm=use_tqdm)
-    return safetensors_weights_iterator(safetensors_files(source.path), use_tqdm=use_tqdm)
+    return safetensors_weights_iterator(safetensors_files(source.path), use_tqdm=use_tqdm, lazy=lazy)
 
 
 def _has_safetensors(model_dir: Path) -> bool:
@@ -152,10 +157,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def safetensors_weights_iterator(
-    files: list[Path], use_tqdm: bool = True
+    files: list[Path], use_tqdm: bool = True, lazy: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from each safetensors file in turn, one progress step per file."""
+    """Yield (name, tensor) from each safetensors file in turn, one progress step per file; with
+    `lazy`, (name, LazySlice) to be read where it is used, while the file is open."""
     for file in tqdm(files, desc="Loading safetensors checkpoint shards", disable=not use_tqdm):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (LazySlice.from_safetensors(f.get_slice(name)) if lazy else f.get_tensor(name))

@@ -7,6 +7,11 @@
 Inputs are one flat batch of tokens from many requests; `attn_metadata` says which request each
 token belongs to. The residual stream is carried beside the hidden states so every RMSNorm can
 fuse the residual add (vLLM's layout).
+
+Pipeline parallelism: a stage builds only its layers [start_layer, end_layer) (the others are
+`PPMissingLayer`s, so parameter names keep their layer numbers); the first stage embeds, the last
+norms and owns the LM head. A stage that is not the last returns `IntermediateTensors` (hidden
+states and residual) for the next one, which passes them back in as `intermediate_tensors`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.distributed.utils import get_pp_indices
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -27,7 +34,13 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping, sliding_window_for_layer
+from pagedllm.models.utils import (
+    IntermediateTensors,
+    PPMissingLayer,
+    StackedParamsMapping,
+    load_weights_with_mapping,
+    sliding_window_for_layer,
+)
 from pagedllm.quantization.base import QuantizationConfig
 
 
@@ -171,23 +184,36 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                   prefix=f"{prefix}.embed_tokens")
+            if self.is_first_stage else PPMissingLayer()
         )
         rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings,
                               get_rope_parameters(config), is_neox_style=True)
         self.layers = nn.ModuleList(
             decoder_layer_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
+            residual = None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError("a pipeline stage after the first needs the previous stage's intermediate_tensors")
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -215,16 +241,20 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.model = self.model_cls(config, quant_config, prefix=_join(prefix, "model"),
                                 decoder_layer_cls=self.decoder_layer_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
-                                      prefix=_join(prefix, "lm_head"))
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                          prefix=_join(prefix, "lm_head"))
+            if getattr(config, "tie_word_embeddings", False) and self.model.is_first_stage:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions (T,) int64 -> hidden_states (T, hidden)."""
-        return self.model(input_ids, positions, attn_metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions (T,) int64 -> hidden_states (T, hidden) on the last pipeline stage,
+        IntermediateTensors (hidden_states, residual) on the others."""
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states (T', hidden), usually one row per request -> logits (T', vocab_size) in the
@@ -234,12 +264,20 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (model.layers.0.self_attn.q_proj.weight, ...) in one call."""
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        first, last = self.model.is_first_stage, self.model.is_last_stage
 
         def skip(name: str) -> bool:
             # rotary_emb.inv_freq: a buffer old checkpoints saved; the cache here is recomputed.
             return "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head."))
 
-        return load_weights_with_mapping(self, weights, self.stacked_params_mapping, skip)
+        def rename(name: str) -> str:
+            # Tied weights on a last stage that does not embed: its LM head loads the embedding table.
+            if tied and last and not first and name.startswith("model.embed_tokens."):
+                return "lm_head." + name.removeprefix("model.embed_tokens.")
+            return name
+
+        kept = ((rename(n), t) for n, t in weights if not skip(n))
+        return load_weights_with_mapping(self, kept, self.stacked_params_mapping)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

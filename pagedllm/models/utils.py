@@ -1,4 +1,5 @@
-"""Checkpoint-name -> parameter loading shared by the decoder-only models."""
+"""Checkpoint-name -> parameter loading shared by the decoder-only models, and the pipeline-stage
+pieces (PPMissingLayer, IntermediateTensors) they are built from."""
 
 from __future__ import annotations
 
@@ -8,6 +9,28 @@ import torch
 from torch import nn
 
 from pagedllm.layers.utils import default_weight_loader
+
+
+class PPMissingLayer(nn.Module):
+    """Stands where a module of another pipeline stage would be (vLLM's name): no parameters, so
+    this stage neither allocates nor loads it, and the other modules keep their names."""
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("PPMissingLayer runs on another pipeline stage")
+
+
+class IntermediateTensors:
+    """What one pipeline stage hands the next: {"hidden_states": (T, hidden), "residual": (T, hidden)}."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __repr__(self) -> str:
+        return f"IntermediateTensors({ {k: tuple(v.shape) for k, v in self.tensors.items()} })"
+
 
 # (fused param name, checkpoint name, shard id): checkpoint tensors that load into one slice of a
 # fused parameter. "model.layers.0.self_attn.k_proj.weight" -> "model.layers.0.self_attn.qkv_proj.weight"
@@ -27,6 +50,8 @@ def load_weights_with_mapping(
     nothing or fused parameters missing some of their shards (a qkv_proj with q and k but no v).
     """
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    # Modules of other pipeline stages: their checkpoint tensors are not this rank's to load.
+    other_stages = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, PPMissingLayer))
     expected_shards: dict[str, set[str | int]] = {}
     for fused, _, shard_id in stacked_params_mapping:
         expected_shards.setdefault(fused, set()).add(shard_id)
@@ -40,12 +65,16 @@ def load_weights_with_mapping(
             if ckpt_name not in name:
                 continue
             param_name = name.replace(ckpt_name, fused)
+            if param_name.startswith(other_stages):
+                break
             param = _lookup(params, param_name, name)
             _named(name, param.weight_loader, param, tensor, shard_id)
             shards_seen.setdefault(param_name, set()).add(shard_id)
             break
         else:
             param_name = name
+            if param_name.startswith(other_stages):
+                continue
             param = _lookup(params, param_name, name)
             _named(name, getattr(param, "weight_loader", default_weight_loader), param, tensor)
             shards_seen.setdefault(param_name, set()).add(None)  # the whole tensor: every shard

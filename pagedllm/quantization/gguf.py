@@ -20,6 +20,7 @@ tensor); the layer's usual `weight_loader` places them into the fused qkv / gate
 from __future__ import annotations
 
 import logging
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -132,7 +133,10 @@ class _GGUFMethodMixin:
         qweight = nn.Parameter(
             torch.zeros(rows, in_features // QK * BLOCK_BYTES[self.qtype], dtype=torch.uint8), requires_grad=False
         )
-        set_weight_attrs(qweight, {"output_dim": 0})
+        # Inputs are packed QK values per BLOCK_BYTES bytes: a RowParallelLinear rank takes whole
+        # blocks of its input columns (load_slice divides offsets by this factor, a Fraction).
+        set_weight_attrs(qweight, {"output_dim": 0, "input_dim": 1, "packed_dim": 1,
+                                   "pack_factor": Fraction(QK, BLOCK_BYTES[self.qtype])})
         set_weight_attrs(qweight, attrs)
         layer.register_parameter("qweight", qweight)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedllm.distributed.pipeline import dummy_forward_stage
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
@@ -76,12 +77,14 @@ def profile_available_kv_bytes(
     rng = np.random.default_rng(0)
     input_ids = torch.from_numpy(rng.integers(0, vocab_size, num_tokens)).to(device)
     positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
-    hidden = model(input_ids, positions, md)
-    logits = model.compute_logits(hidden[md.query_start_loc[1:].long() - 1])
-    # The costliest sampling path: temperature, top-k and top-p (a full sort) and logprobs.
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=max_logprobs)
-    rows = [RowInputs(params, [], [], None) for _ in range(num_reqs)]
-    sampler(logits, SamplingMetadata.build(rows, vocab_size, device))
+    hidden = dummy_forward_stage(model, input_ids, positions, md)  # None before the last pipeline stage
+    logits = None
+    if hidden is not None:
+        logits = model.compute_logits(hidden[md.query_start_loc[1:].long() - 1])
+        # The costliest sampling path: temperature, top-k and top-p (a full sort) and logprobs.
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=max_logprobs)
+        rows = [RowInputs(params, [], [], None) for _ in range(num_reqs)]
+        sampler(logits, SamplingMetadata.build(rows, vocab_size, device))
     torch.cuda.synchronize(device)
 
     peak_activations = torch.cuda.max_memory_allocated(device) - allocated_before - tmp_cache_bytes

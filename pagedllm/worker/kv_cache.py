@@ -39,14 +39,21 @@ def resolve_kv_cache_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
     return mc.dtype, "auto: the model dtype"
 
 
-def kv_cache_bytes_per_block(config: EngineConfig) -> int:
+def kv_cache_bytes_per_block(config: EngineConfig, pp_rank: int = 0) -> int:
+    """Bytes of one block on one rank: only its pipeline stage's layers and its TP share of the KV
+    heads (8 kv heads at tp 2: 4 per rank; 2 at tp 4: one replicated head each)."""
+    from pagedllm.distributed.utils import get_pp_indices, num_kv_heads_per_rank
+
     mc = config.model_config
+    pc = config.parallel_config
+    start, end = get_pp_indices(mc.num_layers, pp_rank, pc.pipeline_parallel_size)
+    kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, pc.tensor_parallel_size)
     elem = torch.empty((), dtype=resolve_kv_cache_dtype(config)[0]).element_size()
     latent = getattr(mc.hf_config, "kv_lora_rank", None)
-    if latent:  # MLA (DeepSeek): one latent of kv_lora_rank + rope dim per token and layer (attention/mla.py)
+    if latent:  # MLA (DeepSeek): one latent of kv_lora_rank + rope dim per token and layer, on every TP rank
         width = int(latent) + int(mc.hf_config.qk_rope_head_dim)
-        return mc.num_layers * config.cache_config.block_size * width * elem
-    return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return (end - start) * config.cache_config.block_size * width * elem
+    return 2 * (end - start) * config.cache_config.block_size * kv_heads * mc.head_dim * elem
 
 
 class KVCache:

@@ -18,6 +18,9 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.distributed.pipeline import forward_stage, share_sampled
+from pagedllm.distributed.utils import num_kv_heads_per_rank
 from pagedllm.host_copy import host_tensor, to_device_async
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
@@ -35,6 +38,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.sampler = Sampler()
+        self.pp_group = get_pp_group()  # one stage of one rank unless pipeline parallel
         self.input_batch = InputBatch(self.block_size, device)
         self.graph_runner: CudaGraphRunner | None = None
         self.step_id = 0
@@ -48,10 +52,15 @@ class ModelRunner:
         libraries and let batches pad up (worker/graph_plan.py)."""
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
             return
+        if self.pp_group.world_size > 1:
+            # A stage's inputs are activations received mid-step, outside a graph's fixed buffers.
+            logger.info("CUDA graphs are not captured with pipeline parallelism: every stage runs eagerly")
+            return
         mc = self.config.model_config
         self.graph_runner = CudaGraphRunner(
             self.model, self.device, self.config.compilation_config.cudagraph_capture_sizes,
-            mc.max_model_len, self.block_size, mc.num_kv_heads, tuning,
+            mc.max_model_len, self.block_size,
+            num_kv_heads_per_rank(mc.num_kv_heads, self.config.parallel_config.tensor_parallel_size), tuning,
         )
         self.graph_runner.capture()
 
@@ -82,7 +91,7 @@ class ModelRunner:
             pos, rows = host_tensor([inp.pending_positions, inp.pending_rows], torch.int64, self.device)
             input_ids[pos] = self.last_sampled[rows]
 
-    def forward(self, inp: StepInputs) -> torch.Tensor:
+    def forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Hidden states of the last token of each request that samples: (len(sample_rows), hidden)."""
         if self.graph_runner is not None and self.graph_runner.can_run(inp):
             # Decode only: one token per request, and every request samples.
@@ -92,9 +101,23 @@ class ModelRunner:
         input_ids = to_device_async(torch.from_numpy(inp.input_ids), dev)
         self._fill_pending(input_ids, inp)
         positions = to_device_async(torch.from_numpy(inp.positions), dev)
-        hidden = self.model(input_ids, positions, md)
+        hidden = forward_stage(self.model, input_ids, positions, md, self.pp_group)
+        if hidden is None:  # an earlier pipeline stage: its activations went to the next one
+            return None
         last = to_device_async(torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1), dev)
         return hidden[last]
+
+    def _sampled_by_last_stage(self, inp: StepInputs) -> PendingOutput:
+        """A stage before the last: the last stage's sampled ids arrive by broadcast, so this
+        stage's request state follows the same tokens (its output is never read by the engine)."""
+        sampled = share_sampled(None, len(inp.sample_rows), self.device, self.pp_group)
+        self.last_sampled = sampled
+        for j, r in enumerate(inp.sample_rows):
+            self.input_batch.mark_pending(inp.req_ids[r], self.step_id, j)
+        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, sampled, None,
+                                [None] * len(inp.sample_rows))
+        self._uncollected.append(pending)
+        return pending
 
     def _take_collected(self) -> None:
         """Sampled tokens of the steps the engine has read (in launch order) join the input batch,
@@ -122,6 +145,8 @@ class ModelRunner:
         hidden = self.forward(inp)
         if not inp.sample_rows:
             return PendingOutput(self.step_id, inp.req_ids, [], None, None, [])
+        if hidden is None:
+            return self._sampled_by_last_stage(inp)
         logits = self.model.compute_logits(hidden)
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
         # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
@@ -141,6 +166,8 @@ class ModelRunner:
             self.device,
         )
         out = self.sampler(logits, smd)
+        if self.pp_group.world_size > 1:
+            share_sampled(out.sampled_token_ids, len(states), self.device, self.pp_group)
         self.last_sampled = out.sampled_token_ids
         for j, st in enumerate(states):
             self.input_batch.mark_pending(st.req_id, self.step_id, j)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.metadata import build_metadata
+from pagedllm.distributed.pipeline import dummy_forward_stage
+from pagedllm.models.utils import PPMissingLayer
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
@@ -53,7 +55,9 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, 
     md.slot_mapping.fill_(-1)  # write nothing
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)
     input_ids = torch.zeros_like(positions)
-    hidden = model(input_ids, positions, md)
+    hidden = dummy_forward_stage(model, input_ids, positions, md)
+    if hidden is None:  # a pipeline stage before the last: no LM head, no sampling here
+        return
     last = md.query_start_loc[1:].long() - 1
     logits = model.compute_logits(hidden[last])
     rows = [
@@ -94,7 +98,7 @@ def warmup_kernels(model: torch.nn.Module, sampler: Sampler, device: torch.devic
     # The LM head runs outside the CUDA graphs at every batch size; its few-row kernels
     # (kernels/gemv.py) compile per row-count class, so run each class once.
     hidden = torch.zeros((8, shape.hidden_size), dtype=dtype, device=device)
-    for m in (1, 2, 3, 4, 5, 8):
+    for m in (1, 2, 3, 4, 5, 8) if not isinstance(getattr(model, "lm_head", None), PPMissingLayer) else ():
         model.compute_logits(hidden[:m])
     torch.cuda.synchronize(device)
     logger.info("kernel warm-up (eager prefill/decode variants) took %.1f s", time.monotonic() - t0)

@@ -25,6 +25,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.distributed.utils import num_kv_heads_per_rank
 from pagedllm.envs import KernelSwitches, kernel_switches
 from pagedllm.loader.model_loader import load_model
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
@@ -88,8 +90,10 @@ class Worker:
         logger.info("KV cache dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
         mc = config.model_config
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device, self.kernel_switches), dtype, self.device,
-                                config.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
+        # This rank's KV heads only (tensor parallel), for this stage's layers only (pipeline).
+        kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size)
+        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device, self.kernel_switches), dtype,
+                                self.device, config.cache_config.block_size, kv_heads, mc.head_dim)
         self.model_runner = ModelRunner(config, self.model, self.device)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
@@ -99,7 +103,7 @@ class Worker:
         assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
         config = self.config
         cc = config.cache_config
-        per_block = kv_cache_bytes_per_block(config)
+        per_block = kv_cache_bytes_per_block(config, get_pp_group().rank_in_group)
         num_cpu_blocks = int(cc.swap_space * GiB) // per_block if config.preemption_mode == "swap" else 0
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override, num_cpu_blocks

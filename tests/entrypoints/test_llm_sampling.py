@@ -120,8 +120,8 @@ def test_prompt_too_long_and_bad_inputs(llm):
 
 def test_unsupported_engine_args_fail_clearly():
     path, _ = tiny_model("llama3")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="4 attention heads are not divisible by tensor_parallel_size 3"):
+        LLM(path, tensor_parallel_size=3, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization='awq' needs a quantized awq checkpoint"):
         LLM(path, quantization="awq", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="'bitsandbytes' is not built"):

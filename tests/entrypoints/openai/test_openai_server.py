@@ -149,7 +149,7 @@ def test_unknown_fields_are_accepted_and_logged(tiny_server):
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2", "not supported"]),
+        (["--tensor-parallel-size", "3"], ["4 attention heads", "tensor_parallel_size 3"]),
         (["--chat-template", "no/such/file.jinja"], ["--chat-template"]),
     ],
 )
