@@ -117,7 +117,6 @@ REFUSED_FLAGS: dict[str, FlagNote] = {
     "--expert-placement-strategy": FlagNote("expert parallelism is not built"),
     "--enable-dbo": FlagNote("dual-batch overlap is not built", 0),
     "--worker-extension-cls": FlagNote("worker extensions are not built"),
-    "--ray-address": FlagNote("Ray executors are issue 20; one process runs one GPU"),
     "--kv-cache-memory-bytes": FlagNote("size the cache with --gpu-memory-utilization or --num-gpu-blocks-override"),
     "--cpu-offload-gb": FlagNote("weight offloading to the CPU is not built"),
     "--mamba-cache-dtype": FlagNote("Mamba models are not built"),
@@ -184,7 +183,7 @@ WORKING_FLAGS: tuple[str, ...] = (
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-num-batched-tokens", "--max-num-seqs",
     "--cuda-graph-sizes", "--scheduling-policy", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--async-scheduling", "--no-async-scheduling", "--preemption-mode", "--compilation-config", "-O",
-    "--device", "--attention-backend", "--distributed-executor-backend",
+    "--device", "--attention-backend", "--distributed-executor-backend", "--ray-address",
 )
 
 

@@ -295,7 +295,7 @@ class EngineArgs:
                        help="auto (default), or the backend built for the device: TRITON_ATTN (GPU), CPU_ATTN (CPU)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-        g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
+        g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                        help="where the ranks run: mp (one process per rank, this node), ray (Ray actors, one "
                             "node or many), uni (one worker in the engine process); default: uni for one rank, "
                             "else mp, or ray with --ray-address")
@@ -306,9 +306,6 @@ class EngineArgs:
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap scheduling with the running step (default: on for CUDA)")
         g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: all cores)")
-        g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
-                       help="uni (one worker in this process), mp (one process per rank) or ray; default: uni "
-                            "for one GPU, else mp")
         g.add_argument("--tokenizer-mode", default="auto", choices=list(TOKENIZER_MODES) + ["mistral", "custom"],
                        help="auto: the fast tokenizer when there is one; slow: the Python one")
         g.add_argument("--revision", default=None,
