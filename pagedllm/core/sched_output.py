@@ -7,6 +7,7 @@ only carries what changed: new requests in full, running ones as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class NewRequestData:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: Any = None  # PoolingParams of a pooling request (its sampling_params are neutral)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]  # one per request; ignored for requests still mid-prefill
     # Per request: (token ids, logprobs, rank of sampled) with column 0 the sampled token.
     logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # Pooling runner: per request, its pooled output (float32 CPU tensor).
+    pooler_output: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -73,6 +77,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooling_output: torch.Tensor | None = None  # a finished pooling request's result
 
     @property
     def finished(self) -> bool:

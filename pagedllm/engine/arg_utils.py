@@ -70,6 +70,12 @@ class EngineArgs:
     max_logprobs: int = 20
     cpu_threads: int | None = None
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU (nothing to overlap)
+    # Pooling (pooling/config.py): vLLM's runner / convert, older vLLM's task, and the pooler.
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    pooler_config: Any = None
+    override_pooler_config: Any = None
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -101,6 +107,13 @@ class EngineArgs:
             config_dtype = getattr(torch, config_dtype, None)
         dtype = parse_dtype(self.dtype, config_dtype, device)
         derived_max = _derive_max_model_len(hf)
+        from pagedllm.pooling.config import resolve_runner
+
+        run = resolve_runner(self.runner, self.convert, self.task, self.pooler_config, self.override_pooler_config,
+                             hf, source.path if source.kind == "hf_dir" else None)
+        pooling = run.runner_type == "pooling"
+        if run.max_model_len is not None:
+            derived_max = min(derived_max, run.max_model_len)
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
             raise ValueError(
@@ -124,9 +137,15 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             generation_config=dict(source.generation_config),
+            runner_type=run.runner_type,
+            pooler_config=run.pooler_config,
         )
         max_num_seqs = self.max_num_seqs or (256 if device == "cuda" else 64)
         chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        if pooling and (self.enable_chunked_prefill or self.enable_prefix_caching):
+            raise ValueError("runner='pooling' runs every prompt whole in one step: enable_chunked_prefill and "
+                             "enable_prefix_caching are not supported with it (pooling/runner.py).")
+        chunked = chunked and not pooling
         batched = self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
         if not chunked and self.max_num_batched_tokens is None:
             batched = max(batched, max_model_len)  # every prompt must fit one step (as vLLM)
@@ -144,7 +163,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 swap_space=self.swap_space,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching,
+                enable_prefix_caching=(not pooling) if self.enable_prefix_caching is None else self.enable_prefix_caching,
                 cpu_kvcache_space=self.cpu_kvcache_space,
                 cache_dtype=self.kv_cache_dtype,
             ),
@@ -255,6 +274,13 @@ class EngineArgs:
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap scheduling with the running step (default: on for CUDA)")
         g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: all cores)")
+        g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                       help="generate tokens, or pool (embeddings, scores, classes); auto: by architecture")
+        g.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"])
+        g.add_argument("--task", default=None, help="older vLLM's runner choice: generate, embed, score, classify")
+        g.add_argument("--pooler-config", default=None,
+                       help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (pooling runner)')
+        g.add_argument("--override-pooler-config", default=None, help=argparse.SUPPRESS)
         return parser
 
     @classmethod

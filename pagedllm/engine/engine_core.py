@@ -55,6 +55,15 @@ def unfreeze_gc_heap() -> None:
     gc.unfreeze()
 
 
+def make_model_runner(config: EngineConfig) -> ModelRunner:
+    """The generation runner, or the pooling runner (pooling/runner.py) for runner="pooling"."""
+    if config.model_config.runner_type == "pooling":
+        from pagedllm.pooling.runner import PoolingModelRunner
+
+        return PoolingModelRunner(config)
+    return ModelRunner(config)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -64,7 +73,7 @@ class EngineCore:
             if threads < 1:
                 raise ValueError(f"cpu_threads must be >= 1, got {threads}.")
             torch.set_num_threads(threads)
-        self.model_runner = ModelRunner(config)
+        self.model_runner = make_model_runner(config)
         num_blocks = self.model_runner.determine_num_blocks()
         bs = config.cache_config.block_size
         max_len = config.model_config.max_model_len

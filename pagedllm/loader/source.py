@@ -9,6 +9,7 @@ Accepted `model` values, tried in this order (as vLLM, a local path wins over a 
     "qwen3-0.6b", "Qwen/Qwen3-0.6B",
     "llama3-8b", "meta-llama/Llama-3.1-8B" -> a bundled config with no weights (`--load-format dummy`)
     "HuggingFaceTB/SmolLM2-135M-Instruct"  -> the embedded GGUF, as None
+    "sentence-transformers/all-MiniLM-L6-v2" -> the embedded embedding model (pooling/embedded.py)
 
 Nothing is downloaded: pagedllm runs without network access to a model hub.
 """
@@ -94,6 +95,10 @@ def resolve_model(model: str | None, *, trust_remote_code: bool = False) -> Mode
     key = name.lower()
     if key in DEFAULT_MODEL_ALIASES:
         return _gguf_source(default_model_path(), name)
+    from pagedllm.pooling.embedded import EMBEDDED_EMBEDDING_ALIASES, embedded_embedding_model_path
+
+    if key in EMBEDDED_EMBEDDING_ALIASES:  # the embedded embedding model (pooling/embedded.py)
+        return _dir_source(embedded_embedding_model_path(), name, trust_remote_code)
     preset = PRESET_ALIASES.get(key, key)
     if preset in available_presets():
         return _preset_source(preset, name)
