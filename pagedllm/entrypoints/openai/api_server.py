@@ -3,7 +3,8 @@
     python -m pagedllm.entrypoints.openai.api_server --model M --port 8000
     pagedllm serve M --port 8000           (pagedllm/entrypoints/cli.py)
 
-Endpoints: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /v1/models,
+Endpoints: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; with runner="pooling"
+/v1/embeddings, /pooling, /classify, /v1/score, /rerank (pooling_routes.py); GET /v1/models,
 /health, /version, /metrics. Request bodies are read and validated by us (http_io.py), not by
 FastAPI, so every refusal is a 400 with OpenAI's error body, never FastAPI's 422.
 
@@ -49,6 +50,7 @@ from pagedllm.entrypoints.openai.http_io import (
 )
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, DrainMiddleware, HeaderLimitMiddleware
+from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,6 +60,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import check_generate_runner
 from pagedllm.entrypoints.openai.serving_engine import EventStream
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -132,15 +135,19 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
             return SSEResponse(result, write_timeout)
         return JSONResponse(result.model_dump())
 
+    add_pooling_routes(app, engine, models, max_body, log_requests=log_requests, limits=limits, admission=admission)
+
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         arrival = time.time()
+        check_generate_runner(engine)
         request = parse_as(ChatCompletionRequest, await read_json_object(raw, max_body))
         return respond(await cancel_on_disconnect(raw, chat.create_chat_completion(request, arrival)))
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
         arrival = time.time()
+        check_generate_runner(engine)
         request = parse_as(CompletionRequest, await read_json_object(raw, max_body))
         return respond(await cancel_on_disconnect(raw, completion.create_completion(request, arrival)))
 
