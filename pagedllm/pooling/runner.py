@@ -24,19 +24,26 @@ from pagedllm.pooling.pooler import Pooler
 from pagedllm.worker.model_runner import ModelRunner
 
 
+def encoder_num_blocks(config: EngineConfig) -> int:
+    """Bookkeeping blocks of a model with no KV cache (an encoder): a full batch of longest prompts."""
+    sc = config.scheduler_config
+    return sc.max_num_seqs * cdiv(sc.max_model_len, config.cache_config.block_size)
+
+
+def make_model_runner(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> ModelRunner:
+    """The generation runner, or this one for runner="pooling" (the worker's one hook)."""
+    if config.model_config.runner_type == "pooling":
+        return PoolingModelRunner(config, model, device)
+    return ModelRunner(config, model, device)
+
+
 class PoolingModelRunner(ModelRunner):
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
+        super().__init__(config, model, device)
         pooler_config = config.model_config.pooler_config
         assert pooler_config is not None, "runner='pooling' resolves a pooler config"
         self.pooler = Pooler(pooler_config, self.model)
         self.uses_token_type_ids = bool(getattr(self.model, "uses_token_type_ids", False))
-
-    def determine_num_blocks(self) -> int:
-        if self.attn_layers:
-            return super().determine_num_blocks()
-        sc = self.config.scheduler_config
-        return sc.max_num_seqs * cdiv(sc.max_model_len, self.block_size)
 
     def capture_model(self) -> None:
         """No CUDA graphs: every pooling step is a prefill."""
