@@ -38,7 +38,9 @@ class EncoderBatch:
         req [0, 0, 0, 1], offset [0, 1, 2, 0]  (flat row -> padded slot), key_mask [[1,1,1],[1,0,0]]
 
     A pad slot holds a real (finite) row, so a masked key meets weight 0 without a zero fill; pad
-    queries compute rows nobody reads.
+    queries compute rows nobody reads. When the step's requests form a few runs of equal length
+    (LLM.embed submits prompts longest first, as sentence-transformers batches them), each run is
+    one unmasked SDPA call on views of the flat batch instead, with no gather at all.
     """
 
     num_reqs: int
@@ -47,6 +49,11 @@ class EncoderBatch:
     req: torch.Tensor | None  # (T,) int64
     offset: torch.Tensor | None  # (T,) int64
     key_mask: torch.Tensor | None  # (R, 1, 1, max_len) bool, True = a real key
+    runs: list[tuple[int, int, int]] | None = None  # (first token, requests, length) of equal-length runs
+
+    # More runs than this: one padded call (each SDPA call starts its threads; on 2 loaded cores
+    # that cost more than the gather).
+    MAX_RUNS = 4
 
     @classmethod
     def from_metadata(cls, md: AttentionMetadata, device: torch.device) -> EncoderBatch:
@@ -55,6 +62,14 @@ class EncoderBatch:
         num_reqs, max_len = len(lens), int(lens.max())
         if bool((lens == max_len).all()):
             return cls(num_reqs, max_len, None, None, None, None)
+        runs: list[tuple[int, int, int]] = []
+        for start, n in zip(starts.tolist(), lens.tolist()):
+            if runs and runs[-1][2] == n:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+            else:
+                runs.append((start, 1, n))
+        if len(runs) <= cls.MAX_RUNS:
+            return cls(num_reqs, max_len, None, None, None, None, runs)
         slot = torch.arange(max_len)[None, :]  # (1, max_len)
         real = slot < lens[:, None]  # (R, max_len)
         gather = torch.where(real, starts[:, None] + slot, starts[:, None]).reshape(-1)
@@ -70,6 +85,14 @@ class EncoderBatch:
         thread start-up than in attention)."""
         width = qkv.shape[1] // 3
         head_dim = width // num_heads
+        if self.runs is not None:
+            out = qkv.new_empty(qkv.shape[0], width)
+            for start, g, n in self.runs:
+                seg = qkv[start:start + g * n]
+                q, k, v = seg.view(g, n, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+                o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (g, heads, n, head_dim)
+                out[start:start + g * n].view(g, n, num_heads, head_dim).copy_(o.transpose(1, 2))
+            return out
         r, n = self.num_reqs, self.max_len
         padded = qkv if self.gather is None else qkv.index_select(0, self.gather)  # (R * n, 3 * width)
         # (R, n, 3, heads, head_dim) -> q, k, v (R, heads, n, head_dim), strided views

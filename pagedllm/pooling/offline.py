@@ -59,16 +59,39 @@ def _check_task(llm: LLM, task: str) -> None:
         raise ValueError("this model embeds: LLM.classify needs a *ForSequenceClassification model.")
 
 
+def pretokenize(llm: LLM, prompts: list[Any], params: list[PoolingParams]) -> list[Any]:
+    """Text prompts tokenized in one batched tokenizer call, with the truncation the processor
+    would apply (pooling/processing.py): the same ids, faster, and known before submission."""
+    tok = llm.llm_engine.tokenizer
+    if tok is None or not prompts or not all(isinstance(p, str) for p in prompts):
+        return prompts
+    if len({p.truncate_prompt_tokens for p in params}) != 1:
+        return prompts
+    k = params[0].truncate_prompt_tokens
+    if k == -1:
+        k = llm.llm_engine.config.model_config.max_model_len
+    enc = tok(prompts, truncation=k is not None, max_length=k)["input_ids"]
+    return [{"prompt": t, "prompt_token_ids": list(ids)} for t, ids in zip(prompts, enc)]
+
+
 def run_pooling(llm: LLM, prompts: list[Any], params: list[PoolingParams], use_tqdm: bool) -> list[PoolingRequestOutput]:
+    """Submit longest first (as sentence-transformers batches), so a step's prompts have similar
+    lengths (models/bert.py attends per equal-length run); results come back in the caller's order."""
     engine = llm.llm_engine
-    ids: list[str] = []
+    prompts = pretokenize(llm, prompts, params)
+
+    def length(p: Any) -> int:
+        return len(p["prompt_token_ids"]) if isinstance(p, dict) and "prompt_token_ids" in p else 0
+
+    order = sorted(range(len(prompts)), key=lambda i: -length(prompts[i]))
+    ids: list[str] = [""] * len(prompts)
     try:
-        for prompt, p in zip(prompts, params):
+        for i in order:
             rid = str(next(llm._counter))
-            engine.add_request(rid, prompt, p)
-            ids.append(rid)
+            engine.add_request(rid, prompts[i], params[i])
+            ids[i] = rid
     except ValueError:
-        engine.abort_request(ids)
+        engine.abort_request([i for i in ids if i])
         raise
     finished: dict[str, PoolingRequestOutput] = {}
     bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
