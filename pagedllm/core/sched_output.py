@@ -7,10 +7,10 @@ only carries what changed: new requests in full, running ones as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -25,7 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    pooling_params: Any = None  # PoolingParams of a pooling request (its sampling_params are neutral)
+    pooling_params: PoolingParams | None = None  # a pooling request (its sampling_params are neutral)
 
 
 @dataclass

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_loop import EngineCoreLoop
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 # How many steps' outputs may wait for the output thread before the engine waits for it:
 # backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
 MAX_PENDING_BATCHES = 4
+# The variables' names, for tests that set them (pagedllm/envs.py reads and documents them).
 MULTIPROCESSING_ENV = "PAGEDLLM_ENABLE_MULTIPROCESSING"
 FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
 
@@ -63,10 +64,8 @@ FailedCallback = Callable[[dict[str, BaseException]], None]  # core request id -
 
 
 def _use_engine_process(config: EngineConfig) -> bool:
-    choice = os.environ.get(MULTIPROCESSING_ENV)
-    if choice not in (None, "", "0", "1"):
-        raise ValueError(f"{MULTIPROCESSING_ENV} must be 0 or 1, got {choice!r}.")
-    wanted = config.device_config.device == "cpu" if choice in (None, "") else choice == "1"
+    choice = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
+    wanted = config.device_config.device == "cpu" if choice is None else choice
     return wanted and multiprocessing_available()
 
 
@@ -88,8 +87,8 @@ class EngineCoreClient(ABC):
     def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
                  on_failed: FailedCallback,
                  on_dead: Callable[[BaseException], None]) -> None:
-        fail_at = os.environ.get(FAULT_INJECT_ENV)
-        self._fail_at = int(fail_at) if fail_at else None
+        # The fault-injection test hook, armed from the environment for tests that start a server.
+        self._fail_at = envs.PAGEDLLM_TEST_FAIL_AT_STEP
         self._outq = outq
         self._on_failed = on_failed
         self._on_dead = on_dead

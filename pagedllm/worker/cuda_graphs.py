@@ -33,19 +33,21 @@ logger = logging.getLogger(__name__)
 
 
 # Graphs of this many rows and more start their attention programs longest context first
-# (AttentionMetadata.decode_order). Measured on the H200, Llama-3.1-8B heads, in graphs: 256
-# requests of 100-1100 keys 171 -> 166 us, 192 requests 171 -> 167, 128 requests 160 -> 158; at
-# 64 requests (one wave of programs) no gain, so smaller graphs skip the sort and its copy.
+# (AttentionMetadata.decode_order): the longest programs then start in the first wave. At 64 rows
+# (one wave of programs) it gained nothing, so smaller graphs skip the sort and its copy
+# (measured per batch size: BENCHMARKS.md, "Measurements behind code decisions").
 ORDER_MIN_BATCH = 128
 
 
 class CudaGraphRunner:
     """capture_sizes: vLLM's cudagraph_capture_sizes, resolved in config.py (default 1, 2, 4, 8, ...,
-    max_num_seqs); num_kv_heads decides which sizes attend alike (split-K or not)."""
+    max_num_seqs); num_kv_heads decides which sizes attend alike (split-K or not); tuning: capture
+    with both BLAS libraries and plan padding from replay times (PAGEDLLM_GRAPH_TUNING)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, capture_sizes: tuple[int, ...],
-                 max_model_len: int, block_size: int, num_kv_heads: int) -> None:
+                 max_model_len: int, block_size: int, num_kv_heads: int, tuning: bool = True) -> None:
         self.model = model
+        self.tuning = tuning
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.sizes = list(capture_sizes)
@@ -112,7 +114,7 @@ class CudaGraphRunner:
         default_name = default.name.lower()
         # name -> value for torch.backends.cuda.preferred_blas_library; the default first.
         candidates: dict[str, object] = {default_name: default}
-        if graph_plan.tuning_enabled() and torch.version.cuda is not None:
+        if self.tuning and torch.version.cuda is not None:
             candidates.update((lib, lib) for lib in ("cublas", "cublaslt") if lib != default_name)
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         try:

@@ -42,15 +42,16 @@ class ModelRunner:
         # Launched steps that sampled, oldest first, until the input batch has taken their tokens.
         self._uncollected: list[PendingOutput] = []
 
-    def capture_model(self) -> None:
+    def capture_model(self, tuning: bool = True) -> None:
         """CUDA graphs for decode steps (GPU only; enforce_eager turns them off). The KV cache must
-        be bound: the graphs read it where it lives."""
+        be bound: the graphs read it where it lives. tuning: time each size with both BLAS
+        libraries and let batches pad up (worker/graph_plan.py)."""
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
             return
         mc = self.config.model_config
         self.graph_runner = CudaGraphRunner(
             self.model, self.device, self.config.compilation_config.cudagraph_capture_sizes,
-            mc.max_model_len, self.block_size, mc.num_kv_heads,
+            mc.max_model_len, self.block_size, mc.num_kv_heads, tuning,
         )
         self.graph_runner.capture()
 
@@ -124,8 +125,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
         # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
-        # skip copying theirs (256 rows of 100-400 prompt tokens, this list: 0.9 -> 0.5 ms a step on a
-        # 2-core CPU).
+        # skip copying theirs (host time a step: BENCHMARKS.md, "Measurements behind code decisions").
         smd = SamplingMetadata.build(
             [
                 RowInputs(

@@ -25,6 +25,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.envs import KernelSwitches, kernel_switches
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
@@ -37,11 +38,11 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
-def pick_attention_backend(device: torch.device) -> AttentionBackend:
+def pick_attention_backend(device: torch.device, switches: KernelSwitches) -> AttentionBackend:
     if device.type == "cuda":
         from pagedllm.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(fused_qkv_prep=switches.fused_qkv, fused_decode=switches.fused_decode)
     from pagedllm.attention.backend import TorchAttentionBackend
     from pagedllm.cpu.attention import CpuAttentionBackend
 
@@ -62,6 +63,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.kv_cache: KVCache | None = None
         self.swap_space: CpuSwapSpace | None = None
+        self.kernel_switches = kernel_switches()  # read once; steps never read the environment
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -87,7 +89,7 @@ class Worker:
         logger.info("KV cache dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
         mc = config.model_config
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device), dtype, self.device,
+        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device, self.kernel_switches), dtype, self.device,
                                 config.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
         self.model_runner = make_model_runner(config, self.model, self.device)
 
@@ -136,7 +138,7 @@ class Worker:
                 vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
             )
             warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype, shape)
-        self.model_runner.capture_model()
+        self.model_runner.capture_model(self.kernel_switches.graph_tuning)
 
     # -- serving -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
