@@ -45,7 +45,7 @@ class PoolingModelRunner(ModelRunner):
         self.pooler = Pooler(pooler_config, self.model)
         self.uses_token_type_ids = bool(getattr(self.model, "uses_token_type_ids", False))
 
-    def capture_model(self) -> None:
+    def capture_model(self, tuning: bool = True) -> None:
         """No CUDA graphs: every pooling step is a prefill."""
 
     @torch.inference_mode()
