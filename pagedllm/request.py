@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
+
+# What the scheduler reads of a pooling request's sampling: nothing applies (no penalties, no
+# min_tokens, no seed), so every check on it stays a plain attribute read.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,12 +40,16 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        pooling_params: Any = None,
     ) -> None:
         self.request_id = request_id
-        self.sampling_params = sampling_params
+        # A pooling request (pooling_params, no sampling_params) produces no tokens: its output is
+        # pooled from its prompt's one step.
+        self.sampling_params = sampling_params if sampling_params is not None else _POOLING_SAMPLING
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
@@ -53,7 +62,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.cache_salt = cache_salt
-        self.max_tokens = sampling_params.max_tokens
+        self.max_tokens = 0 if pooling_params is not None else self.sampling_params.max_tokens
         # Prefix caching: hash of each *full* block of all_token_ids, appended as blocks fill.
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set at first scheduling

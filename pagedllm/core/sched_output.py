@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request (its sampling_params are neutral)
 
 
 @dataclass
@@ -65,6 +69,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]  # one per request; ignored for requests still mid-prefill
     # Per request: (token ids, logprobs, rank of sampled) with column 0 the sampled token.
     logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # Pooling runner: per request, its pooled output (float32 CPU tensor).
+    pooler_output: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -75,6 +81,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooling_output: torch.Tensor | None = None  # a finished pooling request's result
 
     @property
     def finished(self) -> bool:

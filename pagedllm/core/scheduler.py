@@ -248,6 +248,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
+            pooling_params=req.pooling_params,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -278,6 +279,13 @@ class Scheduler:
             # A request preempted after this step was scheduled keeps the token: it was
             # sampled from a complete context.
             req.num_output_placeholders -= 1
+            if req.pooling_params is not None:  # its whole prompt ran: done, with the pooled output
+                assert runner_output.pooler_output is not None
+                req.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop",
+                                                pooling_output=runner_output.pooler_output[row]))
+                self._free_request(req)
+                continue
             token = runner_output.sampled_token_ids[row]
             req.append_output_token_ids(token)
             self._check_stop(req, token)

@@ -83,6 +83,12 @@ class EngineArgs:
     disable_sliding_window: bool = False
     scheduling_policy: str = "fcfs"  # priority scheduling is not built
     disable_log_stats: bool = False  # the server's periodic stats log line
+    # Pooling (pooling/config.py): vLLM's runner / convert, older vLLM's task, and the pooler.
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    pooler_config: Any = None
+    override_pooler_config: Any = None
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -130,6 +136,13 @@ class EngineArgs:
             config_dtype = getattr(torch, config_dtype, None)
         dtype = parse_dtype(self.dtype, config_dtype, device)
         derived_max = _derive_max_model_len(hf)
+        from pagedllm.pooling.config import resolve_runner
+
+        run = resolve_runner(self.runner, self.convert, self.task, self.pooler_config, self.override_pooler_config,
+                             hf, source.path if source.kind == "hf_dir" else None)
+        pooling = run.runner_type == "pooling"
+        if run.max_model_len is not None:
+            derived_max = min(derived_max, run.max_model_len)
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
             raise ValueError(
@@ -154,6 +167,8 @@ class EngineArgs:
             quantization=quantization,
             generation_config=dict(source.generation_config),
             tokenizer_mode=self.tokenizer_mode,
+            runner_type=run.runner_type,
+            pooler_config=run.pooler_config,
         )
         parallel_config = ParallelConfig(
             self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend,
@@ -165,6 +180,10 @@ class EngineArgs:
         # `is None`, not `or`: --max-num-seqs 0 must reach SchedulerConfig's check, not become the default.
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if device == "cuda" else 64)
         chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        if pooling and (self.enable_chunked_prefill or self.enable_prefix_caching):
+            raise ValueError("runner='pooling' runs every prompt whole in one step: enable_chunked_prefill and "
+                             "enable_prefix_caching are not supported with it (pooling/runner.py).")
+        chunked = chunked and not pooling
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 8192 if device == "cuda" else 2048
@@ -187,7 +206,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 swap_space=self.swap_space,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching,
+                enable_prefix_caching=(not pooling) if self.enable_prefix_caching is None else self.enable_prefix_caching,
                 cpu_kvcache_space=self.cpu_kvcache_space if self.cpu_kvcache_space is not None else _env_kvcache_space(),
                 cache_dtype=self.kv_cache_dtype,
             ),
@@ -318,12 +337,18 @@ class EngineArgs:
                        help="auto: sampling defaults and EOS ids from the model's generation_config.json; vllm: "
                             "none; or a directory holding a generation_config.json")
         g.add_argument("--disable-sliding-window", action="store_true",
-                       help="cap max_model_len at the sliding window (always so here: sliding-window attention "
-                            "is not built)")
+                       help="cap max_model_len at the sliding window (the window is built: this only caps the length)")
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                        help="fcfs (priority is refused: not built)")
         g.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic stats log line (/metrics is still served)")
+        g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                       help="generate tokens, or pool (embeddings, scores, classes); auto: by architecture")
+        g.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"])
+        g.add_argument("--task", default=None, help="older vLLM's runner choice: generate, embed, score, classify")
+        g.add_argument("--pooler-config", default=None,
+                       help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (pooling runner)')
+        g.add_argument("--override-pooler-config", default=None, help=argparse.SUPPRESS)
         return parser
 
     @classmethod

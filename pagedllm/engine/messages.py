@@ -24,9 +24,11 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
+import torch
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,6 +44,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     # SamplingParams.all_stop_token_ids is derived (stop ids + the model's EOS ids) and rebuilt by
     # its __post_init__ when decoded, so it travels here and is put back.
     all_stop_token_ids: list[int]
+    pooling_params: PoolingParams | None = None  # a pooling request (pooling/)
 
     def __post_init__(self) -> None:
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
@@ -50,11 +53,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     def from_request(cls, req: Request) -> EngineCoreRequest:
         sp = req.sampling_params
         return cls(req.request_id, req.prompt_token_ids, sp, req.arrival_time, req.cache_salt,
-                   sorted(sp.all_stop_token_ids))
+                   sorted(sp.all_stop_token_ids), req.pooling_params)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, self.arrival_time,
-                       self.cache_salt)
+                       self.cache_salt, pooling_params=self.pooling_params)
 
 
 class ErrorInfo(msgspec.Struct, array_like=True):
@@ -148,9 +151,24 @@ EngineCoreReply = Union[Ready, StartupFailed, StepOutputs, RequestsFailed, Prefi
 
 
 # -- the wire ----------------------------------------------------------------------------------------
-_encoder = msgspec.msgpack.Encoder()
+def _enc_hook(obj: object) -> object:
+    """A pooled output (EngineCoreOutput.pooling_output) travels as (shape, float32 bytes)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu", torch.float32).contiguous()
+        return [list(t.shape), t.numpy().tobytes()]
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: object) -> object:
+    if kind is torch.Tensor:
+        shape, data = obj  # type: ignore[misc]
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 command_decoder = msgspec.msgpack.Decoder(EngineCoreCommand)
-reply_decoder = msgspec.msgpack.Decoder(EngineCoreReply)
+reply_decoder = msgspec.msgpack.Decoder(EngineCoreReply, dec_hook=_dec_hook)
 
 
 def encode(msg: EngineCoreCommand | EngineCoreReply) -> bytes:

@@ -162,6 +162,8 @@ class OutputProcessor:
         return results, stops
 
     def _make_output(self, st: RequestState, finished: bool) -> RequestOutput | None:
+        if not isinstance(st, RequestState):  # a pooling request (pooling/outputs.py): one final output
+            return st.make_output()
         kind = st.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None

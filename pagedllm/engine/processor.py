@@ -155,10 +155,19 @@ class Processor:
         return child
 
     def process_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float
+        self, request_id: str, prompt: PromptType, params: SamplingParams | Any, arrival_time: float
     ) -> ProcessedRequest:
         """Tokenize, validate against the model, and fan out n > 1 into child requests
-        ("{index}_{request_id}") gathered back by a ParentRequest. Raises ValueError, queues nothing."""
+        ("{index}_{request_id}") gathered back by a ParentRequest. Raises ValueError, queues nothing.
+        PoolingParams instead of SamplingParams: a pooling request (pooling/processing.py)."""
+        if not isinstance(params, SamplingParams):
+            from pagedllm.pooling.processing import process_pooling_request
+
+            return process_pooling_request(self, request_id, prompt, params, arrival_time)
+        if self.config.model_config.runner_type == "pooling":
+            from pagedllm.pooling.processing import wrong_runner_message
+
+            raise ValueError(wrong_runner_message(self.config, False))
         pp = self.truncate_prompt(self.tokenize_prompt(prompt), params)
         final = self.finalize_params(params, len(pp.prompt_token_ids))
         parent = ParentRequest(request_id, final.n, final.output_kind) if final.n > 1 else None

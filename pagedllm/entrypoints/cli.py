@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     add_bench_parser(sub)
+    from pagedllm.rag.cli import add_rag_parser
+
+    add_rag_parser(sub)
     return parser
 
 

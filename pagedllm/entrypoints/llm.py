@@ -102,6 +102,35 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # -- pooling (runner="pooling"): pagedllm/pooling/offline.py --------------------------------------
+    def encode(self, prompts: Any, pooling_params: Any = None, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True, pooling_task: str | None = None) -> list:
+        from pagedllm.pooling import offline
+
+        return offline.encode(self, prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm, pooling_task=pooling_task)
+
+    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: Any = None) -> list:
+        from pagedllm.pooling import offline
+
+        return offline.embed(self, prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                             pooling_params=pooling_params)
+
+    def classify(self, prompts: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 pooling_params: Any = None) -> list:
+        from pagedllm.pooling import offline
+
+        return offline.classify(self, prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                                pooling_params=pooling_params)
+
+    def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: Any = None) -> list:
+        from pagedllm.pooling import offline
+
+        return offline.score(self, data_1, data_2, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, pooling_params=pooling_params)
+
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []

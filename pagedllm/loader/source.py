@@ -11,6 +11,7 @@ Accepted `model` values, tried in this order (as vLLM, a local path wins over a 
     "HuggingFaceTB/SmolLM2-135M-Instruct"  -> the embedded GGUF, as None
     "Qwen/Qwen2.5-7B-Instruct" (any org/name)  -> its snapshot in the local HF cache (hf_cache.py),
                                               tried before the presets and aliases above
+    "sentence-transformers/all-MiniLM-L6-v2" -> the embedded embedding model (pooling/embedded.py)
 
 Nothing is downloaded: pagedllm runs without network access to a model hub.
 """
@@ -138,6 +139,10 @@ def _resolve(model: str | None, trust_remote_code: bool, revision: str | None, d
     key = name.lower()
     if key in DEFAULT_MODEL_ALIASES:
         return _gguf_source(default_model_path(), name)
+    from pagedllm.pooling.embedded import EMBEDDED_EMBEDDING_ALIASES, embedded_embedding_model_path
+
+    if key in EMBEDDED_EMBEDDING_ALIASES:  # the embedded embedding model (pooling/embedded.py)
+        return _dir_source(embedded_embedding_model_path(), name, trust_remote_code)
     preset = PRESET_ALIASES.get(key, key)
     if preset in available_presets():
         return _preset_source(preset, name)

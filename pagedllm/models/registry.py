@@ -21,7 +21,21 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    # Pooling models (runner="pooling"): encoders, cross-encoders, decoder base models as embedders.
+    "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("xlm_roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("xlm_roberta", "XLMRobertaForSequenceClassification"),
+    "LlamaModel": ("decoder_embedding", "LlamaEmbeddingModel"),
+    "MistralModel": ("decoder_embedding", "LlamaEmbeddingModel"),
+    "Qwen2Model": ("decoder_embedding", "Qwen2EmbeddingModel"),
+    "Qwen3Model": ("decoder_embedding", "Qwen3EmbeddingModel"),
 }
+
+# Architectures that can only pool (no LM head): runner="auto" picks "pooling" for them.
+POOLING_ONLY_ARCHS = frozenset(
+    a for a in _MODELS if a.endswith(("Model", "ForSequenceClassification"))
+)
 
 
 def get_supported_archs() -> list[str]:

@@ -29,6 +29,7 @@ from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import num_kv_heads_per_rank
 from pagedllm.envs import KernelSwitches, kernel_switches
 from pagedllm.loader.model_loader import load_model
+from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
 from pagedllm.worker.swap_space import CpuSwapSpace
@@ -94,7 +95,7 @@ class Worker:
         kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size)
         self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device, self.kernel_switches), dtype,
                                 self.device, config.cache_config.block_size, kv_heads, mc.head_dim)
-        self.model_runner = ModelRunner(config, self.model, self.device)
+        self.model_runner = make_model_runner(config, self.model, self.device)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(GPU blocks, CPU swap blocks) that fit this worker: the override, else the CPU budget
@@ -107,6 +108,8 @@ class Worker:
         num_cpu_blocks = int(cc.swap_space * GiB) // per_block if config.preemption_mode == "swap" else 0
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override, num_cpu_blocks
+        if not self.kv_cache.attn_layers:  # an encoder (pooling): blocks are bookkeeping, no memory
+            return encoder_num_blocks(config), 0
         if self.kv_cache.device.type == "cpu":
             space = cc.cpu_kvcache_space if cc.cpu_kvcache_space is not None else 4.0
             return max(int(space * GiB) // per_block, 1), num_cpu_blocks
@@ -131,8 +134,8 @@ class Worker:
     def compile_or_warm_up_model(self) -> None:
         """Compile the eager path's Triton variants, then capture the decode CUDA graphs (GPU only)."""
         assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
-        if self.kv_cache.tensors:
-            mc = self.config.model_config
+        mc = self.config.model_config
+        if self.kv_cache.tensors and mc.runner_type == "generate":  # the warm-up samples from logits
             shape = WarmupShape(
                 block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
                 max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,

@@ -3,7 +3,8 @@
     python -m pagedllm.entrypoints.openai.api_server --model M --port 8000
     pagedllm serve M --port 8000           (pagedllm/entrypoints/cli.py)
 
-Endpoints: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /v1/models,
+Endpoints: POST /v1/chat/completions, /v1/completions, /tokenize, /detokenize; with runner="pooling"
+/v1/embeddings, /pooling, /classify, /v1/score, /rerank (pooling_routes.py); GET /v1/models,
 /health, /version, /metrics. Request bodies are read and validated by us (http_io.py), not by
 FastAPI, so every refusal is a 400 with OpenAI's error body, never FastAPI's 422.
 
@@ -61,6 +62,7 @@ from pagedllm.entrypoints.openai.middleware import (
     DrainMiddleware,
     HeaderLimitMiddleware,
 )
+from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,6 +74,7 @@ from pagedllm.entrypoints.openai.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.openai.request_log import UnknownFieldReporter
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import check_generate_runner
 from pagedllm.entrypoints.openai.serving_engine import EventStream
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -188,15 +191,19 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
             return SSEResponse(result, write_timeout)
         return JSONResponse(result.model_dump())
 
+    add_pooling_routes(app, engine, models, max_body, log_requests=log_requests, limits=limits, admission=admission)
+
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         arrival = time.time()
+        check_generate_runner(engine)
         request = await read_request(raw, ChatCompletionRequest, max_body, limits)
         return respond(await cancel_on_disconnect(raw, chat.create_chat_completion(request, arrival)))
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
         arrival = time.time()
+        check_generate_runner(engine)
         request = await read_request(raw, CompletionRequest, max_body, limits)
         return respond(await cancel_on_disconnect(raw, completion.create_completion(request, arrival)))
 

@@ -1,0 +1,1 @@
+"""Pooling models: embeddings, scores and classes from the same engine (runner="pooling")."""

@@ -1,0 +1,49 @@
+"""Scoring text pairs (LLM.score, /v1/score, /rerank), vLLM's rules.
+
+    data_1 one text, data_2 N texts   -> N pairs (data_1, data_2[i])      1 -> N
+    data_1 N texts, data_2 N texts    -> N pairs (data_1[i], data_2[i])   N -> N
+
+A cross-encoder (a *ForSequenceClassification model) reads each pair as one prompt, tokenized as a
+pair ([CLS] a [SEP] b [SEP], segment ids 0 / 1 for BERT) and scores it with its head (sigmoid of
+the logit for one label). An embedding model scores a pair by the cosine of the two embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def make_pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, str]]:
+    left = [data_1] if isinstance(data_1, str) else list(data_1)
+    right = [data_2] if isinstance(data_2, str) else list(data_2)
+    for name, side in (("text_1", left), ("text_2", right)):
+        if not side:
+            raise ValueError(f"{name} is empty; give at least one text.")
+        if not all(isinstance(t, str) for t in side):
+            raise ValueError(f"{name} must hold strings only.")
+    if len(left) == 1:
+        left = left * len(right)
+    elif len(left) != len(right):
+        raise ValueError(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1, or as many as text_2.")
+    return list(zip(left, right))
+
+
+def cross_encoder_prompt(tokenizer: Any, a: str, b: str, truncate: int | None, max_model_len: int) -> dict[str, Any]:
+    """One pair as a prompt for the engine: its token ids and (when the tokenizer makes them) segment ids."""
+    if tokenizer is None:
+        raise ValueError("scoring text pairs needs a tokenizer (this engine has skip_tokenizer_init).")
+    kwargs: dict[str, Any] = {}
+    if truncate is not None:
+        kwargs = {"truncation": True, "max_length": max_model_len if truncate == -1 else truncate}
+    enc = tokenizer(text=a, text_pair=b, **kwargs)
+    prompt: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
+    if "token_type_ids" in enc:
+        prompt["token_type_ids"] = list(enc["token_type_ids"])
+    return prompt
+
+
+def cosine_scores(left: list[torch.Tensor], right: list[torch.Tensor]) -> list[float]:
+    a, b = torch.stack(left).float(), torch.stack(right).float()
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
