@@ -77,9 +77,6 @@ NOTE_FLAGS: dict[str, FlagNote] = {
 
 REFUSED_FLAGS: dict[str, FlagNote] = {
     "--uds": FlagNote("Unix domain sockets are not built; serve on --host/--port"),
-    "--task": FlagNote("only text generation is built (pooling tasks: issue 21); leave --task unset"),
-    "--runner": FlagNote("only the generate runner is built; leave --runner unset"),
-    "--convert": FlagNote("model conversion (embed/classify adapters) is not built"),
     "--hf-config-path": FlagNote("the config is read from the model itself; pass a local model directory"),
     "--code-revision": FlagNote("remote code is loaded from the local model directory only"),
     "--tokenizer-revision": FlagNote("the tokenizer is read from the model's own snapshot; pass --tokenizer PATH"),
@@ -95,8 +92,6 @@ REFUSED_FLAGS: dict[str, FlagNote] = {
     "--logits-processors": FlagNote("custom logits processors are not built"),
     "--logits-processor-pattern": FlagNote("custom logits processors are not built"),
     "--io-processor-plugin": FlagNote("IO processor plugins are not built"),
-    "--pooler-config": FlagNote("pooling models are not built (issue 21)"),
-    "--override-pooler-config": FlagNote("pooling models are not built (issue 21)"),
     "--model-loader-extra-config": FlagNote("the loaders take no extra config"),
     "--ignore-patterns": FlagNote("only the model's safetensors / .bin / .gguf weights are read"),
     "--pt-load-map-location": FlagNote(".bin weights are always loaded to the CPU, then moved"),
@@ -184,6 +179,7 @@ WORKING_FLAGS: tuple[str, ...] = (
     "--cuda-graph-sizes", "--scheduling-policy", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--async-scheduling", "--no-async-scheduling", "--preemption-mode", "--compilation-config", "-O",
     "--device", "--attention-backend", "--distributed-executor-backend", "--ray-address",
+    "--runner", "--convert", "--task", "--pooler-config", "--override-pooler-config",
 )
 
 

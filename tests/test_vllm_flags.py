@@ -71,7 +71,7 @@ def test_llm_kwargs_follow_the_table(caplog):
     caplog.set_level(logging.WARNING)
     rest = check_llm_kwargs({"use_v2_block_manager": True, "num_scheduler_steps": 8, "max_model_len": 64,
                              "enable_lora": False, "task": "generate"})
-    assert rest == {"max_model_len": 64}
+    assert rest == {"max_model_len": 64, "task": "generate"}  # task is built (runner="pooling", issue 21)
     assert len([r for r in caplog.records if "has no effect" in r.getMessage()]) == 2
     with pytest.raises(ValueError, match="enable_lora=True is not supported: LoRA"):
         check_llm_kwargs({"enable_lora": True})

@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.http_io import cancel_on_disconnect, parse_as, read_json_object
+from pagedllm.entrypoints.openai.http_io import cancel_on_disconnect, read_request
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -22,13 +23,16 @@ from pagedllm.entrypoints.openai.protocol_pooling import (
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScores
 
 
-def add_pooling_routes(app: FastAPI, engine: Any, models: Any, max_body: int, **serving_kwargs: Any) -> None:
-    serving = OpenAIServingScores(engine, models, **serving_kwargs)
+def add_pooling_routes(
+    app: FastAPI, engine: Any, models: Any, max_body: int, limits: ServerLimits, **serving_kwargs: Any
+) -> None:
+    serving = OpenAIServingScores(engine, models, limits=limits, **serving_kwargs)
 
     def route(path: str, model_cls: type, method: Callable[..., Any]) -> None:
         async def handler(raw: Request) -> Response:
             arrival = time.time()
-            request = parse_as(model_cls, await read_json_object(raw, max_body))
+            # Bounded parsing, off the loop for large bodies, with the server's count limits (http_io.py).
+            request = await read_request(raw, model_cls, max_body, limits)
             result = await cancel_on_disconnect(raw, method(request, arrival))
             if result is None:
                 return Response(status_code=499)  # the client left
