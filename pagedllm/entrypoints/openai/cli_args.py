@@ -68,6 +68,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="let requests carry their own chat_template (refused by default)",
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    # Tool calling and reasoning output (serving_chat.py, tool_parsers/, pagedllm/reasoning/).
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="how tool calls are read from the model's output")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="put <think>...</think> text into reasoning_content")
     g.add_argument("--ssl-keyfile", default=None)
     g.add_argument("--ssl-certfile", default=None)
     g.add_argument(
@@ -166,6 +173,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-prompt-bytes must be >= 1, got {args.max_prompt_bytes}.")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together.")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, pythonic).")
     for key in api_keys(args):
         if not key:
             raise ValueError("--api-key must not be empty.")
