@@ -37,6 +37,10 @@ _SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "additionalItems
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
+# Whitespace characters allowed between two JSON elements. Unbounded, a small model can loop on
+# newlines inside an object until max_tokens (seen with SmolLM2-135M: 1 in ~20 schemas); 24 still
+# fits pretty-printed JSON five levels deep at 4-space indents.
+MAX_WHITESPACE = 24
 _BATCH_FILL_MIN_ROWS = 16  # below this, one call per row costs less than the batch call's set-up
 
 _CPP_PREFIX = re.compile(r"\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
@@ -107,10 +111,15 @@ class XgrammarBackend(StructuredOutputBackend):
                 schema = json.loads(p.json) if isinstance(p.json, str) else p.json
                 check_json_schema(schema)
                 return self.compiler.compile_json_schema(
-                    json.dumps(schema), any_whitespace=not p.disable_any_whitespace, strict_mode=True
+                    json.dumps(schema), any_whitespace=not p.disable_any_whitespace, strict_mode=True,
+                    max_whitespace_cnt=MAX_WHITESPACE,
                 )
             if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                # Any object (any keys, any values), with the same whitespace bound as a schema.
+                return self.compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=not p.disable_any_whitespace, strict_mode=False,
+                    max_whitespace_cnt=MAX_WHITESPACE,
+                )
             if kind == "regex":
                 return self.compiler.compile_regex(p.regex)
             if kind == "choice":
