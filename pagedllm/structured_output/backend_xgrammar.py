@@ -64,6 +64,9 @@ def check_json_schema(schema: Any, where: str = "schema") -> None:
         if key == "format" and schema.get("type") == "string" and value not in SUPPORTED_STRING_FORMATS:
             raise ValueError(f"JSON schema string format {value!r} (at {where}) is not supported by the xgrammar "
                              f"backend; supported: {', '.join(sorted(SUPPORTED_STRING_FORMATS))}.")
+        if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
+            raise ValueError(f"JSON schema 'pattern' together with minLength / maxLength (at {where}) is not supported "
+                             "by the xgrammar backend (it would drop the length); put the length in the pattern.")
         if key in _SUBSCHEMA and isinstance(value, (dict, bool)):
             check_json_schema(value, f"{where}.{key}")
         elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
