@@ -2,7 +2,7 @@
 
 `EngineArgs` (engine/arg_utils.py) holds what a user typed; `create_engine_config()` resolves it into
 these frozen objects once. Values discovered at run time (the number of KV blocks found by
-profiling) live in `KVCacheSpec`, never written back here.
+profiling) live in `KVCacheInfo` (pagedllm/executor/abstract.py), never written back here.
 """
 
 from __future__ import annotations
@@ -143,12 +143,36 @@ class SchedulerConfig:
             )
 
 
+# vLLM's distributed_executor_backend values (pagedllm/executor/abstract.py maps them to classes).
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "uni": one worker in the engine core's process; "mp": one worker process per rank; "ray": Ray
+    # actors. None resolves to "uni" for one worker, else "mp" (as vLLM on one node).
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend is None:
+            # Resolved once here, as frozen configs resolve their own defaults.
+            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
+        elif backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}."
+            )
+        elif backend == "uni" and self.world_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}; use 'mp' or 'ray'."
+            )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; only 1 is built."

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -60,9 +58,6 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set at first scheduling
         self.num_preemptions = 0
-        # Seeded requests draw from their own generator so the batch around them does not matter.
-        # The engine core creates it on the model's device (see EngineCore.add_request).
-        self.generator: torch.Generator | None = None
 
     @property
     def needs_output_history(self) -> bool:

@@ -116,7 +116,7 @@ def correctness_batch() -> None:
                   num_gpu_blocks_override=8192, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         runs[name] = [o.outputs[0].token_ids for o in outs]
-        gr = llm.llm_engine.engine_core.model_runner.graph_runner
+        gr = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.graph_runner
         if gr is not None:
             from pagedllm.worker.graph_plan import describe
 
@@ -146,7 +146,7 @@ def capture_sizes_check() -> None:
             "compilation_config JSON [1, 32]": dict(compilation_config='{"cudagraph_capture_sizes": [1, 32]}')}.items():
         llm = LLM(path, skip_tokenizer_init=True, max_model_len=256, dtype="float32", max_num_seqs=32,
                   num_gpu_blocks_override=512, **kw)
-        gr = llm.llm_engine.engine_core.model_runner.graph_runner
+        gr = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.graph_runner
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if gr is not None:
             same = sum(a == b for a, b in zip(runs[name], runs["eager"]))

@@ -1,38 +1,111 @@
-"""The attention backend hook: one narrow interface, chosen once by the model runner.
+"""The attention backend hook: one narrow interface, chosen once per worker (worker/worker.py).
 
-Backends: `TorchAttentionBackend` (plain PyTorch; the CPU path and the reference) and, on CUDA,
-the Triton backend in `pagedllm.attention.triton_backend`. A backend may also set
-`supports_fused_qkv_prep = True` and offer `forward_prepared(query, kv_cache, md, scale)` (attention
-only, K/V already written): `Attention.forward_qkv` then writes K/V with the fused prep kernel.
+Backends: `TorchAttentionBackend` (plain PyTorch; the reference and the CPU fallback),
+`CpuAttentionBackend` (pagedllm/cpu/attention.py: one C call per layer) and, on CUDA,
+`TritonAttentionBackend` (attention/triton_backend.py). The `Attention` layer calls exactly the two
+entry points of the Protocol below; which kernels run (separate norm / rotary / K/V write /
+attention, the fused prep kernel, or the one-kernel decode step) is the backend's choice, made from
+switches it was built with (pagedllm/envs.py, read once at start), never probed by the layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention
 
 
+@dataclass(frozen=True)
+class AttentionHeads:
+    """One layer's head layout: qkv rows are [q (num_heads * head_dim) | k | v (num_kv_heads * head_dim)]."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 class AttentionBackend(Protocol):
     name: str
 
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # (num_tokens, q_size + 2 * kv_size), straight from the qkv GEMM
+        positions: torch.Tensor,  # (num_tokens,)
+        rotary_emb: nn.Module,  # pagedllm.layers.rotary_embedding.RotaryEmbedding
+        kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim); None: profiling
+        md: AttentionMetadata,
+        scale: float,
+        heads: AttentionHeads,
+        q_norm: nn.Module | None,  # RMSNorm(head_dim) per head before rope (Qwen3), or None
+        k_norm: nn.Module | None,
+    ) -> torch.Tensor:  # (num_tokens, q_size)
+        """q/k norm + rotary, K/V written into the cache, attention: the whole layer after its GEMM."""
+        ...
+
     def forward(
         self,
-        query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        query: torch.Tensor,  # (num_tokens, num_heads, head_dim), normed and rotated
         key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
         value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-        kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor | None,
         md: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """K/V written into the cache, then attention over it."""
         ...
+
+
+def split_norm_rotate(
+    qkv: torch.Tensor, positions: torch.Tensor, rotary_emb: nn.Module, heads: AttentionHeads,
+    q_norm: nn.Module | None, k_norm: nn.Module | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The separate-kernel prep: (T, q_size + 2 * kv_size) -> q (T, q_size), k, v (T, kv_size)."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([heads.q_size, heads.kv_size, heads.kv_size], dim=-1)
+    if q_norm is not None:
+        # Normalise every head separately: (T, heads * head_dim) -> (T, heads, head_dim) -> back.
+        q = q_norm(q.reshape(t, heads.num_heads, heads.head_dim)).reshape(t, heads.q_size)
+    if k_norm is not None:
+        k = k_norm(k.reshape(t, heads.num_kv_heads, heads.head_dim)).reshape(t, heads.kv_size)
+    q, k = rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def forward_qkv_separate(
+    backend: AttentionBackend, qkv: torch.Tensor, positions: torch.Tensor, rotary_emb: nn.Module,
+    kv_cache: torch.Tensor | None, md: AttentionMetadata, scale: float, heads: AttentionHeads,
+    q_norm: nn.Module | None, k_norm: nn.Module | None,
+) -> torch.Tensor:  # (num_tokens, q_size)
+    """`forward_qkv` from separate kernels: prep with torch ops, then the backend's `forward`."""
+    t = qkv.shape[0]
+    q, k, v = split_norm_rotate(qkv, positions, rotary_emb, heads, q_norm, k_norm)
+    out = backend.forward(
+        q.view(t, heads.num_heads, heads.head_dim),
+        k.view(t, heads.num_kv_heads, heads.head_dim),
+        v.view(t, heads.num_kv_heads, heads.head_dim),
+        kv_cache, md, scale,
+    )
+    return out.reshape(t, heads.q_size)
 
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm):  # noqa: D102
+        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm)
 
     def forward(self, query, key, value, kv_cache, md, scale):  # noqa: D102 - see Protocol
         return paged_attention(query, key, value, kv_cache, md, scale)

@@ -1,33 +1,25 @@
 """The `Attention` module every model uses; it owns no weights, only a slot for its KV cache.
 
-Models hand it the raw qkv GEMM output (`forward_qkv`); it splits q/k/v, applies the optional
-per-head q/k RMSNorm and the rotary embedding, writes K/V and attends. On a backend that offers it
-(the Triton one) with a bound cache and a neox rotary, norm + rotary + K/V write run as one fused
-kernel (`pagedllm.kernels.qkv_prep`); PAGEDLLM_FUSED_QKV=0 in the environment (read at import)
-turns that off, e.g. for an A/B timing. A decode-only step goes further where the backend offers it:
-prep and attention in one kernel (`pagedllm.kernels.decode_attention`); PAGEDLLM_FUSED_DECODE=0
-turns that part off.
+Models hand it the raw qkv GEMM output (`forward_qkv`): q/k split, the optional per-head q/k
+RMSNorm, the rotary embedding, the K/V write and attention all happen in the backend
+(attention/backend.py), which picks its kernels (the Triton backend fuses prep, or prep and a
+decode step's attention, into one kernel; the CPU ones run them separately).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from pagedllm.attention.backend import AttentionBackend, TorchAttentionBackend
+from pagedllm.attention.backend import AttentionBackend, AttentionHeads, TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
-
-FUSED_QKV_PREP = os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0"
-FUSED_DECODE = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 
 
 class Attention(nn.Module):
     """Paged attention over this layer's KV cache.
 
-    The model runner binds `kv_cache` and `backend` after it has sized the cache
-    (`bind_kv_cache`); before that (the profiling pass) attention runs over the new tokens only.
+    The worker binds `kv_cache` and `backend` after it has sized the cache (`bind_kv_cache`);
+    before that (the profiling pass) attention runs over the new tokens only.
     """
 
     def __init__(
@@ -44,6 +36,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
+        self.heads = AttentionHeads(num_heads, num_kv_heads, head_dim)
         self.scale = scale
         self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
@@ -62,50 +55,8 @@ class Attention(nn.Module):
         q_norm: nn.Module | None = None,  # RMSNorm(head_dim), applied per head before rope (Qwen3)
         k_norm: nn.Module | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
-        t = qkv.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        if self._use_fused_qkv_prep(qkv, rotary_emb, q_norm, k_norm):
-            from pagedllm.kernels.qkv_prep import fused_qkv_prep
-
-            md = attn_metadata
-            q_w = q_norm.weight if q_norm is not None else None
-            k_w = k_norm.weight if k_norm is not None else None
-            eps = next((m.variance_epsilon for m in (q_norm, k_norm) if m is not None), 1e-6)
-            if (FUSED_DECODE and getattr(self.backend, "supports_fused_decode", False)
-                    and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs):
-                out = self.backend.forward_decode_qkv(
-                    qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, md, self.scale,
-                    self.num_heads, self.num_kv_heads, self.head_dim, q_w, k_w, eps,
-                )
-                return out.reshape(t, q_size)
-            n = md.num_actual_tokens
-            q = fused_qkv_prep(
-                qkv, positions, rotary_emb.cos_sin_cache, self.kv_cache, md.slot_mapping[:n],
-                self.num_heads, self.num_kv_heads, self.head_dim, q_w, k_w, eps,
-            )
-            out = self.backend.forward_prepared(q, self.kv_cache, md, self.scale)
-            return out.reshape(t, q_size)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if q_norm is not None:
-            # Normalise every head separately: (T, heads * head_dim) -> (T, heads, head_dim) -> back.
-            q = q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
-        if k_norm is not None:
-            k = k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
-        q, k = rotary_emb(positions, q, k)
-        return self.forward(q, k, v, attn_metadata)
-
-    def _use_fused_qkv_prep(
-        self, qkv: torch.Tensor, rotary_emb: nn.Module, q_norm: nn.Module | None, k_norm: nn.Module | None
-    ) -> bool:
-        # Not in the profiling pass (no cache yet), not on the CPU backends (they lack the method),
-        # only for neox rotary (the kernel's pairing) and one eps for both norms.
-        if not (FUSED_QKV_PREP and self.kv_cache is not None
-                and getattr(self.backend, "supports_fused_qkv_prep", False)
-                and getattr(rotary_emb, "is_neox_style", False)):
-            return False
-        eps = [m.variance_epsilon for m in (q_norm, k_norm) if m is not None]
-        return len(set(eps)) <= 1 and qkv.dim() == 2
+        return self.backend.forward_qkv(qkv, positions, rotary_emb, self.kv_cache, attn_metadata, self.scale,
+                                        self.heads, q_norm, k_norm)
 
     def forward(
         self,

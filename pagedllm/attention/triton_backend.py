@@ -1,37 +1,82 @@
 """`TritonAttentionBackend`: the CUDA path of the attention hook (see `backend.py`).
 
-Per layer and step: scatter this step's K/V into the paged cache, then run the unified
-prefill + decode kernel over the cache. Both launches read only host ints from the metadata, so a
-decode-only step can be captured in a CUDA graph.
+`forward_qkv` picks one of three ways per layer call, from the step's shape and the switches the
+backend was built with (PAGEDLLM_FUSED_QKV / PAGEDLLM_FUSED_DECODE, pagedllm/envs.py):
 
-`supports_fused_qkv_prep`: the attention layer may instead write K/V itself, fused with q/k norm
-and rotary (`pagedllm.kernels.qkv_prep`), and then call `forward_prepared`, which only attends.
-For a decode-only step it may hand over the raw qkv instead (`forward_decode_qkv`): prep and
-attention in one kernel (`pagedllm.kernels.decode_attention`).
+    decode-only step, cache bound, neox rotary     -> one kernel: norm + rotary + K/V write +
+      (fused_decode)                                  attention (`pagedllm.kernels.decode_attention`)
+    any other step, cache bound, neox rotary        -> the fused prep kernel writes K/V
+      (fused_qkv_prep)                                (`pagedllm.kernels.qkv_prep`), then attention
+    otherwise (profiling pass, GPT-J rotary, ...)  -> torch prep, `forward`: K/V scatter + attention
+
+Every launch reads only host ints from the metadata, so a decode-only step can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagedllm.attention import torch_ref
+from pagedllm.attention.backend import AttentionHeads, forward_qkv_separate
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.decode_attention import decode_attention_fused
 from pagedllm.kernels.kv_cache_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
+from pagedllm.kernels.qkv_prep import fused_qkv_prep
 
 
 class TritonAttentionBackend:
-    """num_splits: None lets `choose_num_splits` decide per step; 1 disables split-K; k > 1 forces it."""
+    """num_splits: None lets `choose_num_splits` decide per step; 1 disables split-K; k > 1 forces it.
+    fused_qkv_prep / fused_decode: whether `forward_qkv` may use the fused kernels (see above)."""
 
     name = "triton"
-    supports_fused_qkv_prep = True
-    supports_fused_decode = True
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, fused_qkv_prep: bool = True, fused_decode: bool = True) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self.num_splits = num_splits
+        self.fused_qkv_prep = fused_qkv_prep
+        self.fused_decode = fused_decode
+
+    def uses_fused_prep(self, qkv: torch.Tensor, rotary_emb: nn.Module, kv_cache: torch.Tensor | None,
+                        q_norm: nn.Module | None, k_norm: nn.Module | None) -> bool:
+        """Not in the profiling pass (no cache yet), only for neox rotary (the kernels' pairing)
+        and one eps for both norms."""
+        if not (self.fused_qkv_prep and kv_cache is not None and getattr(rotary_emb, "is_neox_style", False)):
+            return False
+        eps = [m.variance_epsilon for m in (q_norm, k_norm) if m is not None]
+        return len(set(eps)) <= 1 and qkv.dim() == 2
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # (num_tokens, q_size + 2 * kv_size)
+        positions: torch.Tensor,  # (num_tokens,)
+        rotary_emb: nn.Module,
+        kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        md: AttentionMetadata,
+        scale: float,
+        heads: AttentionHeads,
+        q_norm: nn.Module | None,
+        k_norm: nn.Module | None,
+    ) -> torch.Tensor:  # (num_tokens, q_size)
+        if not self.uses_fused_prep(qkv, rotary_emb, kv_cache, q_norm, k_norm):
+            return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm)
+        assert kv_cache is not None
+        t = qkv.shape[0]
+        q_w = q_norm.weight if q_norm is not None else None
+        k_w = k_norm.weight if k_norm is not None else None
+        eps = next((m.variance_epsilon for m in (q_norm, k_norm) if m is not None), 1e-6)
+        nh, nkv, hd = heads.num_heads, heads.num_kv_heads, heads.head_dim
+        if self.fused_decode and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs:
+            out = self.forward_decode_qkv(qkv, positions, rotary_emb.cos_sin_cache, kv_cache, md, scale, nh, nkv, hd,
+                                          q_w, k_w, eps)
+            return out.reshape(t, heads.q_size)
+        n = md.num_actual_tokens
+        q = fused_qkv_prep(qkv, positions, rotary_emb.cos_sin_cache, kv_cache, md.slot_mapping[:n], nh, nkv, hd,
+                           q_w, k_w, eps)
+        return self.forward_prepared(q, kv_cache, md, scale).reshape(t, heads.q_size)
 
     def forward(
         self,

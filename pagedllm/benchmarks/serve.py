@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+import pagedllm.envs as envs
 from pagedllm.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
 
 
@@ -223,14 +224,13 @@ async def benchmark(
         import httpx
     except ImportError as e:  # httpx comes with the openai client and the test extra
         raise ValueError("`pagedllm bench serve` needs httpx: pip install httpx") from e
-    import os
 
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     url = base + args.endpoint
     chat = args.endpoint.rstrip("/").endswith("chat/completions")
     if chat and not isinstance(requests[0].prompt, str):
         raise ValueError("chat endpoints take text: give --tokenizer to turn the random ids into text.")
-    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    key = args.api_key or envs.OPENAI_API_KEY
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(
         max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+import pagedllm.envs as envs
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagedllm.request import Request
 
@@ -23,7 +22,7 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.debug = os.environ.get("PAGEDLLM_DEBUG_BLOCKS") == "1"
+        self.debug = envs.PAGEDLLM_DEBUG_BLOCKS
 
     @property
     def num_blocks(self) -> int:

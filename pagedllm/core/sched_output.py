@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,7 +20,6 @@ class NewRequestData:
     num_prompt_tokens: int
     output_token_ids: list[int]  # the output part of token_ids (for penalties)
     sampling_params: SamplingParams
-    generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
 
@@ -42,6 +39,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # The preempted ones among them: they come back (as new requests), so what outlives a
+    # preemption on the worker (a seeded request's generator) is kept.
+    preempted_req_ids: set[str] = field(default_factory=set)
     # Requests whose last scheduled token is their newest one: this step samples for them.
     sampling_req_ids: set[str] = field(default_factory=set)
     # Some request's sampling reads its past outputs: collect the step in flight before this one.
@@ -62,6 +62,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
+    """One step's samples, in plain lists: what a worker process sends back (msgpack-encodable)."""
+
     req_ids: list[str]  # batch order
     sampled_token_ids: list[int]  # one per request; ignored for requests still mid-prefill
     # Per request: (token ids, logprobs, rank of sampled) with column 0 the sampled token.

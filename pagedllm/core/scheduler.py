@@ -4,16 +4,18 @@ Each step hands out up to `max_num_batched_tokens` new tokens: running requests 
 is one token, a prefill chunk many), then waiting requests in arrival order. A prompt longer than
 the budget left simply gets a chunk now and the rest on later steps (chunked prefill). When the
 pool has no block for a running request, the newest running request is preempted: its blocks
-are freed and it goes back to the front of the waiting queue to be recomputed.
+are freed and it goes back to the front of the waiting queue, to be recomputed or, with swap
+preemption, resumed from its KV kept on the CPU (the policy object in core/preemption.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.preemption import PreemptionPolicy, make_preemption_policy
 from pagedllm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -21,7 +23,6 @@ from pagedllm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.swap import SwapManager
 from pagedllm.request import Request, RequestStatus
 
 
@@ -33,6 +34,16 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # cumulative, tokens
     prefix_cache_hits: int  # cumulative, tokens
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() has handed out so far."""
+
+    budget: int  # tokens left of max_num_batched_tokens
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
 
 
 class Scheduler:
@@ -50,12 +61,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Requests the runner must drop state for, reported on the next schedule().
+        # Requests the runner must drop state for, reported on the next schedule(); the preempted
+        # ones among them come back.
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         # Requests the runner has state for (seen since their last (re)admission).
         self._runner_knows: set[str] = set()
-        self.swap = SwapManager(num_cpu_blocks, self.block_size) if preemption_mode == "swap" else None
+        self.preemption: PreemptionPolicy = make_preemption_policy(preemption_mode, num_cpu_blocks, self.block_size)
 
     # -- admission ---------------------------------------------------------------------------------
     def max_tokens_that_fit(self) -> int:
@@ -85,19 +98,53 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted_any = False
-        kv = self.kv_cache_manager
+        # NOTE: one step hands out at most max_num_batched_tokens new tokens, in three parts:
+        #  1. running requests, oldest first (`_schedule_running`): each gets what it still needs, a
+        #     decode one token, a prefill chunk up to the budget left. When the pool has no block
+        #     for one, the newest running request is preempted (the preemption policy keeps its KV
+        #     on the CPU or lets it be recomputed) until it fits, or it was the newest itself.
+        #  2. waiting requests, first come first served (`_schedule_waiting`), only if nothing was
+        #     preempted this step, while budget, seats (max_num_seqs) and blocks last. Each starts
+        #     after what is already computed: its prefix-cache hit, or the KV the policy kept.
+        #  3. num_computed_tokens advances now (`_advance_computed`), so the next schedule() (async
+        #     scheduling: while this step runs) already counts this step's work. A request whose
+        #     newest token gets computed samples, and holds a placeholder until the token arrives.
+        # A prompt longer than the budget left is just a chunk now and the rest later (chunked
+        # prefill); there are no prefill and decode phases.
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        preempted_any = self._schedule_running(plan)
+        if not preempted_any:
+            self._schedule_waiting(plan)
+        sampling, needs_history = self._advance_computed(plan.num_scheduled)
+        swap_out, swap_in = self.preemption.take_block_copies()
+        out = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+            sampling_req_ids=sampling,
+            needs_output_history=needs_history,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+        )
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        if self.kv_cache_manager.debug:
+            self.kv_cache_manager.check_invariants()
+            self.preemption.check_invariants()
+        return out
 
-        # 1. Running requests, oldest first. A token sampled by the step still in flight counts
-        #    as known (a placeholder), so the next decode is scheduled before it arrives.
+    def _schedule_running(self, plan: _StepPlan) -> bool:
+        """Part 1. A token sampled by the step still in flight counts as known (a placeholder), so the
+        next decode is scheduled before it arrives. Returns whether anything was preempted."""
+        kv = self.kv_cache_manager
+        preempted_any = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
             if n == 0 or self._output_complete(req):
                 i += 1  # its last token is still in flight and it may well be its last
                 continue
@@ -112,50 +159,61 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # req itself was preempted; everything after it too
-            num_scheduled[req.request_id] = n
-            budget -= n
+            plan.num_scheduled[req.request_id] = n
+            plan.budget -= n
             if req.request_id in self._runner_knows:
-                cached_reqs.append(
+                plan.cached_reqs.append(
                     CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
                 )
             else:
-                new_reqs.append(self._new_request_data(req))
+                plan.new_reqs.append(self._new_request_data(req))
             i += 1
+        return preempted_any
 
-        # 2. Waiting requests, in order, while there is budget, room and no preemption this step.
-        while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Part 2, in queue order: the first request that does not fit stops the queue."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            swapped = self.swap.swapped_num_computed(req) if self.swap else None
-            if swapped is not None:
-                # Resume from the CPU pool: fresh blocks for the swapped prefix and the rest.
-                if not self._fits_unchunked(req.num_tokens - swapped, budget):
-                    break
-                req.num_computed_tokens = swapped
-                n = min(req.num_tokens - swapped, budget)
-                if kv.allocate_slots(req, n) is None:
-                    req.num_computed_tokens = 0
-                    break
-                self.swap.swap_in(req, kv.get_block_ids(req.request_id))
-                num_hit_tokens = swapped
-            else:
-                computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
-                if not self._fits_unchunked(req.num_tokens - num_hit_tokens, budget):
-                    break
-                n = min(req.num_tokens - num_hit_tokens, budget)
-                if kv.allocate_slots(req, n, computed_blocks) is None:
-                    break
+            admitted = self._admit(req, plan.budget)
+            if admitted is None:
+                break
+            num_computed, n = admitted
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_hit_tokens
-            req.num_computed_tokens = num_hit_tokens
+                req.num_cached_tokens = num_computed
+            req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            num_scheduled[req.request_id] = n
-            budget -= n
-            new_reqs.append(self._new_request_data(req))
+            plan.num_scheduled[req.request_id] = n
+            plan.budget -= n
+            plan.new_reqs.append(self._new_request_data(req))
 
-        # 3. Advance num_computed_tokens now, so the next schedule() already sees this step's work;
-        #    a request whose newest token is computed samples, and holds a placeholder until then.
+    def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
+        """Blocks for a waiting request's first chunk: (tokens already computed, tokens this step),
+        or None (nothing allocated) when it does not fit now."""
+        kv = self.kv_cache_manager
+        kept = self.preemption.resume_point(req)
+        if kept is not None:
+            # Resume where it stopped: fresh blocks for the kept prefix (copied back in) and the rest.
+            if not self._fits_unchunked(req.num_tokens - kept, budget):
+                return None
+            req.num_computed_tokens = kept
+            n = min(req.num_tokens - kept, budget)
+            if kv.allocate_slots(req, n) is None:
+                req.num_computed_tokens = 0
+                return None
+            self.preemption.resume(req, kv.get_block_ids(req.request_id))
+            return kept, n
+        computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+        if not self._fits_unchunked(req.num_tokens - num_hit_tokens, budget):
+            return None
+        n = min(req.num_tokens - num_hit_tokens, budget)
+        if kv.allocate_slots(req, n, computed_blocks) is None:
+            return None
+        return num_hit_tokens, n
+
+    def _advance_computed(self, num_scheduled: dict[str, int]) -> tuple[set[str], bool]:
+        """Part 3: -> (requests that sample this step, whether any of them reads its past outputs)."""
         sampling: set[str] = set()
         needs_history = False
         for req_id, n in num_scheduled.items():
@@ -165,25 +223,7 @@ class Scheduler:
                 sampling.add(req_id)
                 needs_history |= req.needs_output_history
                 req.num_output_placeholders += 1
-
-        swap_out, swap_in = self.swap.take_pending() if self.swap else ([], [])
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=self.finished_req_ids,
-            sampling_req_ids=sampling,
-            needs_output_history=needs_history,
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
-        )
-        self.finished_req_ids = set()
-        if kv.debug:
-            kv.check_invariants()
-            if self.swap:
-                self.swap.check_invariants()
-        return out
+        return sampling, needs_history
 
     def _fits_unchunked(self, num_new_tokens: int, budget: int) -> bool:
         """With chunked prefill off a prompt runs whole in one step: it waits (and, first come
@@ -199,14 +239,12 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             output_token_ids=list(req.output_token_ids),
             sampling_params=req.sampling_params,
-            generator=req.generator,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
         )
 
     def _preempt(self, req: Request) -> None:
-        if self.swap is not None:
-            self.swap.swap_out(req, self.kv_cache_manager.get_block_ids(req.request_id))
+        self.preemption.preempt(req, self.kv_cache_manager.get_block_ids(req.request_id))
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -216,6 +254,7 @@ class Scheduler:
         if req.request_id in self._runner_knows:
             self._runner_knows.discard(req.request_id)
             self.finished_req_ids.add(req.request_id)
+            self.preempted_req_ids.add(req.request_id)
 
     # -- results -----------------------------------------------------------------------------------
     def update_from_output(
@@ -280,13 +319,15 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if self.swap is not None:
-            self.swap.drop(req)
+        self.preemption.drop(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
-        if req.request_id in self._runner_knows:
+        # A request preempted earlier is unknown to the runner's batch but may still hold worker
+        # state that outlives preemption: report it too.
+        if req.request_id in self._runner_knows or req.num_preemptions:
             self._runner_knows.discard(req.request_id)
             self.finished_req_ids.add(req.request_id)
+            self.preempted_req_ids.discard(req.request_id)
 
     # -- introspection -----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -1,5 +1,6 @@
-"""Swap preemption (vLLM's preemption_mode="swap"): a preempted request's KV blocks move to a
-pinned CPU pool instead of being dropped, and come back before it resumes.
+"""Swap preemption (vLLM's preemption_mode="swap"), the scheduler's preemption policy
+(core/preemption.py) that keeps KV: a preempted request's KV blocks move to a pinned CPU pool
+instead of being dropped, and come back before it resumes.
 
 The scheduler decides, the runner copies: each step's SchedulerOutput carries the (gpu, cpu) block
 pairs to copy out and the (cpu, gpu) pairs to copy in, and the runner performs them before the
@@ -18,6 +19,8 @@ from pagedllm.request import Request
 
 
 class SwapManager:
+    mode = "swap"
+
     def __init__(self, num_cpu_blocks: int, block_size: int) -> None:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -27,7 +30,7 @@ class SwapManager:
         self._in: list[tuple[int, int]] = []
         self.num_swapped_out = 0  # cumulative requests
 
-    def swap_out(self, req: Request, gpu_block_ids: list[int]) -> bool:
+    def preempt(self, req: Request, gpu_block_ids: list[int]) -> bool:
         """Reserve CPU blocks for the request's computed KV; False -> recompute instead."""
         n = -(-req.num_computed_tokens // self.block_size)
         if n == 0 or n > len(self.free_cpu_blocks):
@@ -38,11 +41,13 @@ class SwapManager:
         self.num_swapped_out += 1
         return True
 
-    def swapped_num_computed(self, req: Request) -> int | None:
+    def resume_point(self, req: Request) -> int | None:
+        """The computed tokens kept on the CPU for this waiting request (it resumes there), or None."""
         entry = self.swapped.get(req.request_id)
         return entry[1] if entry else None
 
-    def swap_in(self, req: Request, gpu_block_ids: list[int]) -> None:
+    def resume(self, req: Request, gpu_block_ids: list[int]) -> None:
+        """The request got fresh GPU blocks for its kept tokens: copy them back in."""
         cpu, _ = self.swapped.pop(req.request_id)
         self._in.extend(zip(cpu, gpu_block_ids[: len(cpu)]))
         # Free now: a later swap-out reuses them only in a later step, whose copy runs after this one.
@@ -54,7 +59,8 @@ class SwapManager:
         if entry:
             self.free_cpu_blocks.extend(reversed(entry[0]))
 
-    def take_pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_block_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (gpu, cpu) copies out and (cpu, gpu) copies in, for the SchedulerOutput."""
         out, inn = self._out, self._in
         self._out, self._in = [], []
         return out, inn

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.attention.backend import forward_qkv_separate
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention
 from pagedllm.cpu.build import load_cpu_kernels
@@ -83,6 +84,10 @@ class CpuAttentionBackend:
     @staticmethod
     def available() -> bool:
         return load_cpu_kernels() is not None
+
+    def forward_qkv(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm):  # noqa: D102
+        # Prep with torch ops, then `forward` (see AttentionBackend in pagedllm/attention/backend.py).
+        return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm)
 
     def forward(
         self,

@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pagedllm.envs as envs
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -41,8 +43,6 @@ EXTENSION_SOURCE = Path(__file__).with_name("pymodule.c")  # includes kernels.c
 EXTENSION_NAME = "pagedllm_cpu_kernels"
 HEADERS = ("vec.h", "pool.h", "gguf_gemm.h", "attention.h", "rows.h")
 CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-ffp-contract=fast", "-std=gnu11", "-Wno-psabi")
-DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
-FFI_ENV = "PAGEDLLM_CPU_FFI"  # auto (the Python module where Python.h exists) or ctypes
 
 
 def _cache_root() -> Path:
@@ -52,7 +52,7 @@ def _cache_root() -> Path:
 
 
 def _find_compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (envs.CC, "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -115,8 +115,8 @@ def load_cpu_kernels() -> Any:
 
     A CPython extension module (pymodule.c) where Python's headers are installed, else a plain shared
     library through ctypes (PAGEDLLM_CPU_FFI=ctypes forces it): the same functions either way."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        logger.info("CPU kernels off (%s=0)", DISABLE_ENV)
+    if not envs.PAGEDLLM_CPU_KERNELS:
+        logger.info("CPU kernels off (PAGEDLLM_CPU_KERNELS=0)")
         return None
     cc = _find_compiler()
     if cc is None:
@@ -124,10 +124,10 @@ def load_cpu_kernels() -> Any:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        cflags = (*CFLAGS, *os.environ.get("PAGEDLLM_CPU_CFLAGS", "").split())
+        cflags = (*CFLAGS, *envs.PAGEDLLM_CPU_CFLAGS.split())
         sources = [SOURCE.read_text()] + [SOURCE.with_name(h).read_text() for h in HEADERS]
         key_parts = [*sources, " ".join(cflags), version, _cpu_flags()]
-        include = _python_include() if os.environ.get(FFI_ENV, "auto") != "ctypes" else None
+        include = _python_include() if envs.PAGEDLLM_CPU_FFI != "ctypes" else None
         if include is not None:
             ext_flags = (*cflags, f"-I{include}")
             path = _build(cc, ext_flags, EXTENSION_SOURCE, EXTENSION_NAME + ".so",

@@ -66,6 +66,7 @@ class EngineArgs:
     attention_backend: str | None = None  # vLLM's name of the one backend built per device, or auto
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     preemption_mode: str | None = None
     max_logprobs: int = 20
     cpu_threads: int | None = None
@@ -155,7 +156,9 @@ class EngineArgs:
                 enable_chunked_prefill=chunked,
                 async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
             ),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
+            ),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager, cpu_threads=self.cpu_threads),
             compilation_config=CompilationConfig(capture_sizes),
             preemption_mode=self.preemption_mode or "recompute",

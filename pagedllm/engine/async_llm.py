@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.config import EngineConfig
@@ -40,8 +41,9 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.llm_engine import load_tokenizer
+from pagedllm.engine.messages import AbortRequests, AddRequests, EngineCoreRequest, StepOutputs, StopRequests
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
-from pagedllm.engine.output_stream import RequestOutputCollector, RequestOutputStream, _LiveRequest
+from pagedllm.engine.output_stream import LiveRequest, RequestOutputCollector, RequestOutputStream
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
@@ -56,21 +58,45 @@ class EngineDeadError(RuntimeError):
     """The engine thread crashed; no request can be served any more."""
 
 
+# What the output thread's queue carries besides the engine's StepOutputs (engine/messages.py).
+@dataclass(slots=True)
+class _RegisterStates:
+    states: list[RequestState]  # before the engine can produce a token for them
+
+
+@dataclass(slots=True)
+class _ForgetRequests:
+    internal_ids: list[str]  # aborted: drop their detokenizer states
+
+
+@dataclass(slots=True)
+class _EngineFailed:
+    error: BaseException  # after the outputs queued before it
+
+
+@dataclass(slots=True)
+class _StopOutputThread:
+    pass
+
+
+_OutputItem = StepOutputs | _RegisterStates | _ForgetRequests | _EngineFailed | _StopOutputThread
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2) -> None:
         self.config = config
         self.model_config = config.model_config
-        self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # -> output thread
+        self._outq: queue.SimpleQueue[_OutputItem] = queue.SimpleQueue()  # -> output thread
         self._loop: asyncio.AbstractEventLoop | None = None
         # Started first, so that in an engine process the model loads there while the tokenizer
         # loads here.
-        self.engine_core = EngineCoreClient(
+        self.engine_core = EngineCoreClient.make_client(
             config,
             self._outq,
             on_failed=lambda failed: self._call_on_loop(self._fail_requests, failed),
             # Through the output thread: the steps finished before the failure reach their
             # streams first, then the error.
-            on_dead=lambda exc: self._outq.put(("dead", exc)),
+            on_dead=lambda exc: self._outq.put(_EngineFailed(exc)),
         )
         try:
             self.tokenizer = load_tokenizer(config)
@@ -86,7 +112,7 @@ class AsyncLLM:
         self.refusal: BaseException | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         # Event-loop state: internal id -> request; caller's id -> internal id; core id -> internal id.
-        self._live: dict[str, _LiveRequest] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._ids_in_use: dict[str, str | None] = {}
         self._core_owner: dict[str, str] = {}
         self._seq = itertools.count()
@@ -123,6 +149,12 @@ class AsyncLLM:
     def get_num_unfinished_requests(self) -> int:
         return len(self._live)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False while requests run."""
+        self._check_accepting()
+        self._ensure_started()
+        return await asyncio.wrap_future(self.engine_core.reset_prefix_cache())
+
     async def run_in_tokenizer_pool(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU-bound text work (tokenize, render a chat template) off the event loop."""
         loop = asyncio.get_running_loop()
@@ -154,15 +186,15 @@ class AsyncLLM:
             self._ids_in_use.pop(request_id, None)
             raise
         core_ids = [r.request_id for r in prep.requests]
-        live = _LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
+        live = LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
         self._live[internal_id] = live
         self._ids_in_use[request_id] = internal_id
         for cid in core_ids:
             self._core_owner[cid] = internal_id
         # Output thread first: its states exist before the engine can produce a token for them.
-        self._outq.put(("states", prep.states))
-        self.engine_core.send("add", prep.requests)
-        return RequestOutputStream(self, live)
+        self._outq.put(_RegisterStates(prep.states))
+        self.engine_core.send(AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests]))
+        return RequestOutputStream(live, self._abort_live)
 
     def _check_accepting(self) -> None:
         if self.dead_error is not None:
@@ -198,15 +230,15 @@ class AsyncLLM:
             if live is not None:
                 self._abort_live(live)
 
-    def _abort_live(self, live: _LiveRequest) -> None:
+    def _abort_live(self, live: LiveRequest) -> None:
         if self._live.get(live.internal_id) is not live:
             return  # finished or aborted already
         self._forget(live)
         if self.dead_error is None:
-            self._outq.put(("abort", [live.internal_id]))
-            self.engine_core.send("abort", live.core_ids)
+            self._outq.put(_ForgetRequests([live.internal_id]))
+            self.engine_core.send(AbortRequests(live.core_ids))
 
-    def _forget(self, live: _LiveRequest) -> None:
+    def _forget(self, live: LiveRequest) -> None:
         del self._live[live.internal_id]
         if self._ids_in_use.get(live.request_id) == live.internal_id:
             del self._ids_in_use[live.request_id]
@@ -252,27 +284,25 @@ class AsyncLLM:
         op = self.output_processor
         try:
             while True:
-                item = self._outq.get()
-                kind = item[0]
-                if kind == "outputs":
-                    _, outputs, stats, queue_times = item
-                    try:
-                        request_outputs, it = self._process_outputs(outputs, queue_times)
-                    finally:
-                        self.engine_core.batch_done()
-                    self._call_on_loop(self._deliver, request_outputs, stats, it)
-                elif kind == "states":
-                    for st in item[1]:
-                        op.add_request(st)
-                elif kind == "abort":
-                    op.abort_requests(item[1])
-                elif kind == "dead":  # the engine failed after the outputs queued before this
-                    self._call_on_loop(self._on_engine_dead, item[1])
-                    return
-                elif kind == "shutdown":
-                    return
-                else:
-                    raise AssertionError(f"unknown output command {kind!r}")
+                match self._outq.get():
+                    case StepOutputs(outputs=outputs, stats=stats, queue_times=queue_times):
+                        try:
+                            request_outputs, it = self._process_outputs(outputs, queue_times)
+                        finally:
+                            self.engine_core.batch_done()
+                        self._call_on_loop(self._deliver, request_outputs, stats, it)
+                    case _RegisterStates(states=states):
+                        for st in states:
+                            op.add_request(st)
+                    case _ForgetRequests(internal_ids=ids):
+                        op.abort_requests(ids)
+                    case _EngineFailed(error=error):  # after the outputs queued before it
+                        self._call_on_loop(self._on_engine_dead, error)
+                        return
+                    case _StopOutputThread():
+                        return
+                    case item:
+                        raise AssertionError(f"unknown output-thread item {item!r}")
         except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
             logger.exception("output thread died")
             self._call_on_loop(self._on_engine_dead, e)
@@ -301,7 +331,7 @@ class AsyncLLM:
                 it.inter_token_latencies.append(now - st.metrics.last_token_time)
         request_outputs, stops = op.process_outputs(outputs)
         if stops:
-            self.engine_core.send("stop", stops)
+            self.engine_core.send(StopRequests(stops))
         for st in touched:
             if st.finish_reason is not None:
                 it.finished_requests.append(
@@ -324,9 +354,9 @@ class AsyncLLM:
         for log in self.stat_loggers:
             log(stats, it)
 
-    def _fail_requests(self, failed: list[tuple[str, Exception]]) -> None:
+    def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """The engine core refused requests (it checks what the frontend cannot): fail their owners."""
-        for core_id, err in failed:
+        for core_id, err in failed.items():
             live = self._live.get(self._core_owner.get(core_id, ""))
             if live is not None:
                 live.collector.put(err)
@@ -338,7 +368,7 @@ class AsyncLLM:
         self.dead_error = EngineDeadError(f"The engine failed and cannot serve requests: {type(exc).__name__}: {exc}")
         self.dead_error.__cause__ = exc
         self.engine_core.stop()
-        self._outq.put(("shutdown",))
+        self._outq.put(_StopOutputThread())
         for live in self._live.values():
             live.collector.put(self.dead_error)
         self._live.clear()
@@ -351,7 +381,7 @@ class AsyncLLM:
                 logger.exception("engine-dead callback failed")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._outq.put(("shutdown",))
+        self._outq.put(_StopOutputThread())
         self.engine_core.shutdown(timeout)
         if self._output_thread is not None and self._output_thread.is_alive():
             self._output_thread.join(timeout)

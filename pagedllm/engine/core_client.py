@@ -2,14 +2,16 @@
 
     AsyncLLM (event loop)                 this client                          EngineCore
     ---------------------                 -----------                          ----------
-    send("add" | "abort" | "stop") -----> inputs queue
-                                          in this process: the engine thread applies the queued
-                                          commands, then steps while requests run ------------> step()
-                                          engine process (engine/core_proc.py): a sender thread
-                                          writes the commands to its pipe, a receiver thread
-                                          reads one message per step back
-    output thread <---------------------- ("outputs", outputs, stats, queue_times), at most
-      (batch_done() when consumed)          MAX_PENDING_BATCHES ahead of the output thread
+    send(AddRequests | AbortRequests ...)-> InprocClient: a queue; the engine thread runs
+                                          EngineCoreLoop (engine/core_loop.py) ------------> step()
+                                          MPClient: a sender thread writes the commands to
+                                          the engine process (engine/core_proc.py), a
+                                          receiver thread reads its replies back
+    output thread <---------------------- StepOutputs, at most MAX_PENDING_BATCHES ahead of
+      (batch_done() when consumed)          the output thread
+
+Both clients speak the same typed messages (engine/messages.py) and hand every reply to
+`_handle_reply`; only the transport differs. `EngineCoreClient.make_client` picks one.
 
 Where the core runs: vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, here PAGEDLLM_ENABLE_MULTIPROCESSING: "1"
 its own process, "0" a thread of this one; unset, a process on the CPU (the step loop gives the GIL up
@@ -17,119 +19,108 @@ at every kernel call and must not wait for the event loop's threads to get it ba
 GPU. Either way only one thread ever touches the EngineCore, which stays pure and single-threaded.
 
 Failures come back through two callbacks, called on the client's threads: `on_failed` with the
-requests the core refused ([(core request id, error)]; the engine lives on) and `on_dead` with the
+requests the core refused ({core request id: error}; the engine lives on) and `on_dead` with the
 exception that ended the engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
 
+import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.core_loop import EngineCoreLoop
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
-from pagedllm.engine.engine_core import (
-    FAULT_INJECT_ENV,
-    EngineCore,
-    apply_command,
-    check_injected_fault,
-    step_and_queue_times,
-    unfreeze_gc_heap,
+from pagedllm.engine.engine_core import EngineCore, unfreeze_gc_heap
+from pagedllm.engine.messages import (
+    EngineCoreCommand,
+    EngineCoreReply,
+    EngineDead,
+    ErrorInfo,
+    InjectFault,
+    PrefixCacheReset,
+    RequestsFailed,
+    ResetPrefixCache,
+    Shutdown,
+    StepOutputs,
 )
-from pagedllm.request import Request
 
 logger = logging.getLogger(__name__)
 
 # How many steps' outputs may wait for the output thread before the engine waits for it:
 # backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
 MAX_PENDING_BATCHES = 4
+# The variables' names, for tests that set them (pagedllm/envs.py reads and documents them).
 MULTIPROCESSING_ENV = "PAGEDLLM_ENABLE_MULTIPROCESSING"
+FAULT_INJECT_ENV = "PAGEDLLM_TEST_FAIL_AT_STEP"
+
+FailedCallback = Callable[[dict[str, BaseException]], None]  # core request id -> why the core refused it
 
 
 def _use_engine_process(config: EngineConfig) -> bool:
-    choice = os.environ.get(MULTIPROCESSING_ENV)
-    if choice not in (None, "", "0", "1"):
-        raise ValueError(f"{MULTIPROCESSING_ENV} must be 0 or 1, got {choice!r}.")
-    wanted = config.device_config.device == "cpu" if choice in (None, "") else choice == "1"
+    choice = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
+    wanted = config.device_config.device == "cpu" if choice is None else choice
     return wanted and multiprocessing_available()
 
 
-class EngineCoreClient:
-    def __init__(
-        self,
+class EngineCoreClient(ABC):
+    """AsyncLLM's handle on its engine core, wherever that runs."""
+
+    in_process: bool
+
+    @staticmethod
+    def make_client(
         config: EngineConfig,
-        outq: queue.SimpleQueue[tuple[Any, ...]],  # the output thread's queue
-        on_failed: Callable[[list[tuple[str, Exception]]], None],
+        outq: queue.SimpleQueue,  # the output thread's queue: StepOutputs go there
+        on_failed: FailedCallback,
         on_dead: Callable[[BaseException], None],
-    ) -> None:
-        fail_at = os.environ.get(FAULT_INJECT_ENV)
-        self._fail_at = int(fail_at) if fail_at else None
-        # Started first by AsyncLLM, so that in a process the model loads there while the tokenizer
-        # loads in the frontend.
-        self.core: EngineCore | EngineCoreProc = (
-            EngineCoreProc(config, self._fail_at) if _use_engine_process(config) else EngineCore(config)
-        )
+    ) -> EngineCoreClient:
+        cls = MPClient if _use_engine_process(config) else InprocClient
+        return cls(config, outq, on_failed, on_dead)
+
+    def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
+                 on_failed: FailedCallback,
+                 on_dead: Callable[[BaseException], None]) -> None:
+        # The fault-injection test hook, armed from the environment for tests that start a server.
+        self._fail_at = envs.PAGEDLLM_TEST_FAIL_AT_STEP
         self._outq = outq
         self._on_failed = on_failed
         self._on_dead = on_dead
-        self._inputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._pending_batches = threading.Semaphore(MAX_PENDING_BATCHES)
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None  # the engine thread, or the receiver
-        self._sender_thread: threading.Thread | None = None  # engine process only
         self._num_steps = 0
+        self._call_ids = itertools.count()
+        self._calls: dict[int, Future] = {}  # utility commands waiting for their reply
 
-    @property
-    def in_process(self) -> bool:
-        return isinstance(self.core, EngineCore)
-
-    @property
-    def num_gpu_blocks(self) -> int | None:
-        return self.core.num_gpu_blocks
-
+    # -- what both transports share ----------------------------------------------------------------
     @property
     def num_steps(self) -> int:
-        """Steps the engine thread has run (an engine process counts its own)."""
+        """Steps the engine core has run (as of the newest StepOutputs received)."""
         return self._num_steps
 
     @property
     def fail_at_step(self) -> int | None:
-        """Test-only fault injection (FAULT_INJECT_ENV): the engine step that raises."""
+        """Test-only fault injection: the engine step that raises (InjectFault)."""
         return self._fail_at
 
     @fail_at_step.setter
     def fail_at_step(self, step: int | None) -> None:
         self._fail_at = step
-        if not self.in_process:
-            self._inputs.put(("fail_at_step", step))
+        self.send(InjectFault(step))
 
-    def wait_ready(self) -> None:
-        """Block until an engine process has loaded the model (raises its start-up error)."""
-        if isinstance(self.core, EngineCoreProc):
-            self.core.wait_ready()
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        if self.in_process:
-            self._thread = threading.Thread(target=self._run_engine_thread, name="pagedllm-engine", daemon=True)
-        else:
-            self._sender_thread = threading.Thread(target=self._run_sender, name="pagedllm-core-sender", daemon=True)
-            self._sender_thread.start()
-            self._thread = threading.Thread(target=self._run_receiver, name="pagedllm-core-receiver", daemon=True)
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def send(self, kind: str, payload: Any = None) -> None:
-        """Queue a command: "add" (Requests), "abort" / "stop" (core request ids / {id: stop string})."""
-        self._inputs.put((kind, payload))
+    def reset_prefix_cache(self) -> Future:
+        """Ask the core to drop its prefix cache; the future's result says whether it did."""
+        fut: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = fut
+        self.send(ResetPrefixCache(call_id))
+        return fut
 
     def batch_done(self) -> None:
         """The output thread has taken one published step off the queue."""
@@ -138,107 +129,191 @@ class EngineCoreClient:
     def stop(self) -> None:
         """Stop stepping (the engine is dead or shutting down); threads end soon after."""
         self._stopping.set()
-        self._inputs.put(("shutdown", None))
+        self.send(Shutdown())
+
+    def _handle_reply(self, reply: EngineCoreReply) -> bool:
+        """Route one reply from the core; False when stopping (the core should stop too)."""
+        match reply:
+            case StepOutputs():
+                self._num_steps = reply.num_steps
+                # Wait while the output thread is MAX_PENDING_BATCHES behind.
+                while not self._pending_batches.acquire(timeout=0.2):
+                    if self._stopping.is_set():
+                        return False
+                self._outq.put(reply)
+            case RequestsFailed(failures=failures):
+                self._on_failed({f.request_id: f.error.to_exception() for f in failures})
+            case PrefixCacheReset(call_id=call_id, ok=ok):
+                fut = self._calls.pop(call_id, None)
+                if fut is not None:
+                    fut.set_result(ok)
+            case EngineDead(error=error):
+                self._report_dead(error.to_exception())
+                return False
+            case _:
+                raise AssertionError(f"unexpected engine reply {reply!r}")
+        return True
+
+    def _report_dead(self, error: BaseException) -> None:
+        for fut in self._calls.values():
+            fut.set_exception(error)
+        self._calls.clear()
+        self._on_dead(error)
+
+    # -- what each transport implements ------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_gpu_blocks(self) -> int | None: ...
+
+    @abstractmethod
+    def wait_ready(self) -> None:
+        """Block until the core has loaded the model (raises its start-up error)."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def is_alive(self) -> bool: ...
+
+    @abstractmethod
+    def send(self, command: EngineCoreCommand) -> None:
+        """Queue a command for the core (applied before its next step)."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float = 5.0) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """The EngineCore in a thread of this process: commands on a queue, replies handled in place."""
+
+    in_process = True
+
+    def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
+                 on_failed: FailedCallback,
+                 on_dead: Callable[[BaseException], None]) -> None:
+        super().__init__(config, outq, on_failed, on_dead)
+        self.core = EngineCore(config)
+        self._inputs: queue.SimpleQueue[EngineCoreCommand] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def num_gpu_blocks(self) -> int | None:
+        return self.core.num_gpu_blocks
+
+    def wait_ready(self) -> None:
+        pass  # built in __init__
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+            self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def send(self, command: EngineCoreCommand) -> None:
+        self._inputs.put(command)
+
+    def _next_commands(self, block: bool) -> list[EngineCoreCommand]:
+        try:
+            batch = [self._inputs.get(block=block)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self._inputs.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def _run(self) -> None:
+        loop = EngineCoreLoop(self.core, self._handle_reply, self._fail_at)
+        try:
+            loop.run(self._next_commands)
+        except BaseException as e:  # noqa: BLE001 - anything that kills the thread kills the engine
+            logger.exception("engine thread died")
+            self._handle_reply(EngineDead(ErrorInfo.from_exception(e)))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.stop()
-        for t in (self._sender_thread, self._thread):
-            if t is not None and t.is_alive():
-                t.join(timeout)
-        if isinstance(self.core, EngineCoreProc):
-            self.core.close(timeout)
-        else:
-            unfreeze_gc_heap()  # the in-process engine was frozen at start; let it be collected
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+        unfreeze_gc_heap()  # the in-process engine was frozen at start; let it be collected
 
-    def _publish(self, outputs: list[Any], stats: SchedulerStats, queue_times: list[float]) -> bool:
-        """Hand one step's outputs to the output thread; waits while it is MAX_PENDING_BATCHES
-        behind. False when stopping."""
-        while not self._pending_batches.acquire(timeout=0.2):
-            if self._stopping.is_set():
-                return False
-        self._outq.put(("outputs", outputs, stats, queue_times))
-        return True
 
-    # -- in this process ---------------------------------------------------------------------------
-    def _run_engine_thread(self) -> None:
-        core = self.core
-        assert isinstance(core, EngineCore)
-        unscheduled: dict[str, Request] = {}  # added, not scheduled yet: their queue time is measured
-        try:
-            while True:
-                if not self._apply_inputs(core, block=not core.has_unfinished_requests(), unscheduled=unscheduled):
-                    return
-                if not core.has_unfinished_requests():
-                    # Aborts may have emptied the engine: publish the state (0 running, free pool).
-                    if not self._publish([], core.make_stats(), []):
-                        return
-                    continue
-                self._num_steps += 1
-                check_injected_fault(self._num_steps, self._fail_at)
-                outputs, queue_times = step_and_queue_times(core, unscheduled)
-                if not self._publish(outputs, core.make_stats(), queue_times):
-                    return
-        except BaseException as e:  # noqa: BLE001 - anything that kills the thread kills the engine
-            logger.exception("engine thread died")
-            self._on_dead(e)
+class MPClient(EngineCoreClient):
+    """The EngineCore in its own process (engine/core_proc.py): msgpack frames both ways."""
 
-    def _apply_inputs(self, core: EngineCore, block: bool, unscheduled: dict[str, Request]) -> bool:
-        """Apply every queued command; False on shutdown. Blocks for the first one only when idle."""
-        try:
-            item = self._inputs.get(block=block)
-        except queue.Empty:
-            return True
-        failed: list[tuple[str, Exception]] = []
-        while True:
-            kind, payload = item
-            # "fail_at_step" is read from self._fail_at by the engine thread itself.
-            if kind != "fail_at_step" and not apply_command(core, kind, payload, unscheduled, failed):
-                return False
-            try:
-                item = self._inputs.get_nowait()
-            except queue.Empty:
-                break
-        if failed:
-            self._on_failed(failed)
-        return True
+    in_process = False
 
-    # -- engine process ----------------------------------------------------------------------------
+    def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
+                 on_failed: FailedCallback,
+                 on_dead: Callable[[BaseException], None]) -> None:
+        super().__init__(config, outq, on_failed, on_dead)
+        # Started first by AsyncLLM, so the model loads there while the tokenizer loads here.
+        self.core = EngineCoreProc(config, self._fail_at)
+        self._inputs: queue.SimpleQueue[EngineCoreCommand] = queue.SimpleQueue()
+        self._sender_thread: threading.Thread | None = None
+        self._receiver_thread: threading.Thread | None = None
+
+    @property
+    def num_gpu_blocks(self) -> int | None:
+        return self.core.num_gpu_blocks
+
+    def wait_ready(self) -> None:
+        self.core.wait_ready()
+
+    def start(self) -> None:
+        if self._receiver_thread is not None:
+            return
+        self._sender_thread = threading.Thread(target=self._run_sender, name="pagedllm-core-sender", daemon=True)
+        self._sender_thread.start()
+        self._receiver_thread = threading.Thread(target=self._run_receiver, name="pagedllm-core-receiver",
+                                                 daemon=True)
+        self._receiver_thread.start()
+
+    def is_alive(self) -> bool:
+        return self._receiver_thread is not None and self._receiver_thread.is_alive()
+
+    def send(self, command: EngineCoreCommand) -> None:
+        self._inputs.put(command)
+
     def _run_sender(self) -> None:
-        """Forward commands to the engine process, in order; ends after sending "shutdown"."""
-        assert isinstance(self.core, EngineCoreProc)
+        """Forward commands to the engine process, in order; ends after sending Shutdown."""
         try:
             while True:
-                item = self._inputs.get()
-                self.core.send(item)
-                if item[0] == "shutdown":
+                command = self._inputs.get()
+                self.core.send(command)
+                if isinstance(command, Shutdown):
                     return
         except OSError:
             pass  # the engine process is gone; the receiver reports it
 
     def _run_receiver(self) -> None:
-        """Publish the engine process's step outputs (MAX_PENDING_BATCHES ahead at most: then the
-        engine process blocks on its pipe) and report its failures."""
-        core = self.core
-        assert isinstance(core, EngineCoreProc)
+        """Route the engine process's replies (StepOutputs MAX_PENDING_BATCHES ahead at most: then
+        the engine process blocks on its pipe) and report its death."""
         try:
             while True:
                 try:
-                    msg = core.recv()
+                    reply = self.core.recv()
                 except (EOFError, OSError):
                     if self._stopping.is_set():
                         return
-                    raise RuntimeError(f"the engine process exited (exit code {core.process.exitcode})") from None
-                kind = msg[0]
-                if kind == "outputs":
-                    if not self._publish(msg[1], msg[2], msg[3]):
-                        return
-                elif kind == "failed":
-                    self._on_failed(msg[1])
-                elif kind == "dead":
-                    raise msg[1]
-                else:
-                    raise AssertionError(f"unknown engine message {kind!r}")
+                    raise RuntimeError(f"the engine process exited (exit code {self.core.process.exitcode})") from None
+                if isinstance(reply, EngineDead):
+                    if not self._stopping.is_set():
+                        logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
+                        self._report_dead(reply.error.to_exception())
+                    return
+                if not self._handle_reply(reply):
+                    return
         except BaseException as e:  # noqa: BLE001 - anything that ends the engine ends the server
             if not self._stopping.is_set():
                 logger.error("engine process died: %s: %s", type(e).__name__, e)
-                self._on_dead(e)
+                self._report_dead(e)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stop()
+        for t in (self._sender_thread, self._receiver_thread):
+            if t is not None and t.is_alive():
+                t.join(timeout)
+        self.core.close(timeout)

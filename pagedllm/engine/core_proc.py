@@ -6,16 +6,20 @@ right after; whenever a frontend thread holds it then, both kernel workers wait.
 at 16 streams: a thread holding the GIL 5% of the time made a decode step ~2.7 ms (8%) longer, the
 same work in another process ~0.9 ms. Here the step loop has a GIL of its own.
 
-    frontend process (AsyncLLM)                          engine process (this module's main)
-    ---------------------------                          -----------------------------------
-    sender thread:   ("add" | "abort" | "stop" | ...)  -> apply every queued command,
-                                                          step() while requests run
-    receiver thread: ("outputs", outputs, stats, ...)  <- one message per step
-                     ("failed", [(id, error)])         <- requests the core refused
-                     ("dead", error)                   <- a step raised: the engine is gone
+    frontend process (AsyncLLM)                        engine process (this module's main)
+    ---------------------------                        -----------------------------------
+    sender thread:   AddRequests | AbortRequests | ... -> EngineCoreLoop (engine/core_loop.py):
+                                                        apply the queued commands, step() while
+                                                        requests run
+    receiver thread: Ready | StartupFailed             <- once, at start
+                     StepOutputs                       <- one per step
+                     RequestsFailed | PrefixCacheReset <- as they happen
+                     EngineDead                        <- a step raised: the engine is gone
 
-Messages are pickled over two one-way pipes. The engine process ignores SIGINT / SIGTERM (the
-frontend drains and then tells it to stop) and exits when its input pipe closes (frontend gone).
+The messages (engine/messages.py) travel as msgpack frames over two one-way pipes, never as pickle.
+(Only the process's start arguments, the frozen EngineConfig, are pickled by multiprocessing, once.)
+The engine process ignores SIGINT / SIGTERM (the frontend drains and then tells it to stop) and exits
+when its input pipe closes (frontend gone).
 """
 
 from __future__ import annotations
@@ -23,12 +27,22 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
 from multiprocessing.connection import Connection
-from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.messages import (
+    EngineCoreCommand,
+    EngineCoreReply,
+    EngineDead,
+    ErrorInfo,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    command_decoder,
+    encode,
+    reply_decoder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +51,6 @@ logger = logging.getLogger(__name__)
 PRELOAD = ["torch", "transformers"]
 # Seconds the frontend waits for the engine process to load the model and report ready.
 STARTUP_TIMEOUT_S = 600.0
-
-
-def _picklable(e: BaseException) -> BaseException:
-    """The exception itself when it crosses a pipe intact, else a RuntimeError with its text."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - any pickling failure
-        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, env: dict[str, str],
@@ -59,47 +64,40 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
-    from pagedllm.engine.engine_core import EngineCore, apply_command, check_injected_fault, step_and_queue_times
+    from pagedllm.engine.core_loop import EngineCoreLoop
+    from pagedllm.engine.engine_core import EngineCore
+
+    def emit(reply: EngineCoreReply) -> bool:
+        outputs.send_bytes(encode(reply))
+        return True
+
+    def next_commands(block: bool) -> list[EngineCoreCommand]:
+        # Wait for one while idle, else take what is queued and go on stepping.
+        if not block and not inputs.poll(0):
+            return []
+        batch = [command_decoder.decode(inputs.recv_bytes())]
+        while inputs.poll(0):
+            batch.append(command_decoder.decode(inputs.recv_bytes()))
+        return batch
 
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which raises it
-        outputs.send(("error", _picklable(e)))
+        emit(StartupFailed(ErrorInfo.from_exception(e)))
         return
-    outputs.send(("ready", core.num_gpu_blocks))
-    unscheduled: dict[str, Any] = {}  # added, not scheduled yet: their queue time is measured
-    num_steps = 0
+    emit(Ready(core.num_gpu_blocks))
     try:
-        while True:
-            # Commands: wait for one while idle, else take what is queued and go on stepping.
-            if not core.has_unfinished_requests() or inputs.poll(0):
-                batch = [inputs.recv()]
-                while inputs.poll(0):
-                    batch.append(inputs.recv())
-                failed: list[tuple[str, Exception]] = []
-                for kind, payload in batch:
-                    if kind == "fail_at_step":
-                        fail_at_step = payload
-                    elif not apply_command(core, kind, payload, unscheduled, failed):
-                        return
-                if failed:
-                    outputs.send(("failed", [(rid, _picklable(e)) for rid, e in failed]))
-                if not core.has_unfinished_requests():
-                    # Aborts may have emptied the engine: publish the state (0 running, free pool).
-                    outputs.send(("outputs", [], core.make_stats(), []))
-                    continue
-            num_steps += 1
-            check_injected_fault(num_steps, fail_at_step)
-            step_outputs, queue_times = step_and_queue_times(core, unscheduled)
-            outputs.send(("outputs", step_outputs, core.make_stats(), queue_times))
+        EngineCoreLoop(core, emit, fail_at_step).run(next_commands)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the frontend is gone
     except BaseException as e:  # noqa: BLE001 - the frontend turns this into EngineDeadError
         logger.exception("engine process died")
         try:
-            outputs.send(("dead", _picklable(e)))
+            emit(EngineDead(ErrorInfo.from_exception(e)))
         except OSError:
             pass
+    finally:
+        core.shutdown()
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -140,27 +138,30 @@ class EngineCoreProc:
             self.close(0)
             raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S:.0f} s")
         try:
-            kind, payload = self._outputs.recv()
+            reply = self.recv()
         except EOFError:
             self.close(0)
             raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
-        if kind == "error":
-            self.close(5)
-            raise payload
-        assert kind == "ready", kind
-        self.num_gpu_blocks = payload
+        match reply:
+            case Ready(num_gpu_blocks=n):
+                self.num_gpu_blocks = n
+            case StartupFailed(error=error):
+                self.close(5)
+                raise error.to_exception()
+            case _:
+                raise AssertionError(f"unexpected first message from the engine process: {reply!r}")
 
-    def send(self, item: tuple[str, Any]) -> None:
-        self._inputs.send(item)
+    def send(self, command: EngineCoreCommand) -> None:
+        self._inputs.send_bytes(encode(command))
 
-    def recv(self) -> tuple[Any, ...]:
+    def recv(self) -> EngineCoreReply:
         """The next message; EOFError when the engine process is gone."""
-        return self._outputs.recv()
+        return reply_decoder.decode(self._outputs.recv_bytes())
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask the process to stop (it finishes its step), then make sure it has."""
         try:
-            self._inputs.send(("shutdown", None))
+            self.send(Shutdown())
         except OSError:
             pass
         self.process.join(timeout)

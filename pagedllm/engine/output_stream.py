@@ -4,14 +4,11 @@ async iterator a caller reads (aborting the request when the caller goes away)."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
-
-if TYPE_CHECKING:
-    from pagedllm.engine.async_llm import AsyncLLM
 
 
 class RequestOutputCollector:
@@ -78,7 +75,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 @dataclass
-class _LiveRequest:
+class LiveRequest:
     """A request between add_request and its final output (or abort), as the event loop sees it."""
 
     request_id: str  # the caller's id
@@ -89,10 +86,11 @@ class _LiveRequest:
 
 class RequestOutputStream:
     """Async iterator over one request's outputs; aborting it (or dropping out of the loop through
-    an exception or cancellation) aborts the request in the engine and frees its KV blocks."""
+    an exception or cancellation) aborts the request in the engine and frees its KV blocks.
+    `on_abort` (AsyncLLM's) does that; the stream knows nothing else of the engine."""
 
-    def __init__(self, engine: AsyncLLM, live: _LiveRequest) -> None:
-        self.engine = engine
+    def __init__(self, live: LiveRequest, on_abort: Callable[[LiveRequest], None]) -> None:
+        self.on_abort = on_abort
         self.live = live
         self.request_id = live.request_id
         self.collector = live.collector
@@ -117,7 +115,7 @@ class RequestOutputStream:
         """Idempotent; a no-op once the request finished."""
         if not self.finished:
             self.finished = True
-            self.engine._abort_live(self.live)
+            self.on_abort(self.live)
 
     async def aclose(self) -> None:
         self.abort()

@@ -34,7 +34,6 @@ Reference: `skinny_linear_ref` (F.linear in fp32). Dispatch rule: `use_skinny_li
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -42,12 +41,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagedllm.envs import kernel_switches
+
 __all__ = ["GemvConfig", "gemv_config", "skinny_linear", "skinny_linear_ref", "use_skinny_linear"]
 
 MAX_M = 16  # rows of x one program holds (BLOCK_M <= 16)
 
 # Read once at import: PAGEDLLM_SKINNY_GEMV=0 sends every linear back to F.linear (cuBLAS).
-_ENABLED = os.environ.get("PAGEDLLM_SKINNY_GEMV", "1") != "0"
+_ENABLED = kernel_switches().skinny_gemv
 
 # Dispatch thresholds (tune from scripts/gemv_bench.py). Batch sizes above _MAX_M_DISPATCH go to
 # cuBLAS, which is near bandwidth once M fills a tile; below _MIN_WEIGHT_ELEMS both are launch-bound.

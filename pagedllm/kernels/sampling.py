@@ -31,12 +31,13 @@ else takes the sampler's torch path.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
+
+import pagedllm.envs as envs
 
 _GREEDY_EPS = 1e-5
 BLOCK_V = 1024  # columns per tile; a multiple of 4 (one Philox call per 4 columns)
@@ -151,9 +152,13 @@ def _target_programs(device: torch.device) -> int:
     return _INTERPRETER_PROGRAMS
 
 
+# Triton reads TRITON_INTERPRET when this module's kernels are decorated, i.e. at import: so do we.
+_INTERPRETED = envs.TRITON_INTERPRET
+
+
 def _fast_log2(device: torch.device) -> bool:
     # libdevice calls exist on NVIDIA only, and not in Triton's interpreter.
-    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+    return device.type == "cuda" and torch.version.hip is None and not _INTERPRETED
 
 
 def split_plan(num_rows: int, vocab_size: int, num_splits: int | None, device: torch.device) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """On-disk cache of what transformers derives from a GGUF file (its config, its tokenizer).
 
 Why: transformers re-reads every metadata value of the GGUF (the ~100k tokenizer strings included)
-each time it builds a config or a tokenizer from it: ~4.6 s each for SmolLM2 on a laptop core. Saved
-with `save_pretrained` and read back from a plain directory, the same objects load in ~0.05 s and
-~0.3 s, which is most of the start-up time of `pagedllm serve` with the default model.
+each time it builds a config or a tokenizer from it, seconds each for SmolLM2, most of the start-up
+time of `pagedllm serve` with the default model. Saved with `save_pretrained` and read back from a
+plain directory, the same objects load in a fraction of that (figures: BENCHMARKS.md).
 
 Layout: `$PAGEDLLM_CACHE_ROOT/gguf/<key>/<what>/`, with `key` a hash of the file's absolute path, size,
 mtime and the transformers version, so an edited file or a transformers upgrade gets a fresh entry.
@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import transformers
 
+import pagedllm.envs as envs
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -34,11 +36,7 @@ _CACHE_FORMAT = 1
 
 def cache_root() -> Path:
     """The root of pagedllm's caches, `PAGEDLLM_CACHE_ROOT` or the XDG default."""
-    root = os.environ.get("PAGEDLLM_CACHE_ROOT")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "pagedllm"
+    return envs.PAGEDLLM_CACHE_ROOT
 
 
 def gguf_cache_dir(gguf_path: Path, what: str) -> Path:

@@ -28,28 +28,32 @@ from pagedllm.worker import graph_plan
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import StepInputs
-    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 # Graphs of this many rows and more start their attention programs longest context first
-# (AttentionMetadata.decode_order). Measured on the H200, Llama-3.1-8B heads, in graphs: 256
-# requests of 100-1100 keys 171 -> 166 us, 192 requests 171 -> 167, 128 requests 160 -> 158; at
-# 64 requests (one wave of programs) no gain, so smaller graphs skip the sort and its copy.
+# (AttentionMetadata.decode_order): the longest programs then start in the first wave. At 64 rows
+# (one wave of programs) it gained nothing, so smaller graphs skip the sort and its copy
+# (measured per batch size: BENCHMARKS.md, "Measurements behind code decisions").
 ORDER_MIN_BATCH = 128
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.device = runner.device
-        cfg = runner.config
-        # vLLM's cudagraph_capture_sizes, resolved in config.py (default 1, 2, 4, 8, ..., max_num_seqs).
-        self.sizes = list(cfg.compilation_config.cudagraph_capture_sizes)
+    """capture_sizes: vLLM's cudagraph_capture_sizes, resolved in config.py (default 1, 2, 4, 8, ...,
+    max_num_seqs); num_kv_heads decides which sizes attend alike (split-K or not); tuning: capture
+    with both BLAS libraries and plan padding from replay times (PAGEDLLM_GRAPH_TUNING)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, capture_sizes: tuple[int, ...],
+                 max_model_len: int, block_size: int, num_kv_heads: int, tuning: bool = True) -> None:
+        self.model = model
+        self.tuning = tuning
+        self.device = device
+        self.num_kv_heads = num_kv_heads
+        self.sizes = list(capture_sizes)
         self.max_bs = self.sizes[-1]
-        self.max_blocks = -(-cfg.model_config.max_model_len // runner.block_size)
-        self.max_seq_len = cfg.model_config.max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_seq_len = max_model_len
         b, dev = self.max_bs, self.device
         # Device buffers every graph reads; host twins are pinned so copies are truly async.
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -89,7 +93,7 @@ class CudaGraphRunner:
         )
 
     def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        model = self.runner.model
+        model = self.model
         for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
             model(self.input_ids[:bs], self.positions[:bs], md)
         torch.cuda.synchronize(self.device)
@@ -110,7 +114,7 @@ class CudaGraphRunner:
         default_name = default.name.lower()
         # name -> value for torch.backends.cuda.preferred_blas_library; the default first.
         candidates: dict[str, object] = {default_name: default}
-        if graph_plan.tuning_enabled() and torch.version.cuda is not None:
+        if self.tuning and torch.version.cuda is not None:
             candidates.update((lib, lib) for lib in ("cublas", "cublaslt") if lib != default_name)
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         try:
@@ -136,8 +140,7 @@ class CudaGraphRunner:
         del captured  # the other libraries' graphs
         # A batch may pad up to a larger graph only where both attend the same way: with split-K on
         # one side and not the other, dummy-row replay times say nothing about real contexts.
-        kv_heads = self.runner.config.model_config.num_kv_heads
-        attention_kind = {bs: choose_num_splits(bs, kv_heads, 1, self.max_seq_len) for bs in self.sizes}
+        attention_kind = {bs: choose_num_splits(bs, self.num_kv_heads, 1, self.max_seq_len) for bs in self.sizes}
         # Untimed (one library), every replay_ms is 0.0: each batch keeps the smallest size that fits.
         self.dispatch = graph_plan.plan_dispatch(self.replay_ms, groups=attention_kind)
         logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.sizes), self.sizes[0],

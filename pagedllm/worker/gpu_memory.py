@@ -18,7 +18,8 @@ from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.sample.sampler import Sampler
+    from pagedllm.worker.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,27 @@ def dummy_prefill_layout(num_tokens: int, num_reqs: int, block_size: int) -> tup
 
 
 @torch.inference_mode()
-def profile_available_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) -> int:
+def profile_available_kv_bytes(
+    model: torch.nn.Module,
+    sampler: Sampler,
+    kv_cache: KVCache,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    vocab_size: int,
+    max_logprobs: int,
+    gpu_memory_utilization: float,
+) -> int:
+    """Bytes of GPU memory left for the KV cache (see the module docstring). `kv_cache` is bound
+    with a few blocks for the profiling step and released again."""
     from pagedllm.attention.metadata import build_metadata
 
-    device = runner.device
-    sc = runner.config.scheduler_config
-    mc = runner.config.model_config
-    num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * mc.max_model_len)
-    num_reqs = min(sc.max_num_seqs, num_tokens)
-    q_lens, tables = dummy_prefill_layout(num_tokens, num_reqs, runner.block_size)
+    device = kv_cache.device
+    block_size = kv_cache.block_size
+    num_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    num_reqs = min(max_num_seqs, num_tokens)
+    q_lens, tables = dummy_prefill_layout(num_tokens, num_reqs, block_size)
     num_tmp_blocks = sum(len(t) for t in tables)
 
     torch.cuda.empty_cache()
@@ -57,23 +70,23 @@ def profile_available_kv_bytes(runner: ModelRunner, gpu_memory_utilization: floa
     free_before, total = torch.cuda.mem_get_info(device)
     allocated_before = torch.cuda.memory_allocated(device)
 
-    runner.initialize_kv_cache(num_tmp_blocks)
+    kv_cache.allocate(num_tmp_blocks)
     tmp_cache_bytes = torch.cuda.memory_allocated(device) - allocated_before
-    md = build_metadata(q_lens, q_lens, tables, runner.block_size, device)
+    md = build_metadata(q_lens, q_lens, tables, block_size, device)
     rng = np.random.default_rng(0)
-    input_ids = torch.from_numpy(rng.integers(0, mc.vocab_size, num_tokens)).to(device)
+    input_ids = torch.from_numpy(rng.integers(0, vocab_size, num_tokens)).to(device)
     positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
-    hidden = runner.model(input_ids, positions, md)
-    logits = runner.model.compute_logits(hidden[md.query_start_loc[1:].long() - 1])
+    hidden = model(input_ids, positions, md)
+    logits = model.compute_logits(hidden[md.query_start_loc[1:].long() - 1])
     # The costliest sampling path: temperature, top-k and top-p (a full sort) and logprobs.
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=runner.config.max_logprobs)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=max_logprobs)
     rows = [RowInputs(params, [], [], None) for _ in range(num_reqs)]
-    runner.sampler(logits, SamplingMetadata.build(rows, runner.vocab_size, device))
+    sampler(logits, SamplingMetadata.build(rows, vocab_size, device))
     torch.cuda.synchronize(device)
 
     peak_activations = torch.cuda.max_memory_allocated(device) - allocated_before - tmp_cache_bytes
     del hidden, logits
-    runner.release_kv_cache()
+    kv_cache.release()
     torch.cuda.empty_cache()
     # Memory outside torch's allocator (CUDA context, cuBLAS workspaces, NCCL, ...).
     non_torch = (total - free_before) - torch.cuda.memory_reserved(device)
@@ -86,7 +99,7 @@ def profile_available_kv_bytes(runner: ModelRunner, gpu_memory_utilization: floa
         non_torch / GiB, available / GiB,
     )
     if available <= 0:
-        weights = sum(t.numel() * t.element_size() for t in (*runner.model.parameters(), *runner.model.buffers())
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
                       if t.device.type == "cuda")
         raise ValueError(no_room_message(weights, allocated_before, peak_activations, max(non_torch, 0),
                                          gpu_memory_utilization, total))

@@ -2,9 +2,10 @@
 decided from replay times measured at start-up.
 
 Why measure. cuBLAS picks a GEMM kernel per shape, and its choice is not monotone in the row count:
-on the H200 the Llama-3.1-8B decode graph for 120 rows replays in 5.95 ms, the one for 128 rows in
-5.35 ms (dummy rows, so attention is nearly free and the GEMMs dominate). cuBLASLt's heuristic
-picks differently again (4% faster at 32-112 rows there, 2% slower at 8-16). So every capture size
+on the H200 a Llama-3.1-8B decode graph of 120 rows replayed slower than the one of 128 rows (dummy
+rows, so attention is nearly free and the GEMMs dominate), and cuBLASLt's heuristic picks
+differently again, faster at some sizes and slower at others (the figures: BENCHMARKS.md,
+"Measurements behind code decisions"). So every capture size
 is captured with each candidate library and replayed; the faster capture is kept (`pick_backend`),
 and a batch runs the graph of the smallest size that fits it unless a larger size replays clearly
 faster (`plan_dispatch`). Padding rows cost nothing worth counting (seq_len 1, no cache write).
@@ -19,19 +20,13 @@ Example: sizes [8, 16, 24] replaying in [1.00, 1.20, 1.05] ms, margin 2%:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
 from typing import Any
 
 MARGIN = 0.02  # an alternative must be this much faster (fraction of the default's time)
 
-# PAGEDLLM_GRAPH_TUNING=0: capture with the default library only and run every batch on the
-# smallest size that fits (the plan before measurement; for A/B runs).
-TUNING_ENV = "PAGEDLLM_GRAPH_TUNING"
-
-
-def tuning_enabled() -> bool:
-    return os.environ.get(TUNING_ENV, "1") != "0"
+# PAGEDLLM_GRAPH_TUNING=0 (pagedllm/envs.py, read once at start): capture with the default library
+# only and run every batch on the smallest size that fits (the plan before measurement; for A/B runs).
 
 
 def pick_backend(times: dict[str, float], default: str, margin: float = MARGIN) -> str:

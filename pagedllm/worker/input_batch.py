@@ -55,13 +55,29 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
+        self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        # Seeded requests draw from their own generator, so the batch around them does not matter.
+        # It lives here, on the sampling device, from a request's first step to its end: a
+        # preempted request's state is rebuilt when it resumes, its generator carries on.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self.generators.get(req_id)
+        if gen is None:
+            gen = self.generators[req_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if req_id not in so.preempted_req_ids:
+                self.generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
@@ -69,7 +85,7 @@ class InputBatch:
                 num_prompt_tokens=new.num_prompt_tokens,
                 output_token_ids=list(new.output_token_ids),
                 sampling_params=new.sampling_params,
-                generator=new.generator,
+                generator=self._generator(new.req_id, new.sampling_params.seed),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )

@@ -22,64 +22,79 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm.attention.metadata import build_metadata
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
+from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def _dummy_step(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]) -> None:
-    bs = runner.block_size
+@dataclass(frozen=True)
+class WarmupShape:
+    """The sizes the dummy steps are cut to."""
+
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    hidden_size: int
+
+
+def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, shape: WarmupShape,
+                query_lens: list[int], seq_lens: list[int]) -> None:
+    bs = shape.block_size
     tables = [[0] * -(-s // bs) for s in seq_lens]  # every position reads block 0
-    md = build_metadata(query_lens, seq_lens, tables, bs, device=runner.device)
+    md = build_metadata(query_lens, seq_lens, tables, bs, device=device)
     md.slot_mapping.fill_(-1)  # write nothing
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(runner.device)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)
     input_ids = torch.zeros_like(positions)
-    hidden = runner.model(input_ids, positions, md)
+    hidden = model(input_ids, positions, md)
     last = md.query_start_loc[1:].long() - 1
-    logits = runner.model.compute_logits(hidden[last])
+    logits = model.compute_logits(hidden[last])
     rows = [
         RowInputs(params=SamplingParams(temperature=1.0 if r % 2 == 0 else 0.0), prompt_token_ids=[0],
                   output_token_ids=[])
         for r in range(len(query_lens))
     ]
-    runner.sampler(logits, SamplingMetadata.build(rows, runner.vocab_size, runner.device))
+    sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
     # A batch asking for logprobs samples from a float32 copy: that variant too.
     rows[0] = RowInputs(params=SamplingParams(temperature=1.0, logprobs=1), prompt_token_ids=[0], output_token_ids=[])
-    runner.sampler(logits, SamplingMetadata.build(rows, runner.vocab_size, runner.device))
+    sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
 
 
 @torch.inference_mode()
-def warmup_kernels(runner: ModelRunner) -> None:
-    """Run the dummy steps above on a CUDA runner whose KV cache is bound; no-op elsewhere."""
-    if runner.device.type != "cuda" or not runner.kv_caches:
+def warmup_kernels(model: torch.nn.Module, sampler: Sampler, device: torch.device, dtype: torch.dtype,
+                   shape: WarmupShape) -> None:
+    """Run the dummy steps above on a CUDA model whose KV cache is bound; a no-op elsewhere."""
+    if device.type != "cuda":
         return
     t0 = time.monotonic()
-    bs = runner.block_size
-    max_len = runner.config.model_config.max_model_len
-    budget = runner.config.scheduler_config.max_num_batched_tokens
+    bs = shape.block_size
+    max_len = shape.max_model_len
+    budget = shape.max_num_batched_tokens
+
+    def step(query_lens: list[int], seq_lens: list[int]) -> None:
+        _dummy_step(model, sampler, device, shape, query_lens, seq_lens)
+
     n = min(2 * bs + 3, max(budget - 1, 1), max_len - 1)
     if n >= 1:
-        _dummy_step(runner, [n, 1], [n, min(n + 2, max_len)])
+        step([n, 1], [n, min(n + 2, max_len)])
     # A full token budget once: cuBLAS loads its large-M kernels and the allocator grows to the
     # activations of a full prefill step here, not in the first busy step of serving.
     full = min(budget - 1, max_len - 1)
     if full > n:
-        _dummy_step(runner, [full, 1], [full, min(full + 2, max_len)])
-    _dummy_step(runner, [1, 1], [1, min(bs + 1, max_len)])
-    _dummy_step(runner, [1], [max_len])
+        step([full, 1], [full, min(full + 2, max_len)])
+    step([1, 1], [1, min(bs + 1, max_len)])
+    step([1], [max_len])
     # The LM head runs outside the CUDA graphs at every batch size; its few-row kernels
     # (kernels/gemv.py) compile per row-count class, so run each class once.
-    hidden = torch.zeros((8, runner.model.config.hidden_size), dtype=runner.dtype, device=runner.device)
+    hidden = torch.zeros((8, shape.hidden_size), dtype=dtype, device=device)
     for m in (1, 2, 3, 4, 5, 8):
-        runner.model.compute_logits(hidden[:m])
-    torch.cuda.synchronize(runner.device)
+        model.compute_logits(hidden[:m])
+    torch.cuda.synchronize(device)
     logger.info("kernel warm-up (eager prefill/decode variants) took %.1f s", time.monotonic() - t0)

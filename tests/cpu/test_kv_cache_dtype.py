@@ -11,7 +11,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.worker.model_runner import kv_cache_bytes_per_block, resolve_kv_cache_dtype
+from pagedllm.worker.kv_cache import kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from tests.utils import assert_pool_idle, tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -61,11 +61,11 @@ def _run(path, kv_cache_dtype, **kw):
 def test_16bit_cache_through_prefill_decode_and_swap(cpu_kernels):
     path = tiny_model("llama3")[0]
     llm, ref = _run(path, "float16", num_gpu_blocks_override=256)
-    runner = llm.llm_engine.engine_core.model_runner
-    assert runner.kv_cache_dtype == torch.float16 and all(c.dtype == torch.float16 for c in runner.kv_caches)
+    kv_cache = llm.llm_engine.engine_core.model_executor.driver_worker.kv_cache
+    assert kv_cache.dtype == torch.float16 and all(c.dtype == torch.float16 for c in kv_cache.tensors)
     # 4 blocks for 6 requests growing to 44 tokens: preempted, swapped out and back in block for block,
     # so the tokens are those of the run that kept everything.
     llm, out = _run(path, "float16", num_gpu_blocks_override=4, preemption_mode="swap")
-    assert all(c.dtype == torch.float16 for c in llm.llm_engine.engine_core.model_runner.swap_space.cpu_caches)
-    assert llm.llm_engine.engine_core.scheduler.swap.num_swapped_out > 0
+    assert all(c.dtype == torch.float16 for c in llm.llm_engine.engine_core.model_executor.driver_worker.swap_space.cpu_caches)
+    assert llm.llm_engine.engine_core.scheduler.preemption.num_swapped_out > 0
     assert out == ref

@@ -50,9 +50,9 @@ def test_greedy_identical_with_and_without_caching_swap_and_recompute(path):
             sched = llm.llm_engine.engine_core.scheduler
             assert len(sched.preempted_ids) >= len(ps) - 1, (mode, caching, sorted(sched.preempted_ids))
             if mode == "swap":
-                assert sched.swap.num_swapped_out >= len(ps) - 1
-                sched.swap.check_invariants()
-                assert len(sched.swap.free_cpu_blocks) == sched.swap.num_cpu_blocks
+                assert sched.preemption.num_swapped_out >= len(ps) - 1
+                sched.preemption.check_invariants()
+                assert len(sched.preemption.free_cpu_blocks) == sched.preemption.num_cpu_blocks
             assert out == ref, (mode, caching)
     assert cached == ref
 
@@ -63,8 +63,8 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_too_small(path):
     # swap_space so small it holds one block (16 tokens x 2 layers x 2 x 2 heads x 16 dims x 4 B = 8 KiB)
     llm, out = run(path, ps, num_gpu_blocks_override=5, preemption_mode="swap", swap_space=8 / (1 << 20))
     sched = llm.llm_engine.engine_core.scheduler
-    assert sched.swap.num_cpu_blocks == 1
-    assert sched.num_preemptions > sched.swap.num_swapped_out  # the rest recomputed
+    assert sched.preemption.num_cpu_blocks == 1
+    assert sched.num_preemptions > sched.preemption.num_swapped_out  # the rest recomputed
     assert out == ref
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-import pagedllm.attention.layer as attention_layer
 from pagedllm.attention.metadata import build_metadata
 from pagedllm.attention.triton_backend import TritonAttentionBackend
 from pagedllm.kernels.decode_attention import decode_attention_fused, decode_attention_fused_ref
@@ -116,16 +115,15 @@ def test_attention_layer_takes_fused_decode_path(device, monkeypatch):
                         lambda self, *a: calls.append(1) or real(self, *a))
     outs, caches = [], []
     for fused in (True, False):
-        monkeypatch.setattr(attention_layer, "FUSED_DECODE", fused)
         cache = cache0.clone()
-        attn.attn.bind_kv_cache(cache, TritonAttentionBackend())
+        attn.attn.bind_kv_cache(cache, TritonAttentionBackend(fused_decode=fused))
         with torch.no_grad():
             outs.append(attn(positions, hidden, md))
         caches.append(cache)
     assert len(calls) == 1  # the fused run only
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(attention_layer, "FUSED_DECODE", True)
+    attn.attn.bind_kv_cache(cache, TritonAttentionBackend(fused_decode=True))
     mixed = build_metadata([2, 1], [2, 10], [[1], [0, 5, 11]], 4, device=device)
     with torch.no_grad():
         attn(torch.tensor([0, 1, 9], device=device), torch.randn(3, 64, device=device), mixed)

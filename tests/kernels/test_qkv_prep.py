@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-import pagedllm.attention.layer as attention_layer
 from pagedllm.attention.metadata import build_metadata
 from pagedllm.attention.triton_backend import TritonAttentionBackend
 from pagedllm.kernels.kv_cache_write import write_kv_cache
@@ -154,11 +153,11 @@ def test_attention_layer_fused_matches_unfused(device, monkeypatch, partial_rota
     cache0 = torch.randn(2, num_blocks, block_size, 2, 32, device=device)
     outs, caches = [], []
     for fused in (True, False):
-        monkeypatch.setattr(attention_layer, "FUSED_QKV_PREP", fused)
         cache = cache0.clone()
-        attn.attn.bind_kv_cache(cache, TritonAttentionBackend())
+        backend = TritonAttentionBackend(fused_qkv_prep=fused)
+        attn.attn.bind_kv_cache(cache, backend)
         qkv = attn.qkv_proj(hidden)
-        assert attn.attn._use_fused_qkv_prep(qkv, rope, attn.q_norm, attn.k_norm) == fused
+        assert backend.uses_fused_prep(qkv, rope, cache, attn.q_norm, attn.k_norm) == fused
         with torch.no_grad():
             outs.append(attn(positions, hidden, md))
         caches.append(cache)
@@ -173,10 +172,9 @@ def test_attention_layer_keeps_unfused_path_without_cache_or_fused_backend(devic
     rope = get_rope(32, 64, {"rope_type": "default", "rope_theta": 1e4})
     attn = Qwen3Attention(config, rope).to(device)
     qkv = torch.zeros(1, 8 * 32, device=device)
-    layer = attn.attn
-    assert not layer._use_fused_qkv_prep(qkv, rope, attn.q_norm, attn.k_norm)  # torch backend
-    layer.bind_kv_cache(None, TritonAttentionBackend())  # profiling pass
-    assert not layer._use_fused_qkv_prep(qkv, rope, attn.q_norm, attn.k_norm)
-    layer.bind_kv_cache(torch.zeros(2, 1, 4, 2, 32, device=device), TritonAttentionBackend())
+    backend = TritonAttentionBackend()
+    assert not backend.uses_fused_prep(qkv, rope, None, attn.q_norm, attn.k_norm)  # profiling pass: no cache
+    cache = torch.zeros(2, 1, 4, 2, 32, device=device)
+    assert backend.uses_fused_prep(qkv, rope, cache, attn.q_norm, attn.k_norm)
     gptj = get_rope(32, 64, {"rope_type": "default", "rope_theta": 1e4}, is_neox_style=False)
-    assert not layer._use_fused_qkv_prep(qkv, gptj, attn.q_norm, attn.k_norm)
+    assert not backend.uses_fused_prep(qkv, gptj, cache, attn.q_norm, attn.k_norm)

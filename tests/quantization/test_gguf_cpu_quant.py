@@ -83,7 +83,7 @@ def generate(path: Path, **kw):
 
 def test_blocks_match_dense_float32_path(tiny_gguf, monkeypatch):
     llm, outs = generate(tiny_gguf)
-    model = llm.llm_engine.engine_core.model_runner.model
+    model = llm.llm_engine.engine_core.model_executor.driver_worker.model
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
     assert all(not hasattr(m, "weight") and not hasattr(m, "qweight") for m in linears)

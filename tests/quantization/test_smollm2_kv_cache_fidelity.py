@@ -24,7 +24,7 @@ def greedy_tokens(kv_cache_dtype: str) -> tuple[str, list[list[int]]]:
            for q in QUESTIONS]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids],
                         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-    resolved = str(llm.llm_engine.engine_core.model_runner.kv_cache_dtype)
+    resolved = str(llm.llm_engine.engine_core.model_executor.driver_worker.kv_cache.dtype)
     return resolved, [o.outputs[0].token_ids for o in outs]
 
 

@@ -54,10 +54,12 @@ def test_rejects_bad_sizes():
 
 
 def test_tuning_switch(monkeypatch):
-    monkeypatch.delenv(graph_plan.TUNING_ENV, raising=False)
-    assert graph_plan.tuning_enabled()
-    monkeypatch.setenv(graph_plan.TUNING_ENV, "0")
-    assert not graph_plan.tuning_enabled()
+    from pagedllm.envs import kernel_switches
+
+    monkeypatch.delenv("PAGEDLLM_GRAPH_TUNING", raising=False)
+    assert kernel_switches().graph_tuning
+    monkeypatch.setenv("PAGEDLLM_GRAPH_TUNING", "0")
+    assert not kernel_switches().graph_tuning
 
 
 def test_groups_keep_batches_within_their_kind_of_graph():

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
+import pagedllm.envs as envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
@@ -182,7 +182,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
 
 def api_keys(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
-    env = os.environ.get(API_KEY_ENV)
+    env = envs.PAGEDLLM_API_KEY
     if env:
         keys.append(env)
     return keys

@@ -1,0 +1,136 @@
+"""Every environment variable pagedllm reads, declared once with its meaning and default (vLLM's
+envs.py). Nothing else in the package reads the environment (tests/test_envs.py checks).
+
+    import pagedllm.envs as envs
+    envs.PAGEDLLM_CACHE_ROOT          # read now, from the environment as it is now
+
+An attribute reads the environment when it is accessed, so a process that sets a variable (a test,
+the engine process taking the frontend's environment) sees it. Hot paths never do: what a step
+needs is read once at start into a frozen object (`kernel_switches()`: the attention backend, gemv
+and graph capture).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    """"0" is off, anything else set is on; unset is `default`."""
+    return lambda: os.environ.get(name, "1" if default else "0") != "0"
+
+
+def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or default
+
+
+def _fail_at_step() -> int | None:
+    v = os.environ.get("PAGEDLLM_TEST_FAIL_AT_STEP")
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_TEST_FAIL_AT_STEP must be an integer step, got {v!r}.") from None
+
+
+def _multiprocessing() -> bool | None:
+    v = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING")
+    if v in (None, ""):
+        return None
+    if v not in ("0", "1"):
+        raise ValueError(f"PAGEDLLM_ENABLE_MULTIPROCESSING must be 0 or 1, got {v!r}.")
+    return v == "1"
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_ROOT")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "pagedllm"
+
+
+# name -> how to read it. Keep each entry's comment: it is the variable's documentation.
+environment_variables: dict[str, Callable[[], Any]] = {
+    # -- kernels and the GPU fast path (read once at engine start: kernel_switches()) --
+    # 0: the attention layer writes K/V and applies q/k norm + rotary with separate kernels instead
+    # of the fused prep kernel (kernels/qkv_prep.py); for A/B timings.
+    "PAGEDLLM_FUSED_QKV": _flag("PAGEDLLM_FUSED_QKV", True),
+    # 0: decode-only steps run prep and attention as two kernels instead of one
+    # (kernels/decode_attention.py).
+    "PAGEDLLM_FUSED_DECODE": _flag("PAGEDLLM_FUSED_DECODE", True),
+    # 0: every linear layer goes to F.linear (cuBLAS), never the few-row gemv kernel (kernels/gemv.py).
+    "PAGEDLLM_SKINNY_GEMV": _flag("PAGEDLLM_SKINNY_GEMV", True),
+    # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
+    # captured size that fits (worker/graph_plan.py: the plan before measurement).
+    "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
+    # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
+    # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
+    "TRITON_INTERPRET": _flag("TRITON_INTERPRET", False),
+    # -- the CPU path --
+    # 0: do not build or use the C kernels (cpu/build.py); GGUF weights are dequantized to float32.
+    "PAGEDLLM_CPU_KERNELS": _flag("PAGEDLLM_CPU_KERNELS", True),
+    # Extra compiler flags for the C kernels, e.g. "-march=x86-64-v3" for a cache shared by machines.
+    "PAGEDLLM_CPU_CFLAGS": _str("PAGEDLLM_CPU_CFLAGS", ""),
+    # "ctypes" loads the C kernels as a plain shared library even where Python.h exists; "auto"
+    # (default) builds a CPython extension module there.
+    "PAGEDLLM_CPU_FFI": _str("PAGEDLLM_CPU_FFI", "auto"),
+    # The C compiler for the C kernels (default: the first of cc, gcc, clang on PATH).
+    "CC": _str("CC"),
+    # -- caches --
+    # Root of pagedllm's caches (GGUF-derived configs and tokenizers, built C kernels); default
+    # $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
+    "PAGEDLLM_CACHE_ROOT": _cache_root,
+    # -- engine --
+    # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs AsyncLLM's engine core in its own process, 0 in a
+    # thread; unset (None): a process on the CPU, a thread on a GPU (engine/core_client.py).
+    "PAGEDLLM_ENABLE_MULTIPROCESSING": _multiprocessing,
+    # 1: check the block pool's invariants at every schedule() (slow; the test suite sets it).
+    "PAGEDLLM_DEBUG_BLOCKS": lambda: os.environ.get("PAGEDLLM_DEBUG_BLOCKS") == "1",
+    # -- server --
+    # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
+    "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),
+    # The key `pagedllm bench serve` sends when --api-key is not given (the openai client's variable).
+    "OPENAI_API_KEY": _str("OPENAI_API_KEY"),
+    # -- tests only --
+    # Raise inside the N-th engine step (1-based) of AsyncLLM's engine loop: tests check that a dying
+    # engine fails in-flight requests, turns /health to 503 and ends the server. Never set it in use.
+    "PAGEDLLM_TEST_FAIL_AT_STEP": _fail_at_step,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    """The fast path's switches, read once at start (the worker builds one and hands it to the
+    attention backend and the graph capture; gemv keeps one from its import): a step never reads
+    the environment."""
+
+    fused_qkv: bool
+    fused_decode: bool
+    skinny_gemv: bool
+    graph_tuning: bool
+
+
+def kernel_switches() -> KernelSwitches:
+    get = environment_variables
+    return KernelSwitches(
+        fused_qkv=get["PAGEDLLM_FUSED_QKV"](),
+        fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
+        skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
+        graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
+    )

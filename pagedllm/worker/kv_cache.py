@@ -1,0 +1,80 @@
+"""The paged KV cache a worker owns: its element type, its size per block, and the per-layer tensors
+bound into the model's `Attention` layers.
+
+One tensor per attention layer, shaped (2, num_blocks, block_size, num_kv_heads, head_dim): index 0
+holds keys, 1 values. Block ids are the scheduler's (core/block_pool.py); a token's slot is
+`block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.layer import Attention
+from pagedllm.config import KV_CACHE_DTYPES, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_kv_cache_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
+    """The KV cache's element type and why: `kv_cache_dtype` when given; for "auto" the model dtype,
+    except GGUF weights computed on their blocks on the CPU, whose cache is float16 (llama.cpp's
+    default): a decode step there reads the whole cache, so half the bytes is a shorter step, and
+    their compute is quantized already (greedy tokens then first differ from transformers' float32
+    ones late, if at all: docs/CPU_PROFILE.md)."""
+    asked = config.cache_config.cache_dtype
+    if asked != "auto":
+        return KV_CACHE_DTYPES[asked], "kv_cache_dtype"
+    mc = config.model_config
+    device = config.device_config.device
+    if device == "cpu":
+        from pagedllm.quantization.gguf import computes_on_gguf_blocks
+
+        if computes_on_gguf_blocks(mc, torch.device(device)):
+            return torch.float16, "auto: GGUF blocks computed on the CPU (--kv-cache-dtype float32 for float32)"
+    return mc.dtype, "auto: the model dtype"
+
+
+def kv_cache_bytes_per_block(config: EngineConfig) -> int:
+    mc = config.model_config
+    elem = torch.empty((), dtype=resolve_kv_cache_dtype(config)[0]).element_size()
+    return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+class KVCache:
+    """The cache tensors of one worker and the layers they are bound to. `allocate` may run twice:
+    once with a few blocks for the memory-profiling pass (then `release`), then at full size."""
+
+    def __init__(self, attn_layers: list[Attention], backend: AttentionBackend, dtype: torch.dtype,
+                 device: torch.device, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.attn_layers = attn_layers
+        self.backend = backend
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.tensors: list[torch.Tensor] = []
+
+    def allocate(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # Unwritten slots are masked out of attention, but a masked value still meets a 0 weight,
+        # so they must hold finite numbers: zeros. On the CPU a large torch.empty is a fresh
+        # anonymous mapping (glibc mmaps anything over 32 MiB) that the OS zero-fills on first
+        # touch, so start-up skips a multi-GiB memset and unused blocks cost no memory. Smaller
+        # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
+        alloc = torch.empty if fresh_mapping else torch.zeros
+        self.tensors = [alloc(shape, dtype=self.dtype, device=self.device) for _ in self.attn_layers]
+        for layer, cache in zip(self.attn_layers, self.tensors):
+            layer.bind_kv_cache(cache, self.backend)
+
+    def release(self) -> None:
+        for layer in self.attn_layers:
+            layer.bind_kv_cache(None, self.backend)
+        self.tensors = []

@@ -1,0 +1,166 @@
+"""Worker: one device's share of the engine. It owns the device, the model and the KV cache; its
+ModelRunner prepares inputs, runs and samples.
+
+An Executor (pagedllm/executor/) drives one worker per rank through the same calls, in this order:
+
+    init_device()                     pick the device, CPU threads, the seed
+    load_model()                      weights in; the attention backend chosen
+    determine_num_available_blocks()  -> (num_gpu_blocks, num_cpu_blocks) that fit this device
+    initialize_cache(gpu, cpu)        the minimum over every worker, allocated and bound
+    compile_or_warm_up_model()        Triton variants compiled, CUDA graphs captured
+    execute_model(scheduler_output)   each step; -> a PendingOutput whose get() waits for it
+
+`rank` / `local_rank` / `distributed_init_method` name this worker's place in a tensor x pipeline
+parallel group; with one worker they are 0, 0 and None. Only the driver worker (the first tensor
+rank of the last pipeline stage) returns outputs in a multi-worker executor.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.layer import Attention
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.envs import KernelSwitches, kernel_switches
+from pagedllm.loader.model_loader import load_model
+from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
+from pagedllm.worker.model_runner import ModelRunner, PendingOutput
+from pagedllm.worker.swap_space import CpuSwapSpace
+from pagedllm.worker.warmup import WarmupShape, warmup_kernels
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def pick_attention_backend(device: torch.device, switches: KernelSwitches) -> AttentionBackend:
+    if device.type == "cuda":
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(fused_qkv_prep=switches.fused_qkv, fused_decode=switches.fused_decode)
+    from pagedllm.attention.backend import TorchAttentionBackend
+    from pagedllm.cpu.attention import CpuAttentionBackend
+
+    # Decode steps in one C call per layer when the CPU kernels build here; else torch.
+    return CpuAttentionBackend() if CpuAttentionBackend.available() else TorchAttentionBackend()
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.device: torch.device | None = None
+        self.model: torch.nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+        self.kv_cache: KVCache | None = None
+        self.swap_space: CpuSwapSpace | None = None
+        self.kernel_switches = kernel_switches()  # read once; steps never read the environment
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def init_device(self) -> None:
+        dc = self.config.device_config
+        if dc.cpu_threads is not None:
+            if dc.cpu_threads < 1:
+                raise ValueError(f"cpu_threads must be >= 1, got {dc.cpu_threads}.")
+            torch.set_num_threads(dc.cpu_threads)
+        if dc.device == "cuda" and self.config.parallel_config.world_size > 1:
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device(dc.device)
+        # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
+        torch.manual_seed(self.config.model_config.seed)
+
+    def load_model(self) -> None:
+        assert self.device is not None, "init_device() first"
+        config = self.config
+        self.model = load_model(config.model_config, self.device)
+        # After the model: "auto" on the CPU depends on whether the GGUF blocks are computed in place.
+        dtype, why = resolve_kv_cache_dtype(config)
+        logger.info("KV cache dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
+        mc = config.model_config
+        attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_cache = KVCache(attn_layers, pick_attention_backend(self.device, self.kernel_switches), dtype, self.device,
+                                config.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.model_runner = ModelRunner(config, self.model, self.device)
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(GPU blocks, CPU swap blocks) that fit this worker: the override, else the CPU budget
+        (cpu_kvcache_space GiB, default 4), else what profiling leaves on the GPU under
+        gpu_memory_utilization; CPU blocks are swap_space GiB when preemption swaps, else 0."""
+        assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
+        config = self.config
+        cc = config.cache_config
+        per_block = kv_cache_bytes_per_block(config)
+        num_cpu_blocks = int(cc.swap_space * GiB) // per_block if config.preemption_mode == "swap" else 0
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override, num_cpu_blocks
+        if self.kv_cache.device.type == "cpu":
+            space = cc.cpu_kvcache_space if cc.cpu_kvcache_space is not None else 4.0
+            return max(int(space * GiB) // per_block, 1), num_cpu_blocks
+        from pagedllm.worker.gpu_memory import profile_available_kv_bytes
+
+        sc = config.scheduler_config
+        available = profile_available_kv_bytes(
+            self.model, self.model_runner.sampler, self.kv_cache,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+            max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
+            max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
+        )
+        return max(available // per_block, 0), num_cpu_blocks
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        assert self.kv_cache is not None
+        self.kv_cache.allocate(num_gpu_blocks)
+        if num_cpu_blocks:
+            # Host blocks for swap preemption, shaped like the device cache.
+            self.swap_space = CpuSwapSpace(num_cpu_blocks, self.kv_cache.tensors)
+
+    def compile_or_warm_up_model(self) -> None:
+        """Compile the eager path's Triton variants, then capture the decode CUDA graphs (GPU only)."""
+        assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
+        if self.kv_cache.tensors:
+            mc = self.config.model_config
+            shape = WarmupShape(
+                block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
+                max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
+                vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
+            )
+            warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype, shape)
+        self.model_runner.capture_model(self.kernel_switches.graph_tuning)
+
+    # -- serving -----------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
+        """Block copies of swap preemption first (queued before the forward pass), then the step
+        (None when it waits for `sample_tokens`: constrained requests)."""
+        so = scheduler_output
+        if so.blocks_to_swap_out or so.blocks_to_swap_in:
+            assert self.swap_space is not None, "swap blocks scheduled without a swap space"
+            if so.blocks_to_swap_out:
+                self.swap_space.swap_out(so.blocks_to_swap_out)
+            if so.blocks_to_swap_in:
+                self.swap_space.swap_in(so.blocks_to_swap_in)
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(so)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
+        assert self.model_runner is not None
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def check_health(self) -> None:
+        """In-process there is nothing to probe: a failed step raises in execute_model."""
+
+    def shutdown(self) -> None:
+        """Unbind and drop the KV cache so its memory can be freed when the engine is dropped."""
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+        self.swap_space = None
