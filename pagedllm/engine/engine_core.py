@@ -120,7 +120,9 @@ class EngineCore:
         Synchronous: that is this step. With async scheduling the previous step's results are
         collected after this step is launched, so the host prepares step N+1 while the device
         runs step N. A batch whose sampling reads past outputs (penalties, min_tokens) first
-        collects the step in flight, so the runner holds every token.
+        collects the step in flight, so the runner holds every token. A batch with constrained
+        rows (structured outputs) launches its forward pass, then collects the step in flight (its
+        tokens advance the grammars), fills the grammar bitmask and samples.
         """
         outputs: list[EngineCoreOutput] = []
         if self.waiting_for_grammar:

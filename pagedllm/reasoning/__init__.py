@@ -3,8 +3,9 @@ text (`reasoning_content`) and the answer (`content`).
 
     deepseek_r1  the template opens <think>; the output is reasoning until </think> (all of it when
                  no </think> came: the model was cut off while thinking)
-    qwen3        the model writes <think>...</think> itself; output without </think> and without an
-                 opening <think> is all answer (enable_thinking=false renders an empty think block)
+    qwen3        the model writes <think>...</think> itself; output that does not open with <think>
+                 is all answer (enable_thinking=false renders an empty think block in the prompt).
+                 Templates that open <think> in the prompt (Qwen3 "thinking-2507") want deepseek_r1.
 """
 
 from __future__ import annotations

@@ -41,11 +41,13 @@ class ReasoningParser:
         opened = body.startswith(self.start)
         if opened:
             body = body[len(self.start):]
+        elif not self.unclosed_is_reasoning:
+            # qwen3: the answer did not open a think block, so all of it is answer (a later
+            # "</think>" is text); deciding otherwise would take back content already streamed.
+            return "", text
         i = body.find(self.end)
         if i >= 0:
             return body[:i].lstrip("\n"), body[i + len(self.end):].lstrip("\n")
-        if not opened and not self.unclosed_is_reasoning:
-            return "", text  # qwen3 without a think block: all answer
         hold = 0 if final else partial_suffix(body, self.end)
         return body[: len(body) - hold].lstrip("\n"), None
 

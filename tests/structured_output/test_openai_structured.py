@@ -70,8 +70,9 @@ def test_choice_regex_and_parse(server):
                                        max_tokens=20, n=8, temperature=1.0, seed=4,
                                        extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}})
     assert all(re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", c.message.content) for c in r.choices)
-    r = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=40, temperature=0,
-                                  extra_body={"response_format": {"type": "json_object"}})
+    r = client.completions.create(model=MODEL, prompt='{"city": "Paris"}\n{"city": "Rome"}\n', max_tokens=60,
+                                  temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].text
     assert isinstance(json.loads(r.choices[0].text), dict)
 
     class Person(BaseModel):

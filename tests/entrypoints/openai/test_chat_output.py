@@ -90,6 +90,7 @@ def test_reasoning_then_tools_streamed():
     ("deepseek_r1", "still thinking", "still thinking", None),
     ("qwen3", "<think>hmm</think>Yes.", "hmm", "Yes."),
     ("qwen3", "Just an answer.", None, "Just an answer."),
+    ("qwen3", "No think block</think> here.", None, "No think block</think> here."),
 ])
 def test_reasoning_parsers(name, text, reasoning, answer):
     for size in (1, 5, 1000):
