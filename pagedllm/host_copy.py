@@ -6,8 +6,8 @@ driver stages it and may first wait for the work queued on the stream. In a step
 scheduling such a wait would undo the overlap (the host blocks until step N ends, then the GPU
 idles while step N+1 is launched). Staging through pinned memory keeps the copy queued whatever
 the driver does; torch's caching host allocator keeps the pinned source alive until the copy's
-stream has run it. (Measured on the H200, driver 580: the step path's small pageable copies did
-not wait there, before or after this module; tests/worker/test_step_launch_cuda.py guards it.)
+stream has run it. (On the H200 the step path's small pageable copies did not wait, before or
+after this module: BENCHMARKS.md; tests/worker/test_step_launch_cuda.py guards it.)
 
     ids = host_tensor([3, 7, 9], torch.int64, device)        # list -> device
     table = to_device_async(torch.from_numpy(array), device)   # numpy / CPU tensor -> device

@@ -166,10 +166,6 @@ class SamplingParams:
                 raise ValueError(f"logit_bias contains token id {t}, outside the vocabulary [0, {vocab_size}).")
 
     # -- derived ---------------------------------------------------------------------------------
-    @property
-    def sampling_type_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
-
     def update_from_generation_config(self, generation_config: dict[str, Any], eos_token_ids: set[int]) -> None:
         """Stop on the model's EOS ids (unless ignore_eos), as vLLM does with generation_config."""
         if not self.ignore_eos:

@@ -1,9 +1,9 @@
 /* The kernels as a CPython extension module: the same functions, names and argument order as the
  * ctypes library (build.py declares both), called through METH_FASTCALL.
  *
- * Why: a decode step makes ~270 kernel calls. ctypes converts every argument through its argtypes
- * (~1.5 us for 9 arguments, ~3 us for 20), with the GIL held; here a call costs ~0.2 us. At 16
- * streams that is ~0.5 ms of a ~33 ms step, and GIL time the server's event loop does not wait for.
+ * Why: a decode step makes ~270 kernel calls. ctypes converts every argument through its argtypes,
+ * with the GIL held, several times slower than a METH_FASTCALL call (per-call costs and their share
+ * of a 16-stream step: BENCHMARKS.md), and that is GIL time the server's event loop waits for.
  *
  * Arguments: pointers are Python ints (tensor.data_ptr()) or None (NULL), integers ints, floats
  * floats. Every kernel runs with the GIL released, as ctypes.CDLL does.

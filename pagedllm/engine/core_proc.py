@@ -2,9 +2,9 @@
 
 Why: in one process the server's event loop and output thread share the GIL with the step loop. On
 a CPU the step loop gives the GIL up at every kernel call (~250 per decode step) and needs it back
-right after; whenever a frontend thread holds it then, both kernel workers wait. Measured on 2 cores
-at 16 streams: a thread holding the GIL 5% of the time made a decode step ~2.7 ms (8%) longer, the
-same work in another process ~0.9 ms. Here the step loop has a GIL of its own.
+right after; whenever a frontend thread holds it then, both kernel workers wait (a frontend thread
+costs the step loop several times more in the same process than in another one: BENCHMARKS.md,
+"Measurements behind code decisions"). Here the step loop has a GIL of its own.
 
     frontend process (AsyncLLM)                        engine process (this module's main)
     ---------------------------                        -----------------------------------

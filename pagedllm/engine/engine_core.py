@@ -33,7 +33,8 @@ def freeze_gc_heap() -> None:
     """Move every live object out of the cyclic collector's sight (vLLM freezes its heap too).
 
     The model, its buffers and the start-up garbage are long-lived; otherwise each full collection
-    while serving walks them again (~0.3 s of a 6 s W1 run on the H200 host). Frozen objects are
+    while serving walks them again (a few percent of a W1 run: BENCHMARKS.md, "Measurements behind
+    code decisions"). Frozen objects are
     never collected, so a frontend that drops its engine calls `unfreeze_gc_heap` (below); at exit
     the heap is given back too, so interpreter shutdown still collects it (extension modules such
     as Triton's report frozen objects as leaks otherwise).

@@ -11,8 +11,8 @@ token and kv head first:
         attend to the cached keys 0 .. seq_len - 2 (the context), then to k', v from registers
 
 The new key never makes a round trip through memory, so no program has to wait for another's
-write. Measured on the H200 (Llama-3.1-8B heads, in CUDA graphs of 32 layers): the separate prep
-kernel plus its gap cost 3.1 us per layer at 256 requests, 2.4 at 32 and 1.3 at 1.
+write, and the separate prep kernel's launch and the gap after it are gone (their cost per layer,
+measured in CUDA graphs: BENCHMARKS.md, "Measurements behind code decisions").
 
 Rounding follows the unfused pair: q and k' are rounded to qkv's dtype after the norm and after
 the rotation (`qkv_prep._norm_rotate`), k' and v to the cache dtype before use (as the cache would

@@ -18,7 +18,7 @@ num_tokens // BLOCK_Q + num_reqs is known on the host and each program binary-se
 request. Numbers left over by the bound land past their request's last token and exit at once.
 Decode-only batches skip the search: program r is request r, or request decode_order[r] when the
 metadata gives that order (longest context first, so the longest programs start in the first wave
-instead of trailing in the last: 256 requests of 100-1100 keys on the H200, 171 -> 166 us).
+instead of trailing in the last; measured gain in BENCHMARKS.md, "Measurements behind code decisions").
 
 Split-K (flash decoding). With few requests and long contexts, (requests x kv heads) programs
 cannot fill the GPU, so the keys of every tile are cut into num_splits chunks handled by separate
@@ -209,8 +209,8 @@ def _paged_attention_kernel(
     # to every row (it is at or before the tile's first query position), so they need no masks;
     # the rest (the diagonal and the ragged end) go through the masked loop. Example, TILE_N 32, a
     # 64-token query tile at positions 100..163: keys 0..95 unmasked in 3 tiles, 96..163 masked in
-    # 3. Measured on the H200: 8192-token mixed batch 319 -> 292 us (32/8 heads). Decode-only
-    # batches keep the one masked loop: there the split made 64-request batches 10% slower.
+    # 3. Prefill-heavy batches gain from the split; decode-only batches keep the one masked loop,
+    # where the split made them slower (both measured: BENCHMARKS.md).
     if DECODE_ONLY:
         kv_full = kv_lo
     else:

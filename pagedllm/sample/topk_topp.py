@@ -94,8 +94,8 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     A seeded row (a key of `generators`) draws only from its own generator, so its tokens depend
     only on its seed and its own probabilities, not on the batch around it or on its row index.
     On a GPU: the exponential race (parallel, no cumsum); on the CPU: the inverse CDF, which needs
-    one random number per row instead of one per token (16 x 49,152 probabilities: ~2.5 ms
-    instead of ~6.8 ms on one thread). The two draw different tokens from the same seed.
+    one random number per row instead of one per token (a few times faster there: BENCHMARKS.md).
+    The two draw different tokens from the same seed.
     """
     if probs.is_cuda:
         return _exponential_race(probs, generators)

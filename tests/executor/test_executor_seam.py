@@ -122,6 +122,18 @@ def test_get_class():
         ParallelConfig(distributed_executor_backend="threads")
 
 
+def test_a_scheduler_output_round_trips_through_msgpack(config):
+    # What a multiprocess executor broadcasts to its workers each step: plain data, no generators.
+    from pagedllm.core.scheduler import Scheduler
+
+    sched = Scheduler(config.scheduler_config, config.cache_config, 32)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=4, logit_bias={3: -1.0})
+    sched.add_request(Request("a", [1, 2, 3], params))
+    so = sched.schedule()
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=SchedulerOutput)
+    assert back == so and back.scheduled_new_reqs[0].sampling_params.seed == 5
+
+
 def test_model_runner_output_round_trips_through_msgpack():
     out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[5, 0],
                             logprobs=[([5, 9], [-0.1, -2.5], 1), ([], [], 0)])

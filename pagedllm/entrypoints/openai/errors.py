@@ -57,12 +57,6 @@ class APIError(Exception):
         return JSONResponse(self.to_response().model_dump(), status_code=self.status_code, headers=self.headers)
 
 
-def error_json_response(
-    message: str, status_code: int = HTTPStatus.BAD_REQUEST, *, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return APIError(message, status_code, param=param, code=code).to_json_response()
-
-
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     # ("body", "messages", 0, "content") -> "messages[0].content"
     parts: list[str] = []
