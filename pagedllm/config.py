@@ -58,6 +58,7 @@ class ModelConfig:
     seed: int = 0
     quantization: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    tokenizer_mode: str = "auto"  # auto | slow
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -69,6 +69,7 @@ class Request:
             or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0
             or self.num_output_tokens + self.num_output_placeholders < p.min_tokens
+            or any(len(w) > 1 for w in p.bad_words_token_ids)  # a multi-token bad word reads the tail
         )
 
     @property

@@ -72,8 +72,14 @@ class SamplingParams:
     # Constrained decoding (structured_output/): vLLM 0.21's field, and older vLLM's guided_decoding.
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    # vLLM's constraints: sample only among these ids; never produce these words; keep only the
+    # last k prompt tokens (-1: the last max_model_len - 1 of them).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from the tokenizer / generation_config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from bad_words, by the Processor
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -118,8 +124,9 @@ class SamplingParams:
             raise bad("top_k", "an integer >= 1, or 0 / -1 for no limit")
         if not _is_number(self.min_p) or math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "a number in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or None")
+        # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; a larger seed would fail in the engine.
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "None or an integer in [-2**63, 2**64 - 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -156,6 +163,19 @@ class SamplingParams:
                 clean[tok] = float(v)
             self.logit_bias = clean
 
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in ids) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got {ids!r}.")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+            self.bad_words = list(self.bad_words)
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (or -1: the context length), got {t!r}.")
+
     def verify_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids inside the vocabulary."""
         for t in self.stop_token_ids or []:
@@ -164,6 +184,9 @@ class SamplingParams:
         for t in self.logit_bias or {}:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"logit_bias contains token id {t}, outside the vocabulary [0, {vocab_size}).")
+        for t in self.allowed_token_ids or []:
+            if t >= vocab_size:
+                raise ValueError(f"allowed_token_ids contains {t}, outside the vocabulary [0, {vocab_size}).")
 
     # -- derived ---------------------------------------------------------------------------------
     def update_from_generation_config(self, generation_config: dict[str, Any], eos_token_ids: set[int]) -> None:

@@ -32,7 +32,7 @@ COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_siz
 
 # Quantization methods that are built: GGUF ("gguf"), computed on its blocks on the CPU, dequantized on a GPU.
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 @dataclass
@@ -71,6 +71,15 @@ class EngineArgs:
     max_logprobs: int = 20
     cpu_threads: int | None = None
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU (nothing to overlap)
+    # vLLM's model-resolution and loading arguments (loader/source.py, loader/hf_cache.py).
+    tokenizer_mode: str = "auto"  # auto | slow (mistral / custom tokenizers are not built)
+    revision: str | None = None  # a branch, tag or commit of a hub id in the local HF cache
+    download_dir: str | None = None  # an HF hub cache directory to look in first
+    hf_overrides: dict[str, Any] | str | None = None  # keys set on the model's config (dict or JSON)
+    generation_config: str = "auto"  # auto (the model's), vllm (none), or a directory
+    disable_sliding_window: bool = False
+    scheduling_policy: str = "fcfs"  # priority scheduling is not built
+    disable_log_stats: bool = False  # the server's periodic stats log line
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -95,8 +104,23 @@ class EngineArgs:
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local path (no model hub is reached).")
         device = self.resolve_device()
         _check_attention_backend(self.attention_backend, device)
-        source = resolve_model(self.model)
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode {self.tokenizer_mode!r} is not supported; choose one of {', '.join(TOKENIZER_MODES)} "
+                "(mistral_common and custom tokenizers are not built)."
+            )
+        if self.scheduling_policy != "fcfs":
+            raise ValueError(
+                f"scheduling_policy {self.scheduling_policy!r} is not supported: requests are served first come, "
+                "first served ('fcfs'); priority scheduling is not built."
+            )
+        source = resolve_model(
+            self.model, trust_remote_code=self.trust_remote_code, revision=self.revision,
+            download_dir=self.download_dir, hf_overrides=_parse_hf_overrides(self.hf_overrides),
+            generation_config=self.generation_config,
+        )
         hf = source.hf_config
+        _check_checkpoint_quantization(hf, self.quantization)
         config_dtype = getattr(hf, "dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
@@ -125,12 +149,19 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             generation_config=dict(source.generation_config),
+            tokenizer_mode=self.tokenizer_mode,
         )
-        max_num_seqs = self.max_num_seqs or (256 if device == "cuda" else 64)
+        # `is None`, not `or`: --max-num-seqs 0 must reach SchedulerConfig's check, not become the default.
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if device == "cuda" else 64)
         chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
-        batched = self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 8192 if device == "cuda" else 2048
         if not chunked and self.max_num_batched_tokens is None:
             batched = max(batched, max_model_len)  # every prompt must fit one step (as vLLM)
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", batched)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
         sizes_arg, max_size_arg = self._cudagraph_size_args()
         capture_sizes, dropped = resolve_cudagraph_capture_sizes(sizes_arg, max_size_arg, max_num_seqs, batched)
         if dropped:
@@ -146,7 +177,7 @@ class EngineArgs:
                 swap_space=self.swap_space,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching,
-                cpu_kvcache_space=self.cpu_kvcache_space,
+                cpu_kvcache_space=self.cpu_kvcache_space if self.cpu_kvcache_space is not None else _env_kvcache_space(),
                 cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
@@ -258,6 +289,24 @@ class EngineArgs:
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap scheduling with the running step (default: on for CUDA)")
         g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: all cores)")
+        g.add_argument("--tokenizer-mode", default="auto", choices=list(TOKENIZER_MODES) + ["mistral", "custom"],
+                       help="auto: the fast tokenizer when there is one; slow: the Python one")
+        g.add_argument("--revision", default=None,
+                       help="branch, tag or commit of a hub id, looked up in the local HF cache (refs/NAME)")
+        g.add_argument("--download-dir", default=None,
+                       help="an HF hub cache directory searched before HF_HUB_CACHE / HF_HOME (nothing is downloaded)")
+        g.add_argument("--hf-overrides", default=None,
+                       help='JSON object of keys set on the model config, e.g. \'{"rope_theta": 1e6}\'')
+        g.add_argument("--generation-config", default="auto",
+                       help="auto: sampling defaults and EOS ids from the model's generation_config.json; vllm: "
+                            "none; or a directory holding a generation_config.json")
+        g.add_argument("--disable-sliding-window", action="store_true",
+                       help="cap max_model_len at the sliding window (always so here: sliding-window attention "
+                            "is not built)")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="fcfs (priority is refused: not built)")
+        g.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats log line (/metrics is still served)")
         return parser
 
     @classmethod
@@ -275,19 +324,83 @@ class EngineArgs:
 
 # The attention backend built for each device, under vLLM's AttentionBackendEnum name.
 ATTENTION_BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
+# vLLM's other backend names: accepted with a warning (a launch script naming one still runs).
+VLLM_ATTENTION_BACKENDS = frozenset({
+    "FLASH_ATTN", "FLASH_ATTN_VLLM_V1", "TRITON_ATTN_VLLM_V1", "XFORMERS", "XFORMERS_VLLM_V1", "FLASHINFER",
+    "FLASHINFER_VLLM_V1", "FLASHINFER_MLA", "TORCH_SDPA", "TORCH_SDPA_VLLM_V1", "ROCM_FLASH", "ROCM_ATTN",
+    "ROCM_AITER_FA", "ROCM_AITER_MLA", "ROCM_AITER_UNIFIED_ATTN", "TRITON_MLA", "CUTLASS_MLA", "FLASHMLA",
+    "FLASH_ATTN_MLA", "PALLAS", "IPEX", "FLEX_ATTENTION", "TREE_ATTN", "DUAL_CHUNK_FLASH_ATTN",
+    "DIFFERENTIAL_FLASH_ATTN", "NO_ATTENTION",
+} | set(ATTENTION_BACKENDS.values()))
+TOKENIZER_MODES = ("auto", "slow")
 
 
 def _check_attention_backend(name: str | None, device: str) -> None:
     """vLLM's attention_backend: "auto" / None, or the name of the backend this device runs
-    (our own kernels: TRITON_ATTN on a GPU, CPU_ATTN on the CPU); any other is not built."""
-    if name is None or name.lower() == "auto":
+    (our own kernels: TRITON_ATTN on a GPU, CPU_ATTN on the CPU). Another of vLLM's backend names
+    runs ours instead, with one warning; a name vLLM does not know either is an error."""
+    if name is None or name.lower() == "auto" or name.upper() == ATTENTION_BACKENDS[device]:
         return
-    if name.upper() != ATTENTION_BACKENDS[device]:
-        raise ValueError(
-            f"attention_backend {name!r} is not built: on {device} pagedllm runs its own "
-            f"{ATTENTION_BACKENDS[device]} kernels; leave attention_backend unset, or pass 'auto' or "
-            f"{ATTENTION_BACKENDS[device]!r}."
+    if name.upper() in VLLM_ATTENTION_BACKENDS:
+        logger.warning(
+            "attention_backend %r is not built here: pagedllm runs its own %s kernels on %s instead.",
+            name, ATTENTION_BACKENDS[device], device,
         )
+        return
+    raise ValueError(
+        f"attention_backend {name!r} is not an attention backend name; leave it unset, or pass 'auto' or "
+        f"{ATTENTION_BACKENDS[device]!r} (pagedllm's own kernels on {device})."
+    )
+
+
+# vLLM's CPU backend sizes its KV cache from this variable (GiB); --cpu-kvcache-space wins over it.
+VLLM_CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def _env_kvcache_space() -> float | None:
+    value = os.environ.get(VLLM_CPU_KVCACHE_SPACE_ENV)
+    if not value:
+        return None
+    try:
+        space = float(value)
+    except ValueError:
+        raise ValueError(f"{VLLM_CPU_KVCACHE_SPACE_ENV} must be a number of GiB, got {value!r}.") from None
+    return space if space > 0 else None  # vLLM: 0 means "the default"
+
+
+def _check_checkpoint_quantization(hf_config: Any, quantization: str | None) -> None:
+    """A checkpoint quantized by a method nothing here loads (config.json's quantization_config)
+    is refused by name before any weight is read, not later as "tensor ... qweight matches no
+    model parameter"."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = str(getattr(method, "value", method) or "unknown")
+    if method.lower() not in SUPPORTED_QUANTIZATION:
+        raise ValueError(
+            f"this checkpoint is quantized with {method!r} (quantization_config in its config.json), which "
+            f"pagedllm cannot load yet; built: {', '.join(SUPPORTED_QUANTIZATION)}. Use an unquantized checkpoint "
+            "or a GGUF file."
+        )
+    if quantization is not None and quantization.lower() != method.lower():
+        raise ValueError(f"quantization={quantization!r} does not match the checkpoint's method {method!r}.")
+
+
+def _parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    """--hf-overrides as vLLM takes it: a dict, or a JSON object on the command line."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}: {e}.") from e
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"hf_overrides must be a dict of config keys (a callable is not supported), got {type(value).__name__}."
+        )
+    return value
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

@@ -335,7 +335,7 @@ class AsyncLLM:
         for st in touched:
             if st.finish_reason is not None:
                 it.finished_requests.append(
-                    FinishedRequestStats(st.finish_reason, now - st.metrics.arrival_time, len(st.token_ids))
+                    FinishedRequestStats.from_state(st, now)
                 )
         return request_outputs, it
 

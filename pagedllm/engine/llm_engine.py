@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.introspection import SchedulerView
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.outputs import RequestOutput
+from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -20,7 +22,7 @@ def load_tokenizer(config: EngineConfig) -> Any:
         return None
     from pagedllm.loader.tokenizer import get_tokenizer
 
-    return get_tokenizer(mc.source, mc.tokenizer, mc.trust_remote_code)
+    return get_tokenizer(mc.source, mc.tokenizer, mc.trust_remote_code, use_fast=mc.tokenizer_mode != "slow")
 
 
 class LLMEngine:
@@ -30,6 +32,9 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Core requests added and not yet scheduled: the step that schedules one sets its
+        # RequestMetrics.first_scheduled_time and time_in_queue (as vLLM's offline outputs carry).
+        self._unscheduled: dict[str, Any] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -56,9 +61,12 @@ class LLMEngine:
                 self.engine_core.add_request(request)
                 added.append(request.request_id)
                 self.output_processor.add_request(state)
+                self._unscheduled[request.request_id] = request
         except ValueError:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
+            for rid in added:
+                self._unscheduled.pop(rid, None)
             raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -66,11 +74,24 @@ class LLMEngine:
         self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
 
     def step(self) -> list[RequestOutput]:
+        step_start = time.time()
         core_outputs = self.engine_core.step()
+        self._mark_scheduled(step_start)
         outputs, stops = self.output_processor.process_outputs(core_outputs)
         if stops:
             self.engine_core.stop_requests(stops)
         return outputs
+
+    def _mark_scheduled(self, step_start: float) -> None:
+        states = self.output_processor.request_states
+        for rid, req in list(self._unscheduled.items()):
+            if req.status == RequestStatus.WAITING and not req.is_finished():
+                continue
+            del self._unscheduled[rid]
+            st = states.get(rid)
+            if st is not None and st.metrics.first_scheduled_time is None and req.status != RequestStatus.FINISHED_ABORTED:
+                st.metrics.first_scheduled_time = step_start
+                st.metrics.time_in_queue = step_start - st.metrics.arrival_time
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
@@ -80,3 +101,35 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.engine_core.scheduler.get_num_unfinished_requests()
+
+    # -- vLLM V0-style introspection (monitoring code reads these; see engine/introspection.py) -------
+    @property
+    def scheduler(self) -> SchedulerView:
+        return SchedulerView(self.engine_core.scheduler)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.config.cache_config
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler_config
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.config.parallel_config
+
+    @property
+    def device_config(self) -> DeviceConfig:
+        return self.config.device_config
+
+    def get_model_config(self) -> ModelConfig:
+        return self.config.model_config
+
+    def shutdown(self) -> None:
+        """Drop the core (model, KV cache, CUDA graphs): `del llm` relies on this (entrypoints/llm.py)."""
+        self.engine_core = None  # type: ignore[assignment]

@@ -69,7 +69,10 @@ class Processor:
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model_config.generation_config
-        return SamplingParams(**{k: gen[k] for k in _GEN_DEFAULT_KEYS if gen.get(k) is not None})
+        kwargs = {k: gen[k] for k in _GEN_DEFAULT_KEYS if gen.get(k) is not None}
+        if isinstance(gen.get("max_new_tokens"), int):
+            kwargs["max_tokens"] = gen["max_new_tokens"]  # vLLM: generation_config's max_new_tokens
+        return SamplingParams(**kwargs)
 
     def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         salt = None
@@ -115,7 +118,11 @@ class Processor:
                 f"{num_prompt_tokens} tokens, leaving no room for output. Please shorten the prompt."
             )
         if params.max_tokens is None:
+            # As long as the context allows, capped by generation_config's max_new_tokens (vLLM's rule).
             params.max_tokens = self.max_model_len - num_prompt_tokens
+            gen_max = self.config.model_config.generation_config.get("max_new_tokens")
+            if isinstance(gen_max, int) and gen_max > 0:
+                params.max_tokens = min(params.max_tokens, gen_max)
         elif num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -127,7 +134,35 @@ class Processor:
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         params.update_from_generation_config(self.config.model_config.generation_config, self.eos_token_ids)
         self.check_structured_outputs(params)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return params
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as vLLM: "foo" and " foo" are
+        different tokens in most vocabularies); duplicates dropped."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine runs without one (skip_tokenizer_init).")
+        out: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def truncate_prompt(self, pp: ProcessedPrompt, params: SamplingParams) -> ProcessedPrompt:
+        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len - 1)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return pp
+        if k == -1:
+            k = self.max_model_len - 1
+        if len(pp.prompt_token_ids) <= k:
+            return pp
+        ids = pp.prompt_token_ids[-k:]
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None and pp.prompt is not None else None
+        return ProcessedPrompt(text, ids, pp.cache_salt)
 
     @staticmethod
     def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -143,7 +178,7 @@ class Processor:
     ) -> ProcessedRequest:
         """Tokenize, validate against the model, and fan out n > 1 into child requests
         ("{index}_{request_id}") gathered back by a ParentRequest. Raises ValueError, queues nothing."""
-        pp = self.tokenize_prompt(prompt)
+        pp = self.truncate_prompt(self.tokenize_prompt(prompt), params)
         final = self.finalize_params(params, len(pp.prompt_token_ids))
         parent = ParentRequest(request_id, final.n, final.output_kind) if final.n > 1 else None
         children = (

@@ -9,6 +9,7 @@ import sys
 from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.api_server import make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import expand_config_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -16,12 +17,19 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.vllm_flags import check_llm_kwargs
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 class LLM:
+    """vLLM's offline entry point. Keyword arguments are EngineArgs' fields; vLLM's arguments that
+    only mean something in vLLM's design (use_v2_block_manager, num_scheduler_steps, ...) are
+    accepted with one warning each, and those of features not built are refused by name
+    (pagedllm/vllm_flags.py holds the table)."""
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        kwargs = check_llm_kwargs(kwargs)
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise TypeError(
@@ -31,9 +39,19 @@ class LLM:
         self._counter = itertools.count()
 
     def __del__(self) -> None:
-        # The engine's objects were frozen at start (engine_core.freeze_gc_heap): hand them back,
-        # so `del llm; gc.collect()` frees the model and the KV cache, as vLLM users expect.
+        """`del llm` frees the model, the KV cache and the CUDA graphs at once, as in vLLM, so the
+        next `LLM(...)` in the process finds the GPU memory free (seed §4.3 / §7.1's loop:
+        `del llm; torch.cuda.empty_cache()`, with no gc.collect()). The engine's objects hold
+        reference cycles (a layer's parameters point back at it through their weight_loader) and
+        were frozen out of the collector's sight at start (engine_core.freeze_gc_heap), so plain
+        reference counting would never free them: drop the engine, hand the heap back, collect."""
+        engine = self.__dict__.pop("llm_engine", None)
+        if engine is None:
+            return  # __init__ failed before the engine existed
+        engine.shutdown()
+        del engine
         unfreeze_gc_heap()
+        gc.collect()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()

@@ -9,12 +9,15 @@ Accepted `model` values, tried in this order (as vLLM, a local path wins over a 
     "qwen3-0.6b", "Qwen/Qwen3-0.6B",
     "llama3-8b", "meta-llama/Llama-3.1-8B" -> a bundled config with no weights (`--load-format dummy`)
     "HuggingFaceTB/SmolLM2-135M-Instruct"  -> the embedded GGUF, as None
+    "Qwen/Qwen2.5-7B-Instruct" (any org/name)  -> its snapshot in the local HF cache (hf_cache.py),
+                                              tried before the presets and aliases above
 
 Nothing is downloaded: pagedllm runs without network access to a model hub.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagedllm.loader.gguf_cache import load_or_create
 from pagedllm.loader.gguf_reader import open_gguf, read_field
+from pagedllm.loader.hf_cache import describe_search, find_cached_snapshot, looks_like_hub_id
 
 ModelKind = Literal["hf_dir", "gguf", "preset"]
 
@@ -44,8 +48,10 @@ PRESET_ALIASES = {
     "meta-llama/llama-3.1-8b-instruct": "llama3-8b",
 }
 
-# Sampling defaults a checkpoint may ship in generation_config.json (vLLM reads the same keys).
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# Sampling defaults a checkpoint may ship in generation_config.json (vLLM reads the same keys), and
+# its end-of-sequence ids (an int or a list: Llama 3 instruct lists [128001, 128008, 128009]).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+                          "eos_token_id")
 # ...and their GGUF spelling (llama.cpp's `general.sampling.*` metadata).
 _GGUF_SAMPLING_KEYS = {
     "general.sampling.temp": "temperature",
@@ -72,8 +78,39 @@ class ModelSource:
     default_name: str  # the served model name unless the user gives one (vLLM: the `model` argument)
 
 
-def resolve_model(model: str | None, *, trust_remote_code: bool = False) -> ModelSource:
-    """Turn the user's `model` argument into a `ModelSource`; ValueError naming what was tried."""
+def resolve_model(
+    model: str | None,
+    *,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
+    generation_config: str = "auto",
+) -> ModelSource:
+    """Turn the user's `model` argument into a `ModelSource`; ValueError naming what was tried.
+
+    hf_overrides: keys set on the model's config (vLLM's --hf-overrides). generation_config: "auto"
+    (the model's generation_config.json), "vllm" (none: SamplingParams' own defaults), or a directory
+    holding a generation_config.json (vLLM's --generation-config)."""
+    source = _resolve(model, trust_remote_code, revision, download_dir)
+    for key, value in (hf_overrides or {}).items():
+        setattr(source.hf_config, key, value)
+    if generation_config != "auto":
+        if generation_config == "vllm":
+            gen: dict[str, Any] = {}
+        else:
+            folder = Path(generation_config).expanduser()
+            if not (folder / "generation_config.json").is_file():
+                raise ValueError(
+                    f"generation_config {generation_config!r} must be 'auto', 'vllm' or a directory holding a "
+                    "generation_config.json."
+                )
+            gen = read_generation_config(folder)
+        source = dataclasses.replace(source, generation_config=gen)
+    return source
+
+
+def _resolve(model: str | None, trust_remote_code: bool, revision: str | None, download_dir: str | None) -> ModelSource:
     if model is None:
         return _gguf_source(default_model_path(), DEFAULT_MODEL_NAME)
     if not isinstance(model, str) or not model.strip():
@@ -91,6 +128,13 @@ def resolve_model(model: str | None, *, trust_remote_code: bool = False) -> Mode
     if path.is_dir():
         return _dir_source(path.resolve(), name, trust_remote_code)
 
+    if looks_like_hub_id(name):
+        snapshot = find_cached_snapshot(name, revision, download_dir)
+        if snapshot is not None:
+            return _dir_source(snapshot, name, trust_remote_code)
+        if revision is not None:
+            raise ValueError(describe_search(name, revision, download_dir) + "; pagedllm downloads nothing.")
+
     key = name.lower()
     if key in DEFAULT_MODEL_ALIASES:
         return _gguf_source(default_model_path(), name)
@@ -101,8 +145,10 @@ def resolve_model(model: str | None, *, trust_remote_code: bool = False) -> Mode
     raise ValueError(
         f"Cannot resolve model {name!r}: it is not an existing .gguf file, not a directory with "
         f"config.json, and not a preset ({', '.join(available_presets() + sorted(PRESET_ALIASES))}) "
-        f"nor the embedded model ({DEFAULT_MODEL_ALIASES[0]}). pagedllm downloads nothing from a "
-        "model hub: pass a local path."
+        f"nor the embedded model ({DEFAULT_MODEL_ALIASES[0]})"
+        + (f"; {describe_search(name, revision, download_dir)}" if looks_like_hub_id(name) else "")
+        + ". pagedllm downloads nothing from a model hub: pass a local path, or fill the HF cache first "
+        "(`huggingface-cli download ...`)."
     )
 
 

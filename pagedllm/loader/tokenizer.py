@@ -16,23 +16,24 @@ from pagedllm.loader.source import ModelSource
 
 
 def get_tokenizer(
-    source: ModelSource, tokenizer: str | None = None, trust_remote_code: bool = False
+    source: ModelSource, tokenizer: str | None = None, trust_remote_code: bool = False, use_fast: bool = True
 ) -> PreTrainedTokenizerBase | None:
     """The tokenizer for `source`, or the one at `tokenizer` (a directory or a .gguf file) if given.
 
-    None when the source has no tokenizer (presets) and none is given.
+    None when the source has no tokenizer (presets) and none is given. use_fast=False is vLLM's
+    `--tokenizer-mode slow` (the Python tokenizer, where the checkpoint has one).
     """
     if tokenizer is not None:
-        return load_tokenizer(Path(tokenizer).expanduser(), trust_remote_code)
+        return load_tokenizer(Path(tokenizer).expanduser(), trust_remote_code, use_fast)
     if source.tokenizer_path is None:
         return None
-    return load_tokenizer(source.tokenizer_path, trust_remote_code)
+    return load_tokenizer(source.tokenizer_path, trust_remote_code, use_fast)
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, trust_remote_code: bool = False, use_fast: bool = True) -> PreTrainedTokenizerBase:
     """AutoTokenizer from a directory, or from the metadata of a .gguf file (cached on disk)."""
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=use_fast)
     if path.is_file():
         return load_gguf_tokenizer(path)
     raise ValueError(

@@ -3,6 +3,7 @@
     load_format   reads                                    valid for
     auto          safetensors for hf_dir, gguf for gguf    hf_dir, gguf
     safetensors   *.safetensors (index-aware)              hf_dir
+    pt            pytorch_model*.bin (index-aware)         hf_dir (auto picks it when no safetensors)
     gguf          the .gguf file, dequantized to float32   gguf
     dummy         nothing: use initialize_dummy_weights    any (presets have no weights at all)
 
@@ -22,8 +23,9 @@ from tqdm.auto import tqdm
 from pagedllm.loader.gguf_weights import gguf_weights_iterator
 from pagedllm.loader.source import ModelSource
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_INDEX = "pytorch_model.bin.index.json"
 
 
 def resolve_load_format(source: ModelSource, load_format: str = "auto") -> str:
@@ -38,8 +40,12 @@ def resolve_load_format(source: ModelSource, load_format: str = "auto") -> str:
             f"use load_format='dummy' (--load-format dummy), not {load_format!r}."
         )
     natural = "gguf" if source.kind == "gguf" else "safetensors"
+    if natural == "safetensors" and not _has_safetensors(source.path) and _has_pt(source.path):
+        natural = "pt"  # as vLLM's auto: safetensors when present, else the PyTorch .bin files
     if load_format == "auto":
         return natural
+    if load_format == "pt" and natural == "safetensors" and _has_pt(source.path):
+        return "pt"
     if load_format != natural:
         raise ValueError(
             f"load_format={load_format!r} is impossible for {source.path}: it is "
@@ -72,7 +78,53 @@ def iter_weights(
     if fmt == "gguf":
         return gguf_weights_iterator(source.path, source.hf_config, use_tqdm=use_tqdm,
                                      keep_quantized=keep_quantized, skip_dense=skip_dense)
+    if fmt == "pt":
+        return pt_weights_iterator(pt_files(source.path), use_tqdm=use_tqdm)
     return safetensors_weights_iterator(safetensors_files(source.path), use_tqdm=use_tqdm)
+
+
+def _has_safetensors(model_dir: Path) -> bool:
+    return (model_dir / SAFETENSORS_INDEX).is_file() or any(model_dir.glob("*.safetensors"))
+
+
+def _has_pt(model_dir: Path) -> bool:
+    return (model_dir / PT_INDEX).is_file() or any(model_dir.glob("*.bin"))
+
+
+def pt_files(model_dir: Path) -> list[Path]:
+    """The .bin shards: those named in pytorch_model.bin.index.json, else every *.bin except
+    training leftovers (training_args.bin, optimizer states)."""
+    index = model_dir / PT_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map'; the checkpoint index is damaged.")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are not in {model_dir}: {', '.join(missing)}")
+        return files
+    files = [f for f in sorted(model_dir.glob("*.bin")) if f.name not in ("training_args.bin", "optimizer.bin")]
+    if not files:
+        raise ValueError(f"No pytorch_model*.bin files in {model_dir}.")
+    return files
+
+
+def pt_weights_iterator(files: list[Path], use_tqdm: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from each PyTorch .bin file. `weights_only=True`: a pickle can run code
+    on load, so only tensors and plain containers are accepted (a file needing more is refused)."""
+    for file in tqdm(files, desc="Loading pt checkpoint shards", disable=not use_tqdm):
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
+            raise ValueError(
+                f"{file} could not be read as a weights-only PyTorch checkpoint ({type(e).__name__}: {e}); "
+                "convert it to safetensors."
+            ) from e
+        if not isinstance(state, dict):
+            raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors.")
+        yield from state.items()
+        del state
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -94,7 +146,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-        hint = f" (found {', '.join(others)}; only safetensors are supported)" if others else ""
+        hint = f" (found {', '.join(others)}; use load_format='auto' or 'pt' for .bin files)" if others else ""
         raise ValueError(f"No *.safetensors files in {model_dir}{hint}.")
     return files
 

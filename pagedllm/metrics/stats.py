@@ -9,6 +9,7 @@ end to end) are measured where outputs reach the frontend, so they are gathered 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,31 @@ class FinishedRequestStats:
     finish_reason: str  # "stop" | "length" | "abort"
     e2e_latency: float  # seconds from arrival to the last token
     num_generation_tokens: int
+    num_prompt_tokens: int = 0
+    # From the first token to the last (vLLM's decode time), and from arrival (or the first
+    # scheduling, when the frontend knows it) to the first token (its prefill time).
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    max_tokens_param: int | None = None
+    n_param: int = 1
+
+    @classmethod
+    def from_state(cls, st: Any, now: float) -> FinishedRequestStats:
+        """From an OutputProcessor RequestState that just finished (engine/output_processor.py)."""
+        m = st.metrics
+        start = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
+        first = m.first_token_time if m.first_token_time is not None else now
+        parent = getattr(st, "parent", None)
+        return cls(
+            finish_reason=st.finish_reason,
+            e2e_latency=now - m.arrival_time,
+            num_generation_tokens=len(st.token_ids),
+            num_prompt_tokens=len(st.prompt_token_ids),
+            prefill_time=max(0.0, first - start),
+            decode_time=max(0.0, now - first),
+            max_tokens_param=st.params.max_tokens,
+            n_param=parent.n if parent is not None else 1,
+        )
 
 
 @dataclass

@@ -16,6 +16,7 @@ building the metadata never waits for the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ class SamplingMetadata:
     min_tokens: dict[int, tuple[int, set[int]]]
     logit_bias: list[dict[int, float] | None] | None  # per row; None when no row has one
     vocab_size: int
+    # row -> the only ids it may sample / its bad words as token ids (sample/token_masks.py).
+    allowed_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    bad_words: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -148,6 +152,8 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator] = {}
         min_tokens: dict[int, tuple[int, set[int]]] = {}
         logit_bias: list[dict[int, float] | None] | None = None
+        allowed_token_ids: dict[int, list[int]] = {}
+        bad_words: dict[int, list[list[int]]] = {}
         max_num_logprobs: int | None = None
         for i, (row, p, g) in enumerate(zip(rows, params, greedy, strict=True)):
             if p.seed is not None and row.generator is None and not g:
@@ -172,6 +178,12 @@ class SamplingMetadata:
                 if logit_bias is None:
                     logit_bias = [None] * num_reqs
                 logit_bias[i] = p.logit_bias
+            if p.allowed_token_ids:
+                _check_ids(i, "allowed token id", p.allowed_token_ids, vocab_size)
+                allowed_token_ids[i] = p.allowed_token_ids
+            if p.bad_words_token_ids:
+                _check_ids(i, "bad word token id", [t for w in p.bad_words_token_ids for t in w], vocab_size)
+                bad_words[i] = p.bad_words_token_ids
 
         return cls(
             temperature=host_tensor(temperature, torch.float32, device),
@@ -192,6 +204,8 @@ class SamplingMetadata:
             min_tokens=min_tokens,
             logit_bias=logit_bias,
             vocab_size=vocab_size,
+            allowed_token_ids=allowed_token_ids,
+            bad_words=bad_words,
         )
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from pagedllm.cpu.build import load_cpu_kernels
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_all_penalties, apply_logit_bias, apply_min_tokens
+from pagedllm.sample.token_masks import apply_allowed_token_ids, apply_bad_words
 from pagedllm.sample.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
 from pagedllm.sampling_params import _SAMPLING_EPS
 
@@ -83,12 +84,14 @@ class Sampler(nn.Module):
             # One float32 copy, shared by the logprobs and whatever follows.
             logits = logits.to(torch.float32)
             raw_logprobs = self.compute_logprobs(logits)
-        if md.logit_bias is not None or md.min_tokens or not md.no_penalties:
+        if md.logit_bias is not None or md.min_tokens or not md.no_penalties or md.allowed_token_ids or md.bad_words:
             # In float32: a bias of 0.3 or a penalty of 1.1 would be rounded to bf16's 8 bits.
             logits = logits.to(torch.float32)
             logits = apply_logit_bias(logits, md)
             logits = apply_min_tokens(logits, md)
             logits = apply_all_penalties(logits, md)
+            logits = apply_allowed_token_ids(logits, md.allowed_token_ids)
+            logits = apply_bad_words(logits, md.bad_words, md.output_token_ids)
         sampled = self.sample(logits, md)
         logprobs_tensors = None
         if raw_logprobs is not None:

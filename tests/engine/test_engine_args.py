@@ -118,6 +118,7 @@ def test_chunked_prefill_off_gives_the_same_tokens():
 def test_attention_backend_names_the_one_built():
     for name in (None, "auto", "CPU_ATTN", "cpu_attn"):
         assert sizes(attention_backend=name)  # accepted on the CPU
-    for name in ("FLASHINFER", "TRITON_ATTN"):
-        with pytest.raises(ValueError, match=f"attention_backend '{name}' is not built: on cpu .* CPU_ATTN"):
-            sizes(attention_backend=name)
+    for name in ("FLASHINFER", "TRITON_ATTN"):  # vLLM's names: ours runs instead, with a warning
+        assert sizes(attention_backend=name)
+    with pytest.raises(ValueError, match="'NOT_A_BACKEND' is not an attention backend name.*CPU_ATTN"):
+        sizes(attention_backend="NOT_A_BACKEND")

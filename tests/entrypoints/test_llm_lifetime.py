@@ -23,3 +23,15 @@ def test_deleting_the_llm_frees_its_model_and_kv_cache():
     del llm, worker, out, qkv_weight
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_del_llm_alone_frees_the_engine_as_in_the_seed_loop():
+    """Seed §4.3 / §7.1: `del llm; torch.cuda.empty_cache()` then the next LLM(...), with no
+    gc.collect() in between: the engine, its model and its KV cache are gone at `del`."""
+    path, _ = tiny_model("llama3")
+    for _ in range(2):
+        llm = LLM(path, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=128)
+        runner = llm.llm_engine.engine_core.model_runner
+        refs = [weakref.ref(x) for x in (llm.llm_engine, runner.model, runner.kv_caches[0])]
+        del llm, runner
+        assert [r() for r in refs] == [None, None, None]

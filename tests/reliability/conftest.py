@@ -77,7 +77,7 @@ def parse_sse(lines: list[str]) -> tuple[list[dict], bool]:
 def assert_idle(server: RemoteOpenAIServer, timeout: float = 10.0) -> dict:
     """0 running, 0 waiting and a fully free KV pool, read from /metrics."""
     m = server.wait_idle(timeout)
-    assert m[("pagedllm:num_requests_running", ())] == 0, m
-    assert m[("pagedllm:num_requests_waiting", ())] == 0, m
-    assert m[("pagedllm:kv_cache_usage_perc", ())] == 0, m
+    assert m[("vllm:num_requests_running", ())] == 0, m
+    assert m[("vllm:num_requests_waiting", ())] == 0, m
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0, m
     return m

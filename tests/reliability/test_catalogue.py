@@ -179,6 +179,6 @@ def test_no_refusal_leaked_work(server, normal_answer):
     """After the whole catalogue: nothing queued, running or holding blocks, and the only sequences
     the engine ever finished are the normal requests (one per case, plus the reference)."""
     m = assert_idle(server)
-    finished = sum(v for (name, _), v in m.items() if name == "pagedllm:request_success_total")
+    finished = sum(v for (name, _), v in m.items() if name == "vllm:request_success_total")
     assert finished == normal_answer["sent"]
     assert httpx.get(server.url("/health")).status_code == 200

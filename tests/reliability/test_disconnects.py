@@ -36,15 +36,15 @@ async def wait_metrics(server, cond, timeout: float = 20.0) -> dict:
 
 
 def running(m: dict) -> float:
-    return m[("pagedllm:num_requests_running", ())]
+    return m[("vllm:num_requests_running", ())]
 
 
 def waiting(m: dict) -> float:
-    return m[("pagedllm:num_requests_waiting", ())]
+    return m[("vllm:num_requests_waiting", ())]
 
 
 def successes(m: dict) -> float:
-    return sum(v for (name, _), v in m.items() if name == "pagedllm:request_success_total")
+    return sum(v for (name, _), v in m.items() if name == "vllm:request_success_total")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_disconnect_storm_frees_everything(server):
     assert all(c >= 3 for c in seen["hog_chunks"]), seen
     m = assert_idle(server)
     assert successes(m) == successes(before)  # every dropped request was aborted, none finished
-    made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
+    made = m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
     assert made < LONG  # 5 long requests were cut short, far before LONG tokens each
     assert server.post("/v1/completions", NORMAL).json()["choices"][0]["text"] == reference
 
@@ -156,7 +156,7 @@ def test_a_client_that_stops_reading_is_dropped(server):
         assert received < 256 * 1024, received
     finally:
         sock.close()
-    made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
+    made = m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
     assert successes(m) == successes(before)  # aborted, not finished
     assert 0 < made < 5 * LONG / 2
     assert server.post("/v1/completions", NORMAL).status_code == 200

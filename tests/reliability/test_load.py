@@ -87,17 +87,17 @@ def test_500_concurrent_streams_complete_or_get_503(low_limits_server):
         return m[(name, tuple(labels))] - before.get((name, tuple(labels)), 0.0)
 
     # The engine served exactly the completed requests (+ the 10 references), nothing else.
-    finished = delta("pagedllm:request_success_total", ("finished_reason", "length")) + delta(
-        "pagedllm:request_success_total", ("finished_reason", "stop")
+    finished = delta("vllm:request_success_total", ("finished_reason", "length")) + delta(
+        "vllm:request_success_total", ("finished_reason", "stop")
     )
     assert finished == completed + len(PROMPTS)
-    assert delta("pagedllm:request_success_total", ("finished_reason", "abort")) == 0
+    assert delta("vllm:request_success_total", ("finished_reason", "abort")) == 0
     assert delta("pagedllm:request_rejected_total", ("reason", "queue_full")) == refused
     assert m[("pagedllm:num_admitted_seqs", ())] == 0
     ref_prompt = sum(e["usage"]["prompt_tokens"] for e in expected)
     ref_completion = sum(e["usage"]["completion_tokens"] for e in expected)
-    assert delta("pagedllm:prompt_tokens_total") == prompt_tokens + ref_prompt
-    assert delta("pagedllm:generation_tokens_total") == completion_tokens + ref_completion
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens + ref_prompt
+    assert delta("vllm:generation_tokens_total") == completion_tokens + ref_completion
     # the server still answers normally
     r = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
                                         "temperature": 0})

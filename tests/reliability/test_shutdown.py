@@ -48,7 +48,7 @@ def run_with_sigterm(server, max_tokens: int) -> dict:
 
             async def all_running() -> bool:
                 m = await asyncio.to_thread(server.metrics)
-                return m[("pagedllm:num_requests_running", ())] == 5 and all(e.is_set() for e in started)
+                return m[("vllm:num_requests_running", ())] == 5 and all(e.is_set() for e in started)
 
             assert await wait_until(all_running)
             server.proc.send_signal(signal.SIGTERM)

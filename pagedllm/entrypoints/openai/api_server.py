@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,9 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.admission import SHUTTING_DOWN_CODE, AdmissionController
 from pagedllm.entrypoints.openai.cli_args import (
     api_keys,
+    expand_config_args,
     load_chat_template,
+    log_requests_enabled,
     make_arg_parser,
     validate_parsed_serve_args,
 )
@@ -56,13 +59,16 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagedllm.entrypoints.openai.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import EventStream
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.shutdown import DrainingServer, drain
+from pagedllm.metrics.loggers import LOG_STATS_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.vllm_flags import check_table_flags
 
 __all__ = ["build_app", "main", "make_arg_parser", "run_server"]
 
@@ -77,7 +83,7 @@ ENGINE_DEAD_EXIT_DELAY_S = 2.0
 def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     mc = engine.model_config
     chat_template = load_chat_template(args.chat_template)
-    log_requests = not args.disable_log_requests
+    log_requests = log_requests_enabled(args)
     models = OpenAIServingModels(list(mc.served_model_name), mc.model, mc.max_model_len)
     limits = ServerLimits.from_args(args, mc.max_model_len, engine.config.max_logprobs)
     cc = engine.config.cache_config
@@ -88,8 +94,12 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
             "num_gpu_blocks": str(engine.engine_core.num_gpu_blocks),
             "enable_prefix_caching": str(cc.enable_prefix_caching),
         },
+        max_model_len=mc.max_model_len,
     )
     engine.stat_loggers.append(stat_logger.record)
+    log_stat_logger = None if args.disable_log_stats else LoggingStatLogger()
+    if log_stat_logger is not None:
+        engine.stat_loggers.append(log_stat_logger.record)
     admission = AdmissionController(
         engine.config.scheduler_config.max_num_seqs, args.max_num_queued_reqs,
         on_reject=stat_logger.record_rejection, on_change=stat_logger.set_admitted,
@@ -107,18 +117,33 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         engine, models, chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
         limits=limits,
     )
+    for serving in (chat, completion, tokenization):
+        serving.response_role = args.response_role
+        serving.return_tokens_as_token_ids = args.return_tokens_as_token_ids
+        serving.force_include_usage = args.enable_force_include_usage
+        serving.max_log_len = args.max_log_len
     max_body = args.max_request_body_bytes
     write_timeout = args.stream_write_timeout or None
+
+    async def log_stats_forever(stats: LoggingStatLogger) -> None:
+        while True:
+            await asyncio.sleep(LOG_STATS_INTERVAL_S)
+            stats.log()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        task = asyncio.create_task(log_stats_forever(log_stat_logger)) if log_stat_logger is not None else None
         yield
+        if task is not None:
+            task.cancel()
         engine.shutdown()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__, lifespan=lifespan,
+                  root_path=args.root_path or "")
     app.state.engine = engine
     app.state.stat_logger = stat_logger
+    app.state.log_stat_logger = log_stat_logger
     app.state.admission = admission
     install_error_handlers(app)
 
@@ -188,6 +213,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(DrainMiddleware, admission=admission)
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     app.add_middleware(
         HeaderLimitMiddleware, max_count=args.h11_max_header_count, max_bytes=args.h11_max_incomplete_event_size
     )
@@ -214,6 +241,9 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
         access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        root_path=args.root_path or "",
         # h11 explicitly (not "auto", which prefers httptools when installed): its header-size
         # limit is the one --h11-max-incomplete-event-size sets.
         http="h11",
@@ -236,31 +266,61 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     return exit_code
 
 
+def check_port_free(host: str | None, port: int) -> None:
+    """Refuse a port that is taken before the model loads (as vLLM does), not minutes later."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if host and ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
+        try:
+            s.bind((host if host is not None else "0.0.0.0", port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror or e}; "
+                             "is another server running there? Pick another --port.") from None
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Load the model, then serve; exits non-zero with a clear message on a bad flag."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
+        check_table_flags(args)
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)
         engine_args = EngineArgs.from_cli_args(args)
         if args.served_model_name:
             engine_args.served_model_name = list(args.served_model_name)
-        engine = AsyncLLM.from_engine_args(engine_args)
+        config = engine_args.create_engine_config()  # every config error before the port check and the load
+        check_port_free(args.host, args.port)
+        engine = AsyncLLM(config)
     except ValueError as e:
         print(f"pagedllm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    mc = engine.model_config
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info(
+        "pagedllm %s serving %s (max_model_len %d) at %s://%s:%d%s/v1", pagedllm.__version__,
+        ", ".join(mc.served_model_name), mc.max_model_len, scheme, args.host or "0.0.0.0", args.port,
+        args.root_path or "",
+    )
     exit_code = asyncio.run(serve(args, engine))
     if exit_code:
         raise SystemExit(exit_code)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_server_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`python -m pagedllm.entrypoints.openai.api_server` flags: --config's YAML first, then argv."""
     parser = argparse.ArgumentParser(
         prog="python -m pagedllm.entrypoints.openai.api_server",
         description="pagedllm's OpenAI-compatible server.",
     )
-    args = make_arg_parser(parser).parse_args(argv)
-    run_server(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = make_arg_parser(parser).parse_args(expand_config_args(argv))
+    check_table_flags(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_server(parse_server_args(argv))
 
 
 if __name__ == "__main__":

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pagedllm.envs as envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from pagedllm.vllm_flags import add_table_flags
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable: a server started the vLLM way keeps its key
 # Every limit below is listed, with its reason, in docs/LIMITS.md.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_NUM_QUEUED_REQS = 1024
@@ -67,7 +70,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="let requests carry their own chat_template (refused by default)",
     )
-    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--enable-log-requests", action="store_true", help="log each request (off by default, as vLLM)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="deprecated (vLLM's older spelling): requests are not logged unless --enable-log-requests")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of prompt text (and prompt token ids) shown in a logged request (default: all)")
     # Tool calling and reasoning output (serving_chat.py, tool_parsers/, pagedllm/reasoning/).
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
@@ -77,6 +84,19 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="put <think>...</think> text into reasoning_content")
     g.add_argument("--ssl-keyfile", default=None)
     g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (clients' certificates are checked)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="whether a client certificate is required (Python's ssl.CERT_*: 0 none, 1 optional, 2 required)")
+    g.add_argument("--root-path", default=None, help="the path prefix of a proxy in front of the server (ASGI root_path)")
+    g.add_argument("--response-role", default="assistant", help="the role of the generated message in chat responses")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens as 'token_id:{id}' (for tokens that do not decode to text)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer with an X-Request-Id header (the client's, or a new id)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="streams end with a usage chunk even without stream_options.include_usage")
+    g.add_argument("--config", default=None,
+                   help="a YAML file of flags (keys as flag names without dashes); flags on the command line win")
     g.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -85,6 +105,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add_limit_args(parser)
     EngineArgs.add_cli_args(parser, model_positional=True)
+    add_table_flags(parser)
     return parser
 
 
@@ -169,6 +190,10 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')} may be at most {ceiling} (SamplingParams' own limit), got {getattr(args, name)}."
             )
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2 (ssl.CERT_NONE / OPTIONAL / REQUIRED), got {args.ssl_cert_reqs}.")
     if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
         raise ValueError(f"--max-prompt-bytes must be >= 1, got {args.max_prompt_bytes}.")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
@@ -181,11 +206,18 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key values, plus $PAGEDLLM_API_KEY and vLLM's $VLLM_API_KEY when set."""
     keys = list(args.api_key or [])
-    env = envs.PAGEDLLM_API_KEY
-    if env:
-        keys.append(env)
+    for env in (envs.PAGEDLLM_API_KEY, os.environ.get(VLLM_API_KEY_ENV)):
+        if env and env not in keys:
+            keys.append(env)
     return keys
+
+
+def log_requests_enabled(args: argparse.Namespace) -> bool:
+    """vLLM 0.21: requests are logged only with --enable-log-requests (--disable-log-requests is
+    the older spelling of the default, accepted)."""
+    return bool(args.enable_log_requests) and not args.disable_log_requests
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -198,3 +230,54 @@ def load_chat_template(value: str | None) -> str | None:
     if any(c in value for c in "{}\n"):
         return value  # looks like a template, not a path
     raise ValueError(f"--chat-template {value!r} is neither an existing file nor a Jinja template.")
+
+
+def _config_file_args(path: str) -> list[str]:
+    """vLLM's --config YAML -> flags: `max-num-seqs: 64` / `max_num_seqs: 64` -> --max-num-seqs 64;
+    `true` -> the bare switch, `false` -> nothing; a list -> one flag with several values; a
+    mapping -> its JSON (for --hf-overrides, --compilation-config)."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"--config {path!r} is not a file.")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path!r} must hold a mapping of flag names to values.")
+    out: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            raise ValueError(f"--config {path!r} cannot name another --config.")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def expand_config_args(argv: list[str]) -> list[str]:
+    """Put the flags of `--config FILE` before the command line's own, so the command line wins
+    (argparse keeps the last value), as vLLM does. `--config` itself stays for the parser."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        start = argv.index("serve") + 1 if "serve" in argv[:i] else 0
+        # A positional model right after `serve` stays first: `serve MODEL --config f.yaml`.
+        if start < len(argv) and start < i and not argv[start].startswith("-"):
+            start += 1
+        return argv[:start] + _config_file_args(path) + argv[start:]
+    return argv

@@ -132,6 +132,10 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # keep only the last k prompt tokens; -1: as many as the context allows
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     def _sampling_kwargs(self, default: SamplingParams) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -149,6 +153,9 @@ class _SamplingRequest(OpenAIBaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs_from_request(self),
         }

@@ -122,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             self.tool_parser_cls(self.tokenizer) if tool_mode == "auto" else None,
             named,
         )
-        self.log_request(request_id, len(prompt_ids), params)
+        self.log_request(request_id, len(prompt_ids), params, prompt_text)
         stream = await self.add_request(
             request_id,
             {"prompt": prompt_text, "prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt},
@@ -274,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role="assistant", content=content, reasoning_content=reasoning,
+                    message=ChatMessage(role=self.response_role, content=content, reasoning_content=reasoning,
                                         tool_calls=tool_calls),
                     logprobs=logprobs,
                     finish_reason=parser.finish_reason(c.finish_reason),
@@ -325,7 +325,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(params.n):
                 yield chunk(
                     ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=echo_text),
+                        index=i, delta=DeltaMessage(role=self.response_role, content=echo_text),
                         token_ids=[] if return_token_ids else None,
                     ),
                     first=True,

@@ -116,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = normalize_prompts(request.prompt)
         self.limits.check_prompt_bytes(sum(len(p.encode()) for p in prompts if isinstance(p, str)), "prompt")
         for p in prompts:
-            if isinstance(p, list):
+            if isinstance(p, list) and params.truncate_prompt_tokens is None:  # truncation comes first
                 self.limits.check_prompt_token_ids(len(p), params.max_tokens, "prompt")
         return await self.run_admitted(
             len(prompts) * params.n,
@@ -141,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             for i, (text, ids, _) in enumerate(encoded):
                 sub_id = request_id if len(encoded) == 1 else f"{request_id}-{i}"
-                self.log_request(sub_id, len(ids), params)
+                self.log_request(sub_id, len(ids), params, text if text is not None else ids)
                 # cache_salt (vLLM): only requests with the same salt share prefix-cache blocks.
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}
                 streams.append(await self.add_request(sub_id, prompt, params, arrival_time))

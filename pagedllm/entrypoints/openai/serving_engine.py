@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.unbuilt_fields import refuse_unbuilt_fields
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -131,6 +132,12 @@ def clamp_logprob(lp: float) -> float:
 
 
 class OpenAIServing:
+    # Server-wide options from vLLM's flags; api_server.build_app sets them on each serving object.
+    response_role: str = "assistant"  # --response-role
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
+    force_include_usage: bool = False  # --enable-force-include-usage
+    max_log_len: int | None = None  # --max-log-len
+
     def __init__(
         self,
         engine: AsyncLLM,
@@ -177,6 +184,7 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
         if request.use_beam_search:
             raise APIError("use_beam_search is not supported.", param="use_beam_search")
+        refuse_unbuilt_fields(request)
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -188,12 +196,19 @@ class OpenAIServing:
         if extra:
             logger.warning("%s: ignoring unknown or unsupported fields: %s", request_id, ", ".join(sorted(extra)))
 
-    def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def log_request(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams, prompt: Any = None
+    ) -> None:
+        """With --enable-log-requests: one line per request; the prompt (text or token ids) cut to
+        --max-log-len characters / ids, as vLLM logs it."""
         if self.log_requests:
+            shown = prompt
+            if self.max_log_len is not None and shown is not None:
+                shown = shown[: self.max_log_len]
             logger.info(
-                "received request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
+                "received request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s, prompt=%r",
                 request_id, num_prompt_tokens, params.n, params.max_tokens, params.temperature,
-                params.output_kind.name,
+                params.output_kind.name, shown,
             )
 
     def sampling_params(self, request: Any) -> SamplingParams:
@@ -244,14 +259,16 @@ class OpenAIServing:
             prompt_tokens_details={"cached_tokens": cached_tokens},
         )
 
-    @staticmethod
-    def stream_usage_flags(stream_options: StreamOptions | None) -> tuple[bool, bool]:
+    def stream_usage_flags(self, stream_options: StreamOptions | None) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk); --enable-force-include-usage forces the first."""
         if stream_options is None:
-            return False, False
-        include = bool(stream_options.include_usage)
+            return self.force_include_usage, False
+        include = bool(stream_options.include_usage) or self.force_include_usage
         return include, include and bool(stream_options.continuous_usage_stats)
 
     def token_str(self, token_id: int, lp: Logprob | None) -> str:
+        if self.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"  # vLLM's spelling, for tokens that are not valid text alone
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         if self.tokenizer is None:

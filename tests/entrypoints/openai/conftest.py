@@ -107,9 +107,9 @@ class RemoteOpenAIServer:
         while True:
             m = self.metrics()
             idle = (
-                m[("pagedllm:num_requests_running", ())] == 0
-                and m[("pagedllm:num_requests_waiting", ())] == 0
-                and m[("pagedllm:kv_cache_usage_perc", ())] == 0
+                m[("vllm:num_requests_running", ())] == 0
+                and m[("vllm:num_requests_waiting", ())] == 0
+                and m[("vllm:kv_cache_usage_perc", ())] == 0
             )
             if idle or time.monotonic() > deadline:
                 return m

@@ -37,7 +37,7 @@ def test_64_concurrent_streams_get_the_right_text(tiny_server):
     assert got == expected
     assert finishes == 64
     m = tiny_server.wait_idle()
-    assert m[("pagedllm:kv_cache_usage_perc", ())] == 0
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0
 
 
 def test_disconnecting_clients_free_everything(tiny_server):
@@ -75,13 +75,13 @@ def test_disconnecting_clients_free_everything(tiny_server):
 
     assert asyncio.run(run()) == 60
     m = tiny_server.wait_idle(timeout=10)
-    assert m[("pagedllm:num_requests_running", ())] == 0
-    assert m[("pagedllm:num_requests_waiting", ())] == 0
-    assert m[("pagedllm:kv_cache_usage_perc", ())] == 0
+    assert m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:num_requests_waiting", ())] == 0
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0
     # Aborted, not finished: no request reached max_tokens, far fewer tokens than 21 * 800 were made.
-    key = ("pagedllm:request_success_total", (("finished_reason", "length"),))
+    key = ("vllm:request_success_total", (("finished_reason", "length"),))
     assert m[key] == before[key]
-    made = m[("pagedllm:generation_tokens_total", ())] - before[("pagedllm:generation_tokens_total", ())]
+    made = m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
     assert made < 21 * max_tokens / 4
     # and the server still answers
     assert tiny_server.client().completions.create(model=MODEL, prompt="still there?", max_tokens=3).usage
@@ -125,15 +125,15 @@ def test_metrics_count_what_was_served(tiny_server):
     def delta(name: str, *labels: tuple[str, str]) -> float:
         return after[(name, tuple(labels))] - before[(name, tuple(labels))]
 
-    assert delta("pagedllm:prompt_tokens_total") == served["prompt"]
-    assert delta("pagedllm:generation_tokens_total") == served["completion"]
-    assert delta("pagedllm:request_success_total", ("finished_reason", "stop")) == served["stop"]
-    assert delta("pagedllm:request_success_total", ("finished_reason", "length")) == served["length"]
+    assert delta("vllm:prompt_tokens_total") == served["prompt"]
+    assert delta("vllm:generation_tokens_total") == served["completion"]
+    assert delta("vllm:request_success_total", ("finished_reason", "stop")) == served["stop"]
+    assert delta("vllm:request_success_total", ("finished_reason", "length")) == served["length"]
     sequences = served["stop"] + served["length"]  # one per choice
     assert sequences == 1 + 4 + 1 + 1 + 1 + 2
-    assert delta("pagedllm:time_to_first_token_seconds_count") == sequences
-    assert delta("pagedllm:e2e_request_latency_seconds_count") == sequences
-    assert delta("pagedllm:request_queue_time_seconds_count") == sequences
+    assert delta("vllm:time_to_first_token_seconds_count") == sequences
+    assert delta("vllm:e2e_request_latency_seconds_count") == sequences
+    assert delta("vllm:request_queue_time_seconds_count") == sequences
     # every token after a sequence's first is one inter-token gap
-    assert delta("pagedllm:inter_token_latency_seconds_count") == served["completion"] - sequences
-    assert delta("pagedllm:prefix_cache_queries_total") > 0
+    assert delta("vllm:inter_token_latency_seconds_count") == served["completion"] - sequences
+    assert delta("vllm:prefix_cache_queries_total") > 0

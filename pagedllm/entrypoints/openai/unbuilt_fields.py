@@ -1,0 +1,44 @@
+"""Request fields whose feature is not built yet: a 400 naming the field, never 200 with
+unconstrained text.
+
+Tool calling and structured outputs are served (structured_fields.py, serving_chat.py); what is
+left here are the deprecated function-calling fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.entrypoints.openai.errors import APIError
+
+# Tool calling and structured outputs are built (issue 22: tools, tool_choice, parallel_tool_calls,
+# guided_*, structured_outputs, response_format). What is left: OpenAI's deprecated function-calling
+# fields and a top-level structural_tag (vLLM takes it inside response_format / structured_outputs).
+_WHY = "use tools / tool_choice (OpenAI's deprecated functions API is not served)"
+
+UNBUILT_FIELDS: dict[str, str] = {
+    "functions": _WHY,
+    "function_call": _WHY,
+    "structural_tag": "give it as response_format {\"type\": \"structural_tag\", ...} or structured_outputs",
+}
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    if value is None or value == [] or value == {}:
+        return True
+    if name == "tool_choice" and value == "none":
+        return True
+    if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+        return True
+    return name == "parallel_tool_calls"  # meaningless without tools, which are refused
+
+
+def refuse_unbuilt_fields(request: Any) -> None:
+    """400 for the first field of UNBUILT_FIELDS the request sets to something that asks for it."""
+    values = dict(request.model_extra or {})
+    for name in UNBUILT_FIELDS:
+        if name in type(request).model_fields:
+            values[name] = getattr(request, name)
+    for name, why in UNBUILT_FIELDS.items():
+        if name in values and not _asks_for_nothing(name, values[name]):
+            raise APIError(f"{name} is not supported: {why} (the request would get unconstrained text).", param=name)
