@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -32,7 +33,10 @@ logger = logging.getLogger(__name__)
 def make_backend(tokenizer, vocab_size: int) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
-    return XgrammarBackend(tokenizer, vocab_size)
+    # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (a 64-row fill takes
+    # ~0.8 ms on one thread; it must stay well under a GPU decode step).
+    threads = max(2, min(8, (os.cpu_count() or 2) // 2))
+    return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
 
 
 class StructuredOutputManager:
