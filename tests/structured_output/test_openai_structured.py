@@ -110,4 +110,4 @@ def test_bad_input_is_400(server, body, words):
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     m = server.wait_idle()  # nothing held
-    assert m[("pagedllm:num_requests_running", ())] == 0 and m[("pagedllm:num_requests_waiting", ())] == 0
+    assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
