@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from pagedllm.structured_output.params import (
+    GuidedDecodingParams,
+    StructuredOutputsParams,
+    check_backend,
+    coerce_structured_outputs,
+)
+
+__all__ = ["GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
 _SAMPLING_EPS = 1e-5
 
 # Limits that protect the engine from requests that would exhaust it (named in docs/LIMITS.md).
@@ -60,6 +69,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (structured_output/): vLLM 0.21's field, and older vLLM's guided_decoding.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     # vLLM's constraints: sample only among these ids; never produce these words; keep only the
     # last k prompt tokens (-1: the last max_model_len - 1 of them).
     allowed_token_ids: list[int] | None = None
@@ -79,6 +91,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both.")
+            self.structured_outputs, self.guided_decoding = coerce_structured_outputs(self.guided_decoding), None
+        self.structured_outputs = coerce_structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None:
+            check_backend(self.structured_outputs._backend, "structured_outputs backend")
         self._verify()
         # A union, not a reset: a copy decoded in a worker process keeps what the engine added.
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids or ())

@@ -37,7 +37,7 @@ class FlagNote:
 
 
 _GPU_ONLY_ATTN = "pagedllm runs its own attention kernels (TRITON_ATTN on a GPU, CPU_ATTN on the CPU)"
-_I22 = "tool calling and structured outputs are not built yet (issue 22)"
+_I22 = "not built: tool calling takes --enable-auto-tool-choice / --tool-call-parser, constrained decoding is xgrammar per request (docs/STRUCTURED_OUTPUTS.md)"
 
 NOTE_FLAGS: dict[str, FlagNote] = {
     "--use-v2-block-manager": FlagNote("the block manager is always the paged, prefix-caching one", 0),
@@ -148,10 +148,7 @@ REFUSED_FLAGS: dict[str, FlagNote] = {
     "--chat-template-content-format": FlagNote("message content is rendered as strings (text parts joined)"),
     "--tool-server": FlagNote(_I22),
     "--tool-parser-plugin": FlagNote(_I22),
-    "--enable-auto-tool-choice": FlagNote(_I22, 0),
     "--exclude-tools-when-tool-choice-none": FlagNote(_I22, 0),
-    "--tool-call-parser": FlagNote(_I22),
-    "--reasoning-parser": FlagNote("reasoning parsers are not built yet (issue 22)"),
     "--guided-decoding-backend": FlagNote(_I22),
     "--structured-outputs-config": FlagNote(_I22),
     "--log-config-file": FlagNote("pagedllm logs through Python's logging with its own format; configure it in code"),
@@ -180,6 +177,7 @@ WORKING_FLAGS: tuple[str, ...] = (
     "--async-scheduling", "--no-async-scheduling", "--preemption-mode", "--compilation-config", "-O",
     "--device", "--attention-backend", "--distributed-executor-backend", "--ray-address",
     "--runner", "--convert", "--task", "--pooler-config", "--override-pooler-config",
+    "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
 )
 
 

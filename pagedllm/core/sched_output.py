@@ -50,6 +50,9 @@ class SchedulerOutput:
     sampling_req_ids: set[str] = field(default_factory=set)
     # Some request's sampling reads its past outputs: collect the step in flight before this one.
     needs_output_history: bool = False
+    # Some request that samples this step has a grammar (set by the engine core): the runner stops
+    # before sampling and waits for `sample_tokens(grammar_output)` (vLLM's split).
+    has_structured_output_requests: bool = False
     # Swap preemption: (gpu block, cpu block) to copy out and (cpu block, gpu block) to copy in,
     # before this step's forward pass.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

@@ -8,6 +8,7 @@ stop strings; the core sees token ids only. It reaches the model only through it
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import functools
 import gc
 import logging
@@ -18,6 +19,7 @@ from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ class EngineCore:
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutputHandle] | None = None
+        self.structured_output_manager = StructuredOutputManager(config)
+        # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
+        self.waiting_for_grammar: dict[str, Request] = {}
         freeze_gc_heap()
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
@@ -80,15 +85,41 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Validate and queue; raises ValueError (nothing queued) when the request can never run."""
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.add_request(request)
+            self.waiting_for_grammar[request.request_id] = request
+            return
         self.scheduler.add_request(request)
 
+    def _release_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar finished compiling to the scheduler (a failed compile, which
+        the frontend's check makes unexpected, finishes its request as aborted)."""
+        outputs: list[EngineCoreOutput] = []
+        manager = self.structured_output_manager
+        for rid, req in list(self.waiting_for_grammar.items()):
+            sor = manager.requests[rid]
+            if not sor.ready:
+                continue
+            del self.waiting_for_grammar[rid]
+            if sor.future.exception() is not None:
+                logger.error("request %s: grammar compilation failed: %s", rid, sor.future.exception())
+                manager.remove([rid])
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+                continue
+            self.scheduler.add_request(req)
+        return outputs
+
     def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.waiting_for_grammar.pop(rid, None)
+        self.structured_output_manager.remove(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, stops: dict[str, str]) -> None:
         """Finish requests whose text hit a stop string (found by the frontend's detokenizer)."""
         for req_id, stop_str in stops.items():
             self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
+        self.structured_output_manager.remove(stops)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that just completed.
@@ -96,16 +127,30 @@ class EngineCore:
         Synchronous: that is this step. With async scheduling the previous step's results are
         collected after this step is launched, so the host prepares step N+1 while the device
         runs step N. A batch whose sampling reads past outputs (penalties, min_tokens) first
-        collects the step in flight, so the runner holds every token.
+        collects the step in flight, so the runner holds every token. A batch with constrained
+        rows (structured outputs) launches its forward pass, then collects the step in flight (its
+        tokens advance the grammars), fills the grammar bitmask and samples.
         """
         outputs: list[EngineCoreOutput] = []
+        if self.waiting_for_grammar:
+            outputs += self._release_compiled()
         so = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
         if so is not None and so.is_empty:
             so = None
         if self.inflight is not None and (so is None or not self.async_scheduling or so.needs_output_history):
             outputs += self._collect_inflight()
+        if so is None and self.waiting_for_grammar and self.inflight is None:
+            self._wait_for_a_grammar()
         if so is not None:
+            manager = self.structured_output_manager
+            so.has_structured_output_requests = bool(manager.sampling_request_ids(so))
             pending = self.model_executor.execute_model(so)
+            if pending is None:
+                # Constrained rows: their bitmask needs the tokens of the step in flight, so collect
+                # it now (the device runs this step's forward meanwhile), then fill and sample.
+                if self.inflight is not None:
+                    outputs += self._collect_inflight()
+                pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
             self.step_count += 1
             if self.inflight is not None:
                 outputs += self._collect_inflight()
@@ -118,10 +163,17 @@ class EngineCore:
         assert self.inflight is not None
         so, pending = self.inflight
         self.inflight = None
-        return self.scheduler.update_from_output(so, pending.get())
+        outputs = self.scheduler.update_from_output(so, pending.get())
+        self.structured_output_manager.advance(outputs)  # the one place grammars advance
+        return outputs
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing to run but grammars compiling: sleep until one is done instead of spinning."""
+        futures = [self.structured_output_manager.requests[r].future for r in self.waiting_for_grammar]
+        concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.inflight is not None or self.scheduler.has_unfinished_requests()
+        return self.inflight is not None or bool(self.waiting_for_grammar) or self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
         """Drop all prefix-cache entries; refused (False) unless every block is free."""
@@ -133,4 +185,5 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()

@@ -86,7 +86,12 @@ class RequestState:
                         entry[t] = Logprob(lp, rank if j == 0 else j, self._decode_token(t))
                 self.logprobs.append(entry)
                 self.cumulative_logprob = (self.cumulative_logprob or 0.0) + lps[0]
-        stop_str = self.detokenizer.update(out.new_token_ids) if self.detokenizer else None
+        text_ids = out.new_token_ids
+        if out.finish_reason == "stop" and text_ids and not self.params.include_stop_str_in_output:
+            # vLLM's rule: the EOS / stop token that ended the request is not part of the text (with
+            # skip_special_tokens=False it would otherwise end every answer with e.g. "<|im_end|>").
+            text_ids = text_ids[:-1]
+        stop_str = self.detokenizer.update(text_ids) if self.detokenizer else None
         if stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:

@@ -6,6 +6,7 @@ anything reaches the engine core.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
@@ -48,6 +49,23 @@ class Processor:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = eos
+        self._structured_backend = None  # built at the first constrained request (structured_output/)
+        self._structured_lock = threading.Lock()
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar once here (tokenizer pool thread, cached by xgrammar) so a
+        bad schema, regex or grammar is refused before queueing, with the backend's message."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init).")
+        with self._structured_lock:
+            if self._structured_backend is None:
+                from pagedllm.structured_output.manager import make_backend
+
+                self._structured_backend = make_backend(self.tokenizer, self.vocab_size)
+        self._structured_backend.validate(so)
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model_config.generation_config
@@ -115,6 +133,7 @@ class Processor:
             raise ValueError(f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens}).")
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         params.update_from_generation_config(self.config.model_config.generation_config, self.eos_token_ids)
+        self.check_structured_outputs(params)
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return params

@@ -6,6 +6,7 @@ are joined with newlines, as vLLM does for text-only models.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,27 @@ def _content_text(content: Any, where: str) -> str:
     raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}.")
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI's assistant tool_calls, with each call's arguments (a JSON string on the wire) parsed
+    into an object, which is what chat templates iterate over (vLLM does the same)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list.")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}.tool_calls[{j}] needs function.name.")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ValueError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON.") from None
+        out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ValueError("messages must be a list of {role, content} objects.")
     if not messages:
@@ -42,11 +63,20 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if role not in VALID_ROLES:
             raise ValueError(f"{where}.role must be one of {', '.join(VALID_ROLES)}, got {role!r}.")
         if "content" not in m or m["content"] is None:
-            if role == "assistant":
-                out.append({"role": role, "content": ""})
-                continue
-            raise ValueError(f"{where}.content is missing.")
-        out.append({"role": role, "content": _content_text(m["content"], where)})
+            if role != "assistant":
+                raise ValueError(f"{where}.content is missing.")
+            msg: dict[str, Any] = {"role": role, "content": ""}
+        else:
+            msg = {"role": role, "content": _content_text(m["content"], where)}
+        # Passed through to the template: who spoke (name), the calls an assistant made, and which
+        # call a tool message answers.
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 
@@ -56,6 +86,7 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this engine has none (skip_tokenizer_init).")
@@ -67,5 +98,6 @@ def render_chat(
         chat_template=template,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        tools=tools or None,
         **(chat_template_kwargs or {}),
     )

@@ -93,12 +93,13 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = render_chat(tok, conv, chat_template, add_generation_prompt, chat_template_kwargs)
+            text = render_chat(tok, conv, chat_template, add_generation_prompt, chat_template_kwargs, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

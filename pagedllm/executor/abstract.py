@@ -27,6 +27,7 @@ from typing import Protocol
 
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.structured_output.bitmask import GrammarOutput
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutputHandle:
         """Launch one step on every worker; the handle's get() returns the driver worker's output."""
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutputHandle:
+        """Sample the step `execute_model` left unsampled (it returns None when the step has
+        constrained requests), under the grammar bitmask (vLLM's split; structured_output/)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run constrained (structured output) requests.")
 
     @abstractmethod
     def check_health(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
+from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.worker.model_runner import PendingOutput
 from pagedllm.worker.worker import Worker
 
@@ -28,8 +29,11 @@ class UniProcExecutor(Executor):
     def compile_or_warm_up_model(self) -> None:
         self.driver_worker.compile_or_warm_up_model()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
         return self.driver_worker.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
+        return self.driver_worker.sample_tokens(grammar_output)
 
     def check_health(self) -> None:
         self.driver_worker.check_health()

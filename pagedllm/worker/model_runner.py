@@ -24,6 +24,7 @@ from pagedllm.distributed.utils import num_kv_heads_per_rank
 from pagedllm.host_copy import host_tensor, to_device_async
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
+from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 
@@ -43,6 +44,7 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.step_id = 0
         self.last_sampled: torch.Tensor | None = None  # device ids of the newest step's samples
+        self._deferred: tuple[StepInputs, torch.Tensor] | None = None  # a step waiting for its bitmask
         # Launched steps that sampled, oldest first, until the input batch has taken their tokens.
         self._uncollected: list[PendingOutput] = []
 
@@ -133,9 +135,10 @@ class ModelRunner:
         del self._uncollected[:n]
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput | None:
         """Launch one step. On a GPU this returns as soon as the work is queued; `get()` on the
-        result waits for the sampled ids (the step's one host sync)."""
+        result waits for the sampled ids (the step's one host sync). None when the step has
+        constrained requests: sampling then waits for `sample_tokens(grammar_output)`."""
         self._take_collected()
         self.input_batch.update_states(so)
         self.step_id += 1
@@ -148,7 +151,26 @@ class ModelRunner:
         if hidden is None:
             return self._sampled_by_last_stage(inp)
         logits = self.model.compute_logits(hidden)
+        if so.has_structured_output_requests:
+            # The grammar bitmask needs the tokens of the step in flight: the caller collects it
+            # (while this forward runs) and then calls sample_tokens.
+            self._deferred = (inp, logits)
+            return None
+        return self._sample(inp, logits, None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
+        """Sample the step `execute_model` left unsampled (it returned None), under the grammar bitmask."""
+        assert self._deferred is not None, "sample_tokens without a deferred step"
+        (inp, logits), self._deferred = self._deferred, None
+        return self._sample(inp, logits, grammar_output)
+
+    def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        if grammar_output is not None:
+            row_of = {st.req_id: j for j, st in enumerate(states)}
+            rows = [row_of[r] for r in grammar_output.structured_output_request_ids]
+            logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, rows)
         # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
         # skip copying theirs (host time a step: BENCHMARKS.md, "Measurements behind code decisions").
         smd = SamplingMetadata.build(

@@ -30,6 +30,7 @@ from pagedllm.distributed.utils import num_kv_heads_per_rank
 from pagedllm.envs import KernelSwitches, kernel_switches
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
+from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
 from pagedllm.worker.swap_space import CpuSwapSpace
@@ -145,8 +146,9 @@ class Worker:
         self.model_runner.capture_model(self.kernel_switches.graph_tuning)
 
     # -- serving -----------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Block copies of swap preemption first (queued before the forward pass), then the step."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
+        """Block copies of swap preemption first (queued before the forward pass), then the step
+        (None when it waits for `sample_tokens`: constrained requests)."""
         so = scheduler_output
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             assert self.swap_space is not None, "swap blocks scheduled without a swap space"
@@ -156,6 +158,10 @@ class Worker:
                 self.swap_space.swap_in(so.blocks_to_swap_in)
         assert self.model_runner is not None
         return self.model_runner.execute_model(so)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
+        assert self.model_runner is not None
+        return self.model_runner.sample_tokens(grammar_output)
 
     def check_health(self) -> None:
         """In-process there is nothing to probe: a failed step raises in execute_model."""

@@ -126,7 +126,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
     chat = OpenAIServingChat(
         engine, models, chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template, log_requests=log_requests,
-        limits=limits, admission=admission,
+        limits=limits, admission=admission, enable_auto_tools=args.enable_auto_tool_choice,
+        tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
     completion = OpenAIServingCompletion(
         engine, models, log_requests=log_requests, limits=limits, admission=admission

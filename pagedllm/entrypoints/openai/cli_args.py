@@ -17,7 +17,6 @@ from pagedllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STR
 from pagedllm.vllm_flags import add_table_flags
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
-VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable: a server started the vLLM way keeps its key
 # Every limit below is listed, with its reason, in docs/LIMITS.md.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_NUM_QUEUED_REQS = 1024
@@ -75,6 +74,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="deprecated (vLLM's older spelling): requests are not logged unless --enable-log-requests")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="characters of prompt text (and prompt token ids) shown in a logged request (default: all)")
+    # Tool calling and reasoning output (serving_chat.py, tool_parsers/, pagedllm/reasoning/).
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="how tool calls are read from the model's output")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="put <think>...</think> text into reasoning_content")
     g.add_argument("--ssl-keyfile", default=None)
     g.add_argument("--ssl-certfile", default=None)
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (clients' certificates are checked)")
@@ -237,6 +243,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-prompt-bytes must be >= 1, got {args.max_prompt_bytes}.")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together.")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, pythonic).")
     for key in api_keys(args):
         if not key:
             raise ValueError("--api-key must not be empty.")

@@ -11,8 +11,9 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from pagedllm.entrypoints.openai.structured_fields import structured_outputs_from_request
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Fields that mean "use the model's default" when left out; filled from generation_config, then
@@ -123,6 +124,14 @@ class _SamplingRequest(OpenAIBaseModel):
     # vLLM: also return the prompt's and each choice's token ids.
     return_token_ids: bool | None = False
     use_beam_search: bool = False  # vLLM's field; refused when true (beam search is not built)
+    # Constrained output (structured_fields.py reads these with response_format).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # keep only the last k prompt tokens; -1: as many as the context allows
@@ -148,6 +157,7 @@ class _SamplingRequest(OpenAIBaseModel):
             "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            "structured_outputs": structured_outputs_from_request(self),
         }
         for name in _DEFAULTABLE:
             v = getattr(self, name)
@@ -172,6 +182,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (serving_chat checks them: tool_choice "none" | "auto" | "required" | a named function).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -195,6 +209,17 @@ class ChatMessage(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unused(self, handler: Any) -> dict[str, Any]:
+        # A delta without thinking text or tool calls reads as before: {"role", "content"} only.
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -260,6 +285,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     suffix: str | None = None
     add_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, default: SamplingParams) -> SamplingParams:
         kwargs = self._sampling_kwargs(default)

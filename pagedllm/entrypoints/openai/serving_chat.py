@@ -17,6 +17,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_stream import RequestOutputStream
 from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
 from pagedllm.entrypoints.openai.admission import AdmissionController
+from pagedllm.entrypoints.openai.chat_output import ChoiceOutputParser, required_tools_schema
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
@@ -31,7 +32,9 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, EventStream, OpenAIServing, sse, sse_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs: they would
 # change what rendering returns (token ids, tensors, dicts) instead of the template's variables.
@@ -52,10 +55,20 @@ class OpenAIServingChat(OpenAIServing):
         log_requests: bool = True,
         limits: ServerLimits | None = None,
         admission: AdmissionController | None = None,
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine, models, log_requests=log_requests, limits=limits, admission=admission)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser_cls: type[ToolParser] | None = get_tool_parser(tool_parser) if tool_parser else None
+        self.reasoning_parser: ReasoningParser | None = None
+        if reasoning_parser:
+            if self.tokenizer is None:
+                raise ValueError("--reasoning-parser needs a tokenizer.")
+            self.reasoning_parser = get_reasoning_parser(reasoning_parser)(self.tokenizer)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, arrival_time: float | None = None
@@ -70,7 +83,9 @@ class OpenAIServingChat(OpenAIServing):
         self._check_supported(request)
         self.check_common(request)
         self.limits.check_sampling(request, logprobs_field="top_logprobs")
+        tool_mode, named = self._tool_mode(request)
         params = self.sampling_params(request)
+        self._constrain_tools(request, params, tool_mode, named)
         self.limits.check_max_tokens(params.max_tokens, "max_completion_tokens" if request.max_completion_tokens
                                      is not None else "max_tokens")
         self.require_tokenizer()
@@ -80,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(str(e), param="messages") from None
         self.limits.check_prompt_bytes(sum(len(m["content"].encode()) for m in messages), "messages")
         return await self.run_admitted(
-            params.n, lambda: self._generate(request, request_id, model_name, params, arrival_time)
+            params.n, lambda: self._generate(request, request_id, model_name, params, arrival_time, tool_mode, named)
         )
 
     async def _generate(
@@ -90,6 +105,8 @@ class OpenAIServingChat(OpenAIServing):
         model_name: str,
         params: SamplingParams,
         arrival_time: float,
+        tool_mode: str = "none",
+        named: str | None = None,
     ) -> ChatCompletionResponse | EventStream:
         try:
             prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(
@@ -97,6 +114,16 @@ class OpenAIServingChat(OpenAIServing):
             )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
+        thinking = self._thinking(request, prompt_text)
+        if thinking and params.structured_outputs is not None:
+            # The grammar starts after the thinking text (request.py).
+            params.structured_outputs._reasoning_end_token_ids = [self.reasoning_parser.end_token_id]
+        make_parser = lambda: ChoiceOutputParser(  # noqa: E731 - one per choice
+            self.reasoning_parser if thinking else None,
+            tool_mode,
+            self.tool_parser_cls(self.tokenizer) if tool_mode == "auto" else None,
+            named,
+        )
         self.log_request(request_id, len(prompt_ids), params, prompt_text)
         stream = await self.add_request(
             request_id,
@@ -106,9 +133,10 @@ class OpenAIServingChat(OpenAIServing):
             "messages",
         )
         if request.stream:
-            events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text)
+            events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text, make_parser)
             return EventStream(events, [stream])
-        return await self._full(stream, request_id, model_name, params, echo_text, bool(request.return_token_ids))
+        return await self._full(stream, request_id, model_name, params, echo_text, bool(request.return_token_ids),
+                                make_parser)
 
     # -- input -------------------------------------------------------------------------------------
     def _check_supported(self, request: ChatCompletionRequest) -> None:
@@ -124,17 +152,74 @@ class OpenAIServingChat(OpenAIServing):
                 " to false to continue the final message.",
                 param="continue_final_message",
             )
-        fmt = request.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise APIError(
-                f"response_format type {fmt.get('type')!r} is not supported; only 'text' is.", param="response_format"
-            )
         if request.chat_template_kwargs:
             bad = sorted(set(request.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
             if bad:
                 raise APIError(
                     f"chat_template_kwargs may not set {', '.join(bad)}.", param="chat_template_kwargs"
                 )
+
+    def _tool_mode(self, request: ChatCompletionRequest) -> tuple[str, str | None]:
+        """Check tools / tool_choice; -> ("none" | "auto" | "required" | "named", the named function)."""
+        names: list[str] = []
+        for i, tool in enumerate(request.tools or []):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", param="tools")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise APIError(f"tools[{i}].function.name must be a non-empty string.", param="tools")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise APIError(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
+            names.append(fn["name"])
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if names else "none"
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                               '"function": {"name": ...}}.', param="tool_choice")
+            if name not in names:
+                raise APIError(f"tool_choice names function {name!r}, which is not in tools "
+                               f"({', '.join(names) or 'none given'}).", param="tool_choice")
+            return "named", name
+        if choice not in ("none", "auto", "required"):
+            raise APIError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}.',
+                           param="tool_choice")
+        if choice != "none" and not names:
+            raise APIError(f'tool_choice "{choice}" needs tools.', param="tool_choice")
+        if choice == "auto" and not (self.enable_auto_tools and self.tool_parser_cls is not None):
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
+                           param="tool_choice")
+        return choice, None
+
+    def _constrain_tools(self, request: ChatCompletionRequest, params: SamplingParams, mode: str,
+                         named: str | None) -> None:
+        """required / named tool choice: a grammar makes the output valid calls (vLLM's schemas)."""
+        if mode == "auto" and self.tool_parser_cls is not None and self.tool_parser_cls.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser reads the call marker
+        if mode not in ("required", "named"):
+            return
+        if params.structured_outputs is not None:
+            raise APIError(f'tool_choice "{mode}" and response_format / structured outputs both constrain the '
+                           "output; give one.", param="tool_choice")
+        tools = request.tools or []
+        if mode == "required":
+            schema = required_tools_schema(tools, request.parallel_tool_calls is not False)
+        else:
+            fn = next(t["function"] for t in tools if t["function"]["name"] == named)
+            schema = fn.get("parameters") or {"type": "object"}
+        params.structured_outputs = StructuredOutputsParams(json=schema)
+
+    def _thinking(self, request: ChatCompletionRequest, prompt_text: str) -> bool:
+        """Whether this answer starts with thinking text (a reasoning parser is set and the prompt
+        did not already close the think block, as enable_thinking=false templates do)."""
+        if self.reasoning_parser is None:
+            return False
+        if (request.chat_template_kwargs or {}).get("enable_thinking") is False:
+            return False
+        return not self.reasoning_parser.reasoning_ended_in_prompt(prompt_text)
 
     def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int], str]:
         """Runs in the tokenizer pool: (prompt text, prompt token ids, text to echo)."""
@@ -144,7 +229,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.continue_final_message:
             kwargs["continue_final_message"] = True
         text = render_chat(
-            tokenizer, messages, request.chat_template or self.chat_template, request.add_generation_prompt, kwargs
+            tokenizer, messages, request.chat_template or self.chat_template, request.add_generation_prompt, kwargs,
+            tools=request.tools,
         )
         self.limits.check_prompt_bytes(len(text.encode()), "messages")  # the whole rendered input
         ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
@@ -162,6 +248,7 @@ class OpenAIServingChat(OpenAIServing):
         params: SamplingParams,
         echo_text: str,
         return_token_ids: bool,
+        make_parser=None,
     ) -> ChatCompletionResponse:
         created = int(time.time())
         final = None
@@ -182,12 +269,18 @@ class OpenAIServingChat(OpenAIServing):
                 if params.logprobs is not None and c.logprobs is not None
                 else None
             )
+            parser = make_parser() if make_parser is not None else ChoiceOutputParser(None, "none")
+            parser.feed(c.text, final=True)
+            reasoning, content, tool_calls = parser.message()
+            if echo_text:
+                content = echo_text + (content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role=self.response_role, content=echo_text + c.text),
+                    message=ChatMessage(role=self.response_role, content=content, reasoning_content=reasoning,
+                                        tool_calls=tool_calls),
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=parser.finish_reason(c.finish_reason),
                     stop_reason=c.stop_reason,
                     token_ids=list(c.token_ids) if return_token_ids else None,
                 )
@@ -210,8 +303,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt_token_ids: list[int],
         params: SamplingParams,
         echo_text: str,
+        make_parser=None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        parsers = [make_parser() if make_parser is not None else ChoiceOutputParser(None, "none")
+                   for _ in range(params.n)]
         include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
         return_token_ids = bool(request.return_token_ids)
         completion_tokens = [0] * params.n
@@ -241,8 +337,11 @@ class OpenAIServingChat(OpenAIServing):
                 cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens[c.index] += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not c.logprobs and not return_token_ids:
-                        continue  # nothing to show yet (e.g. half of a multibyte character)
+                    parser = parsers[c.index]
+                    reasoning, content, tool_deltas = parser.feed(c.text, final=c.finish_reason is not None)
+                    shown = reasoning or content or tool_deltas
+                    if not shown and c.finish_reason is None and not c.logprobs and not return_token_ids:
+                        continue  # nothing to show yet (half a multibyte character, a tool call in progress)
                     logprobs = (
                         self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
                         if params.logprobs is not None and c.logprobs is not None
@@ -251,9 +350,10 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(
                         ChatCompletionResponseStreamChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=c.text),
+                            delta=DeltaMessage(content=content if content or not shown else None,
+                                               reasoning_content=reasoning or None, tool_calls=tool_deltas or None),
                             logprobs=logprobs,
-                            finish_reason=c.finish_reason,
+                            finish_reason=parser.finish_reason(c.finish_reason),
                             stop_reason=c.stop_reason,
                             token_ids=list(c.token_ids) if return_token_ids else None,
                         )

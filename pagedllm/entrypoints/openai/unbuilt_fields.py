@@ -1,9 +1,8 @@
 """Request fields whose feature is not built yet: a 400 naming the field, never 200 with
 unconstrained text.
 
-Tool calling and structured outputs (tools, tool_choice, guided_*, structured_outputs,
-response_format json) are issue 22's: its engineer builds them and removes their entries here.
-`response_format: {"type": "text"}` and `tool_choice: "none"` ask for nothing and pass.
+Tool calling and structured outputs are served (structured_fields.py, serving_chat.py); what is
+left here are the deprecated function-calling fields.
 """
 
 from __future__ import annotations
@@ -12,23 +11,15 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.errors import APIError
 
-_WHY = "tool calling and structured outputs are not supported by this server yet"
+# Tool calling and structured outputs are built (issue 22: tools, tool_choice, parallel_tool_calls,
+# guided_*, structured_outputs, response_format). What is left: OpenAI's deprecated function-calling
+# fields and a top-level structural_tag (vLLM takes it inside response_format / structured_outputs).
+_WHY = "use tools / tool_choice (OpenAI's deprecated functions API is not served)"
 
 UNBUILT_FIELDS: dict[str, str] = {
-    "tools": _WHY,
-    "tool_choice": _WHY,
     "functions": _WHY,
     "function_call": _WHY,
-    "parallel_tool_calls": _WHY,
-    "guided_json": _WHY,
-    "guided_regex": _WHY,
-    "guided_choice": _WHY,
-    "guided_grammar": _WHY,
-    "guided_decoding_backend": _WHY,
-    "guided_whitespace_pattern": _WHY,
-    "structural_tag": _WHY,
-    "structured_outputs": _WHY,
-    "response_format": _WHY,
+    "structural_tag": "give it as response_format {\"type\": \"structural_tag\", ...} or structured_outputs",
 }
 
 

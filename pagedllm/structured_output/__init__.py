@@ -1,0 +1,9 @@
+"""Constrained decoding: per-request grammars (xgrammar) turned into a token bitmask each step.
+
+params.py            StructuredOutputsParams / GuidedDecodingParams (what a request asks for)
+backend_types.py     the backend interface: compile a grammar, advance it, fill its bitmask rows
+backend_xgrammar.py  the xgrammar backend (JSON schema checks, error messages)
+request.py           one request's grammar: compiled off the engine loop, advanced by accepted tokens
+manager.py           the engine core's side: compile pool, per-step bitmask (GrammarOutput)
+bitmask.py           the one place the bitmask meets the logits (device side)
+"""

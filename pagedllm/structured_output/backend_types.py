@@ -1,0 +1,51 @@
+"""The structured-output backend interface (vLLM v1's shape): a backend compiles a request's
+constraint into a grammar; a grammar advances with accepted tokens and fills its bitmask row.
+
+Bitmask layout (xgrammar's, shared by every backend): int32 (rows, ceil(vocab_size / 32)); bit
+j of word w of a row allows token 32 * w + j. Vocabulary 70 -> 3 words; token 33 is bit 1 of word 1.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+
+class StructuredOutputGrammar(ABC):
+    """One request's matcher state."""
+
+    @abstractmethod
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        """Advance by `tokens`; False (and the state left at the first refused one) if any is not allowed."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of the host bitmask."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: nothing more may follow."""
+
+
+class StructuredOutputBackend(ABC):
+    vocab_size: int
+
+    @abstractmethod
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError naming the problem when `params` cannot be compiled (frontend, before queueing)."""
+
+    @abstractmethod
+    def compile_grammar(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> StructuredOutputGrammar:
+        """A fresh grammar for one request; thread-safe (called from a compile pool); cached by constraint."""
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill row rows[i] from grammars[i]; a backend may do it in parallel."""
+        for grammar, row in zip(grammars, rows, strict=True):
+            grammar.fill_bitmask(bitmask, row)
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set)."""
+        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -1,0 +1,46 @@
+"""The one place a grammar bitmask meets the logits: disallowed tokens get -inf, on the logits' device.
+
+    GrammarOutput(structured_output_request_ids=["b"], grammar_bitmask=int32 (1, ceil(V / 32)))
+    rows of the batch ["a", "b", "c"] -> only row 1 is masked; "a" and "c" are untouched.
+
+The bitmask is filled on the host (manager.py) while the device runs the step's forward pass, then
+copied with one pinned, non-blocking copy and unpacked on the device: bit j of word w allows token
+32 * w + j. Words past the vocabulary's end are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.host_copy import host_tensor, to_device_async
+
+
+@dataclass
+class GrammarOutput:
+    """vLLM's name: the bitmask rows of one step, one per constrained request that samples."""
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: torch.Tensor  # int32 (k, ceil(vocab_size / 32)), on the host
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 (k, W) -> bool (k, vocab_size), True where allowed. [[0b101]] (V=3) -> [[True, False, True]]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (k, W, 32); arithmetic shift, the & keeps one bit
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Mask rows `rows` of (R, V) logits with the host bitmask (k, W), k == len(rows). In place."""
+    if not rows:
+        return logits
+    vocab_size = logits.shape[1]
+    mask = to_device_async(bitmask, logits.device)
+    allowed = unpack_bitmask(mask, vocab_size)  # (k, V)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits.masked_fill_(~allowed, float("-inf"))
+    idx = host_tensor(rows, torch.int64, logits.device)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, idx, sub)

@@ -1,0 +1,71 @@
+"""One request's grammar, as the engine core holds it: compiled in the manager's pool, advanced by
+the tokens the scheduler accepted, asked for its bitmask row before each sampling step.
+
+Reasoning models: with `_reasoning_end_token_ids` set (the frontend's reasoning parser), the
+thinking text is unconstrained; the grammar starts with the first token after the end token.
+    output  [<think>, a, b, </think>, {, "]  ->  the grammar sees [{, "]
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import torch
+
+from pagedllm.structured_output.backend_types import StructuredOutputGrammar
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputRequest:
+    def __init__(self, request_id: str, params: StructuredOutputsParams, future: Future) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.future = future  # -> StructuredOutputGrammar
+        self.reasoning_end_ids = frozenset(params._reasoning_end_token_ids)
+        self.reasoning_ended = not self.reasoning_end_ids
+        self.num_accepted = 0  # output tokens the grammar has seen (after the reasoning)
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done()
+
+    @property
+    def grammar(self) -> StructuredOutputGrammar:
+        return self.future.result()
+
+    def advance(self, new_token_ids: list[int]) -> bool:
+        """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
+        allowed it; logged, and the rest of the output runs unconstrained)."""
+        tokens = new_token_ids
+        if not self.reasoning_ended:
+            for i, t in enumerate(tokens):
+                if t in self.reasoning_end_ids:
+                    self.reasoning_ended = True
+                    tokens = tokens[i + 1:]
+                    break
+            else:
+                return True
+        if not tokens:
+            return True
+        grammar = self.grammar
+        if grammar.is_terminated():
+            return True  # after the stop token: the request is finishing
+        ok = grammar.accept_tokens(tokens)
+        self.num_accepted += len(tokens)
+        if not ok:
+            logger.error("%s: the grammar refused sampled tokens %s", self.request_id, tokens)
+        return ok
+
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is constrained (reasoning over, grammar not yet ended)."""
+        return self.reasoning_ended and not self.grammar.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.constrains_next:
+            self.grammar.fill_bitmask(bitmask, row)
+        else:
+            bitmask[row].fill_(-1)

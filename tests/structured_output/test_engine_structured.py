@@ -1,0 +1,86 @@
+"""Constrained decoding in the engine: the embedded SmolLM2 (CPU), offline API.
+
+Constrained and unconstrained requests share batches; with async scheduling on and off the
+constrained outputs match their constraint and the unconstrained greedy tokens equal a run without
+the constrained neighbours, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+from tests.utils import assert_pool_idle
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+QUESTIONS = ["Describe a person.", "What is the capital of France?", "Name a color.", "Count to five."]
+
+
+@pytest.fixture(scope="module", params=[True], ids=["async"])  # sync: the CPU default, which the server tests run
+def llm(request):
+    llm = LLM(max_model_len=512, num_gpu_blocks_override=128, async_scheduling=request.param)
+    yield llm
+    del llm
+
+
+def chat_prompts(llm, questions):
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions]
+
+
+def test_mixed_batch(llm):
+    prompts = chat_prompts(llm, QUESTIONS)
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate(prompts[1:3], plain, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+        plain,
+        plain,
+        SamplingParams(temperature=0.9, seed=1, max_tokens=16,
+                       guided_decoding=GuidedDecodingParams(regex=r"[0-9]{3}-[a-z]{2,4}")),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    data = json.loads(outs[0].outputs[0].text)
+    assert set(data) == {"name", "age"} and isinstance(data["age"], int) and 0 <= data["age"] <= 120
+    assert outs[0].outputs[0].finish_reason == "stop"  # EOS only once the JSON is complete
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", outs[3].outputs[0].text)
+    for a, b in zip(alone, outs[1:3]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert_pool_idle(llm)
+
+
+def test_choice_always_matches(llm):
+    choices = ["yes", "no", "it depends"]
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=8, n=6,
+                        structured_outputs=StructuredOutputsParams(choice=choices))
+    out = llm.generate(chat_prompts(llm, ["Is the sky blue?"]), sp, use_tqdm=False)[0]
+    assert len(out.outputs) == 6
+    assert all(c.text in choices for c in out.outputs)
+
+
+def test_bad_constraints_are_refused_before_queueing(llm):
+    prompt = chat_prompts(llm, ["hi"])
+    for so, words in [
+        (StructuredOutputsParams(regex="(abc"), "parenthesis"),
+        (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+        (StructuredOutputsParams(grammar="root ::= foo"), "foo"),
+        (StructuredOutputsParams(json='{"type": "object", "properties": {"a": {"type": "nope"}}}'), "nope"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            llm.generate(prompt, SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="not available"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a", backend="outlines"))
+    assert_pool_idle(llm)

@@ -1,0 +1,113 @@
+"""response_format / structured_outputs / guided_* through the server, with the official openai client
+and the embedded SmolLM2: 50 schemas, streaming and not, all answers validate; choice and regex
+always match; chat.completions.parse with a pydantic model; bad input is a 400 naming the problem."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.entrypoints.openai.conftest import RemoteOpenAIServer
+from tests.structured_output.schemas import SCHEMAS
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RemoteOpenAIServer(["--max-model-len", "1024", "--max-num-seqs", "128", "--disable-uvicorn-access-log",
+                            "--num-gpu-blocks-override", "1024"])
+    yield s
+    s.stop()
+
+
+async def _one(client: openai.AsyncOpenAI, i: int, schema: dict, stream: bool) -> tuple[str, str]:
+    kwargs = dict(model=MODEL, max_tokens=100, temperature=0,
+                  messages=[{"role": "user", "content": f"Reply with JSON for example {i}."}],
+                  response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+    if not stream:
+        r = await client.chat.completions.create(**kwargs)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    parts, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(parts), finish
+
+
+def test_fifty_schemas_validate_streaming_and_not(server):
+    async def run():
+        client = server.async_client()
+        jobs = [_one(client, i, s, stream) for stream in (False, True) for i, s in enumerate(SCHEMAS)]
+        return await asyncio.gather(*jobs)
+
+    texts = asyncio.run(run())
+    failures = []
+    for k, (text, finish) in enumerate(texts):
+        schema = SCHEMAS[k % len(SCHEMAS)]
+        try:
+            assert finish == "stop", f"finish_reason {finish}"
+            jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+        except (AssertionError, json.JSONDecodeError, jsonschema.ValidationError) as e:
+            failures.append((k, text, str(e)[:200]))
+    assert not failures, failures
+
+
+def test_choice_regex_and_parse(server):
+    client = server.client()
+    choices = ["alpha", "beta", "gamma delta"]
+    r = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=8, n=8, temperature=1.0, seed=3,
+                                  extra_body={"guided_choice": choices})
+    assert all(c.text in choices for c in r.choices)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A phone number?"}],
+                                       max_tokens=20, n=8, temperature=1.0, seed=4,
+                                       extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}})
+    assert all(re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", c.message.content) for c in r.choices)
+    r = client.completions.create(model=MODEL, prompt='{"city": "Paris"}\n{"city": "Rome"}\n', max_tokens=60,
+                                  temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].text
+    assert isinstance(json.loads(r.choices[0].text), dict)
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A person, as JSON."}],
+                                           max_tokens=60, temperature=0, response_format=Person)
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "uniqueItems": True}}}}, "uniqueItems"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"response_format": {"type": "yaml"}}, "yaml"),
+        ({"guided_regex": "(abc"}, "parenthesis"),
+        ({"guided_json": {"type": "string", "pattern": "^a+$", "maxLength": 3}}, "maxLength"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "nope"),
+        ({"guided_grammar": "root ::= undefined_rule"}, "undefined_rule"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "only one"),
+        ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "outlines"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g'"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "enable-auto-tool-choice"),
+    ],
+)
+def test_bad_input_is_400(server, body, words):
+    r = server.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    m = server.wait_idle()  # nothing held
+    assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
