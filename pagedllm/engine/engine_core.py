@@ -86,6 +86,12 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Validate and queue; raises ValueError (nothing queued) when the request can never run."""
         if request.sampling_params.structured_outputs is not None:
+            if self.config.parallel_config.world_size > 1:
+                # The grammar's sampling split (Executor.sample_tokens) runs in one worker process only.
+                raise ValueError(
+                    "structured outputs (response_format json, guided_*, structured_outputs, tool_choice "
+                    "required / named) are not built with tensor_parallel_size x pipeline_parallel_size > 1 yet."
+                )
             self.structured_output_manager.add_request(request)
             self.waiting_for_grammar[request.request_id] = request
             return
