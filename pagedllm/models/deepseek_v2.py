@@ -30,7 +30,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, layer_index
-from pagedllm.models.utils import load_weights_with_mapping
+from pagedllm.models.utils import load_weights_with_mapping, single_stage
 from pagedllm.quantization.base import QuantizationConfig, UnquantizedLinearMethod
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -151,6 +151,7 @@ class DeepseekV2Model(LlamaModel):
         from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 
         self.config = config
+        single_stage(self, type(self).__name__)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")
         # Interleaved pairs (GPT-J style) on the rope part only; V3 with rope_interleave=False uses neox halves.

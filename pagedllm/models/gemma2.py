@@ -31,7 +31,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, get_head_dim, layer_index
-from pagedllm.models.utils import sliding_window_for_layer
+from pagedllm.models.utils import single_stage, sliding_window_for_layer
 from pagedllm.quantization.base import QuantizationConfig
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
@@ -113,6 +113,7 @@ class Gemma2Model(nn.Module):
                  decoder_layer_cls: type[nn.Module] = Gemma2DecoderLayer) -> None:
         super().__init__()
         self.config = config
+        single_stage(self, type(self).__name__)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")
         ropes = self.make_ropes(config)
@@ -133,8 +134,9 @@ class Gemma2Model(nn.Module):
         rope = get_rope(get_head_dim(config), config.max_position_embeddings, get_rope_parameters(config))
         return {"sliding_attention": rope, "full_attention": rope}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                intermediate_tensors: object = None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # one stage: intermediate_tensors is always None
         # transformers multiplies by the normalizer rounded to the model dtype (sqrt(3072) in bf16 is 55.5).
         hidden_states = hidden_states * torch.tensor(self.normalizer, dtype=hidden_states.dtype)
         residual = None

@@ -122,3 +122,14 @@ def _lookup(params: dict[str, nn.Parameter], param_name: str, ckpt_name: str) ->
     if param_name not in params:
         raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter ({param_name!r})")
     return params[param_name]
+
+
+def single_stage(model: object, architecture: str) -> None:
+    """For decoder stacks without pipeline stages (Gemma 2/3, DeepSeek V2/V3): refuse
+    pipeline_parallel_size > 1 by name, and mark the one stage as first and last (every layer)."""
+    from pagedllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().world_size > 1:
+        raise ValueError(f"pipeline_parallel_size > 1 is not built for {architecture}; use tensor_parallel_size.")
+    model.is_first_stage = model.is_last_stage = True
+    model.start_layer, model.end_layer = 0, model.config.num_hidden_layers
