@@ -42,7 +42,7 @@ class FinishedRequestStats:
             num_prompt_tokens=len(st.prompt_token_ids),
             prefill_time=max(0.0, first - start),
             decode_time=max(0.0, now - first),
-            max_tokens_param=st.params.max_tokens,
+            max_tokens_param=st.params.max_tokens if st.params is not None else None,  # None: pooling
             n_param=parent.n if parent is not None else 1,
             request_id=st.request_id,
         )

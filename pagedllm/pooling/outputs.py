@@ -94,6 +94,7 @@ class PoolingRequestState:
     parent = None
     index = 0
     output_kind = RequestOutputKind.FINAL_ONLY
+    params = None  # no SamplingParams: the finished-request metrics read max_tokens as None
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], arrival_time: float) -> None:
         self.request_id = request_id
