@@ -39,7 +39,7 @@ HARDENED_MAX_LOG_LEN = 40
 HARDENED = ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--trust-request-chat-template",
             "--max-prompt-cpu-seconds", "0.5", "--timeout-request-read", str(HARDENED_READ_TIMEOUT_S),
             "--timeout-keep-alive", "1", "--limit-concurrency", str(HARDENED_LIMIT_CONNECTIONS),
-            "--max-log-len", str(HARDENED_MAX_LOG_LEN)]
+            "--max-log-len", str(HARDENED_MAX_LOG_LEN), "--enable-log-requests"]  # request lines are off by default (vLLM)
 
 
 @pytest.fixture(scope="package")

@@ -142,8 +142,10 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         "Requests that carried unknown or unsupported fields (ignored; logged rate-limited).",
         ["model_name"], registry=stat_logger.registry,
     ).labels(models.served_model_names[0])
+    # Logged (rate-limited, escaped) as vLLM warns of ignored fields, whether or not each request is
+    # logged (--enable-log-requests); --disable-log-requests silences it.
     unknown_fields = UnknownFieldReporter(
-        log_enabled=log_requests, max_log_len=args.max_log_len, on_count=unknown_fields_total.inc
+        log_enabled=not args.disable_log_requests, max_log_len=args.max_log_len, on_count=unknown_fields_total.inc
     )
     for serving in (chat, completion, tokenization):
         serving.unknown_fields = unknown_fields
