@@ -105,9 +105,12 @@ class ServerLimits:
             return APIError(f"{param} may hold at most {limit} {what} ({flag}), got {got}.", param=param)
 
         prompt = obj.get("prompt")
+        # With truncate_prompt_tokens a longer token prompt is fine: it is cut before it is checked
+        # (serving_completion.py); the body's size bound (--max-json-values) still holds it.
+        truncated = obj.get("truncate_prompt_tokens") is not None
         if isinstance(prompt, list):
             if prompt and isinstance(prompt[0], int):  # one prompt of token ids
-                if len(prompt) >= self.max_model_len:
+                if len(prompt) >= self.max_model_len and not truncated:
                     self.check_prompt_token_ids(len(prompt), None, "prompt")
             else:
                 if len(prompt) > self.max_prompts:
@@ -117,7 +120,7 @@ class ServerLimits:
                         param="prompt",
                     )
                 for p in prompt:
-                    if isinstance(p, list) and len(p) >= self.max_model_len:
+                    if isinstance(p, list) and len(p) >= self.max_model_len and not truncated:
                         self.check_prompt_token_ids(len(p), None, "prompt")
         tokens = obj.get("tokens")  # /detokenize
         if isinstance(tokens, list) and len(tokens) > self.max_model_len:
