@@ -10,7 +10,7 @@ switches it was built with (pagedllm/envs.py, read once at start), never probed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -23,19 +23,22 @@ from pagedllm.attention.torch_ref import paged_attention
 
 @dataclass(frozen=True)
 class AttentionHeads:
-    """One layer's head layout: qkv rows are [q (num_heads * head_dim) | k | v (num_kv_heads * head_dim)]."""
+    """One layer's head layout: qkv rows are [q (num_heads * head_dim) | k | v (num_kv_heads * head_dim)].
+
+    The sizes are computed once here, not per layer call: every eager step reads them in every layer."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    q_size: int = field(init=False)  # num_heads * head_dim
+    kv_size: int = field(init=False)  # num_kv_heads * head_dim
+    split_sizes: tuple[int, int, int] = field(init=False)  # (q_size, kv_size, kv_size): qkv.split's
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def __post_init__(self) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        object.__setattr__(self, "q_size", q_size)
+        object.__setattr__(self, "kv_size", kv_size)
+        object.__setattr__(self, "split_sizes", (q_size, kv_size, kv_size))
 
 
 class AttentionBackend(Protocol):
@@ -91,7 +94,7 @@ def split_norm_rotate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The separate-kernel prep: (T, q_size + 2 * kv_size) -> q (T, q_size), k, v (T, kv_size)."""
     t = qkv.shape[0]
-    q, k, v = qkv.split([heads.q_size, heads.kv_size, heads.kv_size], dim=-1)
+    q, k, v = qkv.split(heads.split_sizes, dim=-1)
     if q_norm is not None:
         # Normalise every head separately: (T, heads * head_dim) -> (T, heads, head_dim) -> back.
         q = q_norm(q.reshape(t, heads.num_heads, heads.head_dim)).reshape(t, heads.q_size)

@@ -1,0 +1,88 @@
+"""Where the host time of a batch-1 decode step goes: schedule / launch / wait / update / output.
+
+`bench latency` gives one figure per step; this splits it, so an A/B of two trees shows whether a
+slower step is more host work (schedule, launch, update, output grow) or lost overlap (wait grows:
+the host blocks on the device). It wraps the engine core's calls from outside, so the same script
+runs against an older tree, whose core calls its ModelRunner directly:
+
+    PYTHONPATH=/path/to/tree python scripts/step_host_split.py --model qwen3-0.6b --load-format dummy
+
+(one H200, ~1 minute a model; the table is printed last). On the CPU it runs the same way on any
+model path (`--device cpu`), where every step is synchronous and `wait` is ~0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=257)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--num-iters", type=int, default=3)
+    args = ap.parse_args()
+
+    from pagedllm import LLM
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+    from pagedllm.worker import model_runner
+
+    llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=args.max_model_len,
+              skip_tokenizer_init=True)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+
+    launcher = getattr(core, "model_executor", None) or core.model_runner  # new tree / older tree
+    launcher.execute_model = timed("launch", launcher.execute_model)
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    core.scheduler.update_from_output = timed("update", core.scheduler.update_from_output)
+    model_runner.PendingOutput.get = timed("wait", model_runner.PendingOutput.get)
+    engine.output_processor.process_outputs = timed("output", engine.output_processor.process_outputs)
+
+    params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    rows: dict[str, list[float]] = defaultdict(list)
+    vocab = min(engine.config.model_config.vocab_size, 10000)
+    for it in range(args.num_iters + 1):  # the first is a warm-up
+        engine.add_request(f"it{it}", {"prompt_token_ids": [1 + (i * 7919) % (vocab - 1) for i in range(args.input_len)]},
+                           params)
+        n = 0
+        while engine.has_unfinished_requests():
+            spent.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t0
+            n += 1
+            if it == 0 or n <= 3:  # prefill and the first decode steps are not the steady state
+                continue
+            rows["step"].append(total)
+            for k in ("schedule", "launch", "wait", "update", "output"):
+                rows[k].append(spent[k])
+            rows["other"].append(total - sum(spent.values()))
+    print(f"batch-1 decode step, {len(rows['step'])} steps ({args.model}, async_scheduling="
+          f"{engine.config.scheduler_config.async_scheduling})")
+    print(f"{'part':<10}{'mean us':>10}{'p50 us':>10}")
+    for k in ("step", "schedule", "launch", "wait", "update", "output", "other"):
+        v = rows[k]
+        print(f"{k:<10}{statistics.fmean(v) * 1e6:>10.1f}{statistics.median(v) * 1e6:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
