@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from pagedllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
@@ -95,6 +97,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+        """Step until every request in `request_ids` (added, FINAL_ONLY) has finished; their outputs
+        in that order. An error (Ctrl-C included) aborts the ones still running before it propagates,
+        so no KV block stays held. Used by `LLM.generate` and the pooling calls alike."""
+        finished: dict[str, Any] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.abort_request([i for i in request_ids if i not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in request_ids]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

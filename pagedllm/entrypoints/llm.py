@@ -8,8 +8,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import unfreeze_gc_heap
 from pagedllm.engine.llm_engine import LLMEngine
@@ -145,17 +143,4 @@ class LLM:
         except ValueError:
             engine.abort_request(ids)
             raise
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
-            engine.abort_request([i for i in ids if i not in finished])
-            raise
-        finally:
-            bar.close()
-        return [finished[i] for i in ids]
+        return engine.run_to_completion(ids, use_tqdm)

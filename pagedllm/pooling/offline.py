@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
-
 from pagedllm.pooling.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -93,20 +91,7 @@ def run_pooling(llm: LLM, prompts: list[Any], params: list[PoolingParams], use_t
     except ValueError:
         engine.abort_request([i for i in ids if i])
         raise
-    finished: dict[str, PoolingRequestOutput] = {}
-    bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-    except BaseException:
-        engine.abort_request([i for i in ids if i not in finished])
-        raise
-    finally:
-        bar.close()
-    return [finished[i] for i in ids]
+    return engine.run_to_completion(ids, use_tqdm)
 
 
 def encode(llm: LLM, prompts: Any, pooling_params: Any = None, *, truncate_prompt_tokens: int | None = None,
