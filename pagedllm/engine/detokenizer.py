@@ -7,6 +7,10 @@ once it no longer ends in an incomplete character (U+FFFD):
 
     ids = [..., "▁The", "▁capital"], prefix window "▁The" -> "The"; with "▁capital" -> "The capital"
     new text = " capital"   (the space survives because "▁The" is in the window)
+
+`spaces_between_special_tokens=False` (with `skip_special_tokens=False`) is vLLM's rule: an added token
+right after another added token is emitted as its raw text, so "[CLS] [SEP]" (a WordPiece decode) reads
+"[CLS][SEP]". Tokenizers whose decode puts nothing between added tokens (byte-level BPE) are unchanged.
 """
 
 from __future__ import annotations
@@ -26,9 +30,15 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # {token id: its text} of the added tokens, when adjacent ones must not be spaced apart.
+        self._added: dict[int, str] = {}
+        if not (spaces_between_special_tokens or skip_special_tokens):
+            self._added = {tid: tok.content for tid, tok in tokenizer.added_tokens_decoder.items()}
+        self._last_added = False
         self.ids: list[int] = list(prompt_token_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -48,6 +58,13 @@ class IncrementalDetokenizer:
         start_len = len(self.output_text)
         for tok in new_token_ids:
             self.ids.append(tok)
+            raw = self._added.get(tok) if self._added else None
+            if raw is not None and self._last_added:
+                self.output_text += raw  # adjacent added tokens: no space between them (vLLM's rule)
+                self.prefix_offset = max(self.read_offset, len(self.ids) - _WINDOW)
+                self.read_offset = len(self.ids)
+                continue
+            self._last_added = raw is not None
             prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full_text = self._decode(self.ids[self.prefix_offset :])
             if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):

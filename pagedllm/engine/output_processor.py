@@ -50,7 +50,8 @@ class RequestState:
         self.output_kind = params.output_kind
         self.detokenizer = (
             IncrementalDetokenizer(
-                tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output,
+                params.spaces_between_special_tokens,
             )
             if tokenizer is not None and params.detokenize
             else None

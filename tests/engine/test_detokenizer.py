@@ -42,3 +42,32 @@ def test_stop_string_is_held_back_while_streaming():
             break
     assert found == "three"
     assert shown == "one two " == d.output_text
+
+
+def test_spaces_between_special_tokens_false_joins_adjacent_added_tokens():
+    """vLLM's rule: with skip_special_tokens=False and spaces_between_special_tokens=False, an added
+    token right after another is emitted as its raw text. A WordPiece decode spaces every token apart,
+    so the rule shows; the default keeps the tokenizer's own decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world"])}
+    wp = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wp.pre_tokenizer, wp.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                  pad_token="[PAD]")
+    hello, cls, sep, world = (tok.convert_tokens_to_ids(t) for t in ("hello", "[CLS]", "[SEP]", "world"))
+    new = [cls, sep, cls, world]
+
+    def run(**kw) -> str:
+        det = IncrementalDetokenizer(tok, [hello], skip_special_tokens=False, **kw)
+        for t in new:  # one token a step, as the engine streams them
+            det.update([t])
+        return det.output_text
+
+    assert run() == tok.decode([hello, *new], skip_special_tokens=False)[len("hello"):] == " [CLS] [SEP] [CLS] world"
+    assert run(spaces_between_special_tokens=False) == " [CLS][SEP][CLS] world"
+    # Skipping special tokens leaves nothing to join: the flag changes nothing then.
+    det = IncrementalDetokenizer(tok, [hello], skip_special_tokens=True, spaces_between_special_tokens=False)
+    det.update(new)
+    assert det.output_text == " world"
