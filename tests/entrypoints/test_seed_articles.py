@@ -7,8 +7,8 @@ names become one local checkpoint (a tiny random Llama with SmolLM2's tokenizer 
 8192 positions, so the articles' max_model_len values hold), tensor_parallel_size becomes 1, and
 in client code the server URL's port becomes the test server's. Everything else runs as written.
 
-Not run here, and why: §4.1 / §4.2 (AWQ / GPTQ checkpoints: quantized loading is issue 19; the
-refusal naming the method is tested in test_launch_commands), §6.1 (a Qdrant server and two hub
+§4.1 / §4.2 run on AWQ / GPTQ checkpoints of the seed model (test_quantized_model_blocks). Not run here,
+and why: §6.1 (a Qdrant server and two hub
 models), §3.2's embeddings call (no embedding model: issue 21; it is run and must fail with an HTTP
 error, not a crash). The GPU loop of §4.3 / §7.1 (`del llm; torch.cuda.empty_cache()` between
 engines) runs on the H200 with scripts/gpu_seed_loop.py; here the same blocks run on the CPU.
@@ -196,6 +196,36 @@ def _parse_launch(command: str) -> None:
     assert argv[:3] == ["python", "-m", "pagedllm.entrypoints.openai.api_server"], argv
     args = parse_server_args(argv[3:])
     EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_quantized_model_blocks(model_dir, capsys):
+    """§4.1 / §4.2 as written (only the model name points at a local checkpoint): LLM(...,
+    quantization="awq" | "gptq") on AWQ / GPTQ checkpoints of the seed model, packed as AutoAWQ /
+    AutoGPTQ pack them (tests/quantization/quant_ckpt.py), with the seed model's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.quantization.quant_ckpt import awq_checkpoint, gptq_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    blocks = ((awq_checkpoint, 495, 508, "from vllm import LLM", "TheBloke/Qwen2.5-72B-Instruct-AWQ"),
+              (gptq_checkpoint, 512, 520, "# GPTQ", "TheBloke/Qwen2.5-72B-Instruct-GPTQ"))
+    for make, start, end, first, name in blocks:
+        path, _ = make(model)
+        for f in Path(model_dir).iterdir():
+            if "token" in f.name or f.name.endswith(".jinja"):
+                shutil.copy(f, path / f.name)
+        code = port(block(A, start, end, first), model_dir).replace(f'"{name}"', repr(str(path)))
+        if start == 512:  # §4.2 builds the engine only; generate once with it, as §4.1 does
+            code = "from vllm import LLM\n".replace("vllm", "pagedllm") + code
+        ns = run(code)
+        assert ns["llm"].llm_engine.model_config.quantization == name.rsplit("-", 1)[1].lower()
+        out = ns["llm"].generate(["解释什么是PagedAttention。"], use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason in ("stop", "length")
+        del ns
+    assert capsys.readouterr().out.strip()  # §4.1 printed its answer
 
 
 def test_launch_commands(model_dir, tmp_path):
