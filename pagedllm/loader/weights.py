@@ -96,18 +96,26 @@ def _has_pt(model_dir: Path) -> bool:
     return (model_dir / PT_INDEX).is_file() or any(model_dir.glob("*.bin"))
 
 
+def _indexed_shards(model_dir: Path, index_name: str) -> list[Path] | None:
+    """The shards a checkpoint index (`*.index.json`) names, each checked to exist; None without an index."""
+    index = model_dir / index_name
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no 'weight_map'; the checkpoint index is damaged.")
+    files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{index} names shards that are not in {model_dir}: {', '.join(missing)}")
+    return files
+
+
 def pt_files(model_dir: Path) -> list[Path]:
     """The .bin shards: those named in pytorch_model.bin.index.json, else every *.bin except
     training leftovers (training_args.bin, optimizer states)."""
-    index = model_dir / PT_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map'; the checkpoint index is damaged.")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{index} names shards that are not in {model_dir}: {', '.join(missing)}")
+    files = _indexed_shards(model_dir, PT_INDEX)
+    if files is not None:
         return files
     files = [f for f in sorted(model_dir.glob("*.bin")) if f.name not in ("training_args.bin", "optimizer.bin")]
     if not files:
@@ -138,15 +146,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     With an index, stray files next to the shards (e.g. a `consolidated.safetensors` copy of the whole
     model in some repos) are not read twice.
     """
-    index = model_dir / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map'; the checkpoint index is damaged.")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{index} names shards that are not in {model_dir}: {', '.join(missing)}")
+    files = _indexed_shards(model_dir, SAFETENSORS_INDEX)
+    if files is not None:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
