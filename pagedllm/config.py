@@ -160,13 +160,19 @@ class SchedulerConfig:
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
+def is_executor_qualname(backend: object) -> bool:
+    """'package.module.Class': a custom Executor subclass named as vLLM accepts one."""
+    return isinstance(backend, str) and "." in backend and all(part.isidentifier() for part in backend.split("."))
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # "uni": one worker in the engine core's process; "mp": one worker process per rank; "ray": Ray
     # actors. None resolves to "uni" for one worker, else "mp" (as vLLM on one node), or "ray" when
-    # a ray_address is given.
+    # a ray_address is given. As in vLLM, also the fully qualified name of an Executor subclass
+    # ("package.module.Class"), imported where the engine core runs (executor/abstract.py).
     distributed_executor_backend: str | None = None
     # The Ray cluster to join ("auto": the one `ray start` runs on this node; "host:port"; None: a
     # local one started for this engine). Only the Ray executor reads it.
@@ -186,9 +192,10 @@ class ParallelConfig:
             # Resolved once here, as frozen configs resolve their own defaults.
             default = "ray" if self.ray_address else ("uni" if self.world_size == 1 else "mp")
             object.__setattr__(self, "distributed_executor_backend", default)
-        elif backend not in EXECUTOR_BACKENDS:
+        elif backend not in EXECUTOR_BACKENDS and not is_executor_qualname(backend):
             raise ValueError(
-                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}."
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)} or the fully "
+                f"qualified name of an Executor subclass ('package.module.Class'), got {backend!r}."
             )
         elif backend == "uni" and self.world_size != 1:
             raise ValueError(

@@ -314,10 +314,11 @@ class EngineArgs:
                        help="auto (default), or the backend built for the device: TRITON_ATTN (GPU), CPU_ATTN (CPU)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-        g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+        g.add_argument("--distributed-executor-backend", default=None, metavar="{" + ",".join(EXECUTOR_BACKENDS) + "}",
                        help="where the ranks run: mp (one process per rank, this node), ray (Ray actors, one "
-                            "node or many), uni (one worker in the engine process); default: uni for one rank, "
-                            "else mp, or ray with --ray-address")
+                            "node or many), uni (one worker in the engine process), or the qualified name of an "
+                            "Executor subclass (package.module.Class); default: uni for one rank, else mp, or "
+                            "ray with --ray-address")
         g.add_argument("--ray-address", default=None,
                        help="Ray cluster for the ray backend: auto (the `ray start` of this node) or host:port")
         g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedllm.config import EngineConfig, ParallelConfig
+from pagedllm.config import EngineConfig, ParallelConfig, is_executor_qualname
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import GrammarOutput
 
@@ -56,6 +56,18 @@ _BACKENDS = {
 }
 
 
+def _import_executor(qualname: str) -> type[Executor]:
+    """The Executor subclass a fully qualified name points at, or a ValueError saying why not."""
+    module_name, _, class_name = qualname.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"distributed_executor_backend={qualname!r} cannot be imported: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Executor)):
+        raise ValueError(f"distributed_executor_backend={qualname!r} is not an Executor subclass.")
+    return cls
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -64,6 +76,8 @@ class Executor(ABC):
     @staticmethod
     def get_class(parallel_config: ParallelConfig) -> type[Executor]:
         backend = parallel_config.distributed_executor_backend or "uni"
+        if is_executor_qualname(backend) and backend not in _BACKENDS:
+            return _import_executor(backend)
         if backend not in _BACKENDS:
             raise ValueError(f"unknown distributed_executor_backend {backend!r}; choose one of {', '.join(_BACKENDS)}.")
         module_name, class_name = _BACKENDS[backend]

@@ -120,6 +120,30 @@ def test_get_class():
             assert issubclass(Executor.get_class(pc), Executor)
     with pytest.raises(ValueError, match="must be one of uni, mp, ray"):
         ParallelConfig(distributed_executor_backend="threads")
+    # vLLM's third form: an Executor subclass by its qualified name, imported where the core runs.
+    null = "pagedllm.benchmarks.null_executor.NullExecutor"
+    assert Executor.get_class(ParallelConfig(distributed_executor_backend=null)).__name__ == "NullExecutor"
+    for bad, why in (("pagedllm.nothing_here.Executor", "cannot be imported"),
+                     ("pagedllm.config.ParallelConfig", "is not an Executor subclass")):
+        with pytest.raises(ValueError, match=why):
+            Executor.get_class(ParallelConfig(distributed_executor_backend=bad))
+
+
+def test_the_null_executor_runs_the_whole_engine_without_a_model():
+    # The serving path's ceiling (pagedllm/benchmarks/null_executor.py): real scheduler and
+    # detokenizer, tokens a function of the position, every block back in the pool at the end.
+    from pagedllm import LLM
+
+    path, _ = tiny_model("llama3", with_tokenizer=True)
+    llm = LLM(path, device="cpu", max_model_len=128, num_gpu_blocks_override=64,
+              distributed_executor_backend="pagedllm.benchmarks.null_executor.NullExecutor")
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(1, 40))}],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    vocab = min(llm.llm_engine.config.model_config.vocab_size, 10000)
+    assert [o.outputs[0].token_ids for o in outs] == [[(n * 7919 + 100) % vocab for n in range(p, p + 4)]
+                                                      for p in (3, 39)]
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 64
 
 
 def test_a_scheduler_output_round_trips_through_msgpack(config):

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# HTTP serving on the GPU machine, pagedllm's server beside vLLM's, both driven by the same
+# `pagedllm bench serve` (issue 16's table). From the repo root:
+#   bash scripts/gpu_serve_bench.sh OUT MODEL_DIR SERVER [SERVER ...]
+# SERVER: vllm | ours | ours-thread (engine core in a thread of the server process) | ours-null (no
+# model: NullExecutor, the serving path's ceiling) | tree=PATH (ours from another checkout, for A/B)
+# MODEL_DIR: a config.json + tokenizer folder (../shared/peers/README.md: the Qwen3-0.6B shape with
+# the SmolLM2 tokenizer's 49,152-entry vocabulary); weights are dummy. Loads, in this order:
+#   c256  W1 (256 requests, lengths in [100, 1024]) all at once, 256 concurrent
+#   c64   512 W1-like requests, 64 concurrent
+# Token-id prompts below 10,000, ignore_eos, temperature 0.6, streamed /v1/completions. ~1-2 min a server.
+set -u
+OUT=$1; MODEL=$2; shift 2
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+LOADS=${LOADS:-c256 c64}
+PORT=8200
+bench() {  # $1 label
+  for load in $LOADS; do
+    case $load in
+      c256) a="--num-prompts 256 --max-concurrency 256" ;;
+      c64) a="--num-prompts 512 --max-concurrency 64" ;;
+      tiny) a="--num-prompts 32 --max-concurrency 16" ;;
+    esac
+    PYTHONPATH=$PWD timeout 200 python3 -m pagedllm bench serve --base-url http://127.0.0.1:$PORT --model m \
+      --dataset-name w1 $a --temperature 0.6 --seed 0 --disable-tqdm --output-json "$OUT/$1_$load.json" \
+      > "$OUT/$1_$load.log" 2>&1
+    echo "$1 $load: $(grep -E 'Output token throughput|Median \(P50\) TTFT|Median \(P50\) TPOT|P99 TPOT' "$OUT/$1_$load.log" | awk '{print $NF}' | tr '\n' ' ')"
+  done
+}
+wait_ready() {  # $1 pid
+  for _ in $(seq 240); do
+    curl -sf http://127.0.0.1:$PORT/v1/models > /dev/null && return 0
+    kill -0 "$1" 2> /dev/null || return 1
+    sleep 0.5
+  done
+  return 1
+}
+echo "label load: output_tok/s TTFT_p50_ms TPOT_p50_ms TPOT_p99_ms"
+for server in "$@"; do
+  t0=$(date +%s.%N)
+  tree=$PWD
+  env=()
+  case $server in
+    vllm)
+      PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+        --load-format dummy --served-model-name m --port $PORT --max-model-len 4096 --disable-log-requests \
+        > "$OUT/server_$server.log" 2>&1 &
+      ;;
+    ours|ours-thread|ours-null|tree=*)
+      extra=()
+      [ "$server" = ours-thread ] && env=(PAGEDLLM_ENABLE_MULTIPROCESSING=0)
+      [ "$server" = ours-null ] && extra=(--distributed-executor-backend pagedllm.benchmarks.null_executor.NullExecutor)
+      [[ $server == tree=* ]] && tree=${server#tree=}
+      (cd "$tree" && env "${env[@]}" PYTHONPATH="$tree" python3 -m pagedllm serve "$MODEL" --load-format dummy \
+        --served-model-name m --port $PORT --max-model-len 4096 "${extra[@]}" > "$OUT/server_${server//[\/=]/_}.log" 2>&1) &
+      ;;
+  esac
+  pid=$!
+  if ! wait_ready $pid; then echo "$server did not start:"; tail -5 "$OUT"/server_*.log; kill $pid; continue; fi
+  echo "$server ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+  bench "${server//[\/=]/_}"
+  pkill -f "$MODEL" ; pkill -f "vllm.entrypoints" ; sleep 3; pkill -9 -f "$MODEL"; sleep 1
+done
