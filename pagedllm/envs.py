@@ -88,7 +88,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_CACHE_ROOT": _cache_root,
     # -- engine --
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs AsyncLLM's engine core in its own process, 0 in a
-    # thread; unset (None): a process on the CPU, a thread on a GPU (engine/core_client.py).
+    # thread; unset (None): a process, as vLLM's default (engine/core_client.py).
     "PAGEDLLM_ENABLE_MULTIPROCESSING": _multiprocessing,
     # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
     # every rank and fails the engine (executor/multiproc.py). Default 300.

@@ -2,7 +2,7 @@
 # HTTP serving on the GPU machine, pagedllm's server beside vLLM's, both driven by the same
 # `pagedllm bench serve` (issue 16's table). From the repo root:
 #   bash scripts/gpu_serve_bench.sh OUT MODEL_DIR SERVER [SERVER ...]
-# SERVER: vllm | ours | ours-thread (engine core in a thread of the server process) | ours-null (no
+# SERVER: vllm | ours | ours-thread / ours-mp (engine core in a thread of the server process / its own) | ours-null (no
 # model: NullExecutor, the serving path's ceiling) | tree=PATH (ours from another checkout, for A/B)
 # MODEL_DIR: a config.json + tokenizer folder (../shared/peers/README.md: the Qwen3-0.6B shape with
 # the SmolLM2 tokenizer's 49,152-entry vocabulary); weights are dummy. Loads, in this order:
@@ -29,7 +29,7 @@ bench() {  # $1 label
   done
 }
 wait_ready() {  # $1 pid
-  for _ in $(seq 240); do
+  for _ in $(seq ${READY_WAIT_HALF_S:-400}); do
     curl -sf http://127.0.0.1:$PORT/v1/models > /dev/null && return 0
     kill -0 "$1" 2> /dev/null || return 1
     sleep 0.5
@@ -43,16 +43,17 @@ for server in "$@"; do
   env=()
   case $server in
     vllm)
-      PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-        --load-format dummy --served-model-name m --port $PORT --max-model-len 4096 --disable-log-requests \
+      PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 setsid python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+        --load-format dummy --served-model-name m --port $PORT --max-model-len 4096 \
         > "$OUT/server_$server.log" 2>&1 &
       ;;
-    ours|ours-thread|ours-null|tree=*)
+    ours|ours-thread|ours-mp|ours-null|tree=*)
       extra=()
       [ "$server" = ours-thread ] && env=(PAGEDLLM_ENABLE_MULTIPROCESSING=0)
+      [ "$server" = ours-mp ] && env=(PAGEDLLM_ENABLE_MULTIPROCESSING=1)
       [ "$server" = ours-null ] && extra=(--distributed-executor-backend pagedllm.benchmarks.null_executor.NullExecutor)
       [[ $server == tree=* ]] && tree=${server#tree=}
-      (cd "$tree" && env "${env[@]}" PYTHONPATH="$tree" python3 -m pagedllm serve "$MODEL" --load-format dummy \
+      (cd "$tree" && exec env "${env[@]}" PYTHONPATH="$tree" setsid python3 -m pagedllm serve "$MODEL" --load-format dummy \
         --served-model-name m --port $PORT --max-model-len 4096 "${extra[@]}" > "$OUT/server_${server//[\/=]/_}.log" 2>&1) &
       ;;
   esac
@@ -60,5 +61,7 @@ for server in "$@"; do
   if ! wait_ready $pid; then echo "$server did not start:"; tail -5 "$OUT"/server_*.log; kill $pid; continue; fi
   echo "$server ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
   bench "${server//[\/=]/_}"
-  pkill -f "$MODEL" ; pkill -f "vllm.entrypoints" ; sleep 3; pkill -9 -f "$MODEL"; sleep 1
+  # The server leads its own session (setsid): stop the whole group, engine processes included.
+  pgid=$(ps -o pgid= -p $pid | tr -d ' ')
+  [ -n "$pgid" ] && kill -TERM -- -"$pgid"; sleep 4; [ -n "$pgid" ] && kill -9 -- -"$pgid" 2> /dev/null; sleep 1
 done

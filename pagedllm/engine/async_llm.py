@@ -1,24 +1,19 @@
 """AsyncLLM: the asyncio frontend used by the server. Many requests stream at once.
 
-Three threads share the work, so neither the event loop nor the step loop waits on text work:
+The event loop does the frontend's work; the step loop runs elsewhere and never waits on text work:
 
-    asyncio loop (server)               output thread                  engine (core_client.py)
-    ---------------------               -------------                  -----------------------
-    add_request: tokenize, states and
-      Requests built in the worker pool
-      states --------------------------> register
-      Requests ------------------------------------------------ add -> apply adds / aborts / stops
-                                                                        step() -> EngineCoreOutputs
-                                        detokenize, stop strings, <---- outputs (at most
-                                        RequestOutputs, IterationStats   MAX_PENDING_BATCHES behind)
-    mailboxes, metrics <--------------- call_soon_threadsafe
-    abort (disconnect): forget now;
-      "abort" -------------------------> forget states
-      "abort" (core ids) ---------------------------------------------> applied before the next step
+    asyncio loop (server)                                             engine (core_client.py)
+    ---------------------                                             -----------------------
+    add_request: tokenize, states and Requests built in the
+      worker pool; states registered -------------- AddRequests ---> apply adds / aborts / stops
+                                                                      step() -> EngineCoreOutputs
+    one step's outputs per loop iteration (output_pump.py): <------- StepOutputs (at most
+      detokenize, stop strings, RequestOutputs, IterationStats,       MAX_PENDING_BATCHES behind)
+      mailboxes, metrics
+    abort (disconnect): forget now ---------------- AbortRequests --> applied before the next step
 
-The engine side (`EngineCoreClient`) runs the EngineCore in a thread of this process, or on the CPU
-in a process of its own (engine/core_proc.py). The OutputProcessor is touched only by the output
-thread; the loop owns the mailboxes. Every request gets an internal id (`"{request_id}-{seq}"`), so a
+The engine side (`EngineCoreClient`) runs the EngineCore in a process of its own (engine/core_proc.py;
+the default) or in a thread of this one. The loop alone touches the OutputProcessor and the mailboxes. Every request gets an internal id (`"{request_id}-{seq}"`), so a
 caller may reuse a request id the moment its previous request ended, without outputs of the old one
 still in flight reaching the new one.
 """
@@ -28,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +36,7 @@ from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.messages import AbortRequests, AddRequests, EngineCoreRequest, StepOutputs, StopRequests
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.output_pump import OutputPump
 from pagedllm.engine.output_stream import LiveRequest, RequestOutputCollector, RequestOutputStream
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
@@ -55,39 +49,19 @@ T = TypeVar("T")
 StatLogger = Callable[[SchedulerStats | None, IterationStats | None], None]
 
 class EngineDeadError(RuntimeError):
-    """The engine thread crashed; no request can be served any more."""
-
-
-# What the output thread's queue carries besides the engine's StepOutputs (engine/messages.py).
-@dataclass(slots=True)
-class _RegisterStates:
-    states: list[RequestState]  # before the engine can produce a token for them
-
-
-@dataclass(slots=True)
-class _ForgetRequests:
-    internal_ids: list[str]  # aborted: drop their detokenizer states
-    arrival_time: float = 0.0  # for the aborted sequences' stats (e2e latency)
+    """The engine (or the output processing) failed; no request can be served any more."""
 
 
 @dataclass(slots=True)
 class _EngineFailed:
-    error: BaseException  # after the outputs queued before it
-
-
-@dataclass(slots=True)
-class _StopOutputThread:
-    pass
-
-
-_OutputItem = StepOutputs | _RegisterStates | _ForgetRequests | _EngineFailed | _StopOutputThread
+    error: BaseException  # through the pump: after the outputs queued before it
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2) -> None:
         self.config = config
         self.model_config = config.model_config
-        self._outq: queue.SimpleQueue[_OutputItem] = queue.SimpleQueue()  # -> output thread
+        self._outq = OutputPump(self._on_output_item)  # engine replies -> the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         # Started first, so that in an engine process the model loads there while the tokenizer
         # loads here.
@@ -95,8 +69,8 @@ class AsyncLLM:
             config,
             self._outq,
             on_failed=lambda failed: self._call_on_loop(self._fail_requests, failed),
-            # Through the output thread: the steps finished before the failure reach their
-            # streams first, then the error.
+            # Through the pump: the steps finished before the failure reach their streams
+            # first, then the error.
             on_dead=lambda exc: self._outq.put(_EngineFailed(exc)),
         )
         try:
@@ -106,7 +80,7 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(0)
             raise
-        self.output_processor = OutputProcessor(self.tokenizer)  # the output thread's alone
+        self.output_processor = OutputProcessor(self.tokenizer)  # the event loop's alone
         self.stat_loggers: list[StatLogger] = []
         self.dead_error: EngineDeadError | None = None
         # Set by refuse_new_requests (a draining server): add_request raises it.
@@ -117,7 +91,7 @@ class AsyncLLM:
         self._ids_in_use: dict[str, str | None] = {}
         self._core_owner: dict[str, str] = {}
         self._seq = itertools.count()
-        self._output_thread: threading.Thread | None = None
+        self._started = False
         # Tokenization and chat-template rendering run here, never on the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="pagedllm-tokenizer")
 
@@ -152,8 +126,7 @@ class AsyncLLM:
 
     def request_overview(self, limit: int = 50) -> list[dict[str, Any]]:
         """The unfinished sequences (at most `limit`, oldest first) with their token counts, for the
-        web console. Safe to call on the event loop: it copies the output thread's table in one step
-        (list() of a dict holds the GIL throughout) and reads plain attributes."""
+        web console. Called on the event loop, which owns the table."""
         now = time.time()
         out = []
         for st in list(self.output_processor.request_states.values())[:limit]:
@@ -210,8 +183,9 @@ class AsyncLLM:
         self._ids_in_use[request_id] = internal_id
         for cid in core_ids:
             self._core_owner[cid] = internal_id
-        # Output thread first: its states exist before the engine can produce a token for them.
-        self._outq.put(_RegisterStates(prep.states))
+        # States first: they exist before the engine can produce a token for them.
+        for st in prep.states:
+            self.output_processor.add_request(st)
         self.engine_core.send(AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests]))
         return RequestOutputStream(live, self._abort_live)
 
@@ -254,7 +228,7 @@ class AsyncLLM:
             return  # finished or aborted already
         self._forget(live)
         if self.dead_error is None:
-            self._outq.put(_ForgetRequests([live.internal_id], live.arrival_time))
+            self._count_aborted(self.output_processor.abort_requests([live.internal_id]), live.arrival_time)
             self.engine_core.send(AbortRequests(live.core_ids))
 
     def _forget(self, live: LiveRequest) -> None:
@@ -279,11 +253,11 @@ class AsyncLLM:
 
     # -- threads -----------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
-        if self._output_thread is not None:
+        if self._started:
             return
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        self._output_thread = threading.Thread(target=self._run_output_handler, name="pagedllm-output", daemon=True)
-        self._output_thread.start()
+        self._outq.bind(self._loop)
         self.engine_core.start()
 
     def start(self) -> None:
@@ -298,42 +272,33 @@ class AsyncLLM:
         except RuntimeError:
             pass  # the loop closed under us (interpreter shutdown)
 
-    # -- output thread -----------------------------------------------------------------------------
-    def _run_output_handler(self) -> None:
-        op = self.output_processor
-        try:
-            while True:
-                match self._outq.get():
-                    case StepOutputs(outputs=outputs, stats=stats, queue_times=queue_times):
-                        try:
-                            request_outputs, it = self._process_outputs(outputs, queue_times)
-                        finally:
-                            self.engine_core.batch_done()
-                        self._call_on_loop(self._deliver, request_outputs, stats, it)
-                    case _RegisterStates(states=states):
-                        for st in states:
-                            op.add_request(st)
-                    case _ForgetRequests(internal_ids=ids, arrival_time=arrival_time):
-                        self._count_aborted(op.abort_requests(ids), arrival_time)
-                    case _EngineFailed(error=error):  # after the outputs queued before it
-                        self._call_on_loop(self._on_engine_dead, error)
-                        return
-                    case _StopOutputThread():
-                        return
-                    case item:
-                        raise AssertionError(f"unknown output-thread item {item!r}")
-        except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
-            logger.exception("output thread died")
-            self._call_on_loop(self._on_engine_dead, e)
+    # -- engine replies, on the event loop (output_pump.py) -----------------------------------------
+    def _on_output_item(self, item: StepOutputs | _EngineFailed) -> None:
+        if self.dead_error is not None:
+            return
+        match item:
+            case StepOutputs(outputs=outputs, stats=stats, queue_times=queue_times):
+                try:
+                    request_outputs, it = self._process_outputs(outputs, queue_times)
+                except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
+                    logger.exception("output processing failed")
+                    self._on_engine_dead(e)
+                    return
+                finally:
+                    self.engine_core.batch_done()
+                self._deliver(request_outputs, stats, it)
+            case _EngineFailed(error=error):  # after the outputs queued before it
+                self._on_engine_dead(error)
+            case _:
+                raise AssertionError(f"unknown engine reply {item!r}")
 
     def _count_aborted(self, core_ids: list[str], arrival_time: float) -> None:
-        """(output thread) The sequences an abort found unfinished finish with reason "abort" in the
-        stats (vLLM's request_success_total{finished_reason="abort"}). Counted here, in order with the
-        outputs: a sequence that finished while its abort was on the way counts once, as finished."""
+        """The sequences an abort found unfinished finish with reason "abort" in the stats (vLLM's
+        request_success_total{finished_reason="abort"}). A sequence that finished before its abort
+        counts once, as finished (its state is gone by then)."""
         if core_ids:
             e2e = max(0.0, time.time() - arrival_time) if arrival_time else 0.0
-            it = IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in core_ids])
-            self._call_on_loop(self._log_stats, it)
+            self._log_stats(IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in core_ids]))
 
     def _log_stats(self, it: IterationStats) -> None:
         for log in self.stat_loggers:
@@ -378,7 +343,7 @@ class AsyncLLM:
         for ro in request_outputs:
             live = self._live.get(ro.request_id)
             if live is None:
-                continue  # aborted while the output thread worked on it
+                continue  # aborted after this step's outputs were built
             ro.request_id = live.request_id
             live.collector.put(ro)
             if ro.finished:
@@ -400,7 +365,7 @@ class AsyncLLM:
         self.dead_error = EngineDeadError(f"The engine failed and cannot serve requests: {type(exc).__name__}: {exc}")
         self.dead_error.__cause__ = exc
         self.engine_core.stop()
-        self._outq.put(_StopOutputThread())
+        self._outq.close()
         for live in self._live.values():
             live.collector.put(self.dead_error)
         self._live.clear()
@@ -413,8 +378,6 @@ class AsyncLLM:
                 logger.exception("engine-dead callback failed")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._outq.put(_StopOutputThread())
+        self._outq.close()
         self.engine_core.shutdown(timeout)
-        if self._output_thread is not None and self._output_thread.is_alive():
-            self._output_thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

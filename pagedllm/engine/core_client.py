@@ -7,16 +7,17 @@
                                           MPClient: a sender thread writes the commands to
                                           the engine process (engine/core_proc.py), a
                                           receiver thread reads its replies back
-    output thread <---------------------- StepOutputs, at most MAX_PENDING_BATCHES ahead of
-      (batch_done() when consumed)          the output thread
+    event loop <------------------------- StepOutputs (through output_pump.py), at most
+      (batch_done() when consumed)          MAX_PENDING_BATCHES ahead of the loop
 
 Both clients speak the same typed messages (engine/messages.py) and hand every reply to
 `_handle_reply`; only the transport differs. `EngineCoreClient.make_client` picks one.
 
 Where the core runs: vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, here PAGEDLLM_ENABLE_MULTIPROCESSING: "1"
-its own process, "0" a thread of this one; unset, a process on the CPU (the step loop gives the GIL up
-at every kernel call and must not wait for the event loop's threads to get it back) and a thread on a
-GPU. Either way only one thread ever touches the EngineCore, which stays pure and single-threaded.
+(the default) its own process, "0" a thread of this one. In one process the step loop and the event
+loop share a GIL: on the CPU the step loop gives it up at every kernel call, on a GPU at every launch
+and sync, and each time waits for the frontend's Python to hand it back (BENCHMARKS.md, issue 16).
+Either way only one thread ever touches the EngineCore, which stays pure and single-threaded.
 
 Failures come back through two callbacks, called on the client's threads: `on_failed` with the
 requests the core refused ({core request id: error}; the engine lives on) and `on_dead` with the
@@ -32,6 +33,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any, Protocol
 
 import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
@@ -53,7 +55,11 @@ from pagedllm.engine.messages import (
 
 logger = logging.getLogger(__name__)
 
-# How many steps' outputs may wait for the output thread before the engine waits for it:
+class OutputSink(Protocol):
+    def put(self, item: Any) -> None: ...
+
+
+# How many steps' outputs may wait for the frontend before the engine waits for it:
 # backpressure, so a slow detokenizer makes the engine slower instead of a queue longer.
 MAX_PENDING_BATCHES = 4
 # The variables' names, for tests that set them (pagedllm/envs.py reads and documents them).
@@ -65,7 +71,7 @@ FailedCallback = Callable[[dict[str, BaseException]], None]  # core request id -
 
 def _use_engine_process(config: EngineConfig) -> bool:
     choice = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
-    wanted = config.device_config.device == "cpu" if choice is None else choice
+    wanted = True if choice is None else choice
     return wanted and multiprocessing_available()
 
 
@@ -77,14 +83,14 @@ class EngineCoreClient(ABC):
     @staticmethod
     def make_client(
         config: EngineConfig,
-        outq: queue.SimpleQueue,  # the output thread's queue: StepOutputs go there
+        outq: OutputSink,  # StepOutputs go there (AsyncLLM's OutputPump)
         on_failed: FailedCallback,
         on_dead: Callable[[BaseException], None],
     ) -> EngineCoreClient:
         cls = MPClient if _use_engine_process(config) else InprocClient
         return cls(config, outq, on_failed, on_dead)
 
-    def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
+    def __init__(self, config: EngineConfig, outq: OutputSink,
                  on_failed: FailedCallback,
                  on_dead: Callable[[BaseException], None]) -> None:
         # The fault-injection test hook, armed from the environment for tests that start a server.
@@ -123,7 +129,7 @@ class EngineCoreClient(ABC):
         return fut
 
     def batch_done(self) -> None:
-        """The output thread has taken one published step off the queue."""
+        """The frontend has taken one published step off the queue."""
         self._pending_batches.release()
 
     def stop(self) -> None:
@@ -136,7 +142,7 @@ class EngineCoreClient(ABC):
         match reply:
             case StepOutputs():
                 self._num_steps = reply.num_steps
-                # Wait while the output thread is MAX_PENDING_BATCHES behind.
+                # Wait while the frontend is MAX_PENDING_BATCHES behind.
                 while not self._pending_batches.acquire(timeout=0.2):
                     if self._stopping.is_set():
                         return False
@@ -188,7 +194,7 @@ class InprocClient(EngineCoreClient):
 
     in_process = True
 
-    def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
+    def __init__(self, config: EngineConfig, outq: OutputSink,
                  on_failed: FailedCallback,
                  on_dead: Callable[[BaseException], None]) -> None:
         super().__init__(config, outq, on_failed, on_dead)
@@ -245,7 +251,7 @@ class MPClient(EngineCoreClient):
 
     in_process = False
 
-    def __init__(self, config: EngineConfig, outq: queue.SimpleQueue,
+    def __init__(self, config: EngineConfig, outq: OutputSink,
                  on_failed: FailedCallback,
                  on_dead: Callable[[BaseException], None]) -> None:
         super().__init__(config, outq, on_failed, on_dead)

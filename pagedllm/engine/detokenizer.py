@@ -18,6 +18,21 @@ from __future__ import annotations
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
+
+
+def rust_decoder(tokenizer: Any) -> Any | None:
+    """`tokenizer.decode` without transformers' Python around the Rust call, when that call is all
+    it does: a fast tokenizer whose `_decode` is the library's own, with no clean-up pass. Each token
+    decodes two short windows, so the wrapper's per-call conversions (to_py_obj, kwargs) were most of
+    the frontend's detokenization time (BENCHMARKS.md, issue 16). None: use `tokenizer.decode`."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    owner = next((c for c in type(tokenizer).__mro__ if "_decode" in c.__dict__), None)
+    if owner is None or owner.__module__ not in ("transformers.tokenization_utils_tokenizers",
+                                                 "transformers.tokenization_utils_fast"):
+        return None
+    return backend.decode
 # How many already-shown tokens to keep in the window; enough for any merge/space effect.
 _WINDOW = 5
 
@@ -34,6 +49,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._rust_decode = rust_decoder(tokenizer)
         # {token id: its text} of the added tokens, when adjacent ones must not be spaced apart.
         self._added: dict[int, str] = {}
         if not (spaces_between_special_tokens or skip_special_tokens):
@@ -51,6 +67,8 @@ class IncrementalDetokenizer:
         self._sent_len = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str | None:

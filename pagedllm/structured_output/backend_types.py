@@ -46,6 +46,14 @@ class StructuredOutputBackend(ABC):
         for grammar, row in zip(grammars, rows, strict=True):
             grammar.fill_bitmask(bitmask, row)
 
-    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set)."""
-        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+    def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
+        """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set);
+        pinned when it is bound for a GPU (its copy then needs no staging).
+
+        Filled through numpy, not torch.full: torch's fill of these ~100k words runs on its intra-op
+        thread pool, whose barrier stalls for milliseconds when other threads (xgrammar's fill
+        threads, the frontend's) hold the cores (BENCHMARKS.md, structured outputs); numpy fills it in
+        one thread in ~20 us."""
+        bitmask = torch.empty((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32, pin_memory=pin_memory)
+        bitmask.numpy().fill(-1)
+        return bitmask

@@ -98,7 +98,7 @@ class StructuredOutputManager:
         if not ids:
             return None
         backend = self.backend()
-        bitmask = backend.allocate_bitmask(len(ids))  # every token allowed
+        bitmask = backend.allocate_bitmask(len(ids), pin_memory=self.config.device_config.device == "cuda")
         rows, grammars = [], []
         for i, rid in enumerate(ids):
             sor = self.requests[rid]

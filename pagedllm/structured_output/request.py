@@ -27,14 +27,18 @@ class StructuredOutputRequest:
         self.reasoning_end_ids = frozenset(params._reasoning_end_token_ids)
         self.reasoning_ended = not self.reasoning_end_ids
         self.num_accepted = 0  # output tokens the grammar has seen (after the reasoning)
+        self._grammar: StructuredOutputGrammar | None = None
 
     @property
     def ready(self) -> bool:
-        return self.future.done()
+        return self._grammar is not None or self.future.done()
 
     @property
     def grammar(self) -> StructuredOutputGrammar:
-        return self.future.result()
+        # Kept once compiled: Future.result() takes a lock, and this is read per row per step.
+        if self._grammar is None:
+            self._grammar = self.future.result()
+        return self._grammar
 
     def advance(self, new_token_ids: list[int]) -> bool:
         """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
@@ -68,4 +72,4 @@ class StructuredOutputRequest:
         if self.constrains_next:
             self.grammar.fill_bitmask(bitmask, row)
         else:
-            bitmask[row].fill_(-1)
+            bitmask[row].numpy().fill(-1)  # numpy: see StructuredOutputBackend.allocate_bitmask

@@ -71,3 +71,27 @@ def test_spaces_between_special_tokens_false_joins_adjacent_added_tokens():
     det = IncrementalDetokenizer(tok, [hello], skip_special_tokens=True, spaces_between_special_tokens=False)
     det.update(new)
     assert det.output_text == " world"
+
+
+def test_the_rust_decode_shortcut_decodes_as_the_tokenizer_does():
+    # The frontend calls the Rust decode directly when that is all tokenizer.decode would do.
+    import random
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedllm.engine.detokenizer import rust_decoder
+
+    tok = smollm_tokenizer()
+    fast = rust_decoder(tok)
+    assert fast is not None
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    # A tokenizer with a clean-up pass (BERT's, which strips spaces before punctuation) keeps tokenizer.decode.
+    wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, ".": 2}, unk_token="[UNK]"))
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    assert rust_decoder(cleaned) is None

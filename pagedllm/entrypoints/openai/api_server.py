@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -63,6 +62,7 @@ from pagedllm.entrypoints.openai.middleware import (
     HeaderLimitMiddleware,
 )
 from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
+from pagedllm.entrypoints.openai.process_setup import check_port_free, event_loop_factory, raise_open_file_limit
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -323,35 +323,6 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     return exit_code
 
 
-def raise_open_file_limit(target: int = 65536) -> None:
-    """Raise the soft limit on open files toward the hard one (as vLLM does): each connection is a
-    file, and a soft limit of 1024 would refuse connections far below --limit-concurrency."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):
-            logger.warning("could not raise the open-file limit from %d to %d", soft, want)
-
-
-def check_port_free(host: str | None, port: int) -> None:
-    """Refuse a port that is taken before the model loads (as vLLM does), not minutes later."""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET6 if host and ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
-        try:
-            s.bind((host if host is not None else "0.0.0.0", port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror or e}; "
-                             "is another server running there? Pick another --port.") from None
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Load the model, then serve; exits non-zero with a clear message on a bad flag."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -378,7 +349,8 @@ def run_server(args: argparse.Namespace) -> None:
         ", ".join(mc.served_model_name), mc.max_model_len, scheme, args.host or "0.0.0.0", args.port,
         args.root_path or "",
     )
-    exit_code = asyncio.run(serve(args, engine))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        exit_code = runner.run(serve(args, engine))
     if exit_code:
         raise SystemExit(exit_code)
 

@@ -171,28 +171,42 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeout = self.write_timeout
+        loop = asyncio.get_running_loop()
+        # One watchdog per stream instead of a timeout scope per send: a stream writes a chunk per
+        # step, and arming a cancel scope for each cost more than the write (BENCHMARKS.md, issue 16).
+        # A send that makes no progress for `timeout` s is caught within timeout * 1.25.
+        send_started: float | None = None  # loop time the send in progress began
 
-        async def guarded_send(message: Message) -> None:
-            if timeout is None:
+        async def timed_send(message: Message) -> None:
+            nonlocal send_started
+            send_started = loop.time()
+            try:
                 await send(message)
-                return
-            with anyio.fail_after(timeout):
-                await send(message)
+            finally:
+                send_started = None
 
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream_then_stop() -> None:
                     try:
-                        await self.stream_response(guarded_send)
-                    except TimeoutError:  # before OSError, whose subclass it is
-                        logger.warning("a streaming client stopped reading for %s s; aborting its request", timeout)
-                        scope.get(STALL_KEY, {})["stalled"] = True
+                        await self.stream_response(timed_send if timeout is not None else send)
                     except OSError:
                         pass  # the client went away mid-write
                     tg.cancel_scope.cancel()
 
+                async def watchdog(timeout: float) -> None:
+                    while True:
+                        await asyncio.sleep(timeout / 4)
+                        if send_started is not None and loop.time() - send_started >= timeout:
+                            logger.warning("a streaming client stopped reading for %s s; aborting its request", timeout)
+                            scope.get(STALL_KEY, {})["stalled"] = True
+                            tg.cancel_scope.cancel()
+                            return
+
                 tg.start_soon(stream_then_stop)
+                if timeout is not None:
+                    tg.start_soon(watchdog, timeout)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
