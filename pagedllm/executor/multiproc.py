@@ -3,6 +3,10 @@
     engine core (driver) --XPUB, one send per step--> rank 0 .. rank N-1   (multiproc_worker.py)
                          <--PULL-- the output rank (last PP stage, first TP rank); any rank's error
 
+`execute_model` only publishes: the driver never waits for a step before launching the next, so
+with pipeline parallelism stage 0 runs batch k+1 while stage 1 runs batch k (the engine core's
+batch queue keeps them coming); the answers arrive, and are read, in launch order.
+
 Each rank is `python -m pagedllm.executor.multiproc_worker`, started with the config pickled once on
 its stdin (what multiprocessing's spawn does; a daemonic engine-core process may not use
 multiprocessing to have children, so the processes are started with subprocess). Per step only
@@ -40,7 +44,8 @@ import pagedllm.envs as envs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc_worker import WorkerStart
-from pagedllm.executor.rank_worker import decode_output, encode_step, output_rank
+from pagedllm.executor.rank_worker import decode_output, encode_grammar, encode_step, output_rank
+from pagedllm.structured_output.bitmask import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +211,24 @@ class MultiprocExecutor(Executor):
         self.collective_rpc("compile_or_warm_up_model")
 
     # -- steps -------------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> _StepHandle:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> _StepHandle | None:
+        """Publish the step and return at once (the ranks answer in launch order). None when it has
+        constrained rows: the last stage's ranks wait for `sample_tokens`, whose handle answers."""
         self._raise_if_dead()
         self._seq += 1
-        handle = _StepHandle(self, self._seq)
         self._pub.send_multipart([b"step", str(self._seq).encode(), encode_step(scheduler_output)])
+        if scheduler_output.has_structured_output_requests:
+            return None
+        return self._expect_answer()
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> _StepHandle:
+        self._raise_if_dead()
+        self._seq += 1
+        self._pub.send_multipart([b"sample", str(self._seq).encode(), encode_grammar(grammar_output)])
+        return self._expect_answer()
+
+    def _expect_answer(self) -> _StepHandle:
+        handle = _StepHandle(self, self._seq)
         self._pending.append(handle)
         return handle
 

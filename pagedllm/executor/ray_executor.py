@@ -32,7 +32,8 @@ import pagedllm
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc import STARTUP_TIMEOUT_S, WorkerDiedError, execute_model_timeout_s
-from pagedllm.executor.rank_worker import RankWorker, decode_output, encode_step, output_rank
+from pagedllm.executor.rank_worker import RankWorker, decode_output, encode_grammar, encode_step, output_rank
+from pagedllm.structured_output.bitmask import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,21 +82,29 @@ class RayRankActor:
         assert self.rank_worker is not None
         return self.rank_worker.execute(step)
 
+    def sample(self, grammar: bytes) -> bytes | None:
+        assert self.rank_worker is not None
+        return self.rank_worker.sample(grammar)
+
     def shutdown(self) -> None:
         if self.rank_worker is not None:
             self.rank_worker.shutdown()
 
 
 class _RayStepHandle:
-    def __init__(self, executor: RayDistributedExecutor, refs: list[Any]) -> None:
+    """A launched step: every actor's result of it (the output rank's is the output); `before`:
+    the deferred step's own calls, awaited with it (a constrained step: execute, then sample)."""
+
+    def __init__(self, executor: RayDistributedExecutor, refs: list[Any], before: list[Any] | None = None) -> None:
         self._executor = executor
         self._refs = refs
+        self._before = before or []
         self._output: ModelRunnerOutput | None = None
 
     def get(self) -> ModelRunnerOutput:
         if self._output is None:
-            results = self._executor._get(self._refs, execute_model_timeout_s(), "execute_model")
-            self._output = decode_output(results[self._executor.output_rank])
+            results = self._executor._get(self._before + self._refs, execute_model_timeout_s(), "execute_model")
+            self._output = decode_output(results[len(self._before) + self._executor.output_rank])
         return self._output
 
 
@@ -108,6 +117,7 @@ class RayDistributedExecutor(Executor):
         self.world_size = pc.world_size
         self.output_rank = output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self._dead: str | None = None
+        self._deferred_refs: list[Any] = []  # a constrained step's execute calls, until sample_tokens
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=pc.ray_address)
@@ -189,7 +199,22 @@ class RayDistributedExecutor(Executor):
         if self._dead is not None:
             raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
         step = ray.put(encode_step(scheduler_output))  # one object, read by every actor
-        return _RayStepHandle(self, [a.execute.remote(step) for a in self.actors])
+        # An actor runs its calls in submission order: the next step may be submitted at once.
+        refs = [a.execute.remote(step) for a in self.actors]
+        if scheduler_output.has_structured_output_requests:
+            self._deferred_refs = refs  # the step's errors surface with its sample_tokens
+            return None
+        return _RayStepHandle(self, refs)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> _RayStepHandle:
+        import ray
+
+        if self._dead is not None:
+            raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
+        grammar = ray.put(encode_grammar(grammar_output))
+        refs = [a.sample.remote(grammar) for a in self.actors]
+        step_refs, self._deferred_refs = self._deferred_refs, []
+        return _RayStepHandle(self, refs, step_refs)
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=60.0)
