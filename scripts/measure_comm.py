@@ -86,7 +86,7 @@ def main() -> None:
     # 1 + decode with one batch at a time; with PP the batch queue splits the requests over P batches.
     steps = llm.llm_engine.engine_core.step_count - steps0
     tokens = args.batch * args.prompt_len + args.batch * args.decode
-    rows = args.batch * steps
+    rows = args.batch * (1 + args.decode)  # every request samples once per token it produces
     vocab_padded = -(-args.vocab // (64 * args.tp)) * 64 * args.tp
     print(f"tp={args.tp} pp={args.pp} hidden={args.hidden} layers={args.layers} vocab={args.vocab} fp32; "
           f"{steps} steps, {tokens} tokens, {rows} sampled rows")
