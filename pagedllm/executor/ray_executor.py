@@ -29,11 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pagedllm
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor
-from pagedllm.executor.multiproc import STARTUP_TIMEOUT_S, WorkerDiedError, execute_model_timeout_s
-from pagedllm.executor.rank_worker import RankWorker, decode_output, encode_grammar, encode_step, output_rank
-from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.executor.distributed import (
+    STARTUP_TIMEOUT_S,
+    DistributedExecutorBase,
+    WorkerDiedError,
+    execute_model_timeout_s,
+)
+from pagedllm.executor.rank_worker import RankWorker, decode_output
 
 logger = logging.getLogger(__name__)
 
@@ -108,15 +111,13 @@ class _RayStepHandle:
         return self._output
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutorBase):
     def _init_executor(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._init_ranks()
         pc = self.config.parallel_config
-        self.world_size = pc.world_size
-        self.output_rank = output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self._dead: str | None = None
         self._deferred_refs: list[Any] = []  # a constrained step's execute calls, until sample_tokens
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -163,8 +164,7 @@ class RayDistributedExecutor(Executor):
     def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         import ray
 
-        if self._dead is not None:
-            raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
+        self._raise_if_dead()
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
@@ -184,37 +184,18 @@ class RayDistributedExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any, timeout: float = STARTUP_TIMEOUT_S) -> list[Any]:
         return self._get([a.call.remote(method, list(args)) for a in self.actors], timeout, method)
 
-    def determine_num_available_blocks(self) -> list[tuple[int, int]]:
-        return [tuple(x) for x in self.collective_rpc("determine_num_available_blocks")]
-
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_gpu_blocks, num_cpu_blocks)
-
-    def compile_or_warm_up_model(self) -> None:
-        self.collective_rpc("compile_or_warm_up_model")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> _RayStepHandle:
+    def _send(self, kind: str, payload: bytes, answered: bool) -> _RayStepHandle | None:
+        """One object in Ray's store, read by every actor; an actor runs its calls in submission
+        order, so the next step may be submitted at once."""
         import ray
 
-        if self._dead is not None:
-            raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
-        step = ray.put(encode_step(scheduler_output))  # one object, read by every actor
-        # An actor runs its calls in submission order: the next step may be submitted at once.
-        refs = [a.execute.remote(step) for a in self.actors]
-        if scheduler_output.has_structured_output_requests:
-            self._deferred_refs = refs  # the step's errors surface with its sample_tokens
+        obj = ray.put(payload)
+        refs = [(a.execute if kind == "step" else a.sample).remote(obj) for a in self.actors]
+        if not answered:
+            self._deferred_refs = refs  # a constrained step: its errors surface with its sample's
             return None
-        return _RayStepHandle(self, refs)
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> _RayStepHandle:
-        import ray
-
-        if self._dead is not None:
-            raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
-        grammar = ray.put(encode_grammar(grammar_output))
-        refs = [a.sample.remote(grammar) for a in self.actors]
-        step_refs, self._deferred_refs = self._deferred_refs, []
-        return _RayStepHandle(self, refs, step_refs)
+        before, self._deferred_refs = self._deferred_refs, []
+        return _RayStepHandle(self, refs, before)
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=60.0)
