@@ -63,10 +63,8 @@ class Scheduler:
         pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = scheduler_config
-        # Pipeline parallel (the engine core's batch queue): a request whose sampled token is still
-        # in flight is not scheduled again (a stage before the last could not know the token), each
-        # step carries the sampled tokens to every stage (CachedRequestData.new_token_ids), and a
-        # batch holds a 1/P share of the requests (`_batch_seats`).
+        # PP (the engine core's batch queue): no request with its token in flight is scheduled, steps
+        # carry sampled tokens (CachedRequestData.new_token_ids), a batch holds 1/P (`_batch_seats`).
         self.pp_size = pipeline_parallel_size
         self.use_pp = pipeline_parallel_size > 1
         self.block_size = cache_config.block_size
@@ -145,8 +143,7 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
         )
         if not out.is_empty:
-            # An empty step is not run (the engine core drops it): what the runner must forget
-            # waits for the next step that runs, so its state is dropped all the same.
+            # An empty step is not run (the engine core drops it): these wait for one that is.
             self.finished_req_ids = set()
             self.preempted_req_ids = set()
         if self.kv_cache_manager.debug:
