@@ -1,10 +1,13 @@
 """Tensor / pipeline parallel on GPUs (NCCL): greedy tokens of TP=2, PP=2 (and TP=2 x PP=2 on 4 GPUs)
-against TP=1, on a random Llama in float32, with CUDA graphs (TP) and without (PP).
+against TP=1, on a random Llama in float32, each with CUDA graphs (every rank captures its own; a
+PP stage's activations pass through static buffers) and eager (enforce_eager) beside it.
 
     PYTHONPATH=$PWD python scripts/gpu_parallel_check.py            # 2 GPUs: tp2, pp2; 4+: also tp2xpp2
 
-Needs msgspec and pyzmq (the mp executor's per-step messages) besides torch and transformers.
-Prints one table row per layout: tokens equal to TP=1, engine start seconds, decode tok/s.
+Needs at least 2 GPUs: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so one GPU
+cannot run a TP or PP rank pair. Needs msgspec and pyzmq (the mp executor's per-step messages)
+besides torch and transformers. Prints one table row per layout: tokens equal to TP=1, engine start
+seconds, decode tok/s (graphs against eager shows the captured graphs replaying on every rank).
 """
 
 from __future__ import annotations
@@ -54,18 +57,20 @@ def main() -> None:
     tiny_llama(path)
     layouts = [dict(tensor_parallel_size=1)]
     if n >= 2:
-        layouts += [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]
+        layouts += [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enforce_eager=True),
+                    dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, enforce_eager=True)]
     if n >= 4:
-        layouts += [dict(tensor_parallel_size=2, pipeline_parallel_size=2)]
+        layouts += [dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+                    dict(tensor_parallel_size=2, pipeline_parallel_size=2, enforce_eager=True)]
     rows = []
     ref = None
     for layout in layouts:
         tokens, start_s, tok_s = run(path, **layout)
         ref = ref if ref is not None else tokens
         rows.append((layout, tokens == ref, start_s, tok_s))
-    print(f"{'layout':<44} {'== TP1':>7} {'start s':>8} {'tok/s':>8}")
+    print(f"{'layout':<70} {'== TP1':>7} {'start s':>8} {'tok/s':>8}")
     for layout, same, start_s, tok_s in rows:
-        print(f"{str(layout):<44} {str(same):>7} {start_s:>8.1f} {tok_s:>8.0f}")
+        print(f"{str(layout):<70} {str(same):>7} {start_s:>8.1f} {tok_s:>8.0f}")
 
 
 if __name__ == "__main__":

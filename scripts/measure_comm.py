@@ -30,11 +30,10 @@ def formula_bytes(rank: int, tp: int, pp: int, hidden: int, layers: int, vocab_p
             total += ring * tokens * hidden * elem  # the vocab-parallel embedding
         if stage == pp - 1:
             total += (tp - 1) * sample_rows * (vocab_padded // tp) * elem  # logits all-gather
-    if pp > 1:
-        if stage < pp - 1:
-            total += 2 * tokens * hidden * elem  # hidden states + residual to the next stage
-        else:
-            total += (pp - 1) * sample_rows * 8  # sampled ids (int64) back to every stage
+    if pp > 1 and stage < pp - 1:
+        total += 2 * tokens * hidden * elem  # hidden states + residual to the next stage
+    # Nothing travels back between stages: the sampled ids reach every stage in the next step's
+    # SchedulerOutput (CachedRequestData.new_token_ids), from the driver.
     del tp_rank
     return int(total)
 
@@ -81,11 +80,13 @@ def main() -> None:
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up (and the idle cost of one run's messages)
     llm.reset_prefix_cache()
     before = [wchar(p) for p in pids]
+    steps0 = llm.llm_engine.engine_core.step_count
     llm.generate(prompts, sp, use_tqdm=False)
     measured = [wchar(p) - b for p, b in zip(pids, before)]
-    steps = 1 + args.decode
+    # 1 + decode with one batch at a time; with PP the batch queue splits the requests over P batches.
+    steps = llm.llm_engine.engine_core.step_count - steps0
     tokens = args.batch * args.prompt_len + args.batch * args.decode
-    rows = args.batch * steps
+    rows = args.batch * (1 + args.decode)  # every request samples once per token it produces
     vocab_padded = -(-args.vocab // (64 * args.tp)) * 64 * args.tp
     print(f"tp={args.tp} pp={args.pp} hidden={args.hidden} layers={args.layers} vocab={args.vocab} fp32; "
           f"{steps} steps, {tokens} tokens, {rows} sampled rows")

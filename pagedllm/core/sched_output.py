@@ -33,6 +33,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallel only (vLLM's new_token_ids): the sampled tokens among this step's, which
+    # the stages learn from here (a stage before the last never sees the sampler). They sit at
+    # positions max(num_computed_tokens, num_prompt_tokens) onwards: a decode step's one token.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

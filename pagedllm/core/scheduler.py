@@ -46,6 +46,7 @@ class _StepPlan:
     """What one schedule() has handed out so far."""
 
     budget: int  # tokens left of max_num_batched_tokens
+    max_reqs: int  # requests this step may hold
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
@@ -59,8 +60,13 @@ class Scheduler:
         num_gpu_blocks: int,
         preemption_mode: str = "recompute",
         num_cpu_blocks: int = 0,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = scheduler_config
+        # PP (the engine core's batch queue): no request with its token in flight is scheduled, steps
+        # carry sampled tokens (CachedRequestData.new_token_ids), a batch holds 1/P (`_batch_seats`).
+        self.pp_size = pipeline_parallel_size
+        self.use_pp = pipeline_parallel_size > 1
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -118,7 +124,7 @@ class Scheduler:
         #     newest token gets computed samples, and holds a placeholder until the token arrives.
         # A prompt longer than the budget left is just a chunk now and the rest later (chunked
         # prefill); there are no prefill and decode phases.
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens, max_reqs=self._batch_seats())
         preempted_any = self._schedule_running(plan)
         if not preempted_any:
             self._schedule_waiting(plan)
@@ -136,8 +142,10 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
         )
-        self.finished_req_ids = set()
-        self.preempted_req_ids = set()
+        if not out.is_empty:
+            # An empty step is not run (the engine core drops it): these wait for one that is.
+            self.finished_req_ids = set()
+            self.preempted_req_ids = set()
         if self.kv_cache_manager.debug:
             self.kv_cache_manager.check_invariants()
             self.preemption.check_invariants()
@@ -149,8 +157,11 @@ class Scheduler:
         kv = self.kv_cache_manager
         preempted_any = False
         i = 0
-        while i < len(self.running) and plan.budget > 0:
+        while i < len(self.running) and plan.budget > 0 and len(plan.num_scheduled) < plan.max_reqs:
             req = self.running[i]
+            if self.use_pp and req.num_output_placeholders:
+                i += 1  # its token is still in the pipeline: it comes back before the request runs
+                continue
             n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
             if n == 0 or self._output_complete(req):
                 i += 1  # its last token is still in flight and it may well be its last
@@ -169,8 +180,10 @@ class Scheduler:
             plan.num_scheduled[req.request_id] = n
             plan.budget -= n
             if req.request_id in self._runner_knows:
+                start = req.num_computed_tokens
+                sampled = req.all_token_ids[max(start, req.num_prompt_tokens): start + n] if self.use_pp else []
                 plan.cached_reqs.append(
-                    CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+                    CachedRequestData(req.request_id, [b.block_id for b in new_blocks], start, sampled)
                 )
             else:
                 plan.new_reqs.append(self._new_request_data(req))
@@ -179,7 +192,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Part 2, in queue order: the first request that does not fit stops the queue."""
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(plan.num_scheduled) < plan.max_reqs):
             req = self.waiting[0]
             admitted = self._admit(req, plan.budget)
             if admitted is None:
@@ -194,6 +208,15 @@ class Scheduler:
             plan.num_scheduled[req.request_id] = n
             plan.budget -= n
             plan.new_reqs.append(self._new_request_data(req))
+
+    def _batch_seats(self) -> int:
+        """Requests one batch may hold: max_num_seqs; with P pipeline stages an even share of the
+        requests that can run, so the P batches in flight carry about 1/P each (vLLM V0's virtual
+        engines split requests evenly): 6 running at P 2 -> 3 a batch, the other 3 in the next."""
+        if not self.use_pp:
+            return self.config.max_num_seqs
+        can_run = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(cdiv(can_run, self.pp_size), 1)
 
     def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
         """Blocks for a waiting request's first chunk: (tokens already computed, tokens this step),

@@ -1,12 +1,15 @@
 """A pipeline stage's step: receive the previous stage's activations, run this stage's layers, send
-them on; and the sampled token ids handed back to every stage.
+them on.
 
 Per step and per stage boundary, for T scheduled tokens (every rank knows T from the step's
 SchedulerOutput, so no shape travels):
 
     stage s -> s+1   hidden_states (T, hidden) and residual (T, hidden), model dtype
-    last -> all      the sampled ids (R,) int64, R = requests that sample this step (a broadcast
-                     over the PP group): each stage keeps its own copy of every request's tokens
+
+Nothing travels back: the sampled ids reach the driver from the last stage, and every stage from
+the driver, in the next SchedulerOutput that schedules the request (vLLM's new_token_ids). So a
+stage that has sent batch k's activations starts batch k+1 at once while the next stage computes
+batch k (the engine core's batch queue keeps up to pipeline_parallel_size batches in flight).
 
 Dummy passes (memory profiling, kernel warm-up) run each stage alone on zeros, without talking.
 """
@@ -21,7 +24,9 @@ from pagedllm.distributed.parallel_state import GroupCoordinator, get_pp_group
 from pagedllm.models.utils import IntermediateTensors
 
 
-def _stage_inputs(model: nn.Module, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_input_buffers(model: nn.Module, num_tokens: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (num_tokens, hidden) hidden-states and residual buffers in the model's dtype."""
     hidden_size = int(model.config.hidden_size)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     return (torch.empty((num_tokens, hidden_size), dtype=dtype, device=device),
@@ -37,16 +42,27 @@ def forward_stage(model: nn.Module, input_ids: torch.Tensor, positions: torch.Te
         return model(input_ids, positions, md)
     intermediate = None
     if not pp.is_first_rank:
-        hidden, residual = _stage_inputs(model, input_ids.shape[0], input_ids.device)
-        pp.recv(hidden, pp.prev_rank)
-        pp.recv(residual, pp.prev_rank)
-        intermediate = IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        intermediate = recv_stage_inputs(pp, *stage_input_buffers(model, input_ids.shape[0], input_ids.device))
     out = model(input_ids, positions, md, intermediate)
     if pp.is_last_rank:
         return out
-    pp.send(out["hidden_states"], pp.next_rank)
-    pp.send(out["residual"], pp.next_rank)
+    send_stage_outputs(pp, out, input_ids.shape[0])
     return None
+
+
+def recv_stage_inputs(pp: GroupCoordinator, hidden: torch.Tensor, residual: torch.Tensor) -> IntermediateTensors:
+    """The previous stage's activations, received into `hidden` and `residual` (T, hidden) (a CUDA
+    graph's static buffers, or fresh ones)."""
+    pp.recv(hidden, pp.prev_rank)
+    pp.recv(residual, pp.prev_rank)
+    return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+
+
+def send_stage_outputs(pp: GroupCoordinator, out: IntermediateTensors, num_tokens: int) -> None:
+    """This stage's first `num_tokens` rows of activations to the next stage (a padded CUDA graph's
+    output holds more rows; the next stage expects exactly the step's tokens)."""
+    pp.send(out["hidden_states"][:num_tokens], pp.next_rank)
+    pp.send(out["residual"][:num_tokens], pp.next_rank)
 
 
 def dummy_forward_stage(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -58,19 +74,7 @@ def dummy_forward_stage(model: nn.Module, input_ids: torch.Tensor, positions: to
         return model(input_ids, positions, md)
     intermediate = None
     if not pp.is_first_rank:
-        hidden, residual = _stage_inputs(model, input_ids.shape[0], input_ids.device)
+        hidden, residual = stage_input_buffers(model, input_ids.shape[0], input_ids.device)
         intermediate = IntermediateTensors({"hidden_states": hidden.zero_(), "residual": residual.zero_()})
     out = model(input_ids, positions, md, intermediate)
     return out if pp.is_last_rank else None
-
-
-def share_sampled(sampled: torch.Tensor | None, num_rows: int, device: torch.device,
-                  pp: GroupCoordinator | None = None) -> torch.Tensor:
-    """The last stage's sampled ids (R,) int64 on every stage of the pipeline (`sampled` is None on
-    the stages that did not sample). One rank: `sampled` itself."""
-    pp = pp or get_pp_group()
-    if pp.world_size == 1:
-        assert sampled is not None
-        return sampled
-    buf = sampled.to(torch.int64) if sampled is not None else torch.empty(num_rows, dtype=torch.int64, device=device)
-    return pp.broadcast(buf, src=pp.world_size - 1)

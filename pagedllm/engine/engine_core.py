@@ -17,6 +17,7 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -66,9 +67,13 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         self.num_gpu_blocks = kv.num_gpu_blocks
+        # Pipeline parallel: up to pipeline_parallel_size batches in flight, one per stage (vLLM's
+        # max_concurrent_batches / batch queue); engine/batch_queue.py.
+        pp = config.parallel_config.pipeline_parallel_size
+        self.batch_queue = BatchQueue(pp) if pp > 1 else None
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, kv.num_gpu_blocks, config.preemption_mode,
-            kv.num_cpu_blocks,
+            kv.num_cpu_blocks, pipeline_parallel_size=pp,
         )
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -86,12 +91,8 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Validate and queue; raises ValueError (nothing queued) when the request can never run."""
         if request.sampling_params.structured_outputs is not None:
-            if self.config.parallel_config.world_size > 1:
-                # The grammar's sampling split (Executor.sample_tokens) runs in one worker process only.
-                raise ValueError(
-                    "structured outputs (response_format json, guided_*, structured_outputs, tool_choice "
-                    "required / named) are not built with tensor_parallel_size x pipeline_parallel_size > 1 yet."
-                )
+            # The grammar lives here; every executor's sample_tokens takes the bitmask to the
+            # ranks that sample (with several ranks: every TP rank of the last stage).
             self.structured_output_manager.add_request(request)
             self.waiting_for_grammar[request.request_id] = request
             return
@@ -137,6 +138,8 @@ class EngineCore:
         rows (structured outputs) launches its forward pass, then collects the step in flight (its
         tokens advance the grammars), fills the grammar bitmask and samples.
         """
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue(self.batch_queue)
         outputs: list[EngineCoreOutput] = []
         if self.waiting_for_grammar:
             outputs += self._release_compiled()
@@ -165,6 +168,41 @@ class EngineCore:
                 outputs += self._collect_inflight()
         return outputs
 
+    def step_with_batch_queue(self, queue: BatchQueue) -> list[EngineCoreOutput]:
+        """Pipeline parallel (vLLM's step_with_batch_queue): launch a new batch while the queue
+        has room and the scheduler finds work; return at once while the pipeline fills; otherwise
+        wait for the oldest batch and apply its output (batches finish in launch order).
+
+        The scheduler leaves out requests whose token is in flight (Scheduler.use_pp), so the
+        batches in flight are disjoint in their sampling requests, and a constrained request's
+        grammar is current when its batch is launched: its bitmask is filled right away.
+        """
+        outputs: list[EngineCoreOutput] = []
+        if self.waiting_for_grammar:
+            outputs += self._release_compiled()
+        launched = False
+        if not queue.full and self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if not so.is_empty:
+                manager = self.structured_output_manager
+                so.has_structured_output_requests = bool(manager.sampling_request_ids(so))
+                pending = self.model_executor.execute_model(so)
+                if pending is None:
+                    pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
+                queue.push(so, pending)
+                self.step_count += 1
+                launched = True
+        if launched and not queue.full:
+            return outputs  # filling the pipeline comes before reading outputs
+        if queue:
+            so, pending = queue.pop()
+            collected = self.scheduler.update_from_output(so, pending.get())
+            self.structured_output_manager.advance(collected)
+            outputs += collected
+        elif self.waiting_for_grammar:
+            self._wait_for_a_grammar()
+        return outputs
+
     def _collect_inflight(self) -> list[EngineCoreOutput]:
         assert self.inflight is not None
         so, pending = self.inflight
@@ -179,7 +217,8 @@ class EngineCore:
         concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.inflight is not None or bool(self.waiting_for_grammar) or self.scheduler.has_unfinished_requests()
+        return (self.inflight is not None or bool(self.batch_queue) or bool(self.waiting_for_grammar)
+                or self.scheduler.has_unfinished_requests())
 
     def reset_prefix_cache(self) -> bool:
         """Drop all prefix-cache entries; refused (False) unless every block is free."""

@@ -14,6 +14,9 @@ waits. A subclass decides where workers live:
            once; the output comes back from the last pipeline stage's first tensor rank
     "ray"  Ray actors, one per rank (ray_executor.py)
 
+"mp" and "ray" share their start-up calls and step plumbing (distributed.py); they differ only in
+how bytes reach the ranks.
+
 `initialize` is written once here on top of four per-worker calls a subclass implements for all
 its workers at once (each returns one value per worker, in rank order, where it returns any).
 """

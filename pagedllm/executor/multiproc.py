@@ -3,6 +3,10 @@
     engine core (driver) --XPUB, one send per step--> rank 0 .. rank N-1   (multiproc_worker.py)
                          <--PULL-- the output rank (last PP stage, first TP rank); any rank's error
 
+`execute_model` only publishes: the driver never waits for a step before launching the next, so
+with pipeline parallelism stage 0 runs batch k+1 while stage 1 runs batch k (the engine core's
+batch queue keeps them coming); the answers arrive, and are read, in launch order.
+
 Each rank is `python -m pagedllm.executor.multiproc_worker`, started with the config pickled once on
 its stdin (what multiprocessing's spawn does; a daemonic engine-core process may not use
 multiprocessing to have children, so the processes are started with subprocess). Per step only
@@ -36,35 +40,29 @@ import msgspec
 import zmq
 
 import pagedllm
-import pagedllm.envs as envs
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor
+from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.executor.distributed import (
+    STARTUP_TIMEOUT_S,
+    DistributedExecutorBase,
+    WorkerDiedError,
+    execute_model_timeout_s,
+)
 from pagedllm.executor.multiproc_worker import WorkerStart
-from pagedllm.executor.rank_worker import decode_output, encode_step, output_rank
+from pagedllm.executor.rank_worker import decode_output
 
 logger = logging.getLogger(__name__)
 
-# Seconds a start-up call (loading, profiling, warm-up) may take on the slowest rank.
-STARTUP_TIMEOUT_S = 600.0
+__all__ = ["MultiprocExecutor", "WorkerDiedError"]
+
 # Seconds to wait for a rank to stop after "shutdown" before it is killed.
 SHUTDOWN_TIMEOUT_S = 5.0
 _POLL_MS = 200
-
-
-def execute_model_timeout_s() -> float:
-    """PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S (default 300): a step's output may be this late before the
-    ranks count as hung."""
-    return float(envs.PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S)
 
 
 def get_open_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class WorkerDiedError(RuntimeError):
-    """A rank exited, failed a step, or stopped answering: the engine cannot go on."""
 
 
 def _release(procs: list[subprocess.Popen], ipc_dir: str, ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
@@ -113,12 +111,9 @@ class _StepHandle:
         return self.output
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutorBase):
     def _init_executor(self) -> None:
-        pc = self.config.parallel_config
-        self.world_size = pc.world_size
-        self.output_rank = output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self._dead: str | None = None
+        self._init_ranks()
         self._seq = 0
         self._pending: deque[_StepHandle] = deque()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-mp-")
@@ -196,21 +191,14 @@ class MultiprocExecutor(Executor):
                 results[rank] = msgspec.msgpack.decode(payload)
         return [results[r] for r in range(self.world_size)]
 
-    def determine_num_available_blocks(self) -> list[tuple[int, int]]:
-        return [tuple(x) for x in self.collective_rpc("determine_num_available_blocks")]
-
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_gpu_blocks, num_cpu_blocks)
-
-    def compile_or_warm_up_model(self) -> None:
-        self.collective_rpc("compile_or_warm_up_model")
-
     # -- steps -------------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> _StepHandle:
-        self._raise_if_dead()
+    def _send(self, kind: str, payload: bytes, answered: bool) -> _StepHandle | None:
+        """One publish; the output rank's answers come back in publish order."""
         self._seq += 1
+        self._pub.send_multipart([kind.encode(), str(self._seq).encode(), payload])
+        if not answered:
+            return None
         handle = _StepHandle(self, self._seq)
-        self._pub.send_multipart([b"step", str(self._seq).encode(), encode_step(scheduler_output)])
         self._pending.append(handle)
         return handle
 
@@ -259,10 +247,6 @@ class MultiprocExecutor(Executor):
         logger.error("distributed executor failed: %s; stopping every worker", why)
         _kill_processes(self.processes, self._ipc_dir, 0.0)  # the sockets close at shutdown()
         raise WorkerDiedError(why)
-
-    def _raise_if_dead(self) -> None:
-        if self._dead is not None:
-            raise WorkerDiedError(f"the distributed executor is dead: {self._dead}")
 
     def check_health(self) -> None:
         self._raise_if_dead()

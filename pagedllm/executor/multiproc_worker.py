@@ -7,6 +7,8 @@
             held open for the worker's life
     XPUB  -- [b"call", msgpack([method, args])] -->    SUB: RankWorker.call -> [r, b"ok", seq, result]
           -- [b"step", seq, SchedulerOutput]  -->      RankWorker.execute -> the output rank answers
+                                                        (not when the step waits for its bitmask)
+          -- [b"sample", seq, GrammarOutput]  -->      RankWorker.sample -> the output rank answers
           -- [b"shutdown"]                     -->      stop the worker, leave the groups, exit 0
     PULL  <-- [rank, b"ok" | b"error", seq, payload] -- PUSH
 
@@ -83,8 +85,8 @@ def run_worker(start: WorkerStart) -> None:
                 break
             seq = frames[1]
             try:
-                if kind == b"step":
-                    out = worker.execute(frames[2])
+                if kind in (b"step", b"sample"):
+                    out = worker.execute(frames[2]) if kind == b"step" else worker.sample(frames[2])
                     if out is not None:
                         push.send_multipart([rank_b, b"ok", seq, out])
                 elif kind == b"call":

@@ -7,6 +7,8 @@ executor's start-up calls, and running steps from encoded `SchedulerOutput`s.
 What travels per step, both ways, is msgpack (msgspec), never pickle:
 
     driver -> every rank   encode_step(SchedulerOutput)           once per step, the same bytes
+    driver -> every rank   encode_grammar(GrammarOutput)          steps with constrained rows: the
+                           bitmask, which the last stage's ranks apply before sampling
     output rank -> driver  encode_output(ModelRunnerOutput)       the last PP stage's first TP rank
 
 Every rank runs every step (each keeps its own copy of the request state); only the output rank's
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -24,6 +28,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.structured_output.bitmask import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,22 @@ def encode_output(out: ModelRunnerOutput) -> bytes:
 
 def decode_output(data: bytes) -> ModelRunnerOutput:
     return _output_decoder.decode(data)
+
+
+def encode_grammar(go: GrammarOutput | None) -> bytes:
+    """A step's grammar bitmask for the ranks that sample: the request ids, the int32 (k, W) words."""
+    if go is None:
+        return b""
+    bm = go.grammar_bitmask.to(torch.int32).contiguous()
+    return _step_encoder.encode([go.structured_output_request_ids, list(bm.shape), bm.numpy().tobytes()])
+
+
+def decode_grammar(data: bytes) -> GrammarOutput | None:
+    if not data:
+        return None
+    ids, shape, words = msgspec.msgpack.decode(data)
+    bitmask = torch.frombuffer(bytearray(words), dtype=torch.int32).reshape(shape)
+    return GrammarOutput(ids, bitmask)
 
 
 def output_rank(tp_size: int, pp_size: int) -> int:
@@ -71,7 +92,7 @@ class RankWorker:
 
     # Start-up calls the executor may make, in this order (the Worker's own methods).
     CALLS = ("init_device", "load_model", "determine_num_available_blocks", "initialize_cache",
-             "compile_or_warm_up_model", "check_health", "comm_bytes")
+             "compile_or_warm_up_model", "check_health", "comm_bytes", "step_times")
 
     def __init__(self, config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str,
                  ranks_on_this_node: int) -> None:
@@ -85,6 +106,11 @@ class RankWorker:
         if threads is not None:
             torch.set_num_threads(threads)
         self.worker: Any = None
+        self.deferred = False  # a step waits for `sample` (its grammar bitmask)
+        self._deferred_start = 0.0
+        # (start, end) of this rank's newest steps, time.monotonic() (one clock for every process of
+        # a node): whether pipeline stages overlap is read from them (tests, scripts/pp_overlap.py).
+        self._step_times: deque[tuple[float, float]] = deque(maxlen=4096)
 
     def init_device(self) -> None:
         from pagedllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -106,16 +132,36 @@ class RankWorker:
             return self.init_device()
         if method == "comm_bytes":
             return self.comm_bytes(*args)
+        if method == "step_times":
+            return list(self._step_times)
         return getattr(self.worker, method)(*args)
 
     def execute(self, step: bytes) -> bytes | None:
-        """Run one encoded step; the encoded output on the output rank, None elsewhere.
+        """Run one encoded step; the encoded output on the output rank, None elsewhere and when
+        the step waits for its grammar bitmask (`sample`; the last stage's ranks, constrained rows).
 
         Every rank waits for its own step's samples (`get()`): the runner takes them into its
         request state at the next step, and a rank that did not would fall behind.
         """
+        t0 = time.monotonic()
         so = decode_step(step)
-        out = self.worker.execute_model(so).get()
+        pending = self.worker.execute_model(so)
+        if pending is None:
+            self.deferred, self._deferred_start = True, t0
+            return None
+        out = pending.get()
+        self._step_times.append((t0, time.monotonic()))
+        return encode_output(out) if self.is_output_rank else None
+
+    def sample(self, grammar: bytes) -> bytes | None:
+        """Sample the deferred step under the encoded bitmask (every TP rank of the last stage
+        masks and samples alike, so they draw the same token); the output on the output rank.
+        Ranks of earlier stages deferred nothing: they ignore it."""
+        if not self.deferred:
+            return None
+        self.deferred = False
+        out = self.worker.sample_tokens(decode_grammar(grammar)).get()
+        self._step_times.append((self._deferred_start, time.monotonic()))
         return encode_output(out) if self.is_output_rank else None
 
     def comm_bytes(self, reset: bool = False) -> dict[str, int]:

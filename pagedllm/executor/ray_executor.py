@@ -29,10 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pagedllm
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor
-from pagedllm.executor.multiproc import STARTUP_TIMEOUT_S, WorkerDiedError, execute_model_timeout_s
-from pagedllm.executor.rank_worker import RankWorker, decode_output, encode_step, output_rank
+from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.executor.distributed import (
+    STARTUP_TIMEOUT_S,
+    DistributedExecutorBase,
+    WorkerDiedError,
+    execute_model_timeout_s,
+)
+from pagedllm.executor.rank_worker import RankWorker, decode_output
 
 logger = logging.getLogger(__name__)
 
@@ -81,33 +85,40 @@ class RayRankActor:
         assert self.rank_worker is not None
         return self.rank_worker.execute(step)
 
+    def sample(self, grammar: bytes) -> bytes | None:
+        assert self.rank_worker is not None
+        return self.rank_worker.sample(grammar)
+
     def shutdown(self) -> None:
         if self.rank_worker is not None:
             self.rank_worker.shutdown()
 
 
 class _RayStepHandle:
-    def __init__(self, executor: RayDistributedExecutor, refs: list[Any]) -> None:
+    """A launched step: every actor's result of it (the output rank's is the output); `before`:
+    the deferred step's own calls, awaited with it (a constrained step: execute, then sample)."""
+
+    def __init__(self, executor: RayDistributedExecutor, refs: list[Any], before: list[Any] | None = None) -> None:
         self._executor = executor
         self._refs = refs
+        self._before = before or []
         self._output: ModelRunnerOutput | None = None
 
     def get(self) -> ModelRunnerOutput:
         if self._output is None:
-            results = self._executor._get(self._refs, execute_model_timeout_s(), "execute_model")
-            self._output = decode_output(results[self._executor.output_rank])
+            results = self._executor._get(self._before + self._refs, execute_model_timeout_s(), "execute_model")
+            self._output = decode_output(results[len(self._before) + self._executor.output_rank])
         return self._output
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutorBase):
     def _init_executor(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._init_ranks()
         pc = self.config.parallel_config
-        self.world_size = pc.world_size
-        self.output_rank = output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self._dead: str | None = None
+        self._deferred_refs: list[Any] = []  # a constrained step's execute calls, until sample_tokens
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=pc.ray_address)
@@ -153,8 +164,7 @@ class RayDistributedExecutor(Executor):
     def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         import ray
 
-        if self._dead is not None:
-            raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
+        self._raise_if_dead()
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
@@ -174,22 +184,18 @@ class RayDistributedExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any, timeout: float = STARTUP_TIMEOUT_S) -> list[Any]:
         return self._get([a.call.remote(method, list(args)) for a in self.actors], timeout, method)
 
-    def determine_num_available_blocks(self) -> list[tuple[int, int]]:
-        return [tuple(x) for x in self.collective_rpc("determine_num_available_blocks")]
-
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_gpu_blocks, num_cpu_blocks)
-
-    def compile_or_warm_up_model(self) -> None:
-        self.collective_rpc("compile_or_warm_up_model")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> _RayStepHandle:
+    def _send(self, kind: str, payload: bytes, answered: bool) -> _RayStepHandle | None:
+        """One object in Ray's store, read by every actor; an actor runs its calls in submission
+        order, so the next step may be submitted at once."""
         import ray
 
-        if self._dead is not None:
-            raise WorkerDiedError(f"the Ray executor is dead: {self._dead}")
-        step = ray.put(encode_step(scheduler_output))  # one object, read by every actor
-        return _RayStepHandle(self, [a.execute.remote(step) for a in self.actors])
+        obj = ray.put(payload)
+        refs = [(a.execute if kind == "step" else a.sample).remote(obj) for a in self.actors]
+        if not answered:
+            self._deferred_refs = refs  # a constrained step: its errors surface with its sample's
+            return None
+        before, self._deferred_refs = self._deferred_refs, []
+        return _RayStepHandle(self, refs, before)
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=60.0)

@@ -8,6 +8,12 @@ replays the smallest graph whose batch size fits:
     7 decode requests, sizes [1, 2, 4, 8, 16] -> replay the 8 graph; row 7 is padding: a dummy
     request with seq_len 1 whose K/V write is skipped (slot -1) and whose output is dropped.
 
+Pipeline parallel: each stage captures its own graphs. A stage after the first also reads the
+previous stage's activations from static buffers (hidden_states, residual: (max batch, hidden)),
+received there before the replay; a stage before the last sends its graph's output rows after it.
+The sends and receives stay outside the graph (NCCL point-to-point, stream-ordered with it); with
+TP the all-reduces are inside it, as with one stage.
+
 Each size is captured once per BLAS library (cuBLAS, cuBLASLt) and replayed; the faster capture is
 kept, and a batch may run a larger size that replays clearly faster (worker/graph_plan.py).
 """
@@ -23,6 +29,9 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import GroupCoordinator, get_tp_group
+from pagedllm.distributed.pipeline import recv_stage_inputs, send_stage_outputs, stage_input_buffers
+from pagedllm.models.utils import IntermediateTensors
 from pagedllm.worker import graph_plan
 
 if TYPE_CHECKING:
@@ -44,8 +53,10 @@ class CudaGraphRunner:
     with both BLAS libraries and plan padding from replay times (PAGEDLLM_GRAPH_TUNING)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, capture_sizes: tuple[int, ...],
-                 max_model_len: int, block_size: int, num_kv_heads: int, tuning: bool = True) -> None:
+                 max_model_len: int, block_size: int, num_kv_heads: int, tuning: bool = True,
+                 pp: GroupCoordinator | None = None) -> None:
         self.model = model
+        self.pp = pp if pp is not None and pp.world_size > 1 else None  # None: the only stage
         self.tuning = tuning
         self.device = device
         self.num_kv_heads = num_kv_heads
@@ -62,6 +73,11 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev)
         self.decode_order = torch.arange(b, dtype=torch.int32, device=dev)  # longest context first
+        # A later pipeline stage's inputs: the previous stage's rows land here before each replay.
+        self.intermediate: IntermediateTensors | None = None
+        if self.pp is not None and not self.pp.is_first_rank:
+            hidden, residual = stage_input_buffers(model, b, dev)
+            self.intermediate = IntermediateTensors({"hidden_states": hidden.zero_(), "residual": residual.zero_()})
         # Two sets of host buffers, used by alternate steps: with async scheduling the copies of
         # step N may still be queued while step N+1 is prepared, but step N-1's are done.
         self.h_tokens = torch.zeros((2, 3, b), dtype=torch.int64).pin_memory()  # ids, positions, slots
@@ -91,14 +107,23 @@ class CudaGraphRunner:
             decode_order=self.decode_order[:bs] if bs >= ORDER_MIN_BATCH else None,
         )
 
+    def _stage_inputs(self, bs: int) -> tuple:
+        """The model's inputs for `bs` rows: ids, positions and, on a later pipeline stage, the
+        static activation buffers."""
+        if self.intermediate is None:
+            return self.input_ids[:bs], self.positions[:bs]
+        rows = IntermediateTensors({k: v[:bs] for k, v in self.intermediate.tensors.items()})
+        return self.input_ids[:bs], self.positions[:bs], rows
+
     def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         model = self.model
+        ids, pos, *rows = self._stage_inputs(bs)
         for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-            model(self.input_ids[:bs], self.positions[:bs], md)
+            model(ids, pos, md, *rows)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = model(self.input_ids[:bs], self.positions[:bs], md)
+            out = model(ids, pos, md, *rows)
         if self.pool is None:
             self.pool = g.pool()
         # The first replay uploads the graph to the device, which would otherwise land on a serving
@@ -144,6 +169,12 @@ class CudaGraphRunner:
         attention_kind = {bs: choose_num_splits(bs, self.num_kv_heads, 1, self.max_seq_len) for bs in self.sizes}
         # Untimed (one library), every replay_ms is 0.0: each batch keeps the smallest size that fits.
         self.dispatch = graph_plan.plan_dispatch(self.replay_ms, groups=attention_kind)
+        tp = get_tp_group()
+        if tp.world_size > 1:
+            # The TP ranks' all-reduces are inside the graphs: every rank must replay the same size
+            # for a batch, and each timed its own replays. TP rank 0's plan for all of them.
+            plan = torch.tensor(self.dispatch, dtype=torch.int64, device=self.device)
+            self.dispatch = tp.broadcast(plan, src=0).tolist()
         logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.sizes), self.sizes[0],
                     self.sizes[-1], time.monotonic() - t0)
         if times:
@@ -162,8 +193,9 @@ class CudaGraphRunner:
             and inp.block_table.shape[1] <= self.max_blocks
         )
 
-    def run(self, inp: StepInputs, fill_pending: Callable[[torch.Tensor, StepInputs], None]) -> torch.Tensor:
-        """Hidden states (num_reqs, hidden) of a decode-only step."""
+    def run(self, inp: StepInputs, fill_pending: Callable[[torch.Tensor, StepInputs], None]) -> torch.Tensor | None:
+        """Hidden states (num_reqs, hidden) of a decode-only step; None on a pipeline stage before
+        the last (its rows went to the next stage)."""
         n = len(inp.req_ids)
         bs = self.dispatch[n]
         self.parity ^= 1
@@ -193,5 +225,13 @@ class CudaGraphRunner:
             h_order.numpy()[:] = np.argsort(-seq[:bs], kind="stable")  # padding rows (seq_len 1) last
             self.decode_order[:bs].copy_(h_order, non_blocking=True)
         self.block_table[:bs, :width].copy_(h_table[:bs, :width], non_blocking=True)
+        if self.intermediate is not None:
+            assert self.pp is not None
+            # Rows [n, bs) keep whatever an earlier step left: padding, whose output is dropped.
+            recv_stage_inputs(self.pp, self.intermediate["hidden_states"][:n], self.intermediate["residual"][:n])
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        out = self.outputs[bs]
+        if self.pp is not None and not self.pp.is_last_rank:
+            send_stage_outputs(self.pp, out, n)
+            return None
+        return out[:n]

@@ -93,6 +93,20 @@ class InputBatch:
             st = self.requests[cached.req_id]
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:
+                self._take_sent_tokens(st, cached.num_computed_tokens, cached.new_token_ids)
+
+    @staticmethod
+    def _take_sent_tokens(st: CachedRequestState, num_computed: int, tokens: list[int]) -> None:
+        """Pipeline parallel: sampled tokens from the scheduler, at positions max(num_computed,
+        prompt) onwards; the ones this rank holds already are skipped. A prompt of 5, 2 outputs
+        known, decode at num_computed 7 with [t7]: token_ids grows from 7 to 8."""
+        first = max(num_computed, st.num_prompt_tokens)
+        known = len(st.token_ids)
+        assert first <= known, f"{st.req_id}: tokens {known}..{first} never arrived"
+        new = tokens[known - first:]
+        st.token_ids.extend(new)
+        st.output_token_ids.extend(new)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         req_ids = list(so.num_scheduled_tokens)

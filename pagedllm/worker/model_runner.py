@@ -19,7 +19,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group
-from pagedllm.distributed.pipeline import forward_stage, share_sampled
+from pagedllm.distributed.pipeline import forward_stage
 from pagedllm.distributed.utils import num_kv_heads_per_rank
 from pagedllm.host_copy import host_tensor, to_device_async
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
@@ -54,15 +54,12 @@ class ModelRunner:
         libraries and let batches pad up (worker/graph_plan.py)."""
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
             return
-        if self.pp_group.world_size > 1:
-            # A stage's inputs are activations received mid-step, outside a graph's fixed buffers.
-            logger.info("CUDA graphs are not captured with pipeline parallelism: every stage runs eagerly")
-            return
         mc = self.config.model_config
         self.graph_runner = CudaGraphRunner(
             self.model, self.device, self.config.compilation_config.cudagraph_capture_sizes,
             mc.max_model_len, self.block_size,
             num_kv_heads_per_rank(mc.num_kv_heads, self.config.parallel_config.tensor_parallel_size), tuning,
+            self.pp_group,  # each stage its own graphs, activations through static buffers
         )
         self.graph_runner.capture()
 
@@ -96,8 +93,11 @@ class ModelRunner:
     def forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Hidden states of the last token of each request that samples: (len(sample_rows), hidden)."""
         if self.graph_runner is not None and self.graph_runner.can_run(inp):
-            # Decode only: one token per request, and every request samples.
-            return self.graph_runner.run(inp, self._fill_pending)
+            # One token per request. A 1-token prefill chunk among decodes samples nothing: its row goes.
+            hidden = self.graph_runner.run(inp, self._fill_pending)
+            if hidden is None or len(inp.sample_rows) == len(inp.req_ids):
+                return hidden
+            return hidden[inp.sample_rows]
         md = self._metadata(inp)
         dev = self.device
         input_ids = to_device_async(torch.from_numpy(inp.input_ids), dev)
@@ -108,18 +108,6 @@ class ModelRunner:
             return None
         last = to_device_async(torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1), dev)
         return hidden[last]
-
-    def _sampled_by_last_stage(self, inp: StepInputs) -> PendingOutput:
-        """A stage before the last: the last stage's sampled ids arrive by broadcast, so this
-        stage's request state follows the same tokens (its output is never read by the engine)."""
-        sampled = share_sampled(None, len(inp.sample_rows), self.device, self.pp_group)
-        self.last_sampled = sampled
-        for j, r in enumerate(inp.sample_rows):
-            self.input_batch.mark_pending(inp.req_ids[r], self.step_id, j)
-        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, sampled, None,
-                                [None] * len(inp.sample_rows))
-        self._uncollected.append(pending)
-        return pending
 
     def _take_collected(self) -> None:
         """Sampled tokens of the steps the engine has read (in launch order) join the input batch,
@@ -149,7 +137,10 @@ class ModelRunner:
         if not inp.sample_rows:
             return PendingOutput(self.step_id, inp.req_ids, [], None, None, [])
         if hidden is None:
-            return self._sampled_by_last_stage(inp)
+            # A stage before the last: its activations went on; it waits for nothing back, so it
+            # can start the next batch at once (the sampled tokens reach it in a later
+            # SchedulerOutput). The engine never reads this output.
+            return PendingOutput(self.step_id, inp.req_ids, [], None, None, [])
         logits = self.model.compute_logits(hidden)
         if so.has_structured_output_requests:
             # The grammar bitmask needs the tokens of the step in flight: the caller collects it
@@ -188,13 +179,15 @@ class ModelRunner:
             self.device,
         )
         out = self.sampler(logits, smd)
+        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids, out.logprobs,
+                                [st.sampling_params.logprobs for st in states])
         if self.pp_group.world_size > 1:
-            share_sampled(out.sampled_token_ids, len(states), self.device, self.pp_group)
+            # Pipeline parallel: every stage, this one too, takes the tokens from the scheduler's
+            # next step for the request (CachedRequestData.new_token_ids); none is in flight.
+            return pending
         self.last_sampled = out.sampled_token_ids
         for j, st in enumerate(states):
             self.input_batch.mark_pending(st.req_id, self.step_id, j)
-        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids, out.logprobs,
-                                [st.sampling_params.logprobs for st in states])
         self._uncollected.append(pending)
         return pending
 

@@ -146,3 +146,28 @@ def test_without_chunked_prefill_a_prompt_runs_whole():
 def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
     with pytest.raises(ValueError, match="without chunked prefill max_num_batched_tokens"):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=40, enable_chunked_prefill=False)
+
+
+def test_pipeline_parallel_batches_are_disjoint_and_carry_the_sampled_tokens():
+    """PP 2 (the engine core's batch queue): each batch holds half the requests, a request whose
+    token is in flight is left out (a mid-prefill one is not), and the next batch that schedules it
+    carries its sampled token to every stage (new_token_ids)."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, max_model_len=256),
+                  CacheConfig(block_size=4), 64, pipeline_parallel_size=2)
+    for rid in "abcd":
+        s.add_request(req(rid, 3, max_tokens=4))
+    s.add_request(req("long", 40, max_tokens=2))
+    b1 = s.schedule()
+    b2 = s.schedule()
+    assert list(b1.num_scheduled_tokens) == ["a", "b", "c"]  # ceil(5 / 2) seats
+    assert list(b2.num_scheduled_tokens) == ["d", "long"]
+    assert b2.num_scheduled_tokens["long"] == 21 and "long" not in b2.sampling_req_ids  # a chunk
+    b3 = s.schedule()  # a-d in flight; long's next chunk runs behind its first one
+    assert b3.num_scheduled_tokens == {"long": 19} and b3.sampling_req_ids == {"long"}
+    s.update_from_output(b1, ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[7, 8, 9]))
+    b4 = s.schedule()
+    assert {c.req_id: c.new_token_ids for c in b4.scheduled_cached_reqs} == {"a": [7], "b": [8], "c": [9]}
+    s.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
+    empty = s.schedule()  # d gone, long and a-c in flight: nothing to run
+    assert empty.is_empty
+    assert "d" in s.schedule().finished_req_ids  # kept for the first step that runs, not lost
