@@ -7,7 +7,7 @@ process (engine/core_client.py) and the engine process (engine/core_proc.py).
         step() while requests run -> emit(StepOutputs)
 
 Only this loop touches the EngineCore, which stays single-threaded. The shells supply
-`next_commands` (a queue, or a pipe of msgpack frames) and `emit` (the output thread's queue, or
+`next_commands` (a queue, or a pipe of msgpack frames) and `emit` (the frontend's OutputPump, or
 the pipe back); `emit` returns False when the frontend is stopping.
 """
 

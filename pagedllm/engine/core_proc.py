@@ -1,10 +1,11 @@
-"""EngineCore in its own process (vLLM's EngineCoreProc), for AsyncLLM on the CPU.
+"""EngineCore in its own process (vLLM's EngineCoreProc), for AsyncLLM: the default on every device.
 
-Why: in one process the server's event loop and output thread share the GIL with the step loop. On
+Why: in one process the server's event loop shares the GIL with the step loop. On
 a CPU the step loop gives the GIL up at every kernel call (~250 per decode step) and needs it back
 right after; whenever a frontend thread holds it then, both kernel workers wait (a frontend thread
 costs the step loop several times more in the same process than in another one: BENCHMARKS.md,
-"Measurements behind code decisions"). Here the step loop has a GIL of its own.
+"Measurements behind code decisions"). On a GPU it gives it up at every launch and sync, and the
+server lost half its speed to that (BENCHMARKS.md, issue 16). Here the step loop has a GIL of its own.
 
     frontend process (AsyncLLM)                        engine process (this module's main)
     ---------------------------                        -----------------------------------
