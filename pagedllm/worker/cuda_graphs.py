@@ -107,6 +107,13 @@ class CudaGraphRunner:
         return g, out
 
     @torch.inference_mode()
+    def dry_run(self) -> None:
+        """One eager forward pass per capture size, as the capture runs them (worker/precompile.py
+        collects the Triton variants they launch)."""
+        for bs in reversed(self.sizes):
+            self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs))
+
+    @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
         default = torch.backends.cuda.preferred_blas_library()

@@ -17,7 +17,9 @@ rank of the last pipeline stage) returns outputs in a multi-worker executor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import torch
 
@@ -27,16 +29,26 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import num_kv_heads_per_rank
-from pagedllm.envs import KernelSwitches, kernel_switches
+from pagedllm.envs import KernelSwitches, kernel_switches, use_triton_cache_dir
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
+from pagedllm.worker.precompile import can_precompile, precompile
 from pagedllm.worker.swap_space import CpuSwapSpace
 from pagedllm.worker.warmup import WarmupShape, warmup_kernels
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def start_phase(name: str):
+    """Log how long one start-up phase took (vLLM's "... took X s" lines): the cold / warm start
+    breakdown a user reads in the log."""
+    t0 = time.monotonic()
+    yield
+    logger.info("start-up: %s took %.2f s", name, time.monotonic() - t0)
 
 GiB = 1 << 30
 
@@ -80,13 +92,17 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device(dc.device)
+        if self.device.type == "cuda":
+            # Before any kernel compiles: compiled variants persist under the user's cache directory.
+            logger.info("Triton cache: %s", use_triton_cache_dir())
         # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
         assert self.device is not None, "init_device() first"
         config = self.config
-        self.model = load_model(config.model_config, self.device)
+        with start_phase(f"model load ({config.model_config.load_format} weights)"):
+            self.model = load_model(config.model_config, self.device)
         # After the model: "auto" on the CPU depends on whether the GGUF blocks are computed in place.
         dtype, why = resolve_kv_cache_dtype(config)
         logger.info("KV cache dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
@@ -117,17 +133,19 @@ class Worker:
         from pagedllm.worker.gpu_memory import profile_available_kv_bytes
 
         sc = config.scheduler_config
-        available = profile_available_kv_bytes(
-            self.model, self.model_runner.sampler, self.kv_cache,
-            max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-            max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
-            max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
-        )
+        with start_phase("memory profiling"):
+            available = profile_available_kv_bytes(
+                self.model, self.model_runner.sampler, self.kv_cache,
+                max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+                max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
+                max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
+            )
         return max(available // per_block, 0), num_cpu_blocks
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         assert self.kv_cache is not None
-        self.kv_cache.allocate(num_gpu_blocks)
+        with start_phase(f"KV cache allocation ({num_gpu_blocks} blocks)"):
+            self.kv_cache.allocate(num_gpu_blocks)
         if num_cpu_blocks:
             # Host blocks for swap preemption, shaped like the device cache.
             self.swap_space = CpuSwapSpace(num_cpu_blocks, self.kv_cache.tensors)
@@ -136,14 +154,27 @@ class Worker:
         """Compile the eager path's Triton variants, then capture the decode CUDA graphs (GPU only)."""
         assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
         mc = self.config.model_config
+        switches = self.kernel_switches
+        graphs = self.model_runner.make_graph_runner(switches.graph_tuning)
         if self.kv_cache.tensors and mc.runner_type == "generate":  # the warm-up samples from logits
             shape = WarmupShape(
                 block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
                 max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
                 vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
             )
-            warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype, shape)
-        self.model_runner.capture_model(self.kernel_switches.graph_tuning)
+            device, sampler = self.kv_cache.device, self.model_runner.sampler
+            if switches.parallel_compile and can_precompile(self.model, device):
+                def forwards() -> None:
+                    warmup_kernels(self.model, sampler, device, mc.dtype, shape, sample=False)
+                    if graphs is not None:
+                        graphs.dry_run()
+
+                with start_phase("parallel Triton compile"):
+                    precompile(forwards, device)
+            with start_phase("kernel warm-up"):
+                warmup_kernels(self.model, sampler, device, mc.dtype, shape)
+        with start_phase("CUDA graph capture"):
+            self.model_runner.capture_model(switches.graph_tuning, graphs)
 
     # -- serving -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:

@@ -1,0 +1,111 @@
+"""Compile the start-up's Triton kernel variants all at once, in threads (a cold start's JIT).
+
+On a machine whose Triton cache is empty, every kernel variant the warm-up and the CUDA-graph
+capture meet is compiled when it is first launched, one after another (Triton's front end, MLIR
+passes, LLVM, ptxas: a fraction of a second to over a second each). Here the variants are found
+first and compiled together:
+
+    1. collect   run the forward passes the warm-up and the graph capture will run, with Triton's
+                 `jit_cache_hook` answering "handled" for every variant not compiled yet: Triton
+                 then neither compiles nor launches it, and the hook keeps the variant's
+                 specialization data (Triton's own serialised form of one variant).
+    2. compile   every collected variant in a thread pool, through `JITFunction.preload` (Triton's
+                 entry point for compiling a serialised variant); LLVM and ptxas run outside the GIL.
+    3. The real warm-up and capture follow and find the variants compiled (in memory and on disk).
+
+The collect pass computes garbage: a kernel that is skipped leaves its output tensor unwritten.
+That is safe only where no value computed in the pass is used as an index: in a dense model the
+indices (token ids, positions, slots, block tables) are the dummy inputs, so garbage only flows
+into arithmetic; the sampler (which gathers by sampled ids) is left out of the pass, and a model
+with routed experts (expert ids come from the router's output) is not precompiled at all.
+
+Anything Triton does not support here (another version's hook arguments, a variant that fails in
+`preload`) falls back to the old way: that variant compiles when it is first launched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MAX_THREADS = 16
+
+
+def can_precompile(model: torch.nn.Module, device: torch.device) -> bool:
+    """A CUDA model without routed experts (see the module doc)."""
+    if device.type != "cuda":
+        return False
+    from pagedllm.layers.fused_moe.layer import FusedMoE
+
+    return not any(isinstance(m, FusedMoE) for m in model.modules())
+
+
+def collect_variants(run_forwards: Callable[[], None]) -> dict[str, object]:
+    """Run `run_forwards` with every not-yet-compiled Triton launch recorded instead of compiled and
+    run: specialization data -> its JITFunction. Empty when this Triton has no such hook."""
+    from triton import knobs
+
+    found: dict[str, object] = {}
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs):
+        try:
+            spec = kwargs["compile"]["specialization_data"]
+            found.setdefault(spec, kwargs["fn"].jit_function)
+        except (KeyError, AttributeError, TypeError):
+            return None  # an unknown hook shape: let Triton compile and launch as usual
+        return True  # "handled": Triton skips the compile and the launch
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        run_forwards()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return found
+
+
+def compile_variants(found: dict[str, object], device: torch.device, threads: int | None = None) -> int:
+    """Compile every collected variant in a thread pool; -> how many failed (they compile later,
+    when first launched)."""
+    if not found:
+        return 0
+
+    def one(spec: str, jit_function) -> None:
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+        jit_function.preload(spec)
+
+    threads = threads or min(_MAX_THREADS, os.cpu_count() or 1, len(found))
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        futures = [pool.submit(one, spec, fn) for spec, fn in found.items()]
+        for future in futures:
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - any failure only means "compile it later"
+                failed += 1
+                logger.debug("parallel compile of a Triton variant failed (compiled later instead): %s", e)
+    return failed
+
+
+@torch.inference_mode()
+def precompile(run_forwards: Callable[[], None], device: torch.device) -> None:
+    """Collect the variants `run_forwards` launches, then compile them in parallel (module doc)."""
+    t0 = time.monotonic()
+    try:
+        found = collect_variants(run_forwards)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - e.g. a Triton whose run() does not honour the hook
+        logger.warning("parallel Triton compile skipped (%s: %s); kernels compile when first launched",
+                       type(e).__name__, e)
+        return
+    t1 = time.monotonic()
+    failed = compile_variants(found, device)
+    logger.info("Triton variants: %d found in %.1f s, compiled in parallel in %.1f s (%d left to compile on "
+                "first launch)", len(found), t1 - t0, time.monotonic() - t1, failed)

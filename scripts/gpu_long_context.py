@@ -1,0 +1,237 @@
+"""Long contexts on the H200 (issue 16): 64 requests x 3000-token prompts x 1000 new tokens, Llama-3.1-8B
+shape, dummy weights; and the decode attention variants behind it.
+
+    python3 scripts/gpu_long_context.py            # sweep + end to end (current choice and the sweep's best)
+    python3 scripts/gpu_long_context.py --sweep    # the kernel sweep only (~1 min)
+    python3 scripts/gpu_long_context.py --e2e      # end to end only
+    PYTHONPATH=/tmp/site python3 scripts/gpu_long_context.py --vllm   # vLLM 0.21 on the same workload
+
+Sweep: the fused decode kernel (kernels/decode_attention.py, what decode steps run in the CUDA graphs)
+at batch 64 x context {1000, 2000, 3000, 4000}, every (split count x tile) variant checked against the
+torch reference and timed in a CUDA graph, beside the floor of its K/V bytes at 4.3 TB/s.
+End to end: tok/s of the exact workload beside its floor (weights + K/V bytes per decode step at
+4.3 TB/s, prefill FLOPs at 790 TFLOP/s), and a prefill-only pass (max_tokens 1) to split the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # graph_timing
+
+BW, FLOPS = 4.3e12, 790e12
+N, PROMPT, OUT = 64, 3000, 1000
+HEADS, KVH, D, BS, LAYERS = 32, 8, 128, 16, 32
+TILES = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 8, 3), (64, 8, 2)]  # (TILE_N, warps, stages)
+SPLITS = [1, 2, 4, 8]
+ROWS: list[tuple[str, ...]] = []
+DEVICE, DTYPE = "cuda", torch.bfloat16  # the CPU check of this script (interpreter) runs float32
+
+
+def floor_seconds(n: int = N, prompt: int = PROMPT, out: int = OUT, budget: int = 8192) -> tuple[float, float]:
+    """(prefill, decode) floor of the workload, roofline.py's model for Llama-3.1-8B in bf16."""
+    h, inter, vocab = 4096, 14336, 128256
+    layer = h * HEADS * D + 2 * h * KVH * D + HEADS * D * h + 3 * h * inter
+    params = LAYERS * layer + 2 * vocab * h
+    kv_tok = LAYERS * 2 * KVH * D * 2
+    tokens = n * prompt
+    attn = n * 2 * 2 * LAYERS * HEADS * D * prompt * prompt / 2
+    prefill = max((-(-tokens // budget) * params * 2 + tokens * kv_tok) / BW, (2 * params * tokens + attn) / FLOPS)
+    decode = sum((params * 2 + n * (prompt + i) * kv_tok) / BW for i in range(out))
+    return prefill, decode
+
+
+def decode_case(ctx: int, seed: int = 0):
+    """A decode-only batch of N requests, each at context ctx (its new token at position ctx), with
+    blocks scattered through the cache, as the fused kernel sees it inside a CUDA graph."""
+    from pagedllm.attention.metadata import build_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-(ctx + 1) // BS)
+    perm = torch.randperm(N * nb, generator=g).tolist()
+    tables = [perm[i * nb:(i + 1) * nb] for i in range(N)]
+    md = build_metadata([1] * N, [ctx + 1] * N, tables, BS, device=DEVICE)
+    md.max_seq_len = 4096  # the graphs' static maximum (max_model_len)
+    kv = torch.randn(2, N * nb, BS, KVH, D, device=DEVICE, dtype=DTYPE)
+    qkv = torch.randn(N, (HEADS + 2 * KVH) * D, device=DEVICE, dtype=DTYPE)
+    positions = torch.full((N,), ctx, device=DEVICE, dtype=torch.int64)
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(DEVICE)
+    return qkv, positions, cos_sin, kv, md
+
+
+def sweep() -> dict[tuple[int, int, int, int], float]:
+    """-> (TILE_N, warps, stages, splits) -> summed us over contexts 3000 and 4000 (checked variants only)."""
+    from graph_timing import graph_us
+
+    from pagedllm.kernels import decode_attention as da
+    from pagedllm.kernels import split_k
+
+    orig = da._tile_config
+    scale = D ** -0.5
+    score: dict[tuple[int, int, int, int], float] = {}
+    for ctx in (1000, 2000, 3000, 4000):
+        qkv, positions, cos_sin, kv, md = decode_case(ctx)
+        ref = da.decode_attention_fused_ref(qkv, positions, cos_sin, kv.clone(), md, scale, HEADS, KVH, D).float()
+        floor_us = N * ctx * KVH * D * 2 * 2 / BW * 1e6
+        default = split_k.choose_num_splits(N, KVH, 1, md.max_seq_len)
+        for tile in TILES:
+            for splits in SPLITS:
+                da._tile_config = lambda qpk, hdp, dec, t=tile: (16, 4, *t) if dec else orig(qpk, hdp, dec)
+                name = f"tile {tile[0]}/w{tile[1]}/s{tile[2]} splits {splits}"
+                if tile == (128, 4, 3) and splits == default:
+                    name += " (current)"
+                try:
+                    fn = functools.partial(da.decode_attention_fused, qkv, positions, cos_sin, kv, md, scale, HEADS,
+                                           KVH, D, num_splits=splits)
+                    err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+                    us = graph_us([fn] * 10)
+                except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not a crash
+                    ROWS.append((f"ctx {ctx}", name, "FAILED", f"{type(e).__name__}: {e!s:.50}", "", ""))
+                    continue
+                finally:
+                    da._tile_config = orig
+                ok = err < 2e-2
+                ROWS.append((f"ctx {ctx}", name, f"{us:.1f}", f"{floor_us:.1f}", f"{floor_us / us:.2f}",
+                             f"{err:.1e}" + ("" if ok else " WRONG")))
+                if ok and ctx >= 3000:
+                    key = (*tile, splits)
+                    score[key] = score.get(key, 0.0) + us
+        del qkv, kv, ref, fn
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return score
+
+
+def patched(tile: tuple[int, int, int] | None, splits: int | None):
+    """Install a decode tile / split count for batches of 64+ rows (what the end-to-end run decodes)."""
+    from pagedllm.kernels import decode_attention as da
+    from pagedllm.kernels import paged_attention as pa
+    from pagedllm.kernels import split_k
+
+    orig_tile, orig_split = da._tile_config, split_k.choose_num_splits
+    if tile is not None:
+        da._tile_config = lambda qpk, hdp, dec: (16, 4, *tile) if dec else orig_tile(qpk, hdp, dec)
+    if splits is not None:
+        def choose(num_reqs, num_kv_heads, max_query_len, max_seq_len):
+            if max_query_len == 1 and num_reqs >= 64:
+                return splits
+            return orig_split(num_reqs, num_kv_heads, max_query_len, max_seq_len)
+        for mod in (da, pa, split_k):
+            mod.choose_num_splits = choose
+
+    def undo():
+        da._tile_config = orig_tile
+        for mod in (da, pa, split_k):
+            mod.choose_num_splits = orig_split
+    return undo
+
+
+def workload(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(0, 10000) for _ in range(PROMPT)] for _ in range(N)]
+
+
+def e2e(label: str, tile=None, splits=None) -> None:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.engine_core import unfreeze_gc_heap
+
+    undo = patched(tile, splits)
+    try:
+        t0 = time.perf_counter()
+        llm = LLM("llama3-8b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
+        ready = time.perf_counter() - t0
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)
+        one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1, detokenize=False)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in workload(1)], one, use_tqdm=False)  # other prompts: no prefix hits
+        prefill = time.perf_counter() - t
+        sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=OUT, detokenize=False)
+        t = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": p} for p in workload(0)], sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        toks = sum(len(r.outputs[0].token_ids) for r in res)
+        assert toks == N * OUT, toks
+        pf, dec = floor_seconds()
+        ROWS.append(("e2e", label, f"{toks / dt:,.0f} tok/s", f"{N * OUT / (pf + dec):,.0f} tok/s floor",
+                     f"{(pf + dec) / dt:.2f}", f"run {dt:.1f} s (prefill-only pass {prefill:.1f} s, floor "
+                     f"{pf:.1f}; decode floor {dec:.1f} s); ready in {ready:.1f} s"))
+        print(ROWS[-1], flush=True)
+        del llm, res
+    finally:
+        undo()
+        unfreeze_gc_heap()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def vllm_e2e() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pagedllm", "model_configs", "llama3-8b")
+    llm = LLM(model=cfg, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=8, detokenize=False),
+                 use_tqdm=False)
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=OUT, detokenize=False)
+    t = time.perf_counter()
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload(0)], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    toks = sum(len(r.outputs[0].token_ids) for r in res)
+    print(json.dumps({"peer": "vllm", "output_tokens": toks, "seconds": round(dt, 2),
+                      "output_tok_per_s": round(toks / dt, 1)}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--vllm", action="store_true")
+    ap.add_argument("--one", help="(internal) one end-to-end run in this process: LABEL[:TILE_N,WARPS,STAGES,SPLITS]")
+    args = ap.parse_args()
+    if args.vllm:
+        return vllm_e2e()
+    if args.one:
+        label, _, variant = args.one.partition(":")
+        v = [int(x) for x in variant.split(",")] if variant else None
+        e2e(label, tuple(v[:3]) if v else None, v[3] if v else None)
+        print("ROW " + json.dumps(ROWS[-1]), flush=True)
+        return None
+    both = not (args.sweep or args.e2e)
+    best = None
+    if args.sweep or both:
+        score = sweep()
+        if score:
+            best = min(score, key=score.get)
+            print("best at contexts 3000 + 4000:", best, f"{score[best]:.1f} us", flush=True)
+    if args.e2e or both:
+        # Each run in its own process: an engine's GPU memory is surely gone when the next one profiles.
+        runs = ["current choice"]
+        if best is not None and best != (128, 4, 3, 1):
+            runs.append(f"sweep's best, tile {best[:3]} splits {best[3]} at batch >= 64:" + ",".join(map(str, best)))
+        for one in runs:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", one], capture_output=True,
+                               text=True, timeout=400)
+            row = next((json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")), None)
+            if row is None:
+                print(f"--- {one} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}", flush=True)
+                row = ["e2e", one, "FAILED", "", "", ""]
+            ROWS.append(tuple(row))
+    print("\n| case | variant | us (or tok/s) | KV floor us | floor / time | error / notes |\n|---|---|---|---|---|---|")
+    for row in ROWS:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
