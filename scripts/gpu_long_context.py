@@ -114,15 +114,82 @@ def sweep() -> dict[tuple[int, int, int, int], float]:
     return score
 
 
-def patched(tile: tuple[int, int, int] | None, splits: int | None):
-    """Install a decode tile / split count for batches of 64+ rows (what the end-to-end run decodes)."""
+PREFILL_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2)]
+
+
+MIXED = ([(2000, 3000), (3000, 3000), (2192, 2192)], 61, 3001)  # (new tokens, seq_len) chunks; decode rows; their seq_len
+
+
+def mixed_case(seed: int = 0):
+    """One step of the workload's prefill phase under the 8192-token budget: chunks of three prompts
+    (2000 new tokens after a 1000-token context, 3000 from 0, 3000 - 1000 + 192 from 0) and 64 - 3
+    = 61 decode rows at context 3000 (the requests already prefilled). -> query, kv, md, FLOPs."""
+    from pagedllm.attention.metadata import build_metadata
+
+    chunks, decodes, decode_seq = MIXED
+    q_lens = [q for q, _ in chunks] + [1] * decodes
+    seq = [s for _, s in chunks] + [decode_seq] * decodes
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-x // BS) for x in seq]
+    perm = torch.randperm(sum(nbs), generator=g).tolist()
+    tables, at = [], 0
+    for nb in nbs:
+        tables.append(perm[at:at + nb])
+        at += nb
+    md = build_metadata(q_lens, seq, tables, BS, device=DEVICE)
+    kv = torch.randn(2, sum(nbs), BS, KVH, D, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(sum(q_lens), HEADS, D, device=DEVICE, dtype=DTYPE)
+    # Causal FLOPs: 2 (QK, PV) x 2 x heads x head_dim per (query, visible key).
+    flops = sum(4 * HEADS * D * sum(s - ql + i + 1 for i in range(ql)) for ql, s in zip(q_lens, seq))
+    return q, kv, md, flops
+
+
+def sweep_prefill() -> dict[tuple[int, int, int, int], float]:
+    """Mixed-step attention (paged_attention, prefill tiles) -> (BLOCK_M, TILE_N, warps, stages) -> us."""
+    from graph_timing import graph_us
+
+    from pagedllm.kernels import paged_attention as pa
+
+    orig = pa._tile_config
+    q, kv, md, flops = mixed_case()
+    ref = pa.paged_attention_ref(q, kv, md, D ** -0.5).float()
+    score = {}
+    for tile in PREFILL_TILES:
+        bm, tn, w, st = tile
+        pa._tile_config = lambda qpk, hdp, dec, bm=bm, tn=tn, w=w, st=st: (
+            orig(qpk, hdp, dec) if dec else (bm, bm // qpk, tn, w, st))
+        name = f"BLOCK_M {bm} TILE_N {tn} w{w} s{st}" + (" (current)" if tile == PREFILL_TILES[0] else "")
+        try:
+            fn = functools.partial(pa.paged_attention, q, kv, md, D ** -0.5)
+            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            us = graph_us([fn] * 3)
+        except Exception as e:  # noqa: BLE001
+            ROWS.append(("mixed 8192-token step", name, "FAILED", f"{type(e).__name__}: {e!s:.50}", "", ""))
+            continue
+        finally:
+            pa._tile_config = orig
+        floor_us = flops / FLOPS * 1e6
+        ok = err < 2e-2
+        ROWS.append(("mixed 8192-token step", name, f"{us:.1f}", f"{floor_us:.1f} (FLOPs)", f"{floor_us / us:.2f}",
+                     f"{err:.1e}" + ("" if ok else " WRONG")))
+        if ok:
+            score[tile] = us
+    return score
+
+
+def patched(tile: tuple[int, int, int] | None, splits: int | None, prefill: tuple[int, ...] | None = None):
+    """Install a decode tile / split count for batches of 64+ rows (what the end-to-end run decodes),
+    and a prefill tile (BLOCK_M, TILE_N, warps, stages) for mixed steps."""
     from pagedllm.kernels import decode_attention as da
     from pagedllm.kernels import paged_attention as pa
     from pagedllm.kernels import split_k
 
-    orig_tile, orig_split = da._tile_config, split_k.choose_num_splits
+    orig_tile, orig_split, orig_pa_tile = da._tile_config, split_k.choose_num_splits, pa._tile_config
     if tile is not None:
         da._tile_config = lambda qpk, hdp, dec: (16, 4, *tile) if dec else orig_tile(qpk, hdp, dec)
+    if prefill is not None:
+        bm, tn, w, st = prefill
+        pa._tile_config = lambda qpk, hdp, dec: orig_pa_tile(qpk, hdp, dec) if dec else (bm, bm // qpk, tn, w, st)
     if splits is not None:
         def choose(num_reqs, num_kv_heads, max_query_len, max_seq_len):
             if max_query_len == 1 and num_reqs >= 64:
@@ -133,6 +200,7 @@ def patched(tile: tuple[int, int, int] | None, splits: int | None):
 
     def undo():
         da._tile_config = orig_tile
+        pa._tile_config = orig_pa_tile
         for mod in (da, pa, split_k):
             mod.choose_num_splits = orig_split
     return undo
@@ -143,11 +211,11 @@ def workload(seed: int) -> list[list[int]]:
     return [[rng.randint(0, 10000) for _ in range(PROMPT)] for _ in range(N)]
 
 
-def e2e(label: str, tile=None, splits=None) -> None:
+def e2e(label: str, tile=None, splits=None, prefill=None) -> None:
     from pagedllm import LLM, SamplingParams
     from pagedllm.engine.engine_core import unfreeze_gc_heap
 
-    undo = patched(tile, splits)
+    undo = patched(tile, splits, prefill)
     try:
         t0 = time.perf_counter()
         llm = LLM("llama3-8b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
@@ -156,7 +224,7 @@ def e2e(label: str, tile=None, splits=None) -> None:
         one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1, detokenize=False)
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in workload(1)], one, use_tqdm=False)  # other prompts: no prefix hits
-        prefill = time.perf_counter() - t
+        t_pf = time.perf_counter() - t
         sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=OUT, detokenize=False)
         t = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in workload(0)], sp, use_tqdm=False)
@@ -165,8 +233,9 @@ def e2e(label: str, tile=None, splits=None) -> None:
         assert toks == N * OUT, toks
         pf, dec = floor_seconds()
         ROWS.append(("e2e", label, f"{toks / dt:,.0f} tok/s", f"{N * OUT / (pf + dec):,.0f} tok/s floor",
-                     f"{(pf + dec) / dt:.2f}", f"run {dt:.1f} s (prefill-only pass {prefill:.1f} s, floor "
-                     f"{pf:.1f}; decode floor {dec:.1f} s); ready in {ready:.1f} s"))
+                     f"{(pf + dec) / dt:.2f}", f"run {dt:.1f} s: prefill-only pass {t_pf:.1f} s (floor "
+                     f"{pf:.1f}), the rest {(dt - t_pf) / (OUT - 1) * 1e3:.2f} ms a decode step (floor "
+                     f"{dec / OUT * 1e3:.2f}); ready in {ready:.1f} s"))
         print(ROWS[-1], flush=True)
         del llm, res
     finally:
@@ -198,28 +267,41 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--vllm", action="store_true")
-    ap.add_argument("--one", help="(internal) one end-to-end run in this process: LABEL[:TILE_N,WARPS,STAGES,SPLITS]")
+    ap.add_argument("--one", help='(internal) one end-to-end run here: LABEL[|{"decode": [TILE_N, warps, stages, splits], '
+                    '"prefill": [BLOCK_M, TILE_N, warps, stages]}]')
     args = ap.parse_args()
     if args.vllm:
         return vllm_e2e()
     if args.one:
-        label, _, variant = args.one.partition(":")
-        v = [int(x) for x in variant.split(",")] if variant else None
-        e2e(label, tuple(v[:3]) if v else None, v[3] if v else None)
+        label, _, variant = args.one.partition("|")
+        v = json.loads(variant) if variant else {}
+        dec = v.get("decode")
+        e2e(label, tuple(dec[:3]) if dec else None, dec[3] if dec else None,
+            tuple(v["prefill"]) if v.get("prefill") else None)
         print("ROW " + json.dumps(ROWS[-1]), flush=True)
         return None
     both = not (args.sweep or args.e2e)
-    best = None
+    best, best_pf = None, None
     if args.sweep or both:
         score = sweep()
         if score:
             best = min(score, key=score.get)
-            print("best at contexts 3000 + 4000:", best, f"{score[best]:.1f} us", flush=True)
+            print("best decode at contexts 3000 + 4000:", best, f"{score[best]:.1f} us", flush=True)
+        score_pf = sweep_prefill()
+        if score_pf:
+            best_pf = min(score_pf, key=score_pf.get)
+            print("best mixed-step tile:", best_pf, f"{score_pf[best_pf]:.1f} us", flush=True)
     if args.e2e or both:
         # Each run in its own process: an engine's GPU memory is surely gone when the next one profiles.
         runs = ["current choice"]
+        variant = {}
         if best is not None and best != (128, 4, 3, 1):
-            runs.append(f"sweep's best, tile {best[:3]} splits {best[3]} at batch >= 64:" + ",".join(map(str, best)))
+            variant["decode"] = list(best)
+        if best_pf is not None and best_pf != PREFILL_TILES[0]:
+            variant["prefill"] = list(best_pf)
+        if variant:
+            desc = ", ".join(f"{k} {tuple(v)}" for k, v in variant.items())
+            runs.append(f"sweep's best ({desc})|" + json.dumps(variant))
         for one in runs:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", one], capture_output=True,
                                text=True, timeout=400)

@@ -30,8 +30,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+from pagedllm.worker.gpu_memory import dummy_prefill_layout
+from pagedllm.worker.warmup import WarmupShape, _dummy_step, warmup_kernels
+
+if TYPE_CHECKING:
+    from pagedllm.worker.cuda_graphs import CudaGraphRunner
+    from pagedllm.worker.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +117,31 @@ def precompile(run_forwards: Callable[[], None], device: torch.device) -> None:
     failed = compile_variants(found, device)
     logger.info("Triton variants: %d found in %.1f s, compiled in parallel in %.1f s (%d left to compile on "
                 "first launch)", len(found), t1 - t0, time.monotonic() - t1, failed)
+
+
+def precompile_startup(model: torch.nn.Module, kv_cache: KVCache, graphs: CudaGraphRunner | None,
+                       shape: WarmupShape, max_num_seqs: int, dtype: torch.dtype) -> None:
+    """Every variant of the start-up, compiled in parallel before any of it runs: the memory
+    profile's step (max_num_batched_tokens over max_num_seqs prefills), the warm-up's steps and one
+    forward pass per CUDA-graph size. Run before the memory profile, when the KV cache is not bound
+    yet, a temporary cache of 16 blocks is bound for the pass (every dummy table reads block 0, and
+    the kernels do not specialise on the cache's size) and released."""
+    device = kv_cache.device
+    num_tokens = min(shape.max_num_batched_tokens, max_num_seqs * shape.max_model_len)
+    q_lens, _ = dummy_prefill_layout(num_tokens, min(max_num_seqs, num_tokens), shape.block_size)
+
+    def forwards() -> None:
+        _dummy_step(model, None, device, shape, q_lens, q_lens, sample=False)  # the memory profile's step
+        warmup_kernels(model, None, device, dtype, shape, sample=False)
+        if graphs is not None:
+            graphs.dry_run()
+
+    temporary = not kv_cache.tensors
+    if temporary:
+        kv_cache.allocate(16)
+    try:
+        precompile(forwards, device)
+    finally:
+        if temporary:
+            kv_cache.release()
+            torch.cuda.empty_cache()

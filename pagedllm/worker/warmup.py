@@ -47,7 +47,7 @@ class WarmupShape:
     hidden_size: int
 
 
-def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, shape: WarmupShape,
+def _dummy_step(model: torch.nn.Module, sampler: Sampler | None, device: torch.device, shape: WarmupShape,
                 query_lens: list[int], seq_lens: list[int], sample: bool = True) -> None:
     bs = shape.block_size
     tables = [[0] * -(-s // bs) for s in seq_lens]  # every position reads block 0
@@ -60,7 +60,7 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, 
         return
     last = md.query_start_loc[1:].long() - 1
     logits = model.compute_logits(hidden[last])
-    if not sample:
+    if not sample or sampler is None:
         return
     rows = [
         RowInputs(params=SamplingParams(temperature=1.0 if r % 2 == 0 else 0.0), prompt_token_ids=[0],
@@ -74,7 +74,7 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, 
 
 
 @torch.inference_mode()
-def warmup_kernels(model: torch.nn.Module, sampler: Sampler, device: torch.device, dtype: torch.dtype,
+def warmup_kernels(model: torch.nn.Module, sampler: Sampler | None, device: torch.device, dtype: torch.dtype,
                    shape: WarmupShape, sample: bool = True) -> None:
     """Run the dummy steps above on a CUDA model whose KV cache is bound; a no-op elsewhere.
     sample=False: the forward passes only (worker/precompile.py's collect pass)."""

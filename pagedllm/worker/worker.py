@@ -33,9 +33,10 @@ from pagedllm.envs import KernelSwitches, kernel_switches, use_triton_cache_dir
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
-from pagedllm.worker.precompile import can_precompile, precompile
+from pagedllm.worker.precompile import can_precompile, precompile_startup
 from pagedllm.worker.swap_space import CpuSwapSpace
 from pagedllm.worker.warmup import WarmupShape, warmup_kernels
 
@@ -79,6 +80,8 @@ class Worker:
         self.kv_cache: KVCache | None = None
         self.swap_space: CpuSwapSpace | None = None
         self.kernel_switches = kernel_switches()  # read once; steps never read the environment
+        self._graphs: CudaGraphRunner | None = None  # built before the capture, for the parallel compile
+        self._precompiled = False
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -133,6 +136,7 @@ class Worker:
         from pagedllm.worker.gpu_memory import profile_available_kv_bytes
 
         sc = config.scheduler_config
+        self._precompile()  # the profile's variants too: before it
         with start_phase("memory profiling"):
             available = profile_available_kv_bytes(
                 self.model, self.model_runner.sampler, self.kv_cache,
@@ -154,27 +158,42 @@ class Worker:
         """Compile the eager path's Triton variants, then capture the decode CUDA graphs (GPU only)."""
         assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
         mc = self.config.model_config
-        switches = self.kernel_switches
-        graphs = self.model_runner.make_graph_runner(switches.graph_tuning)
         if self.kv_cache.tensors and mc.runner_type == "generate":  # the warm-up samples from logits
-            shape = WarmupShape(
-                block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
-                max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
-                vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
-            )
-            device, sampler = self.kv_cache.device, self.model_runner.sampler
-            if switches.parallel_compile and can_precompile(self.model, device):
-                def forwards() -> None:
-                    warmup_kernels(self.model, sampler, device, mc.dtype, shape, sample=False)
-                    if graphs is not None:
-                        graphs.dry_run()
-
-                with start_phase("parallel Triton compile"):
-                    precompile(forwards, device)
+            self._precompile()  # done before the memory profile unless there was none
             with start_phase("kernel warm-up"):
-                warmup_kernels(self.model, sampler, device, mc.dtype, shape)
+                warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype,
+                               self._warmup_shape())
         with start_phase("CUDA graph capture"):
-            self.model_runner.capture_model(switches.graph_tuning, graphs)
+            self.model_runner.capture_model(self.kernel_switches.graph_tuning, self._graph_runner())
+
+    def _warmup_shape(self) -> WarmupShape:
+        mc = self.config.model_config
+        return WarmupShape(
+            block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
+            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
+            vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
+        )
+
+    def _graph_runner(self) -> CudaGraphRunner | None:
+        assert self.model_runner is not None
+        if self._graphs is None:
+            self._graphs = self.model_runner.make_graph_runner(self.kernel_switches.graph_tuning)
+        return self._graphs
+
+    def _precompile(self) -> None:
+        """Once: the start-up's Triton variants compiled in parallel (worker/precompile.py), for a
+        generating CUDA model without routed experts unless PAGEDLLM_PARALLEL_COMPILE=0."""
+        assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
+        if self._precompiled:
+            return
+        self._precompiled = True
+        mc = self.config.model_config
+        if not (self.kernel_switches.parallel_compile and mc.runner_type == "generate"
+                and self.kv_cache.attn_layers and can_precompile(self.model, self.kv_cache.device)):
+            return
+        with start_phase("parallel Triton compile"):
+            precompile_startup(self.model, self.kv_cache, self._graph_runner(), self._warmup_shape(),
+                               self.config.scheduler_config.max_num_seqs, mc.dtype)
 
     # -- serving -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
