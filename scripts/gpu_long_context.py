@@ -23,6 +23,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -302,9 +303,13 @@ def main() -> None:
         if variant:
             desc = ", ".join(f"{k} {tuple(v)}" for k, v in variant.items())
             runs.append(f"sweep's best ({desc})|" + json.dumps(variant))
-        for one in runs:
+        for i, one in enumerate(runs):
+            # A graph plan of its own (worker/graph_plan.py keeps one per model shape), the shared Triton cache.
+            env = dict(os.environ, PAGEDLLM_CACHE_ROOT=tempfile.mkdtemp(prefix=f"lc-{i}-"),
+                       TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR")
+                       or os.path.expanduser("~/.cache/pagedllm/triton"))
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", one], capture_output=True,
-                               text=True, timeout=400)
+                               text=True, timeout=400, env=env)
             row = next((json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")), None)
             if row is None:
                 print(f"--- {one} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}", flush=True)
