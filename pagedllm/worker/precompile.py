@@ -10,7 +10,8 @@ first and compiled together:
                  then neither compiles nor launches it, and the hook keeps the variant's
                  specialization data (Triton's own serialised form of one variant).
     2. compile   every collected variant in a thread pool, through `JITFunction.preload` (Triton's
-                 entry point for compiling a serialised variant); LLVM and ptxas run outside the GIL.
+                 entry point for compiling a serialised variant), and load it onto the device; LLVM
+                 and ptxas run outside the GIL.
     3. The real warm-up and capture follow and find the variants compiled (in memory and on disk).
 
 The collect pass computes garbage: a kernel that is skipped leaves its output tensor unwritten.
@@ -87,7 +88,12 @@ def compile_variants(found: dict[str, object], device: torch.device, threads: in
 
     def one(spec: str, jit_function) -> None:
         torch.cuda.set_device(device)  # a new thread starts on device 0
-        jit_function.preload(spec)
+        kernel = jit_function.preload(spec)
+        # Load it onto the device and build its launcher here too (Triton versions that build a C
+        # launcher per signature run a C compiler for it), not at its first launch.
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            init()
 
     threads = threads or min(_MAX_THREADS, os.cpu_count() or 1, len(found))
     failed = 0
