@@ -17,8 +17,9 @@ first and compiled together:
 The collect pass computes garbage: a kernel that is skipped leaves its output tensor unwritten.
 That is safe only where no value computed in the pass is used as an index: in a dense model the
 indices (token ids, positions, slots, block tables) are the dummy inputs, so garbage only flows
-into arithmetic; the sampler (which gathers by sampled ids) is left out of the pass, and a model
-with routed experts (expert ids come from the router's output) is not precompiled at all.
+into arithmetic; the sampler (which gathers by sampled ids) is not run whole, its Triton kernel is
+called on its own, and a model with routed experts (expert ids come from the router's output) is not
+precompiled at all.
 
 Anything Triton does not support here (another version's hook arguments, a variant that fails in
 `preload`) falls back to the old way: that variant compiles when it is first launched.
@@ -141,6 +142,14 @@ def precompile_startup(model: torch.nn.Module, kv_cache: KVCache, graphs: CudaGr
         warmup_kernels(model, None, device, dtype, shape, sample=False)
         if graphs is not None:
             graphs.dry_run()
+        # The sampler's kernel as the warm-up's steps call it (1 and 2 rows, logits in the model's
+        # dtype and in float32), called directly: its output is never used as an index here.
+        from pagedllm.kernels.sampling import gumbel_argmax
+
+        for rows in (1, 2):
+            for logits_dtype in {dtype, torch.float32}:
+                logits = torch.zeros((rows, shape.vocab_size), dtype=logits_dtype, device=device)
+                gumbel_argmax(logits, torch.ones(rows, device=device), 0)
 
     temporary = not kv_cache.tensors
     if temporary:
