@@ -93,8 +93,10 @@ class CudaGraphRunner:
 
     def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         model = self.model
-        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-            model(self.input_ids[:bs], self.positions[:bs], md)
+        # One eager pass first, so nothing initialises lazily inside the capture: Triton variants
+        # load (or compile), the BLAS library picks its algorithms for these shapes. (Two passes
+        # were run here before; the second found nothing left to initialise.)
+        model(self.input_ids[:bs], self.positions[:bs], md)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
