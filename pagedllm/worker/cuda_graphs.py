@@ -94,8 +94,8 @@ class CudaGraphRunner:
     def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         model = self.model
         # One eager pass first, so nothing initialises lazily inside the capture: Triton variants
-        # load (or compile), the BLAS library picks its algorithms for these shapes. (Two passes
-        # were run here before; the second found nothing left to initialise.)
+        # load (or compile), the BLAS library picks its algorithms for these shapes (a second pass,
+        # run here before, costs a forward per size and library at every start).
         model(self.input_ids[:bs], self.positions[:bs], md)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
