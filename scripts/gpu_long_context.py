@@ -178,6 +178,34 @@ def sweep_prefill() -> dict[tuple[int, int, int, int], float]:
     return score
 
 
+def sweep_gemm() -> None:
+    """The decode step's weight reads at 64 rows (Llama-3.1-8B linears, bf16), per BLAS library, in
+    CUDA graphs, beside their bytes at 4.3 TB/s: the other half of a decode step's floor."""
+    from graph_timing import graph_us
+
+    shapes = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
+              "down_proj": (14336, 4096), "lm_head": (4096, 128256)}
+    default = torch.backends.cuda.preferred_blas_library()
+    total = {}
+    try:
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            for name, (k, n) in shapes.items():
+                x = torch.randn(N, k, device=DEVICE, dtype=DTYPE)
+                w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.01
+                us = graph_us([functools.partial(torch.nn.functional.linear, x, w)] * 10)
+                floor_us = n * k * 2 / BW * 1e6
+                per_step = LAYERS if name != "lm_head" else 1
+                total[lib] = total.get(lib, (0.0, 0.0))
+                total[lib] = (total[lib][0] + us * per_step, total[lib][1] + floor_us * per_step)
+                ROWS.append((f"GEMM M={N}", f"{name} {k}x{n} {lib}", f"{us:.1f}", f"{floor_us:.1f}",
+                             f"{floor_us / us:.2f}", f"x{per_step} a step"))
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    for lib, (us, fl) in total.items():
+        ROWS.append((f"GEMM M={N}", f"all linears of a step, {lib}", f"{us:.0f}", f"{fl:.0f}", f"{fl / us:.2f}", ""))
+
+
 def patched(tile: tuple[int, int, int] | None, splits: int | None, prefill: tuple[int, ...] | None = None):
     """Install a decode tile / split count for batches of 64+ rows (what the end-to-end run decodes),
     and a prefill tile (BLOCK_M, TILE_N, warps, stages) for mixed steps."""
@@ -288,6 +316,7 @@ def main() -> None:
         if score:
             best = min(score, key=score.get)
             print("best decode at contexts 3000 + 4000:", best, f"{score[best]:.1f} us", flush=True)
+        sweep_gemm()
         score_pf = sweep_prefill()
         if score_pf:
             best_pf = min(score_pf, key=score_pf.get)
