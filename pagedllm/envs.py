@@ -169,3 +169,11 @@ def use_triton_cache_dir() -> Path:
     if not user:
         os.environ["TRITON_CACHE_DIR"] = str(path)
     return path
+
+
+def child_environment(python_path: str) -> dict[str, str]:
+    """This process's environment for a helper process (worker/compile_child.py), handed over
+    whole, with `python_path` first on PYTHONPATH so the child imports this same pagedllm."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH")) if p)
+    return env

@@ -1,18 +1,23 @@
-"""Compile the start-up's Triton kernel variants all at once, in threads (a cold start's JIT).
+"""Compile the start-up's Triton kernel variants all at once, in parallel (a cold start's JIT).
 
 On a machine whose Triton cache is empty, every kernel variant the warm-up and the CUDA-graph
 capture meet is compiled when it is first launched, one after another (Triton's front end, MLIR
 passes, LLVM, ptxas: a fraction of a second to over a second each). Here the variants are found
 first and compiled together:
 
-    1. collect   run the forward passes the warm-up and the graph capture will run, with Triton's
-                 `jit_cache_hook` answering "handled" for every variant not compiled yet: Triton
-                 then neither compiles nor launches it, and the hook keeps the variant's
-                 specialization data (Triton's own serialised form of one variant).
-    2. compile   every collected variant in a thread pool, through `JITFunction.preload` (Triton's
-                 entry point for compiling a serialised variant), and load it onto the device; LLVM
-                 and ptxas run outside the GIL.
-    3. The real warm-up and capture follow and find the variants compiled (in memory and on disk).
+    1. collect   run the forward passes the memory profile, the warm-up and the graph capture will
+                 run, with Triton's `jit_cache_hook` answering "handled" for every variant not
+                 compiled yet: Triton then neither compiles nor launches it, and the hook keeps the
+                 variant's specialization data (Triton's own serialised form of one variant).
+    2. compile   the variants in compile processes (worker/compile_child.py, started at
+                 Worker.init_device so their imports overlap the model load): Triton holds the GIL
+                 for most of a compile, so threads of one process barely overlap (measured on
+                 the CPU here: 4 threads took 1.8x the serial time). Each process compiles its
+                 share into the shared TRITON_CACHE_DIR through `JITFunction.preload` (Triton's
+                 entry point for compiling a serialised variant).
+    3. load      this process preloads every variant in a thread pool: each is found on disk and
+                 loaded onto the device. What a process failed to compile is compiled here.
+    4. The real profile, warm-up and capture follow and find the variants compiled.
 
 The collect pass computes garbage: a kernel that is skipped leaves its output tensor unwritten.
 That is safe only where no value computed in the pass is used as an index: in a dense model the
@@ -28,14 +33,18 @@ Anything Triton does not support here (another version's hook arguments, a varia
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm import envs
 from pagedllm.worker.gpu_memory import dummy_prefill_layout
 from pagedllm.worker.warmup import WarmupShape, _dummy_step, warmup_kernels
 
@@ -46,6 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_THREADS = 16
+_MAX_PROCESSES = 8
+_POOL_TIMEOUT_S = 180.0  # a child that hangs must not hang the start: the engine then compiles itself
 
 
 def can_precompile(model: torch.nn.Module, device: torch.device) -> bool:
@@ -81,11 +92,93 @@ def collect_variants(run_forwards: Callable[[], None]) -> dict[str, object]:
     return found
 
 
+class CompilePool:
+    """Compile processes (worker/compile_child.py), started early so their imports overlap the
+    model load. `compile` hands each a share of the variants and waits; `close` ends them."""
+
+    def __init__(self, device: torch.device, processes: int) -> None:
+        import pagedllm
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
+        env = envs.child_environment(python_path=root)
+        self.children = [
+            subprocess.Popen([sys.executable, "-m", "pagedllm.worker.compile_child", str(index), str(major * 10 + minor)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=env)
+            for _ in range(processes)
+        ]
+
+    def compile(self, items: list[tuple[str, str, str]]) -> int:
+        """items: (module, qualname, specialization data); -> how many failed."""
+        shares = [items[i::len(self.children)] for i in range(len(self.children))]
+        for child, share in zip(self.children, shares):
+            assert child.stdin is not None
+            child.stdin.write("".join(json.dumps({"module": m, "qualname": q, "spec": s}) + "\n" for m, q, s in share))
+            child.stdin.close()
+            child.stdin = None  # closed: communicate() below only reads
+        failed = 0
+        deadline = time.monotonic() + _POOL_TIMEOUT_S
+        for child, share in zip(self.children, shares):
+            out, _ = child.communicate(timeout=max(deadline - time.monotonic(), 1.0))  # TimeoutExpired: caller
+            failed += len(share) - sum(line == "ok" for line in out.splitlines())
+        return failed
+
+    def close(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+_pool: CompilePool | None = None
+
+
+def start_compile_pool(device: torch.device) -> None:
+    """Start the compile processes now (Worker.init_device), if the parallel compile will run
+    processes; a failure to start them only means threads compile instead."""
+    global _pool
+    if _pool is not None or device.type != "cuda":
+        return
+    try:
+        _pool = CompilePool(device, min(_MAX_PROCESSES, max((os.cpu_count() or 1) - 1, 1)))
+    except Exception as e:  # noqa: BLE001
+        logger.info("Triton compile processes not started (%s); threads compile instead", e)
+
+
+def close_compile_pool() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+def _compile_in_processes(found: dict[str, object]) -> None:
+    """Compile what the pool can import into the disk cache (the parent's preload then reads it)."""
+    pool = _pool
+    if pool is None:
+        return
+    items = [(fn.fn.__module__, fn.fn.__qualname__, spec) for spec, fn in found.items()
+             if "<locals>" not in fn.fn.__qualname__]
+    t0 = time.monotonic()
+    try:
+        failed = pool.compile(items)
+        logger.info("Triton compile processes (%d): %d variants in %.1f s, %d failed (compiled here instead)",
+                    len(pool.children), len(items), time.monotonic() - t0, failed)
+    except Exception as e:  # noqa: BLE001 - the parent compiles whatever is missing
+        logger.info("Triton compile processes failed (%s); compiling in this process", e)
+    finally:
+        close_compile_pool()
+
+
 def compile_variants(found: dict[str, object], device: torch.device, threads: int | None = None) -> int:
-    """Compile every collected variant in a thread pool; -> how many failed (they compile later,
-    when first launched)."""
+    """Compile every collected variant (in the compile processes when started, then load them here
+    in a thread pool); -> how many failed (they compile later, when first launched)."""
     if not found:
+        close_compile_pool()
         return 0
+    _compile_in_processes(found)
 
     def one(spec: str, jit_function) -> None:
         torch.cuda.set_device(device)  # a new thread starts on device 0

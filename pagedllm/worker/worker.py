@@ -36,7 +36,7 @@ from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
-from pagedllm.worker.precompile import can_precompile, precompile_startup
+from pagedllm.worker.precompile import can_precompile, close_compile_pool, precompile_startup, start_compile_pool
 from pagedllm.worker.swap_space import CpuSwapSpace
 from pagedllm.worker.warmup import WarmupShape, warmup_kernels
 
@@ -98,6 +98,8 @@ class Worker:
         if self.device.type == "cuda":
             # Before any kernel compiles: compiled variants persist under the user's cache directory.
             logger.info("Triton cache: %s", use_triton_cache_dir())
+            if self.kernel_switches.parallel_compile:
+                start_compile_pool(self.device)  # their imports overlap the model load
         # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
         torch.manual_seed(self.config.model_config.seed)
 
@@ -190,6 +192,7 @@ class Worker:
         mc = self.config.model_config
         if not (self.kernel_switches.parallel_compile and mc.runner_type == "generate"
                 and self.kv_cache.attn_layers and can_precompile(self.model, self.kv_cache.device)):
+            close_compile_pool()
             return
         with start_phase("parallel Triton compile"):
             precompile_startup(self.model, self.kv_cache, self._graph_runner(), self._warmup_shape(),
@@ -218,6 +221,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Unbind and drop the KV cache so its memory can be freed when the engine is dropped."""
+        close_compile_pool()
         if self.kv_cache is not None:
             self.kv_cache.release()
         self.swap_space = None

@@ -1,0 +1,68 @@
+"""A Triton compile process for the start-up's parallel compile (worker/precompile.py).
+
+Triton's compile holds the GIL for most of its work, so threads of one process compile one after
+another; processes do not. Each child is started early (`CompilePool`), imports Triton and the
+kernel modules while the parent loads the model, then reads variants from stdin, one JSON line
+each: {"module": ..., "qualname": ..., "spec": <Triton's specialization data>}, compiles each
+through `JITFunction.preload` into the shared TRITON_CACHE_DIR and answers one line per variant
+("ok" or "err <message>"). The parent's own preload of the same variant then finds it on disk.
+
+Run as `python -m pagedllm.worker.compile_child DEVICE_INDEX`; no CUDA context is needed when the
+parent passes the device's compute capability (second argument): Triton is told the target
+instead of asking the driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+_WARM_MODULES = ("paged_attention", "decode_attention", "qkv_prep", "rmsnorm", "activation", "gemv", "sampling",
+                 "kv_cache_write", "split_k")
+
+
+def _pin_target(device: int, capability: int) -> None:
+    """Make Triton's driver answer device / target questions without a CUDA context."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    active = driver.active
+    target = GPUTarget("cuda", capability, 32)
+    active.get_current_device = lambda: device
+    active.get_current_target = lambda: target
+
+
+def _kernel(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main() -> None:
+    device = int(sys.argv[1])
+    capability = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    try:
+        if not capability:
+            raise ValueError("no compute capability given")
+        _pin_target(device, capability)
+    except Exception:  # noqa: BLE001 - another Triton's driver: ask the device (a CUDA context)
+        import torch
+
+        torch.cuda.set_device(device)
+    for name in _WARM_MODULES:  # imported while the parent loads the model, not when a variant arrives
+        importlib.import_module(f"pagedllm.kernels.{name}")
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        try:
+            item = json.loads(line)
+            _kernel(item["module"], item["qualname"]).preload(item["spec"])
+            print("ok", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported; the parent compiles that variant itself
+            print("err " + f"{type(e).__name__}: {e}".replace("\n", " ")[:300], flush=True)
+
+
+if __name__ == "__main__":
+    main()
