@@ -212,6 +212,7 @@ def precompile(run_forwards: Callable[[], None], device: torch.device) -> None:
     except Exception as e:  # noqa: BLE001 - e.g. a Triton whose run() does not honour the hook
         logger.warning("parallel Triton compile skipped (%s: %s); kernels compile when first launched",
                        type(e).__name__, e)
+        close_compile_pool()
         return
     t1 = time.monotonic()
     failed = compile_variants(found, device)
