@@ -55,6 +55,10 @@ def phases(log: str) -> list[tuple[str, str]]:
                             r"\((\d+) left", line):
             out.append((f"{m.group(1)} variants: collect / compile ({m.group(4)} failed)",
                         f"{m.group(2)} / {m.group(3)}"))
+        elif m := re.search(r"Triton compile processes \((\d+)\): (\d+) variants in ([\d.]+) s, (\d+) failed", line):
+            out.append((f"{m.group(1)} compile processes: {m.group(2)} variants ({m.group(4)} failed)", m.group(3)))
+        elif "Triton compile processes" in line or "parallel Triton compile skipped" in line:
+            out.append((line.split(": ", 1)[-1][:120], "-"))
         elif m := re.search(r"engine ready in ([\d.]+) s", line):
             out.append(("engine ready (log)", m.group(1)))
     return out
