@@ -1,6 +1,6 @@
 """Start to ready of the Llama-3.1-8B shape (dummy weights) on the H200, cold and warm, per phase (issue 16).
 
-    python3 scripts/gpu_cold_start.py [TREE ...]      # default: . and .ab/main (if present)
+    python3 scripts/gpu_cold_start.py [--quick] [--root DIR] [TREE ...]   # default: . and .ab/main (if present)
 
 For each tree (a checkout root; `.ab/main` is main at 23ce52b, carried beside this one), each start is
 a fresh Python process that builds `LLM("llama3-8b", load_format="dummy", max_model_len=4096)`:
@@ -88,13 +88,20 @@ def start(tree: str, cache_dir: str, extra: dict[str, str]) -> dict:
 
 
 def main() -> None:
-    trees = sys.argv[1:] or [t for t in (".", ".ab/main") if os.path.isdir(t)]
-    root = tempfile.mkdtemp(prefix="cold-start-")
+    args = sys.argv[1:]
+    quick = "--quick" in args  # cold and warm only, no A/B start
+    root = None
+    if "--root" in args:  # where the cache directories go (TREE_INDEX-a is the first tree's)
+        root = args[args.index("--root") + 1]
+        args = args[:args.index("--root")] + args[args.index("--root") + 2:]
+    trees = [a for a in args if a != "--quick"] or [t for t in (".", ".ab/main") if os.path.isdir(t)]
+    root = root or tempfile.mkdtemp(prefix="cold-start-")
+    os.makedirs(root, exist_ok=True)
     rows, ref_tokens = [], None
     for tree in trees:
         label = "main 23ce52b" if tree.rstrip("/").endswith(".ab/main") else f"tree {tree}"
         runs = [("cold", "a", {}), ("warm", "a", {})]
-        if label != "main 23ce52b":
+        if label != "main 23ce52b" and not quick:
             runs.append(("cold, PAGEDLLM_PARALLEL_COMPILE=0", "b", {"PAGEDLLM_PARALLEL_COMPILE": "0"}))
         for kind, cache, extra in runs:
             cache_dir = os.path.join(root, f"{len(rows)}-{cache}" if cache == "b" else f"{trees.index(tree)}-a")

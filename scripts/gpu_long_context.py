@@ -89,9 +89,10 @@ def sweep() -> dict[tuple[int, int, int, int], float]:
         default = split_k.choose_num_splits(N, KVH, 1, md.max_seq_len)
         for tile in TILES:
             for splits in SPLITS:
-                da._tile_config = lambda qpk, hdp, dec, t=tile: (16, 4, *t) if dec else orig(qpk, hdp, dec)
+                da._tile_config = lambda qpk, hdp, dec, few_programs=False, t=tile: (16, 4, *t) if dec else orig(
+                    qpk, hdp, dec)
                 name = f"tile {tile[0]}/w{tile[1]}/s{tile[2]} splits {splits}"
-                if tile == (128, 4, 3) and splits == default:
+                if tile == ((64, 4, 2) if default == 1 else (128, 4, 3)) and splits == default:
                     name += " (current)"
                 try:
                     fn = functools.partial(da.decode_attention_fused, qkv, positions, cos_sin, kv, md, scale, HEADS,
@@ -157,8 +158,8 @@ def sweep_prefill() -> dict[tuple[int, int, int, int], float]:
     score = {}
     for tile in PREFILL_TILES:
         bm, tn, w, st = tile
-        pa._tile_config = lambda qpk, hdp, dec, bm=bm, tn=tn, w=w, st=st: (
-            orig(qpk, hdp, dec) if dec else (bm, bm // qpk, tn, w, st))
+        pa._tile_config = lambda qpk, hdp, dec, few_programs=False, bm=bm, tn=tn, w=w, st=st: (
+            orig(qpk, hdp, dec, few_programs) if dec else (bm, bm // qpk, tn, w, st))
         name = f"BLOCK_M {bm} TILE_N {tn} w{w} s{st}" + (" (current)" if tile == PREFILL_TILES[0] else "")
         try:
             fn = functools.partial(pa.paged_attention, q, kv, md, D ** -0.5)
@@ -215,10 +216,11 @@ def patched(tile: tuple[int, int, int] | None, splits: int | None, prefill: tupl
 
     orig_tile, orig_split, orig_pa_tile = da._tile_config, split_k.choose_num_splits, pa._tile_config
     if tile is not None:
-        da._tile_config = lambda qpk, hdp, dec: (16, 4, *tile) if dec else orig_tile(qpk, hdp, dec)
+        da._tile_config = lambda qpk, hdp, dec, few_programs=False: (16, 4, *tile) if dec else orig_tile(qpk, hdp, dec)
     if prefill is not None:
         bm, tn, w, st = prefill
-        pa._tile_config = lambda qpk, hdp, dec: orig_pa_tile(qpk, hdp, dec) if dec else (bm, bm // qpk, tn, w, st)
+        pa._tile_config = lambda qpk, hdp, dec, few_programs=False: (
+            orig_pa_tile(qpk, hdp, dec, few_programs) if dec else (bm, bm // qpk, tn, w, st))
     if splits is not None:
         def choose(num_reqs, num_kv_heads, max_query_len, max_seq_len):
             if max_query_len == 1 and num_reqs >= 64:
@@ -325,7 +327,7 @@ def main() -> None:
         # Each run in its own process: an engine's GPU memory is surely gone when the next one profiles.
         runs = ["current choice"]
         variant = {}
-        if best is not None and best != (128, 4, 3, 1):
+        if best is not None and best != (64, 4, 2, 1):
             variant["decode"] = list(best)
         if best_pf is not None and best_pf != PREFILL_TILES[0]:
             variant["prefill"] = list(best_pf)

@@ -1,15 +1,15 @@
 """A Triton compile process for the start-up's parallel compile (worker/precompile.py).
 
 Triton's compile holds the GIL for most of its work, so threads of one process compile one after
-another; processes do not. Each child is started early (`CompilePool`), imports Triton and the
-kernel modules while the parent loads the model, then reads variants from stdin, one JSON line
-each: {"module": ..., "qualname": ..., "spec": <Triton's specialization data>}, compiles each
+another; processes do not. Each child is started early (worker/compile_pool.py), imports Triton
+and the kernel modules while the parent loads the config and the model, then reads variants from
+stdin, one JSON line each: {"module": ..., "qualname": ..., "spec": <Triton's specialization data>}, compiles each
 through `JITFunction.preload` into the shared TRITON_CACHE_DIR and answers one line per variant
 ("ok" or "err <message>"). The parent's own preload of the same variant then finds it on disk.
 
-Run as `python -m pagedllm.worker.compile_child DEVICE_INDEX`; no CUDA context is needed when the
-parent passes the device's compute capability (second argument): Triton is told the target
-instead of asking the driver.
+Run as `python -m pagedllm.worker.compile_child`; the first stdin line names the device and its
+compute capability, so no CUDA context is needed: Triton is told the target instead of asking the
+driver (if that fails with another Triton, the child asks the device).
 """
 
 from __future__ import annotations
@@ -41,20 +41,20 @@ def _kernel(module: str, qualname: str):
 
 
 def main() -> None:
-    device = int(sys.argv[1])
-    capability = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    # Imports first (they overlap the parent's config and model loading), then the header line
+    # {"device": index, "capability": e.g. 90} that the parent sends with the variants.
+    for name in _WARM_MODULES:
+        importlib.import_module(f"pagedllm.kernels.{name}")
+    header = sys.stdin.readline()
+    if not header:
+        return  # the parent ended without compiling (a warm start, a CPU run)
+    target = json.loads(header)
     try:
-        if not capability:
-            raise ValueError("no compute capability given")
-        _pin_target(device, capability)
+        _pin_target(int(target["device"]), int(target["capability"]))
     except Exception:  # noqa: BLE001 - another Triton's driver: ask the device (a CUDA context)
         import torch
 
-        torch.cuda.set_device(device)
-    for name in _WARM_MODULES:  # imported while the parent loads the model, not when a variant arrives
-        importlib.import_module(f"pagedllm.kernels.{name}")
-
-    print("ready", flush=True)
+        torch.cuda.set_device(int(target["device"]))
     for line in sys.stdin:
         try:
             item = json.loads(line)

@@ -166,11 +166,11 @@ class CudaGraphRunner:
         del captured  # the other libraries' graphs
         if plan_file is not None and kept is None:
             graph_plan.save_plan(plan_file, {bs: (self.backends[bs], self.replay_ms[bs]) for bs in self.sizes})
-        # A batch may pad up to a larger graph only where both attend the same way: with split-K on
-        # one side and not the other, dummy-row replay times say nothing about real contexts.
-        from pagedllm.kernels.split_k import choose_num_splits  # Triton: GPU path only (CPU installs lack it)
+        # A batch may pad up to a larger graph only where both attend the same way: with split-K (or
+        # the key tile) differing, dummy-row replay times say nothing about real contexts.
+        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only (CPU installs lack it)
 
-        attention_kind = {bs: choose_num_splits(bs, self.num_kv_heads, 1, self.max_seq_len) for bs in self.sizes}
+        attention_kind = {bs: decode_kind(bs, self.num_kv_heads, self.max_seq_len) for bs in self.sizes}
         # Untimed (one library), every replay_ms is 0.0: each batch keeps the smallest size that fits.
         self.dispatch = graph_plan.plan_dispatch(self.replay_ms, groups=attention_kind)
         logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s", len(self.sizes), self.sizes[0],

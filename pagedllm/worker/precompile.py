@@ -33,18 +33,19 @@ Anything Triton does not support here (another version's hook arguments, a varia
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm import envs
+from pagedllm.worker import compile_pool
+from pagedllm.worker.compile_pool import close_compile_pool
 from pagedllm.worker.gpu_memory import dummy_prefill_layout
 from pagedllm.worker.warmup import WarmupShape, _dummy_step, warmup_kernels
 
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_THREADS = 16
-_MAX_PROCESSES = 8
-_POOL_TIMEOUT_S = 180.0  # a child that hangs must not hang the start: the engine then compiles itself
 
 
 def can_precompile(model: torch.nn.Module, device: torch.device) -> bool:
@@ -92,78 +91,18 @@ def collect_variants(run_forwards: Callable[[], None]) -> dict[str, object]:
     return found
 
 
-class CompilePool:
-    """Compile processes (worker/compile_child.py), started early so their imports overlap the
-    model load. `compile` hands each a share of the variants and waits; `close` ends them."""
-
-    def __init__(self, device: torch.device, processes: int) -> None:
-        import pagedllm
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
-        env = envs.child_environment(python_path=root)
-        self.children = [
-            subprocess.Popen([sys.executable, "-m", "pagedllm.worker.compile_child", str(index), str(major * 10 + minor)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env=env)
-            for _ in range(processes)
-        ]
-
-    def compile(self, items: list[tuple[str, str, str]]) -> int:
-        """items: (module, qualname, specialization data); -> how many failed."""
-        shares = [items[i::len(self.children)] for i in range(len(self.children))]
-        for child, share in zip(self.children, shares):
-            assert child.stdin is not None
-            child.stdin.write("".join(json.dumps({"module": m, "qualname": q, "spec": s}) + "\n" for m, q, s in share))
-            child.stdin.close()
-            child.stdin = None  # closed: communicate() below only reads
-        failed = 0
-        deadline = time.monotonic() + _POOL_TIMEOUT_S
-        for child, share in zip(self.children, shares):
-            out, _ = child.communicate(timeout=max(deadline - time.monotonic(), 1.0))  # TimeoutExpired: caller
-            failed += len(share) - sum(line == "ok" for line in out.splitlines())
-        return failed
-
-    def close(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-
-
-_pool: CompilePool | None = None
-
-
-def start_compile_pool(device: torch.device) -> None:
-    """Start the compile processes now (Worker.init_device), if the parallel compile will run
-    processes; a failure to start them only means threads compile instead."""
-    global _pool
-    if _pool is not None or device.type != "cuda":
-        return
-    try:
-        _pool = CompilePool(device, min(_MAX_PROCESSES, max((os.cpu_count() or 1) - 1, 1)))
-    except Exception as e:  # noqa: BLE001
-        logger.info("Triton compile processes not started (%s); threads compile instead", e)
-
-
-def close_compile_pool() -> None:
-    global _pool
-    if _pool is not None:
-        _pool.close()
-        _pool = None
-
-
 def _compile_in_processes(found: dict[str, object]) -> None:
     """Compile what the pool can import into the disk cache (the parent's preload then reads it)."""
-    pool = _pool
+    pool = compile_pool.current()
     if pool is None:
         return
     items = [(fn.fn.__module__, fn.fn.__qualname__, spec) for spec, fn in found.items()
              if "<locals>" not in fn.fn.__qualname__]
     t0 = time.monotonic()
     try:
-        failed = pool.compile(items)
+        index = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        failed = pool.compile(items, index, major * 10 + minor)
         logger.info("Triton compile processes (%d): %d variants in %.1f s, %d failed (compiled here instead)",
                     len(pool.children), len(items), time.monotonic() - t0, failed)
     except Exception as e:  # noqa: BLE001 - the parent compiles whatever is missing
@@ -180,8 +119,10 @@ def compile_variants(found: dict[str, object], device: torch.device, threads: in
         return 0
     _compile_in_processes(found)
 
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
     def one(spec: str, jit_function) -> None:
-        torch.cuda.set_device(device)  # a new thread starts on device 0
+        torch.cuda.set_device(index)  # a new thread starts on device 0
         kernel = jit_function.preload(spec)
         # Load it onto the device and build its launcher here too (Triton versions that build a C
         # launcher per signature run a C compiler for it), not at its first launch.
@@ -254,3 +195,17 @@ def precompile_startup(model: torch.nn.Module, kv_cache: KVCache, graphs: CudaGr
         if temporary:
             kv_cache.release()
             torch.cuda.empty_cache()
+
+
+def warm_marker(key_parts: list[object]) -> Path:
+    """A file in the Triton cache directory that says "every variant of this start-up is in this
+    cache" (written after a start completes): with it the next start skips the collect pass and
+    the compile processes, and loads each variant from disk when first launched. Inside the cache
+    directory, so clearing the cache clears the marker. key_parts name what the variants depend
+    on (worker.py: versions, the kernels' source, the model's parameters, the batch shapes)."""
+    from pagedllm import envs
+
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(kernels.glob("*.py")))).hexdigest()
+    digest = hashlib.sha256(json.dumps([source, *map(str, key_parts)]).encode()).hexdigest()[:24]
+    return Path(envs.use_triton_cache_dir()) / "pagedllm-warm" / digest

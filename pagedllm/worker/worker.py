@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,14 +34,21 @@ from pagedllm.envs import KernelSwitches, kernel_switches, use_triton_cache_dir
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.worker.compile_pool import close_compile_pool, start_compile_pool
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
-from pagedllm.worker.precompile import can_precompile, close_compile_pool, precompile_startup, start_compile_pool
+from pagedllm.worker.precompile import can_precompile, precompile_startup, warm_marker
 from pagedllm.worker.swap_space import CpuSwapSpace
 from pagedllm.worker.warmup import WarmupShape, warmup_kernels
 
 logger = logging.getLogger(__name__)
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 @contextlib.contextmanager
@@ -82,6 +90,7 @@ class Worker:
         self.kernel_switches = kernel_switches()  # read once; steps never read the environment
         self._graphs: CudaGraphRunner | None = None  # built before the capture, for the parallel compile
         self._precompiled = False
+        self._marker: Path | None = None  # worker/precompile.py warm_marker, written once a start completes
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -99,7 +108,7 @@ class Worker:
             # Before any kernel compiles: compiled variants persist under the user's cache directory.
             logger.info("Triton cache: %s", use_triton_cache_dir())
             if self.kernel_switches.parallel_compile:
-                start_compile_pool(self.device)  # their imports overlap the model load
+                start_compile_pool()  # unless EngineArgs did already: their imports overlap the model load
         # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
         torch.manual_seed(self.config.model_config.seed)
 
@@ -167,6 +176,12 @@ class Worker:
                                self._warmup_shape())
         with start_phase("CUDA graph capture"):
             self.model_runner.capture_model(self.kernel_switches.graph_tuning, self._graph_runner())
+        if self._marker is not None:
+            try:  # the next start of this configuration finds every variant in the cache
+                self._marker.parent.mkdir(parents=True, exist_ok=True)
+                self._marker.touch()
+            except OSError:
+                pass
 
     def _warmup_shape(self) -> WarmupShape:
         mc = self.config.model_config
@@ -193,6 +208,17 @@ class Worker:
         if not (self.kernel_switches.parallel_compile and mc.runner_type == "generate"
                 and self.kv_cache.attn_layers and can_precompile(self.model, self.kv_cache.device)):
             close_compile_pool()
+            return
+        sc, cc = self.config.scheduler_config, self.config.cache_config
+        self._marker = warm_marker([
+            torch.__version__, triton_version(), torch.cuda.get_device_name(self.kv_cache.device), self.kernel_switches,
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()], self.kv_cache.dtype,
+            mc.max_model_len, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+            self.config.compilation_config.cudagraph_capture_sizes, self.config.device_config.enforce_eager,
+        ])
+        if self._marker.exists():
+            close_compile_pool()
+            logger.info("Triton cache holds this start-up's kernel variants (%s): no parallel compile", self._marker)
             return
         with start_phase("parallel Triton compile"):
             precompile_startup(self.model, self.kv_cache, self._graph_runner(), self._warmup_shape(),
