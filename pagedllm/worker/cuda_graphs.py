@@ -119,11 +119,27 @@ class CudaGraphRunner:
                 getattr(pagedllm, "__version__", ""), kernel_switches(), params, self.sizes, self.max_seq_len,
                 self.max_blocks, self.num_kv_heads]
 
+    def variant_sizes(self) -> list[int]:
+        """One capture size per way the sizes can differ to Triton: it specialises an integer
+        argument on == 1 and on divisibility by 16, so a kernel argument k * bs (+ 1) depends on
+        bs's low bits; beyond those, on whether the graph orders its programs and how it splits
+        and tiles attention. Default sizes 1, 2, 4, 8, 16, 24, ..., 256 -> 1, 2, 4, 8, 16, 24 and
+        the first sizes past each attention-kind and ordering boundary."""
+        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
+
+        picked: dict[tuple, int] = {}
+        for bs in self.sizes:
+            splits, few = decode_kind(bs, self.num_kv_heads, self.max_seq_len)
+            key = (bs == 1, tuple(bs % m == 0 for m in (2, 4, 8, 16)), (bs + 1) % 16 == 0, bs >= ORDER_MIN_BATCH,
+                   splits > 1, few)
+            picked.setdefault(key, bs)
+        return sorted(picked.values())
+
     @torch.inference_mode()
     def dry_run(self) -> None:
-        """One eager forward pass per capture size, as the capture runs them (worker/precompile.py
-        collects the Triton variants they launch)."""
-        for bs in reversed(self.sizes):
+        """One eager forward pass per `variant_sizes` size, as the capture runs them
+        (worker/precompile.py collects the Triton variants they launch)."""
+        for bs in reversed(self.variant_sizes()):
             self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs))
 
     @torch.inference_mode()
