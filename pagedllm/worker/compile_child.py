@@ -45,6 +45,12 @@ def main() -> None:
     # {"device": index, "capability": e.g. 90} that the parent sends with the variants.
     for name in _WARM_MODULES:
         importlib.import_module(f"pagedllm.kernels.{name}")
+    try:  # Triton's driver (on a cold cache it builds its C helpers with the C compiler): no CUDA context yet
+        from triton.runtime import driver
+
+        driver.active.get_current_target  # noqa: B018 - touching it builds the driver
+    except Exception:  # noqa: BLE001 - then it is built after the header, or the variants fail and the parent compiles
+        pass
     header = sys.stdin.readline()
     if not header:
         return  # the parent ended without compiling (a warm start, a CPU run)
