@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import select
 import sys
 
+_IDLE_S = 300.0
 _WARM_MODULES = ("paged_attention", "decode_attention", "qkv_prep", "rmsnorm", "activation", "gemv", "sampling",
                  "kv_cache_write", "split_k")
 
@@ -51,6 +53,10 @@ def main() -> None:
         driver.active.get_current_target  # noqa: B018 - touching it builds the driver
     except Exception:  # noqa: BLE001 - then it is built after the header, or the variants fail and the parent compiles
         pass
+    # A parent that never compiles (its engine runs in another process, a warm start that forgot
+    # to end us) does not keep us: give up after _IDLE_S.
+    if not select.select([sys.stdin], [], [], _IDLE_S)[0]:
+        return
     header = sys.stdin.readline()
     if not header:
         return  # the parent ended without compiling (a warm start, a CPU run)
