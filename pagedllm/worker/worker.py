@@ -176,6 +176,7 @@ class Worker:
                                self._warmup_shape())
         with start_phase("CUDA graph capture"):
             self.model_runner.capture_model(self.kernel_switches.graph_tuning, self._graph_runner())
+        close_compile_pool()  # if no parallel compile ran (a pooling model, no generate warm-up)
         if self._marker is not None:
             try:  # the next start of this configuration finds every variant in the cache
                 self._marker.parent.mkdir(parents=True, exist_ok=True)
