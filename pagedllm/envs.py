@@ -69,6 +69,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
+    # 0: Triton compiles each kernel variant when a warm-up step first launches it, one after
+    # another, instead of all of them at once in threads before the warm-up (worker/precompile.py).
+    "PAGEDLLM_PARALLEL_COMPILE": _flag("PAGEDLLM_PARALLEL_COMPILE", True),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", False),
@@ -86,6 +89,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Root of pagedllm's caches (GGUF-derived configs and tokenizers, built C kernels); default
     # $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
     "PAGEDLLM_CACHE_ROOT": _cache_root,
+    # Triton's own variable: where compiled kernels are kept. Unset, the engine sets it to
+    # $PAGEDLLM_CACHE_ROOT/triton at start (`use_triton_cache_dir`), so the second start of a
+    # machine loads every kernel variant instead of compiling it again.
+    "TRITON_CACHE_DIR": _str("TRITON_CACHE_DIR"),
     # -- engine --
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs AsyncLLM's engine core in its own process, 0 in a
     # thread; unset (None): a process, as vLLM's default (engine/core_client.py).
@@ -137,6 +144,7 @@ class KernelSwitches:
     fused_decode: bool
     skinny_gemv: bool
     graph_tuning: bool
+    parallel_compile: bool = True
 
 
 def kernel_switches() -> KernelSwitches:
@@ -146,4 +154,26 @@ def kernel_switches() -> KernelSwitches:
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
+        parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
     )
+
+
+def use_triton_cache_dir() -> Path:
+    """Triton's kernel cache directory: the user's TRITON_CACHE_DIR if set, else
+    $PAGEDLLM_CACHE_ROOT/triton, which is then written to the environment (Triton reads it at each
+    compile; worker processes inherit it). Created if missing. Called once at engine start, before
+    any kernel compiles."""
+    user = environment_variables["TRITON_CACHE_DIR"]()
+    path = Path(user).expanduser() if user else _cache_root() / "triton"
+    path.mkdir(parents=True, exist_ok=True)
+    if not user:
+        os.environ["TRITON_CACHE_DIR"] = str(path)
+    return path
+
+
+def child_environment(python_path: str) -> dict[str, str]:
+    """This process's environment for a helper process (worker/compile_child.py), handed over
+    whole, with `python_path` first on PYTHONPATH so the child imports this same pagedllm."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH")) if p)
+    return env

@@ -60,7 +60,7 @@ def timed(fn) -> float:
     return _cuda_timed(fn, 20) * 1e6
 
 
-def _fixed(cfg: tuple, *_args) -> tuple:
+def _fixed(cfg: tuple, *_args, **_kwargs) -> tuple:
     return cfg
 
 

@@ -48,7 +48,7 @@ def main():
             if n * 8 * splits > 8192:
                 continue
             for tn, w, st in tiles:
-                pa._tile_config = lambda qpk, hdp, dec, tn=tn, w=w, st=st: (
+                pa._tile_config = lambda qpk, hdp, dec, few_programs=False, tn=tn, w=w, st=st: (
                     (16, 4, tn, w, st) if dec else ORIG(qpk, hdp, dec))
                 try:
                     fn = functools.partial(attend, num_splits=splits)

@@ -77,3 +77,14 @@ def test_attributes_read_the_environment_when_accessed(monkeypatch, tmp_path):
         getattr(envs, "PAGEDLLM_ENABLE_MULTIPROCESSING")  # noqa: B009 - the read itself raises
     with pytest.raises(AttributeError):
         getattr(envs, "PAGEDLLM_NOT_A_SWITCH")  # noqa: B009
+
+
+def test_triton_cache_dir_defaults_under_the_cache_root_and_keeps_the_users(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PAGEDLLM_CACHE_ROOT", str(tmp_path / "root"))
+    path = envs.use_triton_cache_dir()
+    assert path == tmp_path / "root" / "triton" and path.is_dir()
+    assert envs.TRITON_CACHE_DIR == str(path)  # written for Triton and for worker processes
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert envs.use_triton_cache_dir() == tmp_path / "mine" and (tmp_path / "mine").is_dir()
+    assert envs.TRITON_CACHE_DIR == str(tmp_path / "mine")

@@ -37,7 +37,14 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import _LOG2E, _attend_tile, _tile_config, paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
-from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
+from pagedllm.kernels.split_k import (
+    FEW_DECODE_PROGRAMS,
+    alloc_partials,
+    choose_num_splits,
+    merge_splits,
+    split_key_range,
+    store_partials,
+)
 
 __all__ = ["decode_attention_fused", "decode_attention_fused_ref"]
 
@@ -199,10 +206,11 @@ def decode_attention_fused(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True)
     if num_splits is None:
         num_splits = choose_num_splits(n, num_kv_heads, 1, md.max_seq_len)
     use_split = num_splits > 1
+    few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS
+    block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True, few_programs=few)
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)
     else:

@@ -41,7 +41,14 @@ import triton.language as tl
 
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
+from pagedllm.kernels.split_k import (
+    FEW_DECODE_PROGRAMS,
+    alloc_partials,
+    choose_num_splits,
+    merge_splits,
+    split_key_range,
+    store_partials,
+)
 
 __all__ = ["paged_attention", "paged_attention_ref"]
 
@@ -260,13 +267,15 @@ def _paged_attention_kernel(
         )
 
 
-def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> tuple[int, int, int, int, int]:
+def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool,
+                 few_programs: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages), tuned on the H200 with
     `scripts/attn_sweep.py` (2026-11-29, head_dim 128, bf16, W1-like batches).
 
     Decode rows are memory bound: the smallest MMA tile (16 rows) holds the GQA group of one token,
     and 128-key tiles 3 stages deep stream K/V fastest (256 requests x ~800 keys: 215 us, 3.9 TB/s;
-    64-key tiles 220-227 us). Prefill tiles use 64 rows so each K/V tile is reused by up to 64
+    64-key tiles 220-227 us); an unsplit decode batch of at most FEW_DECODE_PROGRAMS (request, kv
+    head) programs (`few_programs`) is faster with 64-key tiles, 2 stages (split_k.py). Prefill tiles use 64 rows so each K/V tile is reused by up to 64
     (token, head) rows; 32-key tiles beat 64 and 128-row tiles (8192-token mixed batch: 200 vs 210 us
     for 16/8 heads, 318 vs 336 us for 32/8). tl.dot needs every dimension >= 16.
     """
@@ -279,8 +288,10 @@ def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool) -> t
     block_m = max(rows, triton.next_power_of_2(queries_per_kv))
     block_q = max(1, block_m // queries_per_kv)
     if head_dim_pad <= 128:
-        tile_n = 128 if decode_only else 32
+        tile_n = (64 if few_programs else 128) if decode_only else 32
         num_warps = 4
+        if decode_only and few_programs:  # an unsplit decode batch of few programs (split_k.py)
+            return block_m, block_q, tile_n, num_warps, 2
     else:
         tile_n, num_warps = 32, 8
     return block_m, block_q, tile_n, num_warps, 3
@@ -334,10 +345,12 @@ def paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     decode_only = md.max_query_len == 1
-    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, decode_only)
     if num_splits is None:
         num_splits = choose_num_splits(md.num_reqs, num_kv_heads, md.max_query_len, md.max_seq_len)
     use_split = num_splits > 1
+    few = decode_only and not use_split and md.num_reqs * num_kv_heads <= FEW_DECODE_PROGRAMS
+    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, decode_only,
+                                                                   few_programs=few)
     order = md.decode_order
     ordered = decode_only and order is not None
     # Upper bound of query tiles; see the module docstring.

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 
-__all__ = ["alloc_partials", "choose_num_splits", "merge_splits"]
+__all__ = ["FEW_DECODE_PROGRAMS", "alloc_partials", "choose_num_splits", "decode_kind", "merge_splits"]
 
 # Split-K heuristic: aim for ~8 programs per SM on an H200 (132 SMs) — a decode program streams
 # K/V with little compute, so memory-level parallelism, not waves, sets its speed (measured: 2048
@@ -31,6 +31,14 @@ __all__ = ["alloc_partials", "choose_num_splits", "merge_splits"]
 # requests 97.9 vs 104.0 with 2; 16 requests (128 pairs) keep 8 splits: 37.9 vs 39.5 us with 2.
 _TARGET_PROGRAMS = 1024
 _NO_SPLIT_PROGRAMS = 256
+# Unsplit decode batches of at most this many (request, kv head) programs stream K/V in 64-key
+# tiles, 2 stages (kernels/paged_attention.py `_tile_config`): with so few programs an SM holds
+# one or two 128-key programs and stalls between tiles, while smaller tiles keep more of them in
+# flight. Llama-3.1-8B heads, 64 requests, CUDA graphs (2026-12-01): 128-key tiles 80.8 / 152.2 /
+# 223.6 / 295.1 us at 1000 / 2000 / 3000 / 4000 keys, 64-key tiles 70.9 / 134.8 / 188.9 / 254.2 us
+# (0.86-0.97 of the K/V bytes at 4.3 TB/s); at 256 requests (2048 programs) 64-key tiles were
+# 2-10% slower (BENCHMARKS.md), so larger batches keep 128.
+FEW_DECODE_PROGRAMS = 512
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
@@ -161,3 +169,10 @@ def merge_splits(
         SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
         num_warps=4,
     )
+
+
+def decode_kind(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> tuple[int, bool]:
+    """How a decode-only batch attends: (split count, 64-key tiles?). Batches of one kind time
+    alike, so the CUDA-graph plan pads a batch only to a graph of the same kind (worker/graph_plan.py)."""
+    splits = choose_num_splits(num_reqs, num_kv_heads, 1, max_seq_len)
+    return splits, splits == 1 and num_reqs * num_kv_heads <= FEW_DECODE_PROGRAMS

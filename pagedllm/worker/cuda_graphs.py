@@ -118,8 +118,10 @@ class CudaGraphRunner:
     def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         model = self.model
         ids, pos, *rows = self._stage_inputs(bs)
-        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-            model(ids, pos, md, *rows)
+        # One eager pass first, so nothing initialises lazily inside the capture: Triton variants
+        # load (or compile), the BLAS library picks its algorithms for these shapes (a second pass,
+        # run here before, costs a forward per size and library at every start).
+        model(ids, pos, md, *rows)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
@@ -131,6 +133,40 @@ class CudaGraphRunner:
         g.replay()
         return g, out
 
+    def _plan_key(self) -> list[object]:
+        """What the replay times depend on (graph_plan.plan_path): the GPU, the libraries' versions,
+        the model's parameter shapes and dtypes, the sizes and the graphs' maximum length."""
+        import pagedllm
+        from pagedllm.envs import kernel_switches
+
+        params = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.model.named_parameters()]
+        return [torch.cuda.get_device_name(self.device), torch.__version__, torch.version.cuda,
+                getattr(pagedllm, "__version__", ""), kernel_switches(), params, self.sizes, self.max_seq_len,
+                self.max_blocks, self.num_kv_heads]
+
+    def variant_sizes(self) -> list[int]:
+        """One capture size per way the sizes can differ to Triton: it specialises an integer
+        argument on == 1 and on divisibility by 16, so a kernel argument k * bs (+ 1) depends on
+        bs's low bits; beyond those, on whether the graph orders its programs and how it splits
+        and tiles attention. Default sizes 1, 2, 4, 8, 16, 24, ..., 256 -> 1, 2, 4, 8, 16, 24 and
+        the first sizes past each attention-kind and ordering boundary."""
+        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
+
+        picked: dict[tuple, int] = {}
+        for bs in self.sizes:
+            splits, few = decode_kind(bs, self.num_kv_heads, self.max_seq_len)
+            key = (bs == 1, tuple(bs % m == 0 for m in (2, 4, 8, 16)), (bs + 1) % 16 == 0, bs >= ORDER_MIN_BATCH,
+                   splits > 1, few)
+            picked.setdefault(key, bs)
+        return sorted(picked.values())
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """One eager forward pass per `variant_sizes` size, as the capture runs them
+        (worker/precompile.py collects the Triton variants they launch)."""
+        for bs in reversed(self.variant_sizes()):
+            self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs))
+
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
@@ -140,12 +176,16 @@ class CudaGraphRunner:
         candidates: dict[str, object] = {default_name: default}
         if self.tuning and torch.version.cuda is not None:
             candidates.update((lib, lib) for lib in ("cublas", "cublaslt") if lib != default_name)
+        plan_file = graph_plan.plan_path(self._plan_key()) if len(candidates) > 1 else None
+        kept = graph_plan.load_plan(plan_file, self.sizes, list(candidates)) if plan_file else None
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         try:
             # Largest first, so smaller graphs reuse the big one's memory pool.
             for bs in reversed(self.sizes):
                 md = self._metadata(bs)
                 for lib, value in candidates.items():
+                    if kept is not None and kept[bs][0] != lib:
+                        continue  # a kept plan: the library it chose for this size only
                     torch.backends.cuda.preferred_blas_library(value)
                     captured[bs, lib] = self._capture_one(bs, md)
         finally:
@@ -153,20 +193,25 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         times = {}
         if len(candidates) > 1:
-            times = graph_plan.time_replays({key: g for key, (g, _) in captured.items()})
+            times = ({(bs, lib): ms for bs, (lib, ms) in kept.items()} if kept is not None else
+                     graph_plan.time_replays({key: g for key, (g, _) in captured.items()}))
         for bs in self.sizes:
             lib = default_name
-            if times:
+            if kept is not None:
+                lib = kept[bs][0]
+            elif times:
                 lib = graph_plan.pick_backend({k: times[bs, k] for k in candidates}, default_name)
             self.graphs[bs], self.outputs[bs] = captured.pop((bs, lib))
             self.replay_ms[bs] = times.get((bs, lib), 0.0)
             self.backends[bs] = lib
         del captured  # the other libraries' graphs
-        # A batch may pad up to a larger graph only where both attend the same way: with split-K on
-        # one side and not the other, dummy-row replay times say nothing about real contexts.
-        from pagedllm.kernels.split_k import choose_num_splits  # Triton: GPU path only (CPU installs lack it)
+        if plan_file is not None and kept is None:
+            graph_plan.save_plan(plan_file, {bs: (self.backends[bs], self.replay_ms[bs]) for bs in self.sizes})
+        # A batch may pad up to a larger graph only where both attend the same way: with split-K (or
+        # the key tile) differing, dummy-row replay times say nothing about real contexts.
+        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only (CPU installs lack it)
 
-        attention_kind = {bs: choose_num_splits(bs, self.num_kv_heads, 1, self.max_seq_len) for bs in self.sizes}
+        attention_kind = {bs: decode_kind(bs, self.num_kv_heads, self.max_seq_len) for bs in self.sizes}
         # Untimed (one library), every replay_ms is 0.0: each batch keeps the smallest size that fits.
         self.dispatch = graph_plan.plan_dispatch(self.replay_ms, groups=attention_kind)
         tp = get_tp_group()
@@ -175,8 +220,8 @@ class CudaGraphRunner:
             # for a batch, and each timed its own replays. TP rank 0's plan for all of them.
             plan = torch.tensor(self.dispatch, dtype=torch.int64, device=self.device)
             self.dispatch = tp.broadcast(plan, src=0).tolist()
-        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], time.monotonic() - t0)
+        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], time.monotonic() - t0, f" (plan kept in {plan_file})" if kept else "")
         if times:
             others = [bs for bs in self.sizes if self.backends[bs] != default_name]
             logger.info("decode graphs: %s for sizes %s (else %s); padded up: %s",

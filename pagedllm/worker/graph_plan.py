@@ -14,13 +14,24 @@ Both choices need a clear win (`MARGIN`), so near-ties keep the default: the pla
 from one start to the next unless two timings sit right at the margin. A different graph for a
 batch size can change the last bits of the logits, as any change of batch size does.
 
+Kept between starts. Measuring means capturing every size once per library (about half the
+capture time), so the outcome is written to $PAGEDLLM_CACHE_ROOT/graph_plans/<key>.json, the key
+naming everything the timings depend on (GPU, torch and CUDA versions, the model's parameter
+shapes and dtypes, the capture sizes, the graphs' maximum length); a later start with the same key
+captures each size with its kept library only and plans from the kept times (`load_plan`).
+
 Example: sizes [8, 16, 24] replaying in [1.00, 1.20, 1.05] ms, margin 2%:
     batches 1-8 -> 8; 9-16 -> 24 (1.05 < 1.20 * 0.98); 17-24 -> 24.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 MARGIN = 0.02  # an alternative must be this much faster (fraction of the default's time)
@@ -97,3 +108,37 @@ def describe(dispatch: list[int], sizes: list[int]) -> str:
         if dispatch[size] != size:  # the whole range lo..size shares the pick of its natural size
             parts.append(f"{lo}-{size} -> {dispatch[size]}")
     return ", ".join(parts)
+
+
+def plan_path(key_parts: list[object]) -> Path:
+    """Where the plan for these key parts is kept (module doc)."""
+    from pagedllm import envs
+
+    digest = hashlib.sha256(json.dumps([str(p) for p in key_parts]).encode()).hexdigest()[:24]
+    return envs.PAGEDLLM_CACHE_ROOT / "graph_plans" / f"{digest}.json"
+
+
+def load_plan(path: Path, sizes: list[int], libraries: list[str]) -> dict[int, tuple[str, float]] | None:
+    """size -> (library, replay ms) as saved for exactly these sizes, or None (no file, another
+    size list, a library not offered now, anything unreadable: then the start measures again)."""
+    try:
+        saved = json.loads(path.read_text())
+        plan = {int(size): (str(lib), float(ms)) for size, (lib, ms) in saved.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if sorted(plan) != sorted(sizes) or any(lib not in libraries for lib, _ in plan.values()):
+        return None
+    return plan
+
+
+def save_plan(path: Path, plan: dict[int, tuple[str, float]]) -> None:
+    """Write the plan atomically (a concurrent start reads the old file or the new, never half);
+    a cache directory that cannot be written only costs the next start its measurement."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({str(size): [lib, ms] for size, (lib, ms) in sorted(plan.items())}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass

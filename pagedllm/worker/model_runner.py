@@ -48,20 +48,28 @@ class ModelRunner:
         # Launched steps that sampled, oldest first, until the input batch has taken their tokens.
         self._uncollected: list[PendingOutput] = []
 
-    def capture_model(self, tuning: bool = True) -> None:
-        """CUDA graphs for decode steps (GPU only; enforce_eager turns them off). The KV cache must
-        be bound: the graphs read it where it lives. tuning: time each size with both BLAS
-        libraries and let batches pad up (worker/graph_plan.py)."""
+    def make_graph_runner(self, tuning: bool = True) -> CudaGraphRunner | None:
+        """The decode-graph runner, not captured yet; None where no graphs are captured (CPU,
+        enforce_eager). With pipeline parallelism each stage captures its own."""
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
-            return
+            return None
         mc = self.config.model_config
-        self.graph_runner = CudaGraphRunner(
+        return CudaGraphRunner(
             self.model, self.device, self.config.compilation_config.cudagraph_capture_sizes,
             mc.max_model_len, self.block_size,
             num_kv_heads_per_rank(mc.num_kv_heads, self.config.parallel_config.tensor_parallel_size), tuning,
             self.pp_group,  # each stage its own graphs, activations through static buffers
         )
-        self.graph_runner.capture()
+
+    def capture_model(self, tuning: bool = True, runner: CudaGraphRunner | None = None) -> None:
+        """CUDA graphs for decode steps (GPU only; enforce_eager turns them off). The KV cache must
+        be bound: the graphs read it where it lives. tuning: time each size with both BLAS
+        libraries and let batches pad up (worker/graph_plan.py). runner: one `make_graph_runner`
+        already built."""
+        runner = runner or self.make_graph_runner(tuning)
+        if runner is not None:
+            runner.capture()
+            self.graph_runner = runner
 
     # -- one step ----------------------------------------------------------------------------------
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:

@@ -47,8 +47,8 @@ class WarmupShape:
     hidden_size: int
 
 
-def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, shape: WarmupShape,
-                query_lens: list[int], seq_lens: list[int]) -> None:
+def _dummy_step(model: torch.nn.Module, sampler: Sampler | None, device: torch.device, shape: WarmupShape,
+                query_lens: list[int], seq_lens: list[int], sample: bool = True) -> None:
     bs = shape.block_size
     tables = [[0] * -(-s // bs) for s in seq_lens]  # every position reads block 0
     md = build_metadata(query_lens, seq_lens, tables, bs, device=device)
@@ -60,6 +60,8 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, 
         return
     last = md.query_start_loc[1:].long() - 1
     logits = model.compute_logits(hidden[last])
+    if not sample or sampler is None:
+        return
     rows = [
         RowInputs(params=SamplingParams(temperature=1.0 if r % 2 == 0 else 0.0), prompt_token_ids=[0],
                   output_token_ids=[])
@@ -72,9 +74,10 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler, device: torch.device, 
 
 
 @torch.inference_mode()
-def warmup_kernels(model: torch.nn.Module, sampler: Sampler, device: torch.device, dtype: torch.dtype,
-                   shape: WarmupShape) -> None:
-    """Run the dummy steps above on a CUDA model whose KV cache is bound; a no-op elsewhere."""
+def warmup_kernels(model: torch.nn.Module, sampler: Sampler | None, device: torch.device, dtype: torch.dtype,
+                   shape: WarmupShape, sample: bool = True) -> None:
+    """Run the dummy steps above on a CUDA model whose KV cache is bound; a no-op elsewhere.
+    sample=False: the forward passes only (worker/precompile.py's collect pass)."""
     if device.type != "cuda":
         return
     t0 = time.monotonic()
@@ -83,7 +86,7 @@ def warmup_kernels(model: torch.nn.Module, sampler: Sampler, device: torch.devic
     budget = shape.max_num_batched_tokens
 
     def step(query_lens: list[int], seq_lens: list[int]) -> None:
-        _dummy_step(model, sampler, device, shape, query_lens, seq_lens)
+        _dummy_step(model, sampler, device, shape, query_lens, seq_lens, sample)
 
     n = min(2 * bs + 3, max(budget - 1, 1), max_len - 1)
     if n >= 1:
@@ -101,4 +104,5 @@ def warmup_kernels(model: torch.nn.Module, sampler: Sampler, device: torch.devic
     for m in (1, 2, 3, 4, 5, 8) if not isinstance(getattr(model, "lm_head", None), PPMissingLayer) else ():
         model.compute_logits(hidden[:m])
     torch.cuda.synchronize(device)
-    logger.info("kernel warm-up (eager prefill/decode variants) took %.1f s", time.monotonic() - t0)
+    if sample:
+        logger.info("kernel warm-up (eager prefill/decode variants) took %.1f s", time.monotonic() - t0)

@@ -17,7 +17,10 @@ rank of the last pipeline stage) returns outputs in a multi-worker executor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from pathlib import Path
 
 import torch
 
@@ -27,16 +30,34 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import num_kv_heads_per_rank
-from pagedllm.envs import KernelSwitches, kernel_switches
+from pagedllm.envs import KernelSwitches, kernel_switches, use_triton_cache_dir
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.worker.compile_pool import close_compile_pool, start_compile_pool
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner, PendingOutput
+from pagedllm.worker.precompile import can_precompile, precompile_startup, warm_marker
 from pagedllm.worker.swap_space import CpuSwapSpace
 from pagedllm.worker.warmup import WarmupShape, warmup_kernels
 
 logger = logging.getLogger(__name__)
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+@contextlib.contextmanager
+def start_phase(name: str):
+    """Log how long one start-up phase took (vLLM's "... took X s" lines): the cold / warm start
+    breakdown a user reads in the log."""
+    t0 = time.monotonic()
+    yield
+    logger.info("start-up: %s took %.2f s", name, time.monotonic() - t0)
 
 GiB = 1 << 30
 
@@ -67,6 +88,9 @@ class Worker:
         self.kv_cache: KVCache | None = None
         self.swap_space: CpuSwapSpace | None = None
         self.kernel_switches = kernel_switches()  # read once; steps never read the environment
+        self._graphs: CudaGraphRunner | None = None  # built before the capture, for the parallel compile
+        self._precompiled = False
+        self._marker: Path | None = None  # worker/precompile.py warm_marker, written once a start completes
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -80,13 +104,19 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device(dc.device)
+        if self.device.type == "cuda":
+            # Before any kernel compiles: compiled variants persist under the user's cache directory.
+            logger.info("Triton cache: %s", use_triton_cache_dir())
+            if self.kernel_switches.parallel_compile:
+                start_compile_pool()  # unless EngineArgs did already: their imports overlap the model load
         # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
         assert self.device is not None, "init_device() first"
         config = self.config
-        self.model = load_model(config.model_config, self.device)
+        with start_phase(f"model load ({config.model_config.load_format} weights)"):
+            self.model = load_model(config.model_config, self.device)
         # After the model: "auto" on the CPU depends on whether the GGUF blocks are computed in place.
         dtype, why = resolve_kv_cache_dtype(config)
         logger.info("KV cache dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
@@ -117,17 +147,20 @@ class Worker:
         from pagedllm.worker.gpu_memory import profile_available_kv_bytes
 
         sc = config.scheduler_config
-        available = profile_available_kv_bytes(
-            self.model, self.model_runner.sampler, self.kv_cache,
-            max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-            max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
-            max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
-        )
+        self._precompile()  # the profile's variants too: before it
+        with start_phase("memory profiling"):
+            available = profile_available_kv_bytes(
+                self.model, self.model_runner.sampler, self.kv_cache,
+                max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+                max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
+                max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
+            )
         return max(available // per_block, 0), num_cpu_blocks
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         assert self.kv_cache is not None
-        self.kv_cache.allocate(num_gpu_blocks)
+        with start_phase(f"KV cache allocation ({num_gpu_blocks} blocks)"):
+            self.kv_cache.allocate(num_gpu_blocks)
         if num_cpu_blocks:
             # Host blocks for swap preemption, shaped like the device cache.
             self.swap_space = CpuSwapSpace(num_cpu_blocks, self.kv_cache.tensors)
@@ -137,13 +170,60 @@ class Worker:
         assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
         mc = self.config.model_config
         if self.kv_cache.tensors and mc.runner_type == "generate":  # the warm-up samples from logits
-            shape = WarmupShape(
-                block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
-                max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
-                vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
-            )
-            warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype, shape)
-        self.model_runner.capture_model(self.kernel_switches.graph_tuning)
+            self._precompile()  # done before the memory profile unless there was none
+            with start_phase("kernel warm-up"):
+                warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype,
+                               self._warmup_shape())
+        with start_phase("CUDA graph capture"):
+            self.model_runner.capture_model(self.kernel_switches.graph_tuning, self._graph_runner())
+        close_compile_pool()  # if no parallel compile ran (a pooling model, no generate warm-up)
+        if self._marker is not None:
+            try:  # the next start of this configuration finds every variant in the cache
+                self._marker.parent.mkdir(parents=True, exist_ok=True)
+                self._marker.touch()
+            except OSError:
+                pass
+
+    def _warmup_shape(self) -> WarmupShape:
+        mc = self.config.model_config
+        return WarmupShape(
+            block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
+            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
+            vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
+        )
+
+    def _graph_runner(self) -> CudaGraphRunner | None:
+        assert self.model_runner is not None
+        if self._graphs is None:
+            self._graphs = self.model_runner.make_graph_runner(self.kernel_switches.graph_tuning)
+        return self._graphs
+
+    def _precompile(self) -> None:
+        """Once: the start-up's Triton variants compiled in parallel (worker/precompile.py), for a
+        generating CUDA model without routed experts unless PAGEDLLM_PARALLEL_COMPILE=0."""
+        assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
+        if self._precompiled:
+            return
+        self._precompiled = True
+        mc = self.config.model_config
+        if not (self.kernel_switches.parallel_compile and mc.runner_type == "generate"
+                and self.kv_cache.attn_layers and can_precompile(self.model, self.kv_cache.device)):
+            close_compile_pool()
+            return
+        sc, cc = self.config.scheduler_config, self.config.cache_config
+        self._marker = warm_marker([
+            torch.__version__, triton_version(), torch.cuda.get_device_name(self.kv_cache.device), self.kernel_switches,
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()], self.kv_cache.dtype,
+            mc.max_model_len, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+            self.config.compilation_config.cudagraph_capture_sizes, self.config.device_config.enforce_eager,
+        ])
+        if self._marker.exists():
+            close_compile_pool()
+            logger.info("Triton cache holds this start-up's kernel variants (%s): no parallel compile", self._marker)
+            return
+        with start_phase("parallel Triton compile"):
+            precompile_startup(self.model, self.kv_cache, self._graph_runner(), self._warmup_shape(),
+                               self.config.scheduler_config.max_num_seqs, mc.dtype)
 
     # -- serving -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
@@ -168,6 +248,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Unbind and drop the KV cache so its memory can be freed when the engine is dropped."""
+        close_compile_pool()
         if self.kv_cache is not None:
             self.kv_cache.release()
         self.swap_space = None

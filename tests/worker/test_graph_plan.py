@@ -70,3 +70,18 @@ def test_groups_keep_batches_within_their_kind_of_graph():
     dispatch = graph_plan.plan_dispatch(times, groups=kinds)
     assert dispatch[8] == 24 and dispatch[16] == 24 and dispatch[25] == 32
     assert graph_plan.plan_dispatch(times)[8] == 32  # without groups
+
+
+def test_a_kept_plan_is_read_back_only_for_the_same_sizes_and_libraries(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_ROOT", str(tmp_path))
+    path = graph_plan.plan_path(["H200", "2.11", [("w", (4, 4), "bf16")], [1, 2, 4]])
+    assert path.parent == tmp_path / "graph_plans"
+    assert path != graph_plan.plan_path(["H200", "2.11", [("w", (4, 8), "bf16")], [1, 2, 4]])
+    assert graph_plan.load_plan(path, [1, 2, 4], ["cublas", "cublaslt"]) is None  # nothing kept yet
+    plan = {1: ("cublas", 0.5), 2: ("cublaslt", 0.52), 4: ("cublas", 0.61)}
+    graph_plan.save_plan(path, plan)
+    assert graph_plan.load_plan(path, [1, 2, 4], ["cublas", "cublaslt"]) == plan
+    assert graph_plan.load_plan(path, [1, 2, 4, 8], ["cublas", "cublaslt"]) is None  # other sizes: measure
+    assert graph_plan.load_plan(path, [1, 2, 4], ["cublas"]) is None  # a library not offered now
+    path.write_text("{not json")
+    assert graph_plan.load_plan(path, [1, 2, 4], ["cublas", "cublaslt"]) is None

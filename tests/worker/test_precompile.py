@@ -1,0 +1,35 @@
+"""The parallel compile's collect pass (worker/precompile.py): Triton's jit_cache_hook, as Triton
+calls it for a variant not compiled yet, is answered "handled" and the variant's specialization
+data kept; a call of another shape is left to Triton. The compile itself needs a GPU
+(scripts/gpu_cold_start.py checks it there: same greedy tokens, start-up times)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from triton import knobs
+
+from pagedllm.worker.precompile import can_precompile, collect_variants
+
+
+def test_collect_pass_records_each_variant_once_and_restores_the_hook():
+    previous = knobs.runtime.jit_cache_hook
+    answers = []
+
+    def forwards():
+        hook = knobs.runtime.jit_cache_hook
+        for spec, fn in (("spec-a", "kernel_a"), ("spec-b", "kernel_b"), ("spec-a", "kernel_a")):
+            answers.append(hook(key=spec, repr=spec, fn=SimpleNamespace(jit_function=fn),
+                                compile={"specialization_data": spec}, is_manual_warmup=False,
+                                already_compiled=False))
+        answers.append(hook(key="odd", repr="odd", fn=None, compile={}))  # not the expected shape
+
+    found = collect_variants(forwards)
+    assert found == {"spec-a": "kernel_a", "spec-b": "kernel_b"}
+    assert answers == [True, True, True, None]
+    assert knobs.runtime.jit_cache_hook is previous
+
+
+def test_only_cuda_models_are_precompiled():
+    assert not can_precompile(torch.nn.Linear(2, 2), torch.device("cpu"))
