@@ -17,22 +17,33 @@ Every int-weight method repacks its checkpoint at load time into one layout this
 Worked example, bits 4, G 4, K 8, N 1: qweight [[0x00003A21]] holds q = [1, 2, 10, 3, 0, 0, 0, 0]
 for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5, -2, -2, -2, -2].
 
-The kernel: program (pm, pn, pk) owns rows [pm*BM, +BM), columns [pn*BN, +BN) and a K range; each
-BLOCK_K step loads the packed words of its (BLOCK_K, BN) tile (each word pf times, from L1), one
-scale / zero row (BLOCK_K divides G, so a step lies in one group), shifts + masks the values out,
-dequantizes in fp32, casts to x's dtype and accumulates x @ w on tensor cores in fp32. Skinny
-(decode) batches split K over SPLIT_K programs writing fp32 partials that are summed after.
+Three CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
+    M <= 16        kernels/wna16_gemv.py: the words streamed once, unpacked in registers (split-K)
+    16 < M < 1024  `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
+                   BLOCK_N) words once and runs pf tensor-core dots, one per value j of the words
+                   (inputs k0 + kp * pf + j), on x gathered once per call into that (step, j, kp)
+                   order (act-order's perm folded into the same gather); split-K for M <= 64
+    M >= 1024      `dequantize_wna16_triton` to a scratch in x's dtype, then cuBLAS (the scratch is
+                   freed after the call; at these M the GEMM's cost dwarfs the dequantization)
+The values are unpacked without int -> float conversions (see wna16_gemv) and the group scale is
+applied once per step to the fp32 partial sums.
 
 Reference: `wna16_linear_ref` (dequantize to fp32, matmul in fp32); it is also the CPU path.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_wna16", "pack_along_k", "unpack_along_k", "wna16_linear", "wna16_linear_ref"]
+from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
+from pagedllm.kernels.wna16_gemv import _unpack_scaled, block_k_for, wna16_gemv
+
+__all__ = ["dequantize_wna16", "dequantize_wna16_triton", "pack_along_k", "unpack_along_k", "wna16_linear",
+           "wna16_linear_ref"]
 
 
 def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -80,49 +91,85 @@ def _wna16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_om, stride_os,
-    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, X_JMAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     PF: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 16 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KP * PF
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pk = tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kp = tl.arange(0, BLOCK_KP)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pk * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :],
-                        mask=k_mask[:, None] & n_mask[None, :], other=0)
-        q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK
+        # Each word is loaded once; value j of the (BLOCK_KP, BLOCK_N) words is the weight of inputs
+        # k0 + kp * PF + j, so the step is PF dots of K-depth BLOCK_KP (see wna16_gemv for the unpack).
+        words = tl.load(qw_ptr + ((k0 // PF) + offs_kp)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=n_mask[None, :], other=0)
+        hi = words >> 16
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-        w = (q.to(tl.float32) - z[None, :]) * s[None, :]
-        w = tl.where(k_mask[:, None], w, 0.0)
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(PF):
+            fac = 1 << (BITS * (j % HALF))
+            w = _unpack_scaled(words, hi, j, BITS) - (8388608.0 + z * fac)[None, :]
+            if X_JMAJOR:  # x reordered per step as [j][kp]: contiguous loads
+                x_off = k0 + j * BLOCK_KP + offs_kp
+            else:
+                x_off = k0 + offs_kp * PF + j
+            xj = tl.load(x_rows + x_off[None, :], mask=m_mask[:, None], other=0.0)
+            xj = (xj.to(tl.float32) * (1.0 / fac)).to(x_ptr.dtype.element_ty)
+            part = tl.dot(xj, w.to(x_ptr.dtype.element_ty), part, input_precision=DOT_PRECISION)
+        acc += part * s[None, :]
     tl.store(out_ptr + pk * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _block_k(group_size: int) -> int:
-    for b in (128, 64, 32, 16):
-        if group_size % b == 0:
-            return b
-    raise ValueError(f"group size {group_size} is not a multiple of 16 (the W4A16 kernel's smallest K step)")
+@triton.jit
+def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
+                          BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr):
+    PF: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = 16 // BITS
+    kp0 = tl.program_id(0) * BLOCK_KP
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kp = kp0 + tl.arange(0, BLOCK_KP)
+    n_mask = offs_n < N
+    words = tl.load(qw_ptr + offs_kp[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    hi = words >> 16
+    g = (kp0 * PF) // GROUP_SIZE
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+    for j in tl.static_range(PF):
+        fac = 1 << (BITS * (j % HALF))
+        w = (_unpack_scaled(words, hi, j, BITS) - (8388608.0 + z * fac)[None, :]) * (s * (1.0 / fac))[None, :]
+        rows = (offs_kp * PF + j).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-def wna16_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): skinny batches split K until there are ~2 programs per SM."""
-    block_k = _block_k(group_size)
+def dequantize_wna16_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                            group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (K, N) weight in `dtype` (a scratch for large-M GEMMs); same values as `dequantize_wna16`."""
+    kp, n = qweight.shape
+    block_kp = block_k_for(group_size) // (32 // bits)
+    out = torch.empty((kp * (32 // bits), n), dtype=dtype, device=qweight.device)
+    _wna16_dequant_kernel[(kp // block_kp, triton.cdiv(n, 128))](
+        qweight, scales, zeros, out, n, GROUP_SIZE=group_size, BITS=bits, BLOCK_KP=block_kp, BLOCK_N=128)
+    return out
+
+
+def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of the tensor-core kernel: split K until ~2 programs per SM
+    while M is small."""
+    block_k = block_k_for(group_size)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 32 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -133,28 +180,68 @@ def wna16_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int
     return block_m, block_n, block_k, split
 
 
+# From this many rows on, the weight is dequantized to a bf16 scratch (freed after the call) and
+# multiplied by cuBLAS; below it the tensor-core kernel reads the int4 words directly. Decode batches
+# (CUDA graphs) stay below it. Tuned from scripts/gpu_quant_speed.py.
+DEQUANT_MIN_M = 1024
+
+
+_jmajor_cache: dict[tuple, tuple[weakref.ref | None, torch.Tensor]] = {}
+
+
+def _jmajor_index(perm: torch.Tensor | None, k: int, block_k: int, pf: int, device: torch.device) -> torch.Tensor:
+    """Input index of x's columns in the kernel's X_JMAJOR order (step, j, kp), through perm if any.
+    Cached per (shape, perm tensor) outside graph capture, so a step does not rebuild it per layer."""
+    key = (k, block_k, pf, device, None if perm is None else perm.data_ptr())
+    hit = _jmajor_cache.get(key)
+    if hit is not None and (perm is None or (hit[0] is not None and hit[0]() is perm)):  # not a reused address
+        return hit[1]
+    idx = torch.arange(k, device=device).view(k // block_k, block_k // pf, pf).transpose(1, 2).reshape(-1)
+    idx = idx if perm is None else perm[idx]
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _jmajor_cache[key] = (None if perm is None else weakref.ref(perm), idx)
+    return idx
+
+
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bits: int, group_size: int, perm: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The Triton kernel: x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`."""
-    if perm is not None:
-        x = x[:, perm]
-    x = x.contiguous()
+                 bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
+                 dequant_min_m: int | None = None) -> torch.Tensor:
+    """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
+
+    M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm). Larger M: the tensor-core kernel on the packed words,
+    x gathered once into its contiguous (step, j, kp) order (act-order's perm folded into that one
+    gather); from `dequant_min_m` rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
+    `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
+    num_stages]).
+    """
     m, k = x.shape
     n = qweight.shape[1]
-    if qweight.shape[0] * (32 // bits) != k:
-        raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * (32 // bits)}")
-    block_m, block_n, block_k, split = config or wna16_config(m, n, k, group_size)
-    if group_size % block_k:
+    pf = 32 // bits
+    if qweight.shape[0] * pf != k:
+        raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
+    if m <= MAX_GEMV_M and config is None:
+        return wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias, perm)
+    if config is None and m >= (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m):
+        w = dequantize_wna16_triton(qweight, scales, zeros, bits, group_size, x.dtype)
+        xs = x if perm is None else x.index_select(1, perm)
+        out = torch.matmul(xs, w)
+        return out if bias is None else out + bias
+    block_m, block_n, block_k, split, *launch = config or wna16_config(m, n, k, group_size, bits)
+    num_warps, num_stages = launch if launch else (4, 2)
+    if group_size % block_k or block_k % pf:
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size}")
+    xs = x.index_select(1, _jmajor_index(perm, k, block_k, pf, x.device)).contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _wna16_gemm_kernel[grid](
-        x, qweight, scales, zeros, partial, m, n, k, k_per_split,
-        x.stride(0), partial.stride(1), partial.stride(0),
-        GROUP_SIZE=group_size, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        xs, qweight, scales, zeros, partial, m, n, k, k_per_split,
+        xs.stride(0), partial.stride(1), partial.stride(0),
+        GROUP_SIZE=group_size, BITS=bits, X_JMAJOR=True,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_k // pf, num_warps=num_warps, num_stages=num_stages,
     )
     out = partial[0] if split == 1 else partial.sum(0)
     if bias is not None:
