@@ -149,7 +149,7 @@ def kernel_rows(shapes, ms, log) -> list[dict]:
     return rows
 
 
-GEMV_SPACE = [(bn, nw, ns) for bn in (64, 128, 256) for nw, ns in ((4, 2), (4, 3), (8, 2))]
+GEMV_SPACE = [(bn, nw, ns) for bn in (64, 128, 256) for nw, ns in ((4, 2), (8, 3))]
 SPLITS = (1, 2, 4, 8, 16, 32)
 TILE_SPACE = [(64, 128, 128, 1, 4, 3), (64, 128, 128, 2, 4, 3), (64, 128, 128, 4, 4, 3), (64, 256, 128, 1, 8, 3),
               (128, 128, 128, 1, 8, 3), (128, 256, 128, 1, 8, 3), (64, 128, 64, 1, 4, 4), (128, 128, 64, 1, 4, 4),

@@ -25,7 +25,7 @@ import triton.language as tl
 
 __all__ = ["quantize_activation_triton", "scale_epilogue"]
 
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds an fp32 to an integer, ties to even
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds an fp32 to an integer, ties to even
 
 
 @triton.jit

@@ -15,15 +15,17 @@ values; value j sits at bits [b * s, +b) of its half (s = j % (pf / 2)), and
     float_bits(half & (mask << b*s) | 0x4B000000) = 2^23 + q * 2^(b*s)      (exact: < 2^24)
     minus (2^23 + z * 2^(b*s))                      = (q - z) * 2^(b*s)     (exact)
 
-so one LOP3 and one FADD give (q - z) scaled by a power of two, which the matching x values undo
-(x * 2^-(b*s), exact). The group scale multiplies the step's partial sums once per word column:
+so one LOP3 and one FADD (of the constant 2^23) give q scaled by a power of two, which the matching
+x values undo (x * 2^-(b*s), exact). Zero point and group scale meet the step's partial sums once:
 
-    y[m, n] += s[g, n] * sum_k x[m, k] * (q[k, n] - z[g, n])
+    y[m, n] += s[g, n] * (sum_k x[m, k] * q[k, n] - z[g, n] * sum_k x[m, k])
 
 Two inner products: FMA (M == 1): acc (BLOCK_KP, BLOCK_N) fp32 += x_j[:, None] * w_j, the sum over
 rows once at the end; DOT (M = 2..16, padded to 16): per value j one (16, BLOCK_KP) x (BLOCK_KP,
 BLOCK_N) tensor-core dot of x_j with w_j cast to x's dtype (small integers times a power of two:
-exact in bf16/fp16).
+exact in bf16/fp16), and one of x_j with a constant tile for sum_k x (so it lands in the
+accumulator's layout: a per-value zero point costs a shared-memory layout conversion per value j,
+seen in the sm_90 SASS).
 
 Split-K reduction: as kernels/gemv.py, the last of an N-block's SPLIT_K programs to arrive (a
 self-resetting per-block counter) sums the fp32 partials in split order, adds the bias and writes y:
@@ -63,8 +65,11 @@ def _unpack_scaled(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
     HALF: tl.constexpr = 16 // BITS
     S: tl.constexpr = J % HALF
     MASK: tl.constexpr = ((1 << BITS) - 1) << (BITS * S)
-    src = lo if J < HALF else hi
-    return ((src & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+    if J < HALF:
+        bits = (lo & MASK) | 0x4B000000
+    else:
+        bits = (hi & MASK) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -99,14 +104,17 @@ def _wna16_gemv_kernel(
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        # The zero point leaves the per-value work: sum_k x (q - z) = sum_k x q - z * sum_k x, so the
+        # unpacked values need only the constant 2^23 off, and z / s meet the partial sums once a step.
         if USE_DOT:
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # sum_k x[m, k], on the tensor cores too
         else:
             part = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+            xsum1 = tl.zeros((BLOCK_KP,), dtype=tl.float32)
         for j in tl.static_range(PF):
             fac = 1 << (BITS * (j % HALF))  # constexpr int
-            zf = 8388608.0 + z * fac  # (BLOCK_N,)
-            w = _unpack_scaled(words, hi, j, BITS) - zf[None, :]  # (q - z) * fac, exact
+            w = _unpack_scaled(words, hi, j, BITS) - 8388608.0  # q * fac, exact
             x_off = k0 + offs_kp * PF + j
             if HAS_PERM:  # act-order: weight row k holds input perm[k]; x itself is not reordered
                 x_off = tl.load(perm_ptr + x_off)
@@ -114,10 +122,16 @@ def _wna16_gemv_kernel(
                 xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_off[None, :], mask=mask_m[:, None], other=0.0)
                 xj = (xj.to(tl.float32) * (1.0 / fac)).to(x_ptr.dtype.element_ty)
                 part = tl.dot(xj, w.to(x_ptr.dtype.element_ty), part, input_precision=DOT_PRECISION)
+                ones = tl.full((BLOCK_KP, BLOCK_N), fac, dtype=x_ptr.dtype.element_ty)
+                xsum = tl.dot(xj, ones, xsum, input_precision=DOT_PRECISION)
             else:
-                xj = tl.load(x_ptr + x_off).to(tl.float32) * (1.0 / fac)
-                part += xj[:, None] * w
-        acc += part * s[None, :]
+                xj = tl.load(x_ptr + x_off).to(tl.float32)
+                xsum1 += xj
+                part += (xj * (1.0 / fac))[:, None] * w
+        if USE_DOT:
+            acc += (part - z[None, :] * xsum) * s[None, :]
+        else:
+            acc += (part - z[None, :] * xsum1[:, None]) * s[None, :]
         w_ptrs += BLOCK_KP * N
     if USE_DOT:
         res = acc
