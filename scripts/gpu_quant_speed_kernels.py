@@ -171,7 +171,7 @@ def sweep_rows(shapes, log) -> list[dict]:
     for name, n, k in shapes:
         wts = Weights(n, k)
         steps = k // G
-        for m in (1, 16):
+        for m in (1, 16, 64):  # 64: the GEMV's tensor-core path against the tile kernel below
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = wna16_linear_ref(x.float(), *wts.int4[0], 4, G)
             found = []

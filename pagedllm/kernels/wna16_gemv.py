@@ -45,7 +45,8 @@ import triton.language as tl
 
 __all__ = ["WNA16GemvConfig", "wna16_gemv", "wna16_gemv_config"]
 
-MAX_M = 16
+MAX_M = 16  # rows `wna16_linear` sends here (the kernel itself takes up to KERNEL_MAX_M)
+KERNEL_MAX_M = 64
 _WS_FLOATS = 1 << 23  # 32 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -194,7 +195,7 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                group_size: int, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
                config: WNA16GemvConfig | None = None) -> torch.Tensor:
-    """x (M <= 16, K), unit stride along K -> (M, N). perm (K,) int32/int64 (act-order): weight row k is
+    """x (M <= 64, K), unit stride along K -> (M, N). perm (K,) int32/int64 (act-order): weight row k is
     input perm[k]; the kernel reads x through it (a few hundred bytes a step, from L2) instead of a
     separate gather launch."""
     m, k = x.shape
@@ -202,8 +203,8 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     pf = 32 // bits
     if x.stride(1) != 1:
         x = x.contiguous()
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"wna16_gemv takes 1..{MAX_M} rows, got {m}")
+    if not 1 <= m <= KERNEL_MAX_M:
+        raise ValueError(f"wna16_gemv takes 1..{KERNEL_MAX_M} rows, got {m}")
     if qweight.shape[0] * pf != k:
         raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
     cfg = config or wna16_gemv_config(m, n, k, group_size, bits)
@@ -226,7 +227,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,
         GROUP_SIZE=group_size, BITS=bits, HAS_BIAS=bias is not None, HAS_PERM=perm is not None, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
-        BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP, USE_SPLIT=split > 1,
+        BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP, USE_SPLIT=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
