@@ -69,7 +69,7 @@ def run_decode(out_dir: str) -> list[tuple[str, str]]:
                "--max-model-len", "4096", "--num-iters", "3", "--output-json", js]
         t = time.time()
         try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90,
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=75,
                                env={**os.environ, "PYTHONPATH": ROOT})
             if r.returncode == 0 and os.path.exists(js):
                 d = json.load(open(js))
@@ -78,7 +78,7 @@ def run_decode(out_dir: str) -> list[tuple[str, str]]:
             else:
                 rows.append((tag, "failed: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])))
         except subprocess.TimeoutExpired:
-            rows.append((tag, "timed out after 90 s"))
+            rows.append((tag, "timed out after 75 s"))
         log(f"decode {tag}: {rows[-1][1]}")
     return rows
 
@@ -87,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="qspeed_"))
     ap.add_argument("--sections", default="tests,decode,kernels,sweep")
+    ap.add_argument("--budget", type=float, default=285.0, help="seconds after which the sweep stops")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     os.makedirs(a.out, exist_ok=True)
@@ -97,7 +98,7 @@ def main() -> None:
     from gpu_quant_speed_kernels import kernel_rows, sweep_rows  # the in-process half (CUDA)
 
     kern = kernel_rows(SHAPES, MS, log) if "kernels" in sections else []
-    sweep = sweep_rows(SHAPES, log) if "sweep" in sections else []
+    sweep = sweep_rows([SHAPES[3], SHAPES[2], SHAPES[0], SHAPES[1]], log, deadline=T0 + a.budget) if "sweep" in sections else []
     json.dump({"kernels": kern, "sweep": sweep, "decode": decode, "tests": tests},
               open(os.path.join(a.out, "results.json"), "w"), indent=1)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -166,9 +167,13 @@ def _best(rows: list[dict], shape: str, m: int, found: list[dict], default_cfg: 
         rows.append(dict(r, shape=shape, m=m, config=f"OFF err {r.get('err')} {r['config']}", us=0.0, gbs=0.0))
 
 
-def sweep_rows(shapes, log) -> list[dict]:
+def sweep_rows(shapes, log, deadline: float = float("inf")) -> list[dict]:
+    """Stops (and says so) once time.time() passes `deadline`, keeping the run inside its slot."""
     rows: list[dict] = []
     for name, n, k in shapes:
+        if time.time() > deadline:
+            log(f"sweep: {name} and later shapes skipped (time budget)")
+            break
         wts = Weights(n, k)
         steps = k // G
         for m in (1, 16, 64):  # 64: the GEMV's tensor-core path against the tile kernel below
