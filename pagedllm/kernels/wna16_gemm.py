@@ -20,9 +20,9 @@ for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5
 Three CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
     M <= 16        kernels/wna16_gemv.py: the words streamed once, unpacked in registers (split-K)
     16 < M < 1024  `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
-                   BLOCK_N) words once and runs pf tensor-core dots, one per value j of the words
-                   (inputs k0 + kp * pf + j), on x gathered once per call into that (step, j, kp)
-                   order (act-order's perm folded into the same gather); split-K for M <= 64
+                   BLOCK_N) words once, unpacks them into a (BLOCK_K, BLOCK_N) tile in natural order
+                   (kernels/wna16_unpack.py) and runs one tensor-core dot on the x tile (act-order:
+                   x gathered once per call); split-K for M <= 64
     M >= 1024      `dequantize_wna16_triton` to a scratch in x's dtype, then cuBLAS (the scratch is
                    freed after the call; at these M the GEMM's cost dwarfs the dequantization)
 The values are unpacked without int -> float conversions (see wna16_gemv) and the group scale is
@@ -33,14 +33,13 @@ Reference: `wna16_linear_ref` (dequantize to fp32, matmul in fp32); it is also t
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
 
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
-from pagedllm.kernels.wna16_gemv import _unpack_scaled, block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
 __all__ = ["dequantize_wna16", "dequantize_wna16_triton", "pack_along_k", "unpack_along_k", "wna16_linear",
            "wna16_linear_ref"]
@@ -91,11 +90,10 @@ def _wna16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_om, stride_os,
-    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, X_JMAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     PF: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = 16 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KP * PF
     pm = tl.program_id(0)
     pn = tl.program_id(1)
@@ -103,6 +101,7 @@ def _wna16_gemm_kernel(
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kp = tl.arange(0, BLOCK_KP)
+    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -110,26 +109,18 @@ def _wna16_gemm_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
-        # Each word is loaded once; value j of the (BLOCK_KP, BLOCK_N) words is the weight of inputs
-        # k0 + kp * PF + j, so the step is PF dots of K-depth BLOCK_KP (see wna16_gemv for the unpack).
+        # Each word loaded once, unpacked to a (BLOCK_K, BLOCK_N) tile of q in natural order, one dot
+        # against the contiguous x tile; zero point and scale meet the step's sums (wna16_gemv).
         words = tl.load(qw_ptr + ((k0 // PF) + offs_kp)[:, None].to(tl.int64) * N + offs_n[None, :],
                         mask=n_mask[None, :], other=0)
-        hi = words >> 16
+        q = unpack_tile(words, BITS, BLOCK_K, BLOCK_N)
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        part = tl.dot(x, q.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+        xsum = tl.sum(x.to(tl.float32), axis=1)
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(PF):
-            fac = 1 << (BITS * (j % HALF))
-            w = _unpack_scaled(words, hi, j, BITS) - (8388608.0 + z * fac)[None, :]
-            if X_JMAJOR:  # x reordered per step as [j][kp]: contiguous loads
-                x_off = k0 + j * BLOCK_KP + offs_kp
-            else:
-                x_off = k0 + offs_kp * PF + j
-            xj = tl.load(x_rows + x_off[None, :], mask=m_mask[:, None], other=0.0)
-            xj = (xj.to(tl.float32) * (1.0 / fac)).to(x_ptr.dtype.element_ty)
-            part = tl.dot(xj, w.to(x_ptr.dtype.element_ty), part, input_precision=DOT_PRECISION)
-        acc += part * s[None, :]
+        acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
     tl.store(out_ptr + pk * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc,
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -150,7 +141,7 @@ def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, GROUP_SIZE: tl.const
     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
     for j in tl.static_range(PF):
         fac = 1 << (BITS * (j % HALF))
-        w = (_unpack_scaled(words, hi, j, BITS) - (8388608.0 + z * fac)[None, :]) * (s * (1.0 / fac))[None, :]
+        w = (unpack_scaled(words, hi, j, BITS) - (8388608.0 + z * fac)[None, :]) * (s * (1.0 / fac))[None, :]
         rows = (offs_kp * PF + j).to(tl.int64)
         tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
 
@@ -186,32 +177,15 @@ def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tupl
 DEQUANT_MIN_M = 1024
 
 
-_jmajor_cache: dict[tuple, tuple[weakref.ref | None, torch.Tensor]] = {}
-
-
-def _jmajor_index(perm: torch.Tensor | None, k: int, block_k: int, pf: int, device: torch.device) -> torch.Tensor:
-    """Input index of x's columns in the kernel's X_JMAJOR order (step, j, kp), through perm if any.
-    Cached per (shape, perm tensor) outside graph capture, so a step does not rebuild it per layer."""
-    key = (k, block_k, pf, device, None if perm is None else perm.data_ptr())
-    hit = _jmajor_cache.get(key)
-    if hit is not None and (perm is None or (hit[0] is not None and hit[0]() is perm)):  # not a reused address
-        return hit[1]
-    idx = torch.arange(k, device=device).view(k // block_k, block_k // pf, pf).transpose(1, 2).reshape(-1)
-    idx = idx if perm is None else perm[idx]
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        _jmajor_cache[key] = (None if perm is None else weakref.ref(perm), idx)
-    return idx
-
-
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bits: int, group_size: int, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
                  dequant_min_m: int | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm). Larger M: the tensor-core kernel on the packed words,
-    x gathered once into its contiguous (step, j, kp) order (act-order's perm folded into that one
-    gather); from `dequant_min_m` rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
+    M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm). Larger M: the
+    tensor-core kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
+    rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
     `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
     num_stages]).
     """
@@ -231,7 +205,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     num_warps, num_stages = launch if launch else (4, 2)
     if group_size % block_k or block_k % pf:
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size}")
-    xs = x.index_select(1, _jmajor_index(perm, k, block_k, pf, x.device)).contiguous()
+    xs = (x if perm is None else x.index_select(1, perm)).contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -239,7 +213,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _wna16_gemm_kernel[grid](
         xs, qweight, scales, zeros, partial, m, n, k, k_per_split,
         xs.stride(0), partial.stride(1), partial.stride(0),
-        GROUP_SIZE=group_size, BITS=bits, X_JMAJOR=True,
+        GROUP_SIZE=group_size, BITS=bits,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_k // pf, num_warps=num_warps, num_stages=num_stages,
     )

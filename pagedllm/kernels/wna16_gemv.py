@@ -1,4 +1,4 @@
-"""W4A16 / W8A16 for decode batches (M <= 16): stream the packed weights once, dequantize in registers.
+"""W4A16 / W8A16 for decode batches (M <= 16; the kernel takes 64): stream the packed weights once, dequantize in registers.
 
 Layout: kernels/wna16_gemm.py (qweight (K // pf, N) int32, pf = 32 // bits values of consecutive k per
 word; scales / zeros (K // G, N)). At M <= 16 the GEMM is weight streaming: Llama-3.1-8B's down
@@ -8,24 +8,18 @@ instructions turn a word into products.
 Program (pn, pk) owns output columns [pn * BLOCK_N, +BLOCK_N) for all M rows and K range
 [pk * K_PER_SPLIT, +K_PER_SPLIT), walked in BLOCK_K = BLOCK_KP * pf steps. One step loads a
 (BLOCK_KP, BLOCK_N) tile of words once (rows coalesced along N), and one scale / zero row (BLOCK_K
-divides G, so a step lies in one group). Value j of each word (inputs k0 + kp * pf + j) is split out
-without an int -> float conversion (the slow unit): a word's low and high 16 bits each hold pf / 2
-values; value j sits at bits [b * s, +b) of its half (s = j % (pf / 2)), and
-
-    float_bits(half & (mask << b*s) | 0x4B000000) = 2^23 + q * 2^(b*s)      (exact: < 2^24)
-    minus (2^23 + z * 2^(b*s))                      = (q - z) * 2^(b*s)     (exact)
-
-so one LOP3 and one FADD (of the constant 2^23) give q scaled by a power of two, which the matching
-x values undo (x * 2^-(b*s), exact). Zero point and group scale meet the step's partial sums once:
+divides G, so a step lies in one group). Values come out of the words without int -> float
+conversions (kernels/wna16_unpack.py: one LOP3 gives 2^23 + q * 2^(b*s) as fp32), and zero point and
+group scale meet the step's partial sums once, not every value:
 
     y[m, n] += s[g, n] * (sum_k x[m, k] * q[k, n] - z[g, n] * sum_k x[m, k])
 
-Two inner products: FMA (M == 1): acc (BLOCK_KP, BLOCK_N) fp32 += x_j[:, None] * w_j, the sum over
-rows once at the end; DOT (M = 2..16, padded to 16): per value j one (16, BLOCK_KP) x (BLOCK_KP,
-BLOCK_N) tensor-core dot of x_j with w_j cast to x's dtype (small integers times a power of two:
-exact in bf16/fp16), and one of x_j with a constant tile for sum_k x (so it lands in the
-accumulator's layout: a per-value zero point costs a shared-memory layout conversion per value j,
-seen in the sm_90 SASS).
+(a per-value zero point costs a shared-memory layout conversion per value j: seen in the sm_90 SASS).
+
+Two inner products: FMA (M == 1): per value j, acc (BLOCK_KP, BLOCK_N) fp32 += x_j[:, None] * w_j
+(x_j pre-scaled by 2^-(b*s), exact), the sum over rows once at the end; DOT (M = 2..64, padded to 16
+or more): the step's words unpacked into one (BLOCK_K, BLOCK_N) tile of q (exact in bf16/fp16) and
+one tensor-core dot with the contiguous (BLOCK_M, BLOCK_K) x tile.
 
 Split-K reduction: as kernels/gemv.py, the last of an N-block's SPLIT_K programs to arrive (a
 self-resetting per-block counter) sums the fp32 partials in split order, adds the bias and writes y:
@@ -42,6 +36,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
 __all__ = ["WNA16GemvConfig", "wna16_gemv", "wna16_gemv_config"]
 
@@ -61,19 +57,6 @@ class WNA16GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _unpack_scaled(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
-    """2^23 + q_j * 2^(BITS * s) as fp32 for value J of each word (lo = word, hi = word >> 16)."""
-    HALF: tl.constexpr = 16 // BITS
-    S: tl.constexpr = J % HALF
-    MASK: tl.constexpr = ((1 << BITS) - 1) << (BITS * S)
-    if J < HALF:
-        bits = (lo & MASK) | 0x4B000000
-    else:
-        bits = (hi & MASK) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _wna16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
@@ -89,6 +72,7 @@ def _wna16_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_kp = tl.arange(0, BLOCK_KP)
+    offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     k_start = pid_k * K_PER_SPLIT
@@ -101,37 +85,33 @@ def _wna16_gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         # K is a whole number of BLOCK_K steps (groups are), so only the N edge is masked.
         words = tl.load(w_ptrs, mask=mask_n[None, :], other=0, eviction_policy="evict_first")
-        hi = words >> 16
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
         # The zero point leaves the per-value work: sum_k x (q - z) = sum_k x q - z * sum_k x, so the
         # unpacked values need only the constant 2^23 off, and z / s meet the partial sums once a step.
         if USE_DOT:
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # sum_k x[m, k], on the tensor cores too
-        else:
-            part = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
-            xsum1 = tl.zeros((BLOCK_KP,), dtype=tl.float32)
-        for j in tl.static_range(PF):
-            fac = 1 << (BITS * (j % HALF))  # constexpr int
-            w = _unpack_scaled(words, hi, j, BITS) - 8388608.0  # q * fac, exact
-            x_off = k0 + offs_kp * PF + j
+            x_off = k0 + offs_k
             if HAS_PERM:  # act-order: weight row k holds input perm[k]; x itself is not reordered
                 x_off = tl.load(perm_ptr + x_off)
-            if USE_DOT:
-                xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_off[None, :], mask=mask_m[:, None], other=0.0)
-                xj = (xj.to(tl.float32) * (1.0 / fac)).to(x_ptr.dtype.element_ty)
-                part = tl.dot(xj, w.to(x_ptr.dtype.element_ty), part, input_precision=DOT_PRECISION)
-                ones = tl.full((BLOCK_KP, BLOCK_N), fac, dtype=x_ptr.dtype.element_ty)
-                xsum = tl.dot(xj, ones, xsum, input_precision=DOT_PRECISION)
-            else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_off[None, :], mask=mask_m[:, None], other=0.0)
+            q = unpack_tile(words, BITS, BLOCK_K, BLOCK_N)
+            part = tl.dot(x, q.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
+        else:
+            hi = words >> 16
+            part = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+            xsum1 = tl.zeros((BLOCK_KP,), dtype=tl.float32)
+            for j in tl.static_range(PF):
+                fac = 1 << (BITS * (j % HALF))  # constexpr int
+                w = unpack_scaled(words, hi, j, BITS) - 8388608.0  # q * fac, exact
+                x_off = k0 + offs_kp * PF + j
+                if HAS_PERM:
+                    x_off = tl.load(perm_ptr + x_off)
                 xj = tl.load(x_ptr + x_off).to(tl.float32)
                 xsum1 += xj
                 part += (xj * (1.0 / fac))[:, None] * w
-        if USE_DOT:
-            acc += (part - z[None, :] * xsum) * s[None, :]
-        else:
             acc += (part - z[None, :] * xsum1[:, None]) * s[None, :]
         w_ptrs += BLOCK_KP * N
     if USE_DOT:
