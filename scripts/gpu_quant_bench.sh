@@ -12,6 +12,7 @@
 #               (pagedllm, then vLLM), ~7 min
 #   w1          the targets in one call, ~6 min: pagedllm W1 bf16, fp8, fp8 + fp8 KV, int8, awq
 #               (+ its batch-1 step), then vLLM fp8 and awq (Marlin)
+#   short       pagedllm W1 fp8 and awq, awq's batch-1 step, then vLLM fp8 W1 (~3 min)
 # All runs use dummy weights in each method's quantized layout (--load-format dummy) and configs
 # written to OUT_DIR/cfg here (a bundled config + its quantization_config), the same for vLLM.
 # Prints a table last ("| run | tok/s | ...").
@@ -125,6 +126,12 @@ if want w1; then
   ours_lat awq "$OUT/cfg/llama3-8b-awq"
   vllm_w1 fp8 $L8 --quantization fp8
   vllm_w1 awq "$OUT/cfg/llama3-8b-awq"
+fi
+if want short; then
+  ours_w1 fp8 $L8 --quantization fp8
+  ours_w1 awq "$OUT/cfg/llama3-8b-awq"
+  ours_lat awq "$OUT/cfg/llama3-8b-awq"
+  vllm_w1 fp8 $L8 --quantization fp8
 fi
 if want 72b; then
   ours_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92

@@ -104,17 +104,19 @@ def kernel_rows(shapes, ms, log) -> list[dict]:
             refi = scaled_mm_ref(xqi, wts.int8[0][0], xsi, wts.int8[0][1], None, torch.float32)
             ref4 = wna16_linear_ref(x.float(), *wts.int4[0], 4, G)
 
-            def fp8_fast(i, x=x):
-                scaled_mm.FAST_ACCUM = True
-                try:
-                    return w8a8_linear(x, *wts.fp8[i], None, None)
-                finally:
-                    scaled_mm.FAST_ACCUM = False
+            def fp8_accum(fast: bool):
+                def call(i, x=x):
+                    before, scaled_mm.FAST_ACCUM = scaled_mm.FAST_ACCUM, fast
+                    try:
+                        return w8a8_linear(x, *wts.fp8[i], None, None)
+                    finally:
+                        scaled_mm.FAST_ACCUM = before
+                return call
 
             cases = [
                 ("bf16", lambda i, x=x: _dense_linear(x, wts.bf16[i], None), len(wts.bf16), None, n * k * 2),
                 ("fp8", lambda i, x=x: w8a8_linear(x, *wts.fp8[i], None, None), len(wts.fp8), ref8, n * k),
-                ("fp8 fast-accum", fp8_fast, len(wts.fp8), ref8, n * k),
+                ("fp8 exact-accum", fp8_accum(False), len(wts.fp8), ref8, n * k),
                 ("fp8 GEMM only", lambda i, xq8=xq8, xs8=xs8: torch._scaled_mm(
                     xq8, wts.fp8[i][0].t(), scale_a=xs8, scale_b=wts.fp8[i][1].view(1, -1), out_dtype=torch.bfloat16),
                  len(wts.fp8), ref8, n * k),

@@ -1,8 +1,8 @@
 """Activation quantization for the W8A8 GEMMs, and their scale epilogue: one Triton kernel each.
 
     quantize_activation_triton  x (M, K) bf16/fp16/fp32 -> xq (M_pad, K) fp8/int8, scale (M_pad, 1) fp32
-        dynamic: one program per row: amax(|row|) (pass 1), scale = max(amax / qmax, 1e-12),
-                 xq = cast(clamp(x / scale)) (pass 2, the row again from L1/L2)
+        dynamic: one program per row: amax(|row|), scale = max(amax / qmax, 1e-12),
+                 xq = cast(clamp(x / scale)) (rows <= 16384 wide read once; wider: a second pass)
         static:  scale = the checkpoint's one scalar, read on the device (no .item(): graph-safe)
         INT8 rounds half to even ((y + 1.5 * 2^23) - 1.5 * 2^23, exact for |y| <= 2^22), as
         torch.round in the reference; FP8 rounds to nearest even in the conversion, saturating at 448.
@@ -29,34 +29,52 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it
 
 
 @triton.jit
+def _quantize(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+    # IEEE division (tl.math.div_rn), as torch divides: Triton's `/` is the approximate div.full.f32,
+    # which moved roundings off the reference's on the H200.
+    # fp32 values ready for the cast to int8 (integral) or fp8 (the conversion rounds to nearest even).
+    y = tl.math.div_rn(x, scale)
+    if IS_INT:
+        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+        y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
+    else:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    return y
+
+
+@triton.jit
 def _quant_row_kernel(
     x_ptr, xq_ptr, scale_ptr, static_ptr,
     K, stride_xm, stride_qm,
-    QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / QMAX, 1e-12)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + offs < K
-        y = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32) / scale
-        if IS_INT:
-            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-            y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
-            q = y.to(tl.int8)
+    q_row = xq_ptr + row * stride_qm
+    if ONE_PASS:  # the whole row in registers (K <= BLOCK): read once
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
         else:
-            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-            q = y.to(tl.float8e4nv)
-        tl.store(xq_ptr + row * stride_qm + k0 + offs, q, mask=mask)
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), QMAX), 1e-12)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_row + offs, _quantize(x, scale, QMAX, IS_INT).to(xq_ptr.dtype.element_ty), mask=mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), QMAX), 1e-12)
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, _quantize(x, scale, QMAX, IS_INT).to(xq_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_activation_triton(x: torch.Tensor, qdtype: torch.dtype, static_scale: torch.Tensor | None = None,
@@ -74,11 +92,14 @@ def quantize_activation_triton(x: torch.Tensor, qdtype: torch.dtype, static_scal
     if m == 0:
         return xq, scale
     is_int = qdtype == torch.int8
-    block = min(4096, triton.next_power_of_2(k))
+    # Rows up to 16384 wide (Llama-3.1-8B's 14336 included) are read once, from registers (16 warps:
+    # 32 values a thread); wider rows take two passes of 4096.
+    one_pass = k <= 16384
+    block = triton.next_power_of_2(k) if one_pass else 4096
     _quant_row_kernel[(m,)](
         x, xq, scale, static_scale if static_scale is not None else scale, k, x.stride(0), xq.stride(0),
         QMAX=127.0 if is_int else 448.0, IS_INT=is_int, STATIC=static_scale is not None, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)),
+        ONE_PASS=one_pass, num_warps=max(1, min(16, block // 256)),
     )
     return xq, scale
 

@@ -19,11 +19,11 @@ for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5
 
 Three CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
     M <= 16        kernels/wna16_gemv.py: the words streamed once, unpacked in registers (split-K)
-    16 < M < 1024  `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
+    16 < M < 128   `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
                    BLOCK_N) words once, unpacks them into a (BLOCK_K, BLOCK_N) tile in natural order
                    (kernels/wna16_unpack.py) and runs one tensor-core dot on the x tile (act-order:
                    x gathered once per call); split-K for M <= 64
-    M >= 1024      `dequantize_wna16_triton` to a scratch in x's dtype, then cuBLAS (the scratch is
+    M >= 128       `dequantize_wna16_triton` to a scratch in x's dtype, then cuBLAS (the scratch is
                    freed after the call; at these M the GEMM's cost dwarfs the dequantization)
 The values are unpacked without int -> float conversions (see wna16_gemv) and the group scale is
 applied once per step to the fp32 partial sums.
@@ -157,24 +157,27 @@ def dequantize_wna16_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     return out
 
 
-def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of the tensor-core kernel: split K until ~2 programs per SM
-    while M is small."""
+def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the tensor-core kernel: split K
+    until >= 200 programs while M <= 64 (H200 sweep, M = 64: gate_up's 224 tiles best unsplit, qkv /
+    o / down split 4-16), 3 stages."""
     block_k = block_k_for(group_size)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 32 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     steps = triton.cdiv(k, block_k)
-    while tiles * split < 264 and split * 2 <= steps and m <= 64:
+    while tiles * split < 200 and split * 2 <= steps and m <= 64:
         split *= 2
-    return block_m, block_n, block_k, split
+    return block_m, block_n, block_k, split, 4, 3
 
 
-# From this many rows on, the weight is dequantized to a bf16 scratch (freed after the call) and
-# multiplied by cuBLAS; below it the tensor-core kernel reads the int4 words directly. Decode batches
-# (CUDA graphs) stay below it. Tuned from scripts/gpu_quant_speed.py.
-DEQUANT_MIN_M = 1024
+# From this many rows on, the weight is dequantized to a scratch in x's dtype (freed after the call) and
+# multiplied by cuBLAS; below it the tensor-core kernel reads the int4 words directly. H200, Llama-3.1-8B
+# shapes (scripts/gpu_quant_speed.py, 2026-12-01): at M = 256 the scratch path took 40 / 27 / 171 / 88 us
+# (qkv / o / gate_up / down) against the tile kernel's 90 / 59 / 342 / 174 at its best config; at M = 64
+# the two were within 30% either way.
+DEQUANT_MIN_M = 128
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -148,17 +148,25 @@ def block_k_for(group_size: int) -> int:
 
 
 def wna16_gemv_config(m: int, n: int, k: int, group_size: int, bits: int) -> WNA16GemvConfig:
-    """Default launch: BLOCK_N 128, one group-sized step, K split until there are ~4 programs per SM
-    (132 SMs) with >= 2 steps per split. scripts/gpu_quant_speed.py sweeps the alternatives."""
+    """Launch configuration, from the H200 sweep of scripts/gpu_quant_speed.py (2026-12-01, Llama-3.1-8B
+    qkv / o / gate_up / down, int4 g128, CUDA graphs): the best configs were
+        M = 1       BLOCK_N 128, 8 warps, 3 stages, K split until >= 512 programs (down: 16 splits,
+                    gate_up 4, qkv and o 8, the cap of >= 4 steps a split)
+        M = 2..16   BLOCK_N 256, 4 warps, 2 stages, >= 192 programs (down 16, gate_up 2, qkv / o 8)
+    One group-sized step (BLOCK_K = G up to 128).
+    """
     block_k = block_k_for(group_size)
     block_kp = block_k // (32 // bits)
-    block_n = 128 if n >= 2048 else 64
+    if m == 1:
+        block_n, target, warps, stages = 128, 512, 8, 3
+    else:
+        block_n, target, warps, stages = 256, 192, 4, 2
     n_blocks = triton.cdiv(n, block_n)
     steps = k // block_k
     split = 1
-    while n_blocks * split < 528 and split * 4 <= steps:
+    while n_blocks * split < target and split * 8 <= steps:
         split *= 2
-    return WNA16GemvConfig(block_n, block_kp, split, 4, 2)
+    return WNA16GemvConfig(block_n, block_kp, split, warps, stages)
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,6 +15,7 @@ from pagedllm.kernels.wna16_gemm import (
     wna16_linear,
     wna16_linear_ref,
 )
+from pagedllm.kernels.wna16_gemv import wna16_gemv_config
 
 
 def _weights(k: int, n: int, bits: int, group: int, device):
@@ -82,8 +83,11 @@ def test_act_order_permutation(device):
 
 
 def test_config_splits_k_for_skinny_batches():
-    bm, bn, bk, split = wna16_config(1, 4096, 4096, 128)
-    assert (bm, bk) == (16, 128) and split > 1 and (4096 // bn) * split >= 132
+    bm, bn, bk, split, *_ = wna16_config(20, 4096, 4096, 128)
+    assert (bm, bk) == (32, 128) and split > 1 and (4096 // bn) * split >= 132
     assert wna16_config(4096, 4096, 4096, 128)[3] == 1
+    # The GEMV's measured picks: down (14336 -> 4096) at M = 1 splits K 16 ways, gate_up 4 ways.
+    assert wna16_gemv_config(1, 4096, 14336, 128, 4) == (128, 16, 16, 8, 3)
+    assert wna16_gemv_config(1, 28672, 4096, 128, 4).SPLIT_K == 4
     with pytest.raises(ValueError, match="multiple of 16"):
         wna16_config(1, 64, 64, 8)
