@@ -10,6 +10,9 @@
 #   awq, gptq   int4 g128 (one section each): W1 and the batch-1 decode step, pagedllm then vLLM, ~4.5 min
 #   72b         Qwen2.5-72B-shaped AWQ (dummy int4 weights) on one H200, max_model_len 4096, W1
 #               (pagedllm, then vLLM), ~7 min
+#   w1          the targets in one call, ~6 min: pagedllm W1 bf16, fp8, fp8 + fp8 KV, int8, awq
+#               (+ its batch-1 step), then vLLM fp8 and awq (Marlin)
+#   short       pagedllm W1 fp8 and awq, awq's batch-1 step, then vLLM fp8 W1 (~3 min)
 # All runs use dummy weights in each method's quantized layout (--load-format dummy) and configs
 # written to OUT_DIR/cfg here (a bundled config + its quantization_config), the same for vLLM.
 # Prints a table last ("| run | tok/s | ...").
@@ -114,6 +117,22 @@ for q in awq gptq; do
   ours_lat $q "$OUT/cfg/llama3-8b-$q"
   vllm_w1 $q "$OUT/cfg/llama3-8b-$q"
 done
+if want w1; then
+  ours_w1 bf16 $L8
+  ours_w1 fp8 $L8 --quantization fp8
+  ours_w1 fp8-kvfp8 $L8 --quantization fp8 --kv-cache-dtype fp8
+  ours_w1 int8 "$OUT/cfg/llama3-8b-w8a8"
+  ours_w1 awq "$OUT/cfg/llama3-8b-awq"
+  ours_lat awq "$OUT/cfg/llama3-8b-awq"
+  vllm_w1 fp8 $L8 --quantization fp8
+  vllm_w1 awq "$OUT/cfg/llama3-8b-awq"
+fi
+if want short; then
+  ours_w1 fp8 $L8 --quantization fp8
+  ours_w1 awq "$OUT/cfg/llama3-8b-awq"
+  ours_lat awq "$OUT/cfg/llama3-8b-awq"
+  vllm_w1 fp8 $L8 --quantization fp8
+fi
 if want 72b; then
   ours_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92
   vllm_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92

@@ -26,18 +26,28 @@ def write_kv_cache(
     flat = _indexable(kv_cache).view(2, -1, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     if bool(valid.all()):
-        flat[0].index_copy_(0, slot_mapping, _indexable(key.to(kv_cache.dtype)))
-        flat[1].index_copy_(0, slot_mapping, _indexable(value.to(kv_cache.dtype)))
+        flat[0].index_copy_(0, slot_mapping, _indexable(_to_cache(key, kv_cache.dtype)))
+        flat[1].index_copy_(0, slot_mapping, _indexable(_to_cache(value, kv_cache.dtype)))
     else:
         slots = slot_mapping[valid]
-        flat[0].index_copy_(0, slots, _indexable(key[valid].to(kv_cache.dtype)))
-        flat[1].index_copy_(0, slots, _indexable(value[valid].to(kv_cache.dtype)))
+        flat[0].index_copy_(0, slots, _indexable(_to_cache(key[valid], kv_cache.dtype)))
+        flat[1].index_copy_(0, slots, _indexable(_to_cache(value[valid], kv_cache.dtype)))
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache dtype; an fp8 cache saturates at its finite max first. torch's CPU cast saturates
+    by itself, its CUDA cast turns |x| beyond the max into NaN (seen on the H200: the kernel, which
+    saturates, then differed from this reference), so the clamp makes both devices agree."""
+    if dtype in FP8_DTYPES and x.dtype not in FP8_DTYPES:
+        fmax = torch.finfo(dtype).max
+        x = x.clamp(-fmax, fmax)
+    return x.to(dtype)
 
 
 def _indexable(t: torch.Tensor) -> torch.Tensor:
     """torch has no CPU index/index_copy kernels for float8: move fp8 caches' bytes as uint8 instead.
 
-    `.to(float8_e4m3fn)` saturates at +-448 (kv_cache_dtype "fp8"), so nothing becomes NaN on the way in.
+    `_to_cache` saturates at +-448 (kv_cache_dtype "fp8"), so nothing becomes NaN on the way in.
     """
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 

@@ -17,11 +17,16 @@ Every int-weight method repacks its checkpoint at load time into one layout this
 Worked example, bits 4, G 4, K 8, N 1: qweight [[0x00003A21]] holds q = [1, 2, 10, 3, 0, 0, 0, 0]
 for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5, -2, -2, -2, -2].
 
-The kernel: program (pm, pn, pk) owns rows [pm*BM, +BM), columns [pn*BN, +BN) and a K range; each
-BLOCK_K step loads the packed words of its (BLOCK_K, BN) tile (each word pf times, from L1), one
-scale / zero row (BLOCK_K divides G, so a step lies in one group), shifts + masks the values out,
-dequantizes in fp32, casts to x's dtype and accumulates x @ w on tensor cores in fp32. Skinny
-(decode) batches split K over SPLIT_K programs writing fp32 partials that are summed after.
+Three CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
+    M <= 16        kernels/wna16_gemv.py: the words streamed once, unpacked in registers (split-K)
+    16 < M < 128   `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
+                   BLOCK_N) words once, unpacks them into a (BLOCK_K, BLOCK_N) tile in natural order
+                   (kernels/wna16_unpack.py) and runs one tensor-core dot on the x tile (act-order:
+                   x gathered once per call); split-K for M <= 64
+    M >= 128       `dequantize_wna16_triton` to a scratch in x's dtype, then cuBLAS (the scratch is
+                   freed after the call; at these M the GEMM's cost dwarfs the dequantization)
+The values are unpacked without int -> float conversions (see wna16_gemv) and the group scale is
+applied once per step to the fp32 partial sums.
 
 Reference: `wna16_linear_ref` (dequantize to fp32, matmul in fp32); it is also the CPU path.
 """
@@ -32,7 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_wna16", "pack_along_k", "unpack_along_k", "wna16_linear", "wna16_linear_ref"]
+from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
+from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
+
+__all__ = ["dequantize_wna16", "dequantize_wna16_triton", "pack_along_k", "unpack_along_k", "wna16_linear",
+           "wna16_linear_ref"]
 
 
 def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -80,81 +90,135 @@ def _wna16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_om, stride_os,
-    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     PF: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    BLOCK_K: tl.constexpr = BLOCK_KP * PF
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pk = tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kp = tl.arange(0, BLOCK_KP)
+    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pk * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :],
-                        mask=k_mask[:, None] & n_mask[None, :], other=0)
-        q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK
+        # Each word loaded once, unpacked to a (BLOCK_K, BLOCK_N) tile of q in natural order, one dot
+        # against the contiguous x tile; zero point and scale meet the step's sums (wna16_gemv).
+        words = tl.load(qw_ptr + ((k0 // PF) + offs_kp)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=n_mask[None, :], other=0)
+        q = unpack_tile(words, BITS, BLOCK_K, BLOCK_N)
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        part = tl.dot(x, q.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+        xsum = tl.sum(x.to(tl.float32), axis=1)
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-        w = (q.to(tl.float32) - z[None, :]) * s[None, :]
-        w = tl.where(k_mask[:, None], w, 0.0)
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
     tl.store(out_ptr + pk * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _block_k(group_size: int) -> int:
-    for b in (128, 64, 32, 16):
-        if group_size % b == 0:
-            return b
-    raise ValueError(f"group size {group_size} is not a multiple of 16 (the W4A16 kernel's smallest K step)")
+@triton.jit
+def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
+                          BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr):
+    PF: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = 16 // BITS
+    kp0 = tl.program_id(0) * BLOCK_KP
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kp = kp0 + tl.arange(0, BLOCK_KP)
+    n_mask = offs_n < N
+    words = tl.load(qw_ptr + offs_kp[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    hi = words >> 16
+    g = (kp0 * PF) // GROUP_SIZE
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+    for j in tl.static_range(PF):
+        fac = 1 << (BITS * (j % HALF))
+        w = (unpack_scaled(words, hi, j, BITS) - (8388608.0 + z * fac)[None, :]) * (s * (1.0 / fac))[None, :]
+        rows = (offs_kp * PF + j).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-def wna16_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): skinny batches split K until there are ~2 programs per SM."""
-    block_k = _block_k(group_size)
+def dequantize_wna16_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                            group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (K, N) weight in `dtype` (a scratch for large-M GEMMs); same values as `dequantize_wna16`."""
+    kp, n = qweight.shape
+    block_kp = block_k_for(group_size) // (32 // bits)
+    out = torch.empty((kp * (32 // bits), n), dtype=dtype, device=qweight.device)
+    _wna16_dequant_kernel[(kp // block_kp, triton.cdiv(n, 128))](
+        qweight, scales, zeros, out, n, GROUP_SIZE=group_size, BITS=bits, BLOCK_KP=block_kp, BLOCK_N=128)
+    return out
+
+
+def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the tensor-core kernel: split K
+    until >= 200 programs while M <= 64 (H200 sweep, M = 64: gate_up's 224 tiles best unsplit, qkv /
+    o / down split 4-16), 3 stages."""
+    block_k = block_k_for(group_size)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 32 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     steps = triton.cdiv(k, block_k)
-    while tiles * split < 264 and split * 2 <= steps and m <= 64:
+    while tiles * split < 200 and split * 2 <= steps and m <= 64:
         split *= 2
-    return block_m, block_n, block_k, split
+    return block_m, block_n, block_k, split, 4, 3
+
+
+# From this many rows on, the weight is dequantized to a scratch in x's dtype (freed after the call) and
+# multiplied by cuBLAS; below it the tensor-core kernel reads the int4 words directly. H200, Llama-3.1-8B
+# shapes (scripts/gpu_quant_speed.py, 2026-12-01): at M = 256 the scratch path took 40 / 27 / 171 / 88 us
+# (qkv / o / gate_up / down) against the tile kernel's 90 / 59 / 342 / 174 at its best config; at M = 64
+# the two were within 30% either way.
+DEQUANT_MIN_M = 128
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bits: int, group_size: int, perm: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The Triton kernel: x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`."""
-    if perm is not None:
-        x = x[:, perm]
-    x = x.contiguous()
+                 bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
+                 dequant_min_m: int | None = None) -> torch.Tensor:
+    """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
+
+    M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm). Larger M: the
+    tensor-core kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
+    rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
+    `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
+    num_stages]).
+    """
     m, k = x.shape
     n = qweight.shape[1]
-    if qweight.shape[0] * (32 // bits) != k:
-        raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * (32 // bits)}")
-    block_m, block_n, block_k, split = config or wna16_config(m, n, k, group_size)
-    if group_size % block_k:
+    pf = 32 // bits
+    if qweight.shape[0] * pf != k:
+        raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
+    if m <= MAX_GEMV_M and config is None:
+        return wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias, perm)
+    if config is None and m >= (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m):
+        w = dequantize_wna16_triton(qweight, scales, zeros, bits, group_size, x.dtype)
+        xs = x if perm is None else x.index_select(1, perm)
+        out = torch.matmul(xs, w)
+        return out if bias is None else out + bias
+    block_m, block_n, block_k, split, *launch = config or wna16_config(m, n, k, group_size, bits)
+    num_warps, num_stages = launch if launch else (4, 2)
+    if group_size % block_k or block_k % pf:
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size}")
+    xs = (x if perm is None else x.index_select(1, perm)).contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _wna16_gemm_kernel[grid](
-        x, qweight, scales, zeros, partial, m, n, k, k_per_split,
-        x.stride(0), partial.stride(1), partial.stride(0),
-        GROUP_SIZE=group_size, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        xs, qweight, scales, zeros, partial, m, n, k, k_per_split,
+        xs.stride(0), partial.stride(1), partial.stride(0),
+        GROUP_SIZE=group_size, BITS=bits,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_k // pf, num_warps=num_warps, num_stages=num_stages,
     )
     out = partial[0] if split == 1 else partial.sum(0)
     if bias is not None:

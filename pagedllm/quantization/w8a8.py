@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels.scaled_mm import FP8_DTYPE, FP8_MAX, INT8_MAX, w8a8_linear
+from pagedllm.kernels.scaled_mm import FP8_DTYPE, FP8_MAX, INT8_MAX, rowwise_scaled_mm_supported, w8a8_linear
 from pagedllm.quantization.base import LinearMethodBase
 from pagedllm.quantization.utils import (
     FLOAT_DTYPES,
@@ -88,6 +88,8 @@ class W8A8LinearMethod(LinearMethodBase):
                 raise ValueError(f"{layer.prefix}.input_scale: static activation scales are missing for some "
                                  "shards of this layer")
             layer.input_scale.data = scales.max().reshape(1)
+        if layer.weight.is_cuda and self.qdtype == FP8_DTYPE:
+            rowwise_scaled_mm_supported(layer.weight.device)  # probed now, before any CUDA-graph capture
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale,

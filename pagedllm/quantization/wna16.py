@@ -109,7 +109,7 @@ class WNA16LinearMethod(LinearMethodBase):
             g_idx = g_idx.to(torch.int64)
             natural = torch.arange(k, device=q.device) // g
             if not torch.equal(g_idx, natural):
-                perm = torch.argsort(g_idx, stable=True)
+                perm = torch.argsort(g_idx, stable=True).to(torch.int32)  # kernels read x through it
                 if not torch.equal(g_idx[perm], natural):
                     raise ValueError(f"{layer.prefix}: g_idx does not assign exactly {g} inputs to each group")
                 q = q[perm]

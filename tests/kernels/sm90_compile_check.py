@@ -34,10 +34,13 @@ from pagedllm.kernels import (  # noqa: E402
     kv_cache_write,
     paged_attention,
     qkv_prep,
+    quant_act,
     rmsnorm,
     rotary,
     sampling,
     split_k,
+    wna16_gemm,
+    wna16_gemv,
 )
 
 _TYPES = {
@@ -46,6 +49,9 @@ _TYPES = {
     torch.bfloat16: "bf16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 _OPTION_KEYS = ("num_warps", "num_stages")
 
@@ -114,6 +120,11 @@ def _record(launches: list) -> None:
         (sampling, "_argmax_partials_kernel"),
         (gemv, "_skinny_linear_kernel"),
         (fused_moe, "_fused_moe_kernel"),
+        (wna16_gemv, "_wna16_gemv_kernel"),
+        (wna16_gemm, "_wna16_gemm_kernel"),
+        (wna16_gemm, "_wna16_dequant_kernel"),
+        (quant_act, "_quant_row_kernel"),
+        (quant_act, "_scale_epilogue_kernel"),
     ]:
         setattr(mod, name, _Recorder(getattr(mod, name), launches))
     _record_attention_and_layers()
@@ -121,6 +132,24 @@ def _record(launches: list) -> None:
     _record_sampling()
     _record_gemv()
     _record_model_families()
+    _record_quant()
+
+
+def _record_quant() -> None:
+    """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the W4A16 GEMV (FMA at M 1,
+    tensor cores at M 8), the tile kernel (M 256) and the dequantization; W8A8's activation quantizer
+    (int8, fp8) and scale epilogue."""
+    bf16 = torch.bfloat16
+    n, k = 4096, 14336
+    qw = torch.zeros(k // 8, n, dtype=torch.int32)
+    s, z = torch.zeros(k // 128, n, dtype=bf16), torch.zeros(k // 128, n, dtype=torch.uint8)
+    wna16_gemv._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
+    for m in (1, 8, 256):
+        wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
+    wna16_gemm.dequantize_wna16_triton(qw, s, z, 4, 128, bf16)
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        quant_act.quantize_activation_triton(torch.zeros(2, k, dtype=bf16), qdtype)
+    quant_act.scale_epilogue(torch.zeros(32, n, dtype=torch.int32), torch.zeros(32, 1), torch.zeros(n), None, 2, bf16)
 
 
 def _record_model_families() -> None:

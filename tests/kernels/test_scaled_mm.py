@@ -53,3 +53,25 @@ def test_w8a8_linear_cpu_path_keeps_leading_dims():
     out = w8a8_linear(x, wq, ws.flatten(), None, None)
     assert out.shape == (2, 3, 8) and out.dtype == torch.float32
     torch.testing.assert_close(out, x @ w.t(), atol=0.5, rtol=0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm / _int_mm need CUDA")
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_w8a8_linear_cuda_paths_and_graph_capture(qdtype, m):
+    k, n = 256, 96  # multiples of 16: the cuBLAS paths (M padded for _int_mm)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_activation(torch.randn(n, k, device="cuda") * 0.05, qdtype)
+    ws = ws.flatten()
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_activation(x, qdtype)
+    ref = scaled_mm_ref(xq, wq, xs, ws, bias, torch.float32)
+    out = w8a8_linear(x, wq, ws, None, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()  # no host syncs: the same call captures and replays
+    with torch.cuda.graph(graph):
+        captured = w8a8_linear(x, wq, ws, None, bias)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(captured, w8a8_linear(x, wq, ws, None, bias), atol=0, rtol=0)

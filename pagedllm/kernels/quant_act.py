@@ -1,0 +1,141 @@
+"""Activation quantization for the W8A8 GEMMs, and their scale epilogue: one Triton kernel each.
+
+    quantize_activation_triton  x (M, K) bf16/fp16/fp32 -> xq (M_pad, K) fp8/int8, scale (M_pad, 1) fp32
+        dynamic: one program per row: amax(|row|), scale = max(amax / qmax, 1e-12),
+                 xq = cast(clamp(x / scale)) (rows <= 16384 wide read once; wider: a second pass)
+        static:  scale = the checkpoint's one scalar, read on the device (no .item(): graph-safe)
+        INT8 rounds half to even ((y + 1.5 * 2^23) - 1.5 * 2^23, exact for |y| <= 2^22), as
+        torch.round in the reference; FP8 rounds to nearest even in the conversion, saturating at 448.
+        M_pad >= M: rows past M are left unwritten (torch._int_mm needs M > 16: the GEMM runs on
+        garbage rows there whose outputs nobody reads, instead of a copy to pad x).
+
+    scale_epilogue  acc (M_pad, N) int32/bf16/fp32 -> out (M, N) = acc * x_scale * w_scale[None] + bias
+        after a GEMM that could not apply the scales itself (torch._int_mm; per-tensor _scaled_mm).
+
+Replaces what was five to eight torch ops over the activations (x.float(), abs, amax, divide, clamp,
+cast): at M = 2048, K = 14336 those passes cost more than the FP8 GEMM they fed (BENCHMARKS.md).
+Reference: `scaled_mm.quantize_activation` (torch) and `scaled_mm.scaled_mm_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_activation_triton", "scale_epilogue"]
+
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds an fp32 to an integer, ties to even
+
+
+@triton.jit
+def _quantize(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+    # IEEE division (tl.math.div_rn), as torch divides: Triton's `/` is the approximate div.full.f32,
+    # which moved roundings off the reference's on the H200.
+    # fp32 values ready for the cast to int8 (integral) or fp8 (the conversion rounds to nearest even).
+    y = tl.math.div_rn(x, scale)
+    if IS_INT:
+        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+        y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
+    else:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    return y
+
+
+@triton.jit
+def _quant_row_kernel(
+    x_ptr, xq_ptr, scale_ptr, static_ptr,
+    K, stride_xm, stride_qm,
+    QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    q_row = xq_ptr + row * stride_qm
+    if ONE_PASS:  # the whole row in registers (K <= BLOCK): read once
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), QMAX), 1e-12)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_row + offs, _quantize(x, scale, QMAX, IS_INT).to(xq_ptr.dtype.element_ty), mask=mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), QMAX), 1e-12)
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, _quantize(x, scale, QMAX, IS_INT).to(xq_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_activation_triton(x: torch.Tensor, qdtype: torch.dtype, static_scale: torch.Tensor | None = None,
+                               rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (xq (rows, K) qdtype, scale (rows, 1) fp32), rows = max(M, `rows`); the first M rows
+    equal `scaled_mm.quantize_activation(x, qdtype, static_scale)`."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"expected a row-major (M, K) activation, got shape {tuple(x.shape)} strides {x.stride()}")
+    if qdtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"activations quantize to int8 or float8_e4m3fn, not {qdtype}")
+    m, k = x.shape
+    total = max(m, rows or 0)
+    xq = torch.empty((total, k), dtype=qdtype, device=x.device)
+    scale = torch.empty((total, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return xq, scale
+    is_int = qdtype == torch.int8
+    # Rows up to 16384 wide (Llama-3.1-8B's 14336 included) are read once, from registers (16 warps:
+    # 32 values a thread); wider rows take two passes of 4096.
+    one_pass = k <= 16384
+    block = triton.next_power_of_2(k) if one_pass else 4096
+    _quant_row_kernel[(m,)](
+        x, xq, scale, static_scale if static_scale is not None else scale, k, x.stride(0), xq.stride(0),
+        QMAX=127.0 if is_int else 448.0, IS_INT=is_int, STATIC=static_scale is not None, BLOCK=block,
+        ONE_PASS=one_pass, num_warps=max(1, min(16, block // 256)),
+    )
+    return xq, scale
+
+
+@triton.jit
+def _scale_epilogue_kernel(
+    acc_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    acc = tl.load(acc_ptr + rows * stride_am + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
+    ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    out = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   m: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """out (m, N) = acc[:m] * x_scale[:m] * w_scale[None, :] (+ bias), computed in fp32. acc (>= m, N)
+    row-major; x_scale (>= m, 1) and w_scale (N,) fp32."""
+    n = acc.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    if m == 0:
+        return out
+    block_m, block_n = 16, 256
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _scale_epilogue_kernel[grid](
+        acc, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, acc.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+    )
+    return out

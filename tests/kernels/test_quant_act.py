@@ -1,0 +1,51 @@
+"""The W8A8 activation quantizer and scale epilogue (Triton, kernels/quant_act.py) against their torch
+references: dynamic per-token and static scales, int8 rounding half to even, fp8 saturation, padded rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
+from pagedllm.kernels.scaled_mm import FP8_DTYPE, quantize_activation
+from tests.kernels.test_kv_cache_fp8_kernels import assert_same_fp8
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_quantize_matches_reference(device, qdtype, static):
+    x = torch.randn(5, 300, device=device) * 3  # K not a power of two: a masked tail
+    x[1, 7] = 0.0
+    x[2] = 0.0  # an all-zero row: the scale's floor keeps it finite
+    x[3, :4] = torch.tensor([0.5, 1.5, 2.5, -2.5]) * (x[3].abs().max() / 127.0)  # int8 ties round to even
+    static_scale = torch.tensor([0.01], device=device) if static else None  # saturates the large values
+    xq, scale = quantize_activation_triton(x, qdtype, static_scale, rows=8)
+    ref_q, ref_s = quantize_activation(x, qdtype, static_scale)
+    assert xq.shape == (8, 300) and scale.shape == (8, 1)  # 3 padded rows, unwritten
+    torch.testing.assert_close(scale[:5], ref_s, atol=0, rtol=0)
+    if qdtype == torch.int8:
+        assert torch.equal(xq[:5], ref_q)
+    else:
+        assert_same_fp8(xq[:5], ref_q)
+
+
+def test_quantize_bf16_input_and_errors(device):
+    x = torch.randn(3, 64, device=device).to(torch.bfloat16)
+    xq, scale = quantize_activation_triton(x, torch.int8)
+    ref_q, ref_s = quantize_activation(x, torch.int8)
+    assert torch.equal(xq, ref_q) and torch.equal(scale, ref_s)
+    with pytest.raises(ValueError, match="row-major"):
+        quantize_activation_triton(x.t(), torch.int8)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        quantize_activation_triton(x, torch.float16)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scale_epilogue(device, with_bias):
+    acc = torch.randint(-5000, 5000, (20, 300), dtype=torch.int32, device=device)  # 20 rows, 17 used
+    xs = torch.rand(20, 1, device=device)
+    ws = torch.rand(300, device=device)
+    bias = torch.randn(300, device=device) if with_bias else None
+    out = scale_epilogue(acc, xs, ws, bias, 17, torch.float32)
+    ref = acc[:17].float() * xs[:17] * ws[None, :] + (bias if with_bias else 0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
