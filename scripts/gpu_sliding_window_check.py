@@ -43,7 +43,8 @@ def record(name: str, value: str) -> None:
 def build_model(path: str):
     import transformers
 
-    cfg = transformers.MistralConfig(  # Mistral-7B-v0.1's context and window, 2 narrow layershidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+    # Mistral-7B-v0.1's context and window, 2 narrow layers.
+    cfg = transformers.MistralConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=1000,
                                      max_position_embeddings=32768, sliding_window=WINDOW,
                                      architectures=["MistralForCausalLM"])
