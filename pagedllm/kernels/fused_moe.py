@@ -125,6 +125,7 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, IEEE_FP32=w.dtype == torch.float32,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3),
     )
 
 
@@ -134,6 +135,7 @@ def fused_experts(
     w2: torch.Tensor,  # (E, hidden, inter)
     topk_weights: torch.Tensor,  # (T, top_k) float32
     topk_ids: torch.Tensor,  # (T, top_k) int32
+    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
@@ -144,7 +146,7 @@ def fused_experts(
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
         return torch.zeros_like(x)
-    cfg = _config(t * top_k, w13.dtype)
+    cfg = config or _config(t * top_k, w13.dtype)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)

@@ -1,0 +1,95 @@
+"""Tile configurations of the fused MoE kernel (kernels/fused_moe.py) at the Qwen3-30B-A3B and
+DeepSeek-V2-Lite expert shapes, bf16, CUDA-graph replay, against the floor (experts hit, read once
+at the measured copy bandwidth). Candidates: the current `_config` and vLLM-like H200 tiles (larger
+BLOCK_K / BLOCK_N, explicit pipeline stages). Table printed last, best per row marked.
+
+Usage, from the repo root on the GPU machine (~1-2 min):  python3 scripts/moe_config_sweep.py
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from pagedllm.kernels.fused_moe import _config, fused_experts
+from pagedllm.layers.fused_moe.router import select_experts
+
+CANDIDATES = {
+    "m16 n64 k128 w4 s3": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "m16 n128 k128 w4 s2": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "m16 n64 k256 w4 s2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2),
+    "m32 n256 k128 w4 s2": dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=2),
+    "m64 n128 k64 w4 s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    "m128 n256 k64 w8 s4": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+    "m64 n256 k64 w8 s4": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+}
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+
+
+def bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
+
+
+def time_us(fn) -> float:
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 50 * 1e6
+
+
+def main() -> None:
+    bw = bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for shape, (e, top_k, hidden, inter) in SHAPES.items():
+        w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        for t in TOKENS:
+            x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+            weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, True)
+            ref = fused_experts(x, w13, w2, weights, ids)
+            hit = int(torch.unique(ids).numel())
+            floor = hit * 3 * hidden * inter * 2 / bw * 1e6
+            cands = {"current " + str(tuple(_config(t * top_k, torch.bfloat16).values())): None, **CANDIDATES}
+            times = {}
+            for name, cfg in cands.items():
+                try:
+                    out = fused_experts(x, w13, w2, weights, ids, config=cfg)
+                    err = (out.float() - ref.float()).abs().max().item()
+                    times[name] = (time_us(functools.partial(fused_experts, x, w13, w2, weights, ids, config=cfg)), err)
+                except Exception as exc:  # a tile that does not fit shared memory
+                    times[name] = (float("inf"), str(exc)[:60])
+            best = min(times, key=lambda n: times[n][0])
+            for name, (us, err) in times.items():
+                rows.append((shape, t, name, us, floor, err, name == best))
+                print(f"{shape} T={t} {name}: {us:.1f} us (floor {floor:.1f}) err {err}", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    print("\n| shape | tokens | config | time | floor | % of floor | max err | best |\n|---|---|---|---|---|---|---|---|")
+    for shape, t, name, us, floor, err, best in rows:
+        err_s = f"{err:.2e}" if isinstance(err, float) else err
+        print(f"| {shape} | {t} | {name} | {us:.1f} us | {floor:.1f} us | {floor / us * 100:.0f}% | {err_s} | "
+              f"{'**best**' if best else ''} |")
+
+
+if __name__ == "__main__":
+    main()
