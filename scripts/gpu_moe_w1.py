@@ -105,6 +105,14 @@ def kernel_per_step(model: str) -> None:
     del a, b
     w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
+
+    for t in (3, 300):  # the kernel (align included) against the torch reference, on this GPU
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, True)
+        got, ref = fused_experts(x, w13, w2, weights, ids).float(), fused_experts_ref(x, w13, w2, weights, ids).float()
+        rel = ((got - ref).norm() / ref.norm()).item()
+        record(f"fused MoE {model} {t} tokens == torch reference", f"{'OK' if rel < 2e-2 else 'WRONG'} (rel err {rel:.1e})")
     for t in (1, 32, 128, 256):  # W1's decode batches: 256 running at first, fewer at the tail
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, True)

@@ -1,7 +1,8 @@
 """Tile configurations of the fused MoE kernel (kernels/fused_moe.py) at the Qwen3-30B-A3B and
 DeepSeek-V2-Lite expert shapes, bf16, CUDA-graph replay, against the floor (experts hit, read once
 at the measured copy bandwidth). Candidates: the current `_config` and vLLM-like H200 tiles (larger
-BLOCK_K / BLOCK_N, explicit pipeline stages). Table printed last, best per row marked.
+BLOCK_K / BLOCK_N, explicit pipeline stages). Before them: the one-program align kernel against its
+torch reference (correct, and both timed). Tables printed last, best tile per row marked.
 
 Usage, from the repo root on the GPU machine (~1-2 min):  python3 scripts/moe_config_sweep.py
 """
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from pagedllm.kernels.fused_moe import _config, fused_experts
+from pagedllm.kernels.fused_moe import _config, fused_experts, moe_align_block_size, moe_align_block_size_ref
 from pagedllm.layers.fused_moe.router import select_experts
 
 CANDIDATES = {
@@ -56,9 +57,34 @@ def time_us(fn) -> float:
     return (time.perf_counter() - t0) / 50 * 1e6
 
 
+def align_check() -> list[tuple[str, str]]:
+    """The one-program align kernel against the torch reference (same pairs per expert run) and
+    both timed (CUDA-graph replay)."""
+    out = []
+    for e, top_k in ((128, 8), (64, 6)):
+        for t, bm in ((1, 16), (256, 16), (256, 64), (8192, 64)):
+            ids = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(t)]).int()
+            got, ref = moe_align_block_size(ids, bm, e), moe_align_block_size_ref(ids, bm, e)
+            same = got[1].equal(ref[1]) and got[2].equal(ref[2])
+            n = int(ref[2][0]) // bm
+            for b in range(n):  # the pairs of each expert, in any order within its run
+                ex = int(ref[1][b])
+                if b == 0 or int(ref[1][b - 1]) != ex:
+                    rows_of = (ref[1][:n] == ex).nonzero().flatten()
+                    lo, hi = int(rows_of[0]) * bm, (int(rows_of[-1]) + 1) * bm
+                    same &= got[0][lo:hi].sort().values.equal(ref[0][lo:hi].sort().values)
+            us_k = time_us(functools.partial(moe_align_block_size, ids, bm, e))
+            us_r = time_us(functools.partial(moe_align_block_size_ref, ids, bm, e))
+            out.append((f"align E={e} top_k={top_k} T={t} BLOCK_M={bm}",
+                        f"{'OK' if same else 'WRONG'}: kernel {us_k:.1f} us, torch {us_r:.1f} us"))
+            print(*out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     bw = bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    align_rows = align_check()
     rows = []
     for shape, (e, top_k, hidden, inter) in SHAPES.items():
         w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -84,6 +110,9 @@ def main() -> None:
                 print(f"{shape} T={t} {name}: {us:.1f} us (floor {floor:.1f}) err {err}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
+    print("\n| align | result |\n|---|---|")
+    for name, value in align_rows:
+        print(f"| {name} | {value} |")
     print("\n| shape | tokens | config | time | floor | % of floor | max err | best |\n|---|---|---|---|---|---|---|---|")
     for shape, t, name, us, floor, err, best in rows:
         err_s = f"{err:.2e}" if isinstance(err, float) else err
