@@ -4,7 +4,8 @@ core/kv_cache_manager.py). Table printed last.
 
 Usage, from the repo root on the GPU machine (~2-3 min):
     python3 scripts/gpu_sliding_window_check.py [--context 32000] [--new-tokens 64]
-(a CPU smoke run of the same code: --device cpu --context 600 --window 64 --new-tokens 8)
+(a CPU smoke run of the same code: --device cpu --context 600 --window 64 --new-tokens 8;
+--variants graphs runs only the first variant below, ~1.5 min)
 
 The model is a random 2-layer MistralForCausalLM (hidden 512, 4 heads of 128, 2 KV heads,
 max_position_embeddings 32768, sliding_window 4096) in fp32, so greedy tokens compare exactly.
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--device", default=DEVICE)
+    parser.add_argument("--variants", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"],
+                        help="graphs: chunk 2 windows with CUDA graphs; eager: chunk half a window, eager")
     args = parser.parse_args()
     WINDOW, DEVICE = args.window, args.device
     print(torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch", torch.__version__, flush=True)
@@ -121,7 +124,8 @@ def main() -> None:
     ref1, t_hf1 = hf_greedy(hf, prompt, args.new_tokens)
     record(f"transformers turn 1 ({args.context} + {args.new_tokens} tok)", f"{t_hf1:.1f} s")
     ref2 = None
-    for chunk, eager in ((2 * WINDOW, False), (WINDOW // 2, True)):
+    variants = {"graphs": (2 * WINDOW, False), "eager": (WINDOW // 2, True)}
+    for chunk, eager in (variants[v] for v in args.variants):
         label = f"chunk {chunk} ({'>' if chunk > WINDOW else '<'} window), {'eager' if eager else 'CUDA graphs'}"
         try:
             out, follow, out2, peak, hit_tokens, free_after, t1, t2 = run_pagedllm(

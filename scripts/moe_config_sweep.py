@@ -4,11 +4,12 @@ at the measured copy bandwidth). Candidates: the current `_config` and vLLM-like
 BLOCK_K / BLOCK_N, explicit pipeline stages). Before them: the one-program align kernel against its
 torch reference (correct, and both timed). Tables printed last, best tile per row marked.
 
-Usage, from the repo root on the GPU machine (~1-2 min):  python3 scripts/moe_config_sweep.py
+Usage, from the repo root on the GPU machine (~1-2 min):  python3 scripts/moe_config_sweep.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import time
 
@@ -82,6 +83,16 @@ def align_check() -> list[tuple[str, str]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true",
+                        help="the align check, then Qwen3-30B-A3B only at 1 / 256 / 2048 tokens, 3 candidates (~40 s)")
+    args = parser.parse_args()
+    global SHAPES, TOKENS, CANDIDATES
+    if args.quick:
+        SHAPES = {"qwen3-30b-a3b": SHAPES["qwen3-30b-a3b"]}
+        TOKENS = (1, 256, 2048)
+        keep = ("m16 n64 k128 w4 s3", "m32 n256 k128 w4 s2", "m128 n256 k64 w8 s4")
+        CANDIDATES = {k: v for k, v in CANDIDATES.items() if k in keep}
     bw = bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     align_rows = align_check()
