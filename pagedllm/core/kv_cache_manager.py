@@ -4,7 +4,9 @@ Sliding-window models (every attention layer windowed: Mistral v0.1, Phi-3-mini;
 SlidingWindowManager) free a request's blocks once they leave the window: a query at position p
 reads keys p - W + 1 .. p only, so when a step starts at position c every block wholly below
 c - W + 1 is dead for the rest of the request. A request then holds about (W + chunk) / block_size
-blocks whatever its length (Mistral v0.1: 32K tokens in ~260 blocks of 16 instead of 2,048).
+blocks whatever its length (Mistral v0.1 at 32K tokens, blocks of 16: 769 with 8192-token chunks,
+258 while decoding, instead of 2,048). Freeing runs on allocate_slots' slow path, i.e. whenever a
+block fills or a new one is needed, so a decode frees its dead block at most one block late.
 Freed leading positions are counted in `num_skipped_blocks`, not kept in `req_to_blocks`; the
 worker's block table reads block id 0 there (never written through: new tokens are inside the
 window; read only by the kernels' masked edge tiles, so any finite content is fine).
