@@ -2,7 +2,7 @@
 DeepSeek-V2-Lite expert shapes, bf16, CUDA-graph replay, against the floor (experts hit, read once
 at the measured copy bandwidth). Candidates: the current `_config` and vLLM-like H200 tiles (larger
 BLOCK_K / BLOCK_N, explicit pipeline stages). Before them: the one-program align kernel against its
-torch reference (correct, and both timed). Tables printed last, best tile per row marked.
+torch reference (correct, and both timed), and the fused softmax top-k router against the torch routing. Tables printed last, best tile per row marked.
 
 Usage, from the repo root on the GPU machine (~1-2 min):  python3 scripts/moe_config_sweep.py [--quick]
 """
@@ -79,7 +79,36 @@ def align_check() -> list[tuple[str, str]]:
             out.append((f"align E={e} top_k={top_k} T={t} BLOCK_M={bm}",
                         f"{'OK' if same else 'WRONG'}: kernel {us_k:.1f} us, torch {us_r:.1f} us"))
             print(*out[-1], flush=True)
+    # The fused softmax top-k router against the torch routing (run on the CPU copy), both timed.
+    from pagedllm.kernels.moe_router import topk_softmax
+
+    for e, top_k, renorm in ((128, 8, True), (64, 6, False)):
+        for t in (1, 256, 8192):
+            logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
+            w, ids = topk_softmax(logits, top_k, renorm)
+            rw, rids = select_experts(logits.cpu(), top_k, renorm)
+            # bf16 logits tie often: the picked experts' probabilities must equal the reference's k-th
+            # best (ties keep any index), and the weights agree.
+            p = torch.softmax(logits.cpu().float(), dim=-1)
+            ok = torch.allclose(p.gather(1, ids.cpu().long()), p.gather(1, rids.long()), atol=1e-6, rtol=0) and \
+                torch.allclose(w.cpu(), rw, atol=1e-5, rtol=1e-4) and bool((ids.cpu().sort(1).values.diff(dim=1) != 0).all())
+            us_k = time_us(functools.partial(topk_softmax, logits, top_k, renorm))
+            torch_path = functools.partial(_torch_routing, logits, top_k, renorm)
+            us_r = time_us(torch_path)
+            out.append((f"router E={e} top_k={top_k} T={t}",
+                        f"{'OK' if ok else 'WRONG'}: kernel {us_k:.1f} us, torch {us_r:.1f} us"))
+            print(*out[-1], flush=True)
     return out
+
+
+def _torch_routing(logits: torch.Tensor, top_k: int, renorm: bool) -> None:
+    """select_experts' torch path on the GPU (what ran before the fused router)."""
+    p = torch.softmax(logits.float(), dim=-1)
+    ids = torch.topk(p, top_k, dim=-1).indices
+    w = p.gather(1, ids)
+    if renorm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    ids.to(torch.int32)
 
 
 def main() -> None:
@@ -121,7 +150,7 @@ def main() -> None:
                 print(f"{shape} T={t} {name}: {us:.1f} us (floor {floor:.1f}) err {err}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
-    print("\n| align | result |\n|---|---|")
+    print("\n| align / router | result |\n|---|---|")
     for name, value in align_rows:
         print(f"| {name} | {value} |")
     print("\n| shape | tokens | config | time | floor | % of floor | max err | best |\n|---|---|---|---|---|---|---|---|")
