@@ -91,14 +91,23 @@ def _moe_align_kernel(
         tl.store(sorted_ids_ptr + row, (start + offs).to(tl.int32), mask=m)
 
 
+# The one-program align is serial in its atomics: on the H200 it takes 7 us against torch's 42 at
+# decode sizes, but 507 us against 131 at 65,536 pairs (8,192 tokens x 8). Above this many pairs
+# the torch version (a few parallel kernels) runs instead; prefill chunks that big are GEMM-bound.
+ALIGN_KERNEL_MAX_PAIRS = 8192
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> sorted_token_ids int32 (max_padded,), expert_ids int32 (max_padded / block_m,),
     num_tokens_post_padded int32 (1,) (see the module docstring; `_max_padded` gives the static
-    size). One Triton program; `moe_align_block_size_ref` is the torch version."""
+    size). One Triton program up to ALIGN_KERNEL_MAX_PAIRS pairs; `moe_align_block_size_ref`, the
+    torch version, above."""
     flat = topk_ids.reshape(-1).contiguous()
     m = flat.numel()
+    if m > ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_block_size_ref(topk_ids, block_m, num_experts)
     max_padded = _max_padded(m, block_m, num_experts)
     device = flat.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
@@ -193,11 +202,20 @@ def _fused_moe_kernel(
 
 
 def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile sizes: decode-sized steps (few rows per expert) take BLOCK_M 16, big prefills 64."""
-    block_k = 32 if dtype == torch.float32 else 64
+    """Tile sizes by the step's (token, expert) pairs. 16-bit weights take the tiles that won
+    scripts/moe_config_sweep.py on the H200 at Qwen3-30B-A3B's expert shape (BENCHMARKS.md, issue 24),
+    close to vLLM's tuned H200 table: few rows per expert stream the weights in 128-deep K tiles
+    (+10% at 1 token); big prefills take 128 x 256 tiles, 8 warps, 4 stages (+18% at 2,048 tokens).
+    Decode batches keep 64 x 64 x 64: the sweep's 32 x 256 x 128 was 4% faster at 256 tokens but
+    spills registers on sm_90 (tests/kernels/test_compile_sm90.py). fp32 (the exactness tests)
+    keeps small tiles that fit shared memory."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=16 if num_pairs <= 256 else 64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     if num_pairs <= 256:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if num_pairs <= 8192:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg) -> None:

@@ -132,7 +132,7 @@ def _record_model_families() -> None:
     window + soft-cap at Gemma-2's head_dim 256; MLA's latent MQA at DeepSeek-V2's width 576."""
     bf16 = torch.bfloat16
     w13, w2 = torch.zeros(128, 2 * 768, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16)
-    for t in (4, 512):
+    for t in (4, 512, 2048):  # the three 16-bit tile configs of fused_moe._config
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
