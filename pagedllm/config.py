@@ -92,6 +92,19 @@ class ModelConfig:
         return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
     @property
+    def kv_sliding_window(self) -> int | None:
+        """The largest window when every attention layer has one (Mistral v0.1, Phi-3): the KV cache
+        frees blocks behind it (core/kv_cache_manager.py). None when any layer attends globally
+        (Gemma 2/3 interleave both: every block is kept) or for pooling models."""
+        from pagedllm.models.utils import sliding_window_for_layer
+
+        num_layers = getattr(self.hf_config, "num_hidden_layers", None)
+        if self.runner_type != "generate" or not num_layers:
+            return None
+        windows = [sliding_window_for_layer(self.hf_config, i) for i in range(int(num_layers))]
+        return None if None in windows else max(windows)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         for src in (self.generation_config.get("eos_token_id"), getattr(self.hf_config, "eos_token_id", None)):

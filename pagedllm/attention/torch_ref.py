@@ -69,6 +69,7 @@ def _group_attention(
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written in place
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_start: torch.Tensor | None = None,  # (G,) absolute position of key_src[:, 0] (None: 0)
 ) -> None:
     device = query.device
     ar_q = torch.arange(max_q, device=device)
@@ -79,11 +80,13 @@ def _group_attention(
     q = query[rows]  # (G, max_q, H, D)
     # Absolute position of each query slot; keys up to and including it are visible.
     q_pos = (seq_len - q_len)[:, None] + ar_q[None, :]  # (G, max_q)
-    k_pos = torch.arange(key_src.shape[1], device=device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (G, max_q, S)
-    mask &= k_pos[None, None, :] < seq_len[:, None, None]
+    k_pos = torch.arange(key_src.shape[1], device=device)[None, :]  # (1 or G, S)
+    if k_start is not None:
+        k_pos = k_start[:, None] + k_pos
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # (G, max_q, S)
+    mask &= k_pos[:, None, :] < seq_len[:, None, None]
     if sliding_window:  # transformers' rule: key j visible to query i when j > i - window
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     mask[:, :, 0] |= ~q_valid  # keep padded rows finite; they are dropped below
     k_t, v_t = key_src.transpose(1, 2).to(q.dtype), value_src.transpose(1, 2).to(q.dtype)
     if logits_soft_cap:
@@ -99,6 +102,30 @@ def _group_attention(
             q.transpose(1, 2), k_t, v_t, attn_mask=mask[:, None], scale=scale, enable_gqa=True,
         ).transpose(1, 2)  # (G, max_q, H, D)
     out[rows[q_valid]] = o[q_valid]
+
+
+def _key_blocks(
+    md: AttentionMetadata, idx: torch.Tensor, sel_cpu: torch.Tensor, q_lens_cpu: torch.Tensor, block_size: int,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block-table columns a group reads: (G, nb) block ids and, with a window, each row's first
+    key position. A windowed row starts at the block holding its first query's oldest visible key,
+    so a 32K context with a 4K window gathers ~4K keys, and the blocks freed behind the window
+    (core/kv_cache_manager.py) are not read.
+
+        window 8, block_size 4, a decode at position 21 (seq_len 22): keys 14.. -> blocks 3..5,
+        k_start 12
+    """
+    seq_cpu = md.seq_lens_cpu[: md.num_reqs][sel_cpu].long()
+    last_blk = -(-seq_cpu // block_size)  # (G,) one past the last block
+    if not sliding_window:
+        return md.block_table[idx, : int(last_blk.max())].long(), None
+    first_q = seq_cpu - q_lens_cpu[sel_cpu].long()
+    first_blk = (first_q - sliding_window + 1).clamp(min=0) // block_size
+    width = int((last_blk - first_blk).max())
+    cols = (first_blk[:, None] + torch.arange(width)[None, :]).clamp(max=md.block_table.shape[1] - 1)
+    tables = torch.gather(md.block_table[idx].long(), 1, cols.to(md.block_table.device))
+    return tables, (first_blk * block_size).to(md.block_table.device)
 
 
 def paged_attention(
@@ -140,13 +167,11 @@ def paged_attention(
             k_src, v_src, s_len = key[rows], value[rows], q_lens[idx]
         else:
             block_size = kv_cache.shape[2]
-            max_seq = int(md.seq_lens_cpu[: md.num_reqs][sel_cpu].max())
-            num_blocks = -(-max_seq // block_size)
-            tables = md.block_table[idx, :num_blocks].long()  # (G, nb)
-            g = tables.shape[0]
+            tables, k_start = _key_blocks(md, idx, sel_cpu, q_lens_cpu, block_size, sliding_window)
+            g, num_blocks = tables.shape
             k_src = _gather(kv_cache[0], tables).reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
             v_src = _gather(kv_cache[1], tables).reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
             s_len = seq_lens[idx]
         _group_attention(query, k_src, v_src, qsl[idx], q_lens[idx], s_len, max_q, scale, out,
-                         sliding_window, logits_soft_cap)
+                         sliding_window, logits_soft_cap, k_start if kv_cache is not None else None)
     return out

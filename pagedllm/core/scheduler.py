@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv, max_blocks_per_request
 from pagedllm.core.kv_snapshot import KVBlockMap, build_kv_block_map
 from pagedllm.core.preemption import PreemptionPolicy, make_preemption_policy
 from pagedllm.core.sched_output import (
@@ -61,6 +61,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         num_cpu_blocks: int = 0,
         pipeline_parallel_size: int = 1,
+        sliding_window: int | None = None,  # every attention layer windowed (ModelConfig.kv_sliding_window)
     ) -> None:
         self.config = scheduler_config
         # PP (the engine core's batch queue): no request with its token in flight is scheduled, steps
@@ -68,7 +69,8 @@ class Scheduler:
         self.pp_size = pipeline_parallel_size
         self.use_pp = pipeline_parallel_size > 1
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching,
+                                               sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -87,6 +89,11 @@ class Scheduler:
     def max_tokens_that_fit(self) -> int:
         return self.kv_cache_manager.num_blocks * self.block_size
 
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once (fewer behind a window)."""
+        return max_blocks_per_request(num_tokens, self.block_size, self.kv_cache_manager.sliding_window,
+                                      self.config.max_num_batched_tokens)
+
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if it could never run, so it is never left waiting."""
         max_total = request.num_prompt_tokens + (request.max_tokens or 0)
@@ -98,9 +105,12 @@ class Scheduler:
                 f"requested {max_total} tokens ({request.num_prompt_tokens} in the prompt, "
                 f"{request.max_tokens} for the completion). Please reduce the prompt or max_tokens."
             )
-        if cdiv(max_total, self.block_size) > self.kv_cache_manager.num_blocks:
+        if (held := self.max_blocks_held(max_total)) > self.kv_cache_manager.num_blocks:
+            window = self.kv_cache_manager.sliding_window
+            need = (f"{held * self.block_size} tokens (a {window}-token sliding window plus one step)"
+                    if window and held < cdiv(max_total, self.block_size) else f"{max_total} tokens")
             raise ValueError(
-                f"the request needs up to {max_total} tokens of KV cache but the whole cache holds "
+                f"the request needs up to {need} of KV cache but the whole cache holds "
                 f"{self.max_tokens_that_fit()} tokens ({self.kv_cache_manager.num_blocks} blocks of "
                 f"{self.block_size}); it could never be scheduled."
             )
@@ -232,7 +242,7 @@ class Scheduler:
             if kv.allocate_slots(req, n) is None:
                 req.num_computed_tokens = 0
                 return None
-            self.preemption.resume(req, kv.get_block_ids(req.request_id))
+            self.preemption.resume(req, kv.get_block_ids(req.request_id, skipped_id=-1))
             return kept, n
         computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
         if not self._fits_unchunked(req.num_tokens - num_hit_tokens, budget):
@@ -275,7 +285,7 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        self.preemption.preempt(req, self.kv_cache_manager.get_block_ids(req.request_id))
+        self.preemption.preempt(req, self.kv_cache_manager.get_block_ids(req.request_id, skipped_id=-1))
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

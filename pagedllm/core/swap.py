@@ -10,7 +10,9 @@ forward pass — after the step in flight, in stream order, so the copy sees eve
       -> CPU blocks [0, 1, 2]; swap_out [(7, 0), (3, 1), (9, 2)]; A.num_computed_tokens kept aside
     resume A: 3 new GPU blocks [4, 5, 6] -> swap_in [(0, 4), (1, 5), (2, 6)]; A continues at 40
 
-A request whose blocks do not fit the free CPU pool falls back to recompute.
+A request whose blocks do not fit the free CPU pool falls back to recompute. Behind a sliding
+window (core/kv_cache_manager.py) the positions freed before the window read -1: they get no CPU
+block (-1 there too) and nothing is copied for them either way.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ class SwapManager:
     def preempt(self, req: Request, gpu_block_ids: list[int]) -> bool:
         """Reserve CPU blocks for the request's computed KV; False -> recompute instead."""
         n = -(-req.num_computed_tokens // self.block_size)
-        if n == 0 or n > len(self.free_cpu_blocks):
+        gpu = gpu_block_ids[:n]
+        num_real = sum(1 for g in gpu if g >= 0)
+        if num_real == 0 or num_real > len(self.free_cpu_blocks):
             return False
-        cpu = [self.free_cpu_blocks.pop() for _ in range(n)]
-        self._out.extend(zip(gpu_block_ids[:n], cpu))
+        cpu = [self.free_cpu_blocks.pop() if g >= 0 else -1 for g in gpu]
+        self._out.extend((g, c) for g, c in zip(gpu, cpu) if g >= 0)
         self.swapped[req.request_id] = (cpu, req.num_computed_tokens)
         self.num_swapped_out += 1
         return True
@@ -49,15 +53,16 @@ class SwapManager:
     def resume(self, req: Request, gpu_block_ids: list[int]) -> None:
         """The request got fresh GPU blocks for its kept tokens: copy them back in."""
         cpu, _ = self.swapped.pop(req.request_id)
-        self._in.extend(zip(cpu, gpu_block_ids[: len(cpu)]))
+        # A position skipped on resume (behind the window) reads -1 on the GPU side: not copied.
+        self._in.extend((c, g) for c, g in zip(cpu, gpu_block_ids[: len(cpu)]) if c >= 0 and g >= 0)
         # Free now: a later swap-out reuses them only in a later step, whose copy runs after this one.
-        self.free_cpu_blocks.extend(reversed(cpu))
+        self.free_cpu_blocks.extend(c for c in reversed(cpu) if c >= 0)
 
     def drop(self, req: Request) -> None:
         """A swapped-out request finished or was aborted: its CPU blocks go back."""
         entry = self.swapped.pop(req.request_id, None)
         if entry:
-            self.free_cpu_blocks.extend(reversed(entry[0]))
+            self.free_cpu_blocks.extend(c for c in reversed(entry[0]) if c >= 0)
 
     def take_block_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's (gpu, cpu) copies out and (cpu, gpu) copies in, for the SchedulerOutput."""
@@ -69,6 +74,6 @@ class SwapManager:
         return len(self.swapped)
 
     def check_invariants(self) -> None:
-        held = sum(len(c) for c, _ in self.swapped.values())
+        held = sum(1 for cpu, _ in self.swapped.values() for c in cpu if c >= 0)
         assert held + len(self.free_cpu_blocks) == self.num_cpu_blocks, "CPU swap blocks leaked"
         assert len(set(self.free_cpu_blocks)) == len(self.free_cpu_blocks), "CPU block freed twice"

@@ -147,11 +147,16 @@ class EngineArgs:
         pooling = run.runner_type == "pooling"
         if run.max_model_len is not None:
             derived_max = min(derived_max, run.max_model_len)
+        limit_from = "from max_position_embeddings"
+        window = _smallest_window(hf) if self.disable_sliding_window else None
+        if window is not None and window < derived_max:
+            # vLLM's disable_sliding_window: the context is capped at the window, so it never slides.
+            derived_max, limit_from = window, "capped at the sliding window by disable_sliding_window"
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's maximum context ({derived_max}, "
-                "from max_position_embeddings)."
+                f"{limit_from})."
             )
         names = self.served_model_name or [self.model or source.default_name]
         if isinstance(names, str):
@@ -342,7 +347,8 @@ class EngineArgs:
                        help="auto: sampling defaults and EOS ids from the model's generation_config.json; vllm: "
                             "none; or a directory holding a generation_config.json")
         g.add_argument("--disable-sliding-window", action="store_true",
-                       help="cap max_model_len at the sliding window (the window is built: this only caps the length)")
+                       help="cap max_model_len at the (smallest) sliding window, as vLLM does (the window is built: this "
+                            "only caps the length)")
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                        help="fcfs (priority is refused: not built)")
         g.add_argument("--disable-log-stats", action="store_true",
@@ -429,6 +435,15 @@ def _parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
             f"hf_overrides must be a dict of config keys (a callable is not supported), got {type(value).__name__}."
         )
     return value
+
+
+def _smallest_window(hf_config: Any) -> int | None:
+    """The smallest attention window of any layer (None: no layer has one)."""
+    from pagedllm.models.utils import sliding_window_for_layer
+
+    windows = [w for i in range(int(getattr(hf_config, "num_hidden_layers", 0) or 0))
+               if (w := sliding_window_for_layer(hf_config, i))]
+    return min(windows) if windows else None
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

@@ -73,8 +73,14 @@ class EngineCore:
         self.batch_queue = BatchQueue(pp) if pp > 1 else None
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, kv.num_gpu_blocks, config.preemption_mode,
-            kv.num_cpu_blocks, pipeline_parallel_size=pp,
+            kv.num_cpu_blocks, pipeline_parallel_size=pp, sliding_window=config.model_config.kv_sliding_window,
         )
+        if self.scheduler.kv_cache_manager.sliding_window is not None:
+            logger.info("every attention layer has a sliding window (%d tokens): KV blocks behind it are freed "
+                        "during a request", self.scheduler.kv_cache_manager.sliding_window)
+        elif getattr(config.model_config.hf_config, "sliding_window", None):
+            logger.info("layers mix sliding-window and global attention (or use_sliding_window is off): every KV "
+                        "block of a request is kept (the global layers read them all)")
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutputHandle] | None = None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedllm.config import EngineConfig, ParallelConfig, is_executor_qualname
+from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import GrammarOutput
 
@@ -137,7 +138,10 @@ class Executor(ABC):
         num_cpu_blocks = min(c for _, c in per_worker)
         bs = self.config.cache_config.block_size
         max_len = self.config.model_config.max_model_len
-        if num_gpu_blocks * bs < max_len:
+        # Behind a sliding window on every layer a request holds only its window's blocks (core/).
+        needed = max_blocks_per_request(max_len, bs, self.config.model_config.kv_sliding_window,
+                                        self.config.scheduler_config.max_num_batched_tokens)
+        if num_gpu_blocks < needed:
             raise ValueError(
                 f"The model's max_model_len ({max_len}) is larger than the {num_gpu_blocks * bs} tokens "
                 f"({num_gpu_blocks} blocks of {bs}) that fit in the KV cache. Increase gpu_memory_utilization / "

@@ -1,7 +1,8 @@
 """Fused MoE on the GPU: the experts of a step as two grouped GEMMs, with no host sync (CUDA graphs).
 
-    1. moe_align_block_size: sort the T * top_k (token, slot) pairs by expert and pad each expert's
-       run to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted list belong to one expert.
+    1. moe_align_block_size (one Triton program; the torch reference beside it): sort the T * top_k
+       (token, slot) pairs by expert and pad each expert's run to a multiple of BLOCK_M, so every
+       BLOCK_M rows of the sorted list belong to one expert.
            top_k 2, topk_ids [[2, 0], [2, 1]], BLOCK_M 4 -> pairs by expert: e0 [1], e1 [3], e2 [0, 2]
            sorted_token_ids [1, P, P, P, 3, P, P, P, 0, 2, P, P]  (P = 4 = T * top_k: padding)
            expert_ids       [0, 1, 2]   (one per BLOCK_M rows), num_tokens_post_padded [12]
@@ -24,15 +25,107 @@ import triton.language as tl
 
 from pagedllm.kernels.activation import silu_and_mul
 
-__all__ = ["fused_experts", "moe_align_block_size"]
+__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref"]
+
+
+def _max_padded(num_pairs: int, block_m: int, num_experts: int) -> int:
+    """Static size of the sorted list: every expert hit may pad its run by up to block_m - 1 rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,  # (num_pairs,) expert of each (token, slot) pair
+    sorted_ids_ptr,  # int32 (max_padded,) out
+    expert_ids_ptr,  # int32 (max_padded / BLOCK_M,) out
+    ntpp_ptr,  # int32 (1,) out: num_tokens_post_padded
+    cursor_ptr,  # int32 (num_experts,) scratch: counts, then each expert's next free row
+    num_pairs,
+    num_experts,
+    max_padded,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # next power of two >= num_experts
+    CHUNK: tl.constexpr,
+    CHUNK_J: tl.constexpr,
+):
+    """moe_align_block_size in one program (one launch instead of ~20 torch ops, which cost more
+    than the GEMMs at decode batch sizes). Rows within an expert's run are taken with atomics, so
+    their order may differ from the reference's; every pair still lands once in its expert's run,
+    and each output row depends on its own pair only."""
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < num_experts
+    offs = tl.arange(0, CHUNK)
+    # 1. tokens per expert.
+    tl.atomic_xchg(cursor_ptr + offs_e, tl.zeros([BLOCK_E], tl.int32), mask=e_mask)
+    for start in range(0, max_padded, CHUNK):  # every row starts as padding (= num_pairs)
+        tl.store(sorted_ids_ptr + start + offs, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=start + offs < max_padded)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        m = start + offs < num_pairs
+        ids = tl.load(topk_ids_ptr + start + offs, mask=m, other=0)
+        tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=m)
+    tl.debug_barrier()
+    # 2. runs padded to BLOCK_M: [padded_start, padded_end) per expert.
+    # The scratch is only touched with atomics (served by L2), so no thread reads a stale L1 line.
+    counts = tl.where(e_mask, tl.atomic_add(cursor_ptr + offs_e, tl.zeros([BLOCK_E], tl.int32), mask=e_mask), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(ntpp_ptr, tl.sum(padded, 0))
+    # 3. the expert of every BLOCK_M rows: experts whose run ends at or before the block's start
+    # (searchsorted right), clamped for the blocks past the last run (the GEMM skips those).
+    ends = tl.where(e_mask, padded_end, 2147483647)
+    num_blocks = max_padded // BLOCK_M
+    for jb in range(0, num_blocks, CHUNK_J):
+        j = jb + tl.arange(0, CHUNK_J)
+        e_of = tl.sum((ends[None, :] <= (j * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(expert_ids_ptr + j, tl.minimum(e_of, num_experts - 1), mask=j < num_blocks)
+    # 4. every pair to the next free row of its expert's run.
+    tl.debug_barrier()
+    tl.atomic_xchg(cursor_ptr + offs_e, padded_end - padded, mask=e_mask)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        m = start + offs < num_pairs
+        ids = tl.load(topk_ids_ptr + start + offs, mask=m, other=0)
+        row = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=m)
+        tl.store(sorted_ids_ptr + row, (start + offs).to(tl.int32), mask=m)
+
+
+# The one-program align is serial in its atomics: on the H200 it takes 7 us against torch's 42 at
+# decode sizes, but 507 us against 131 at 65,536 pairs (8,192 tokens x 8). Above this many pairs
+# the torch version (a few parallel kernels) runs instead; prefill chunks that big are GEMM-bound.
+ALIGN_KERNEL_MAX_PAIRS = 8192
 
 
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> sorted_token_ids int32 (max_padded,), expert_ids int32 (max_padded / block_m,),
-    num_tokens_post_padded int32 (1,) (see the module docstring). Device ops only, static shapes:
-    max_padded = T * top_k + min(E, T * top_k) * (block_m - 1), rounded up to block_m."""
+    num_tokens_post_padded int32 (1,) (see the module docstring; `_max_padded` gives the static
+    size). One Triton program up to ALIGN_KERNEL_MAX_PAIRS pairs; `moe_align_block_size_ref`, the
+    torch version, above."""
+    flat = topk_ids.reshape(-1).contiguous()
+    m = flat.numel()
+    if m > ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_block_size_ref(topk_ids, block_m, num_experts)
+    max_padded = _max_padded(m, block_m, num_experts)
+    device = flat.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    ntpp = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, expert_ids, ntpp, cursor, m, num_experts, max_padded,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_J=max(1, min(64, 8192 // block_e)), num_warps=4,
+    )
+    return sorted_ids, expert_ids, ntpp
+
+
+def moe_align_block_size_ref(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference of `moe_align_block_size` (pairs of one expert in pair order)."""
     flat = topk_ids.reshape(-1).long()
     m = flat.numel()
     device = flat.device
@@ -44,7 +137,7 @@ def moe_align_block_size(
     order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
     sorted_experts = flat[order]
     rank = torch.arange(m, device=device) - unpadded_start[sorted_experts]
-    max_padded = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m) * block_m
+    max_padded = _max_padded(m, block_m, num_experts)
     sorted_token_ids = torch.full((max_padded,), m, dtype=torch.int32, device=device)
     sorted_token_ids.scatter_(0, padded_start[sorted_experts] + rank, order.to(torch.int32))
     block_starts = torch.arange(0, max_padded, block_m, device=device)
@@ -109,11 +202,20 @@ def _fused_moe_kernel(
 
 
 def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile sizes: decode-sized steps (few rows per expert) take BLOCK_M 16, big prefills 64."""
-    block_k = 32 if dtype == torch.float32 else 64
+    """Tile sizes by the step's (token, expert) pairs. 16-bit weights take the tiles that won
+    scripts/moe_config_sweep.py on the H200 at Qwen3-30B-A3B's expert shape (BENCHMARKS.md, issue 24),
+    close to vLLM's tuned H200 table: few rows per expert stream the weights in 128-deep K tiles
+    (+10% at 1 token); big prefills take 128 x 256 tiles, 8 warps, 4 stages (+18% at 2,048 tokens).
+    Decode batches keep 64 x 64 x 64: the sweep's 32 x 256 x 128 was 4% faster at 256 tokens but
+    spills registers on sm_90 (tests/kernels/test_compile_sm90.py). fp32 (the exactness tests)
+    keeps small tiles that fit shared memory."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=16 if num_pairs <= 256 else 64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     if num_pairs <= 256:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if num_pairs <= 8192:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg) -> None:
@@ -125,6 +227,7 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, IEEE_FP32=w.dtype == torch.float32,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3),
     )
 
 
@@ -134,6 +237,7 @@ def fused_experts(
     w2: torch.Tensor,  # (E, hidden, inter)
     topk_weights: torch.Tensor,  # (T, top_k) float32
     topk_ids: torch.Tensor,  # (T, top_k) int32
+    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
@@ -144,7 +248,7 @@ def fused_experts(
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
         return torch.zeros_like(x)
-    cfg = _config(t * top_k, w13.dtype)
+    cfg = config or _config(t * top_k, w13.dtype)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
@@ -152,4 +256,5 @@ def fused_experts(
     h = silu_and_mul(gate_up)  # (T * top_k, inter)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, cfg)
-    return down.view(t, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    # One reduction kernel: torch accumulates half-precision sums in float32 and rounds once.
+    return down.view(t, top_k, hidden).sum(dim=1)

@@ -12,7 +12,8 @@ Gemma 3 adds per-head q/k RMSNorm and a separate rope per layer type (local laye
 global: rope_theta with its scaling), see `gemma3.py`.
 
 KV cache: sliding layers keep every block of a request (blocks older than the window are masked,
-not freed), so a request costs the same cache as on a global layer.
+not freed: the global layers share the block table and read them all), so a request costs the same
+cache as on a global layer (core/kv_cache_manager.py frees blocks only when every layer is windowed).
 """
 
 from __future__ import annotations

@@ -282,8 +282,9 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral has Llama's graph plus a sliding window on every layer (4096 in v0.1, none in v0.2+):
-    a token attends to the last `sliding_window` positions, itself included. The KV cache keeps the
-    blocks that fall out of the window (every block of a request stays allocated until it finishes)."""
+    a token attends to the last `sliding_window` positions, itself included. Every layer has the
+    window, so the KV cache frees the blocks that fall out of it during the request
+    (core/kv_cache_manager.py)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -143,8 +143,15 @@ def test_sliding_window_does_not_cap_max_model_len(tmp_path):
     transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path)
     config = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True).create_engine_config()
     assert config.model_config.max_model_len == 1024
+    assert config.model_config.kv_sliding_window == 256  # every layer windowed: blocks behind it are freed
     with pytest.raises(ValueError, match="max_position_embeddings"):
         EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=2048).create_engine_config()
+    # vLLM's --disable-sliding-window caps the context at the window.
+    capped = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, disable_sliding_window=True)
+    assert capped.create_engine_config().model_config.max_model_len == 256
+    with pytest.raises(ValueError, match="capped at the sliding window"):
+        EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, disable_sliding_window=True,
+                   max_model_len=512).create_engine_config()
 
 
 def test_repetition_penalty_covers_the_prompt_as_in_transformers():

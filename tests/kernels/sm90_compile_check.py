@@ -32,6 +32,7 @@ from pagedllm.kernels import (  # noqa: E402
     fused_moe,
     gemv,
     kv_cache_write,
+    moe_router,
     paged_attention,
     qkv_prep,
     quant_act,
@@ -125,6 +126,8 @@ def _record(launches: list) -> None:
         (wna16_gemm, "_wna16_dequant_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
+        (fused_moe, "_moe_align_kernel"),
+        (moe_router, "_topk_softmax_kernel"),
     ]:
         setattr(mod, name, _Recorder(getattr(mod, name), launches))
     _record_attention_and_layers()
@@ -153,13 +156,16 @@ def _record_quant() -> None:
 
 
 def _record_model_families() -> None:
-    """Fused MoE at Qwen3-30B-A3B's expert shape (decode and prefill tiles); attention with a sliding
+    """Fused MoE at Qwen3-30B-A3B's expert shape (decode and prefill tiles, the align program, the
+    fused router); attention with a sliding
     window + soft-cap at Gemma-2's head_dim 256; MLA's latent MQA at DeepSeek-V2's width 576."""
     bf16 = torch.bfloat16
     w13, w2 = torch.zeros(128, 2 * 768, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16)
-    for t in (4, 512):
+    for t in (4, 512, 2048):  # the three 16-bit tile configs of fused_moe._config
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
+        moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
+    moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's
     mixed = build_metadata([5, 1], [20, 30], [[0, 1], [2, 3]], 16)
     decode = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
     cache = torch.zeros(2, 8, 16, 8, 256, dtype=bf16)

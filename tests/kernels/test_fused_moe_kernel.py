@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.fused_moe import fused_experts, moe_align_block_size
+from pagedllm.kernels.fused_moe import fused_experts, moe_align_block_size, moe_align_block_size_ref
 from pagedllm.layers.fused_moe.router import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
@@ -14,11 +14,30 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def test_align_groups_pairs_by_expert_and_pads_runs():
     ids = torch.tensor([[2, 0], [2, 1]], dtype=torch.int32, device=DEVICE)
-    sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, 4, num_experts=3)
+    sorted_ids, expert_ids, ntpp = moe_align_block_size_ref(ids, 4, num_experts=3)
     pad = 4
     assert sorted_ids.tolist()[:12] == [1, pad, pad, pad, 3, pad, pad, pad, 0, 2, pad, pad]
     assert expert_ids.tolist()[:3] == [0, 1, 2]
     assert ntpp.tolist() == [12]
+
+
+@pytest.mark.parametrize("t, top_k, e, block_m", [(2, 2, 3, 4), (1, 8, 128, 16), (300, 8, 128, 64), (700, 6, 64, 16)])
+def test_align_kernel_matches_reference(t, top_k, e, block_m):
+    # The kernel takes rows within an expert's run with atomics: the same pairs per run, any order.
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).int().to(DEVICE)
+    got = moe_align_block_size(ids, block_m, e)
+    ref = moe_align_block_size_ref(ids, block_m, e)
+    assert got[1].tolist() == ref[1].tolist() and got[2].tolist() == ref[2].tolist()
+
+    def pairs_by_expert(sorted_ids, expert_ids, ntpp):
+        out: dict[int, list[int]] = {}
+        for b in range(int(ntpp[0]) // block_m):
+            out.setdefault(int(expert_ids[b]), []).extend(sorted_ids[b * block_m:(b + 1) * block_m].tolist())
+        return {ex: sorted(p) for ex, p in out.items()}
+
+    assert pairs_by_expert(*got) == pairs_by_expert(*ref)
+    assert set(got[0].tolist()) == set(range(t * top_k + 1))  # every pair once (plus the padding id)
 
 
 @pytest.mark.parametrize("t, e, top_k, hidden, inter, dtype", [

@@ -10,7 +10,8 @@
 
 Worked example, 4 experts, top_k 2, softmax, renormalize: logits [2, 1, 0, 1] -> p [.47, .17, .06, .17]
 -> ids [0, 1] (ties keep the lower index, as torch.topk), weights [.47, .17] / .64 = [.73, .27].
-Weights are float32 (T, top_k); ids int32 (T, top_k).
+Weights are float32 (T, top_k); ids int32 (T, top_k). On CUDA the plain softmax case runs as one
+Triton program per token (kernels/moe_router.py), checked against the torch code here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def select_experts(
     num_experts = router_logits.shape[-1]
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+    plain = scoring_func == "softmax" and e_score_correction_bias is None and (num_expert_group or 1) <= 1
+    if plain and router_logits.is_cuda:  # one fused launch (kernels/moe_router.py); this function is its reference
+        from pagedllm.kernels.moe_router import topk_softmax
+
+        return topk_softmax(router_logits, top_k, renormalize, routed_scaling_factor)
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = torch.softmax(logits, dim=-1)
