@@ -83,6 +83,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "ctypes" loads the C kernels as a plain shared library even where Python.h exists; "auto"
     # (default) builds a CPython extension module there.
     "PAGEDLLM_CPU_FFI": _str("PAGEDLLM_CPU_FFI", "auto"),
+    # 0: run a CPU decode step of a Llama-family GGUF model through the nn.Modules instead of one C
+    # call for the whole decoder stack (cpu/decoder.py; the same kernels, bit-identical results).
+    "PAGEDLLM_CPU_FUSED_DECODER": _flag("PAGEDLLM_CPU_FUSED_DECODER", True),
     # The C compiler for the C kernels (default: the first of cc, gcc, clang on PATH).
     "CC": _str("CC"),
     # -- caches --

@@ -95,6 +95,23 @@ class CpuAttentionBackend:
         # MLA's latent MQA has no C kernel: plain torch (attention/mla_ref.py).
         return forward_mla_torch(query, latent, kv_cache, md, scale, v_width)
 
+    def step_rows(self, md: AttentionMetadata) -> _StepRows | None:
+        """The step's query rows, built at its first layer (None without the kernels)."""
+        if md is not self._md:
+            lib = load_cpu_kernels()
+            if lib is None:
+                return None
+            self._md, self._rows = md, _StepRows(md, lib.cpu_pool_size())
+        return self._rows
+
+    def scratch(self, rows: _StepRows, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """(address, bytes per worker) of the kernel's scratch for this step's longest context."""
+        # Per worker, 64-byte aligned: seq16 slot offsets (int64), then group * seq16 scores (attention.h).
+        per_worker = -(-(rows.seq16 * 8 + num_heads // num_kv_heads * rows.seq16 * 4) // 64) * 64 + 64
+        if self._scratch.numel() < per_worker * rows.nworkers:
+            self._scratch = torch.empty(per_worker * rows.nworkers * 2, dtype=torch.uint8)
+        return self._scratch.data_ptr(), per_worker
+
     def forward(
         self,
         query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
@@ -110,9 +127,7 @@ class CpuAttentionBackend:
             # The C kernel attends to the whole context without a cap: the torch reference does both.
             return paged_attention(query, key, value, kv_cache, md, scale, sliding_window, logits_soft_cap)
         lib = load_cpu_kernels()
-        if md is not self._md and lib is not None:
-            self._md, self._rows = md, _StepRows(md, lib.cpu_pool_size())
-        rows = self._rows
+        rows = self.step_rows(md)
         if lib is None or kv_cache is None or rows is None or not rows.ok:
             return paged_attention(query, key, value, kv_cache, md, scale)
         t, num_heads, head_dim = query.shape
@@ -131,16 +146,13 @@ class CpuAttentionBackend:
         ):
             return paged_attention(query, key, value, kv_cache, md, scale)
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        # Per worker, 64-byte aligned: seq16 slot offsets (int64), then group * seq16 scores (attention.h).
-        per_worker = -(-(rows.seq16 * 8 + num_heads // num_kv_heads * rows.seq16 * 4) // 64) * 64 + 64
-        if self._scratch.numel() < per_worker * rows.nworkers:
-            self._scratch = torch.empty(per_worker * rows.nworkers * 2, dtype=torch.uint8)
+        scratch, per_worker = self.scratch(rows, num_heads, num_kv_heads)
         out = torch.empty((t, num_heads, head_dim), dtype=torch.float32)
         slot_mapping, bt, bt_stride, row_token, row_req, row_seq = rows.ptrs
         lib.paged_attention_rows(
             query.data_ptr(), qs[0], key.data_ptr(), ks[0], value.data_ptr(), vs[0], slot_mapping, t,
             out.data_ptr(), num_heads * head_dim, kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype],
             num_blocks * block_size, block_size, num_heads, num_kv_heads, head_dim, bt, bt_stride,
-            row_token, row_req, row_seq, rows.n, scale, self._scratch.data_ptr(), per_worker,
+            row_token, row_req, row_seq, rows.n, scale, scratch, per_worker,
         )
         return out

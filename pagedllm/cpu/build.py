@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 EXTENSION_SOURCE = Path(__file__).with_name("pymodule.c")  # includes kernels.c
 EXTENSION_NAME = "pagedllm_cpu_kernels"
-HEADERS = ("vec.h", "pool.h", "gguf_gemm.h", "attention.h", "rows.h")
+HEADERS = ("vec.h", "pool.h", "gguf_gemm.h", "attention.h", "rows.h", "decoder.h")
 CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-ffp-contract=fast", "-std=gnu11", "-Wno-psabi")
 
 
@@ -177,6 +177,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "silu_and_mul": ([p, i64, p, i64, i64], None),
         # argmax_rows(x, ld, rows, n, out)
         "argmax_rows": ([p, i64, i64, i64, p], None),
+        # llama_decoder_stack(model, layers, n_layers, step, eps, scale) -> 0 when out of memory (decoder.h)
+        "llama_decoder_stack": ([p, p, i64, p, f32, f32], i32),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

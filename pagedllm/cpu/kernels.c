@@ -6,8 +6,10 @@
  *   gguf_gemm.h  matmuls on GGUF Q4_0 / Q4_1 / Q8_0 blocks, and their dequantization
  *   attention.h  paged decode attention and the KV-cache write
  *   rows.h       RMSNorm (+ residual), rotary embedding, silu * mul, row argmax
+ *   decoder.h    a Llama decoder stack for a step of few tokens in one call, from the kernels above
  */
 #include "attention.h"
+#include "decoder.h"
 #include "gguf_gemm.h"
 #include "pool.h"
 #include "rows.h"

@@ -186,12 +186,23 @@ FN(argmax_rows) {
     Py_RETURN_NONE;
 }
 
+FN(llama_decoder_stack) {
+    BEGIN(llama_decoder_stack, 6)
+    const int64_t *model = arg_ptr(a[0]), *layers = arg_ptr(a[1]);
+    const long n_layers = arg_long(a[2]);
+    const int64_t *step = arg_ptr(a[3]);
+    const float eps = arg_float(a[4]), scale = arg_float(a[5]);
+    int r = 0;
+    CALL(r = llama_decoder_stack(model, layers, n_layers, step, eps, scale))
+    return PyLong_FromLong(r);
+}
+
 #define ENTRY(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
 
 static PyMethodDef METHODS[] = {
     ENTRY(cpu_pool_init), ENTRY(cpu_pool_size), ENTRY(cpu_set_sgemm), ENTRY(gguf_gemm), ENTRY(gguf_gemm_dense),
     ENTRY(gguf_dequantize), ENTRY(write_kv_cache), ENTRY(paged_attention_rows), ENTRY(rms_norm),
-    ENTRY(rotary_embedding), ENTRY(silu_and_mul), ENTRY(argmax_rows), {NULL, NULL, 0, NULL},
+    ENTRY(rotary_embedding), ENTRY(silu_and_mul), ENTRY(argmax_rows), ENTRY(llama_decoder_stack), {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "pagedllm_cpu_kernels", NULL, -1, METHODS,

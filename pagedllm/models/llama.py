@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.cpu.decoder import run_cpu_decoder_stack
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import get_pp_indices
 from pagedllm.layers.activation import SiluAndMul
@@ -206,6 +207,11 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
             residual = None
+            if hidden_states.is_cpu and self.is_last_stage:
+                # The whole stack in one C call where the CPU kernels take it (cpu/decoder.py).
+                out = run_cpu_decoder_stack(self, hidden_states, positions, attn_metadata)
+                if out is not None:
+                    return out
         else:
             if intermediate_tensors is None:
                 raise ValueError("a pipeline stage after the first needs the previous stage's intermediate_tensors")

@@ -42,3 +42,25 @@ def test_chat_answers_paris(llm):
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # the model ends its turn with <|im_end|>
     assert_pool_idle(llm)
+
+
+def test_fused_decoder_stack_equals_modules(llm):
+    """The one-call C decoder stack (cpu/decoder.py) takes the embedded model's steps, and its
+    logprobs equal the nn.Module path's bit for bit (same kernels, same order)."""
+    model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model.model
+    ids = [{"prompt_token_ids": llm.get_tokenizer().encode(q)} for q in QUESTIONS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    llm.reset_prefix_cache()  # both runs prefill the same tokens
+    fused = llm.generate(ids, params, use_tqdm=False)
+    stack = model.__dict__["_cpu_decoder_stack"]
+    assert stack.ok, "the embedded model's steps must take the fused stack"
+    stack.ok = False
+    try:
+        llm.reset_prefix_cache()
+        modules = llm.generate(ids, params, use_tqdm=False)
+    finally:
+        stack.ok = True
+    for a, b in zip(fused, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_pool_idle(llm)
