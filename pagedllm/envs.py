@@ -69,9 +69,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
-    # 0: Triton compiles each kernel variant when a warm-up step first launches it, one after
-    # another, instead of all of them at once in threads before the warm-up (worker/precompile.py).
-    "PAGEDLLM_PARALLEL_COMPILE": _flag("PAGEDLLM_PARALLEL_COMPILE", True),
+    # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
+    # (worker/precompile.py) instead of one after another as each is first launched. Off by default:
+    # the one H200 measurement of it (BENCHMARKS.md, issue 16, 12:55 round) started slower than
+    # without (27.3 vs 22.2 s cold), and its rework after that run is not measured yet.
+    "PAGEDLLM_PARALLEL_COMPILE": _flag("PAGEDLLM_PARALLEL_COMPILE", False),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", False),
@@ -147,7 +149,7 @@ class KernelSwitches:
     fused_decode: bool
     skinny_gemv: bool
     graph_tuning: bool
-    parallel_compile: bool = True
+    parallel_compile: bool = False
 
 
 def kernel_switches() -> KernelSwitches:

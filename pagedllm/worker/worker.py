@@ -200,7 +200,7 @@ class Worker:
 
     def _precompile(self) -> None:
         """Once: the start-up's Triton variants compiled in parallel (worker/precompile.py), for a
-        generating CUDA model without routed experts unless PAGEDLLM_PARALLEL_COMPILE=0."""
+        generating CUDA model without routed experts, with PAGEDLLM_PARALLEL_COMPILE=1."""
         assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
         if self._precompiled:
             return
