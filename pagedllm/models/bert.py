@@ -50,12 +50,9 @@ class EncoderBatch:
     key_mask: torch.Tensor | None  # (R, 1, 1, max_len) bool, True = a real key
     runs: list[tuple[int, int, int]] | None = None  # (first token, requests, length) of equal-length runs
 
-    # More runs than this: one padded call. On the CPU one SDPA call per run is cheaper than the
-    # padded call for any step of up to 64 requests (the gather of the (T, 3 * hidden) rows and
-    # the padded keys cost more than the calls; BENCHMARKS.md, embeddings). On a GPU each run is
-    # a kernel launch: few runs only.
+    # More runs than this: one padded call (each SDPA call starts its threads; on 2 loaded cores
+    # that cost more than the gather; on one thread the two paths cost the same end to end).
     MAX_RUNS = 4
-    MAX_RUNS_CPU = 64
 
     @classmethod
     def from_metadata(cls, md: AttentionMetadata, device: torch.device) -> EncoderBatch:
@@ -70,7 +67,7 @@ class EncoderBatch:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
             else:
                 runs.append((start, 1, n))
-        if len(runs) <= (cls.MAX_RUNS_CPU if device.type == "cpu" else cls.MAX_RUNS):
+        if len(runs) <= cls.MAX_RUNS:
             return cls(num_reqs, max_len, None, None, None, runs)
         slot = torch.arange(max_len)[None, :]  # (1, max_len)
         real = slot < lens[:, None]  # (R, max_len)

@@ -14,8 +14,8 @@ from pagedllm import LLM, PoolingParams
 
 ENC = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
            max_position_embeddings=128)
-# Lengths that differ (one attention call per equal-length run on the CPU), one pair of equal ones, and a
-# single token. The padded path (many runs, GPUs) is held to the same reference in test_encoder_batch_paths.
+# Lengths that differ (the padded attention path), one pair of equal ones, and a single token; both
+# attention paths are also held to plain SDPA per request in test_encoder_batch_paths.
 PROMPTS = [[5, 17, 42, 7, 99, 3], [8, 9], [11] * 20, [250], [4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8]]
 
 
@@ -126,7 +126,7 @@ def test_encoder_batch_paths(monkeypatch, max_runs):
 
     from pagedllm.models.bert import EncoderBatch
 
-    monkeypatch.setattr(EncoderBatch, "MAX_RUNS_CPU", max_runs)
+    monkeypatch.setattr(EncoderBatch, "MAX_RUNS", max_runs)
     lens = [7, 7, 5, 3, 3, 3, 1]
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     batch = EncoderBatch.from_metadata(SimpleNamespace(query_start_loc_cpu=qsl), torch.device("cpu"))
