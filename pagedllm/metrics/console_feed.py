@@ -8,6 +8,11 @@ finished requests; `snapshot()` turns that into one JSON-ready dict for the even
 Nothing here waits or grows without bound: series are a fixed-size ring, the request list a
 bounded deque, and the block map is replaced, never queued. A browser that reads slowly simply
 gets fewer snapshots (entrypoints/openai/web_ui.py sends the latest one at each tick).
+
+Each event stream sends the full snapshot once, then deltas (`next_event` with the stream's
+`StreamCursor`): nothing at all while nothing moved, else the gauges, the series' seconds from the
+last one sent on, and the block map and request list only when they changed. A busy 16-stream
+server then sends ~1 KB a second instead of ~40 KB, and the page redraws only what moved.
 """
 
 from __future__ import annotations
@@ -111,13 +116,17 @@ class ConsoleFeed:
                 })
         self.version += 1
 
-    def _series_out(self, now: float) -> list[list[float | None]]:
+    def _series_out(self, now: float, since: int | None = None) -> list[list[float | None]]:
         """[t, prompt tok/s, generation tok/s, TTFT p50 (s) or None, running, waiting, kv usage] per
-        second, oldest first, seconds with no batch filled with zeros (the engine was idle)."""
+        second, oldest first, seconds with no batch filled with zeros (the engine was idle); the
+        whole window, or only the seconds from `since` on."""
         start = int(now) - self.window_s + 1
+        if since is not None:
+            start = max(start, since)
         by_t = {s.t: s for s in self.series if s.t >= start}
         out: list[list[float | None]] = []
-        last: _Second | None = None
+        # The gauges of the last second before `start` carry into its quiet seconds.
+        last: _Second | None = next((s for s in reversed(self.series) if s.t < start), None)
         for t in range(start, int(now) + 1):
             s = by_t.get(t)
             if s is None:
@@ -132,7 +141,19 @@ class ConsoleFeed:
         return out
 
     def snapshot(self) -> dict[str, Any]:
+        event = self.next_event(StreamCursor())  # a fresh cursor: the full snapshot
+        assert event is not None
+        return event
+
+    def next_event(self, cur: StreamCursor) -> dict[str, Any] | None:
+        """The full snapshot on a fresh cursor; then None while nothing was recorded since the last
+        event, else a delta (`"delta": true`): every gauge, `series` holding only the seconds from
+        the last one sent on (it may have grown since), `kv_map` and `requests` only if changed."""
+        if cur.version == self.version:
+            return None
+        full = cur.version < 0
         now = self.clock()
+        cur.version = self.version
         st = self.stats
         hit_rate = None
         if st is not None and st.prefix_cache_queries:
@@ -140,8 +161,11 @@ class ConsoleFeed:
         kv = self.kv_map
         recent_gen = sum(s.generation_tokens for s in self.series if s.t > now - 10)
         live = self.live_requests() if self.live_requests is not None else []
-        return {
-            **self.static,
+        requests = live + list(self.finished)
+        series = self._series_out(now, None if full else cur.series_t)
+        cur.series_t = int(now)
+        event: dict[str, Any] = {
+            **({"delta": True} if not full else self.static),
             "t": round(now, 3),
             "running": st.num_running_reqs if st else 0,
             "waiting": st.num_waiting_reqs if st else 0,
@@ -151,11 +175,26 @@ class ConsoleFeed:
             "prefix_cache_hit_rate": None if hit_rate is None or math.isnan(hit_rate) else round(hit_rate, 4),
             "generation_tok_s_10s": round(recent_gen / 10, 1),
             "total_generation_tokens": self.total_generation_tokens,
-            "kv_map": {
+            "series": series,
+        }
+        if kv is not cur.kv_map:
+            cur.kv_map = kv
+            event["kv_map"] = {
                 "num_blocks": kv.num_blocks,
                 "blocks_per_cell": kv.blocks_per_cell,
                 "cells": base64.b64encode(kv.cells).decode(),
-            },
-            "series": self._series_out(now),
-            "requests": live + list(self.finished),
-        }
+            }
+        if requests != cur.requests:
+            cur.requests = requests
+            event["requests"] = requests
+        return event
+
+
+@dataclass
+class StreamCursor:
+    """What one event stream has sent so far (ConsoleFeed.next_event); version -1: nothing yet."""
+
+    version: int = -1
+    series_t: int | None = None  # the last second sent (resent next time: it may have grown)
+    kv_map: KVBlockMap | None = None
+    requests: list[dict[str, Any]] | None = None

@@ -23,8 +23,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.dense import dense, dense_into
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear
-from pagedllm.layers.onednn_dense import OneDNNDense, dense_ref
 from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping
 from pagedllm.quantization.base import QuantizationConfig
 
@@ -35,7 +35,7 @@ class EncoderBatch:
 
         query_start_loc [0, 3, 4] -> lens [3, 1], max_len 3
         gather [0, 1, 2, 3, 3, 3]  (padded slot -> flat row; a pad repeats its request's first row)
-        req [0, 0, 0, 1], offset [0, 1, 2, 0]  (flat row -> padded slot), key_mask [[1,1,1],[1,0,0]]
+        flat [0, 1, 2, 3]  (flat row -> padded slot: request * max_len + offset), key_mask [[1,1,1],[1,0,0]]
 
     A pad slot holds a real (finite) row, so a masked key meets weight 0 without a zero fill; pad
     queries compute rows nobody reads. When the step's requests form a few runs of equal length
@@ -46,13 +46,12 @@ class EncoderBatch:
     num_reqs: int
     max_len: int
     gather: torch.Tensor | None  # (R * max_len,) int64; None when every request has max_len tokens
-    req: torch.Tensor | None  # (T,) int64
-    offset: torch.Tensor | None  # (T,) int64
+    flat: torch.Tensor | None  # (T,) int64
     key_mask: torch.Tensor | None  # (R, 1, 1, max_len) bool, True = a real key
     runs: list[tuple[int, int, int]] | None = None  # (first token, requests, length) of equal-length runs
 
     # More runs than this: one padded call (each SDPA call starts its threads; on 2 loaded cores
-    # that cost more than the gather).
+    # that cost more than the gather; on one thread the two paths cost the same end to end).
     MAX_RUNS = 4
 
     @classmethod
@@ -61,7 +60,7 @@ class EncoderBatch:
         starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
         num_reqs, max_len = len(lens), int(lens.max())
         if bool((lens == max_len).all()):
-            return cls(num_reqs, max_len, None, None, None, None)
+            return cls(num_reqs, max_len, None, None, None)
         runs: list[tuple[int, int, int]] = []
         for start, n in zip(starts.tolist(), lens.tolist()):
             if runs and runs[-1][2] == n:
@@ -69,30 +68,29 @@ class EncoderBatch:
             else:
                 runs.append((start, 1, n))
         if len(runs) <= cls.MAX_RUNS:
-            return cls(num_reqs, max_len, None, None, None, None, runs)
+            return cls(num_reqs, max_len, None, None, None, runs)
         slot = torch.arange(max_len)[None, :]  # (1, max_len)
         real = slot < lens[:, None]  # (R, max_len)
         gather = torch.where(real, starts[:, None] + slot, starts[:, None]).reshape(-1)
         req = torch.repeat_interleave(torch.arange(num_reqs), lens)
-        offset = torch.arange(int(qsl[-1])) - starts[req]
-        return cls(num_reqs, max_len, gather.to(device), req.to(device), offset.to(device),
-                   real.to(device)[:, None, None, :])
+        flat = req * max_len + torch.arange(int(qsl[-1])) - starts[req]
+        return cls(num_reqs, max_len, gather.to(device), flat.to(device), real.to(device)[:, None, None, :])
 
     def attend(self, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
         """qkv (T, 3 * heads * head_dim) -> (T, heads * head_dim), each request attending to itself.
 
-        One SDPA call for the step (on a loaded 2-core CPU, one call per request spent more in
-        thread start-up than in attention)."""
+        One SDPA call per equal-length run, or one padded call for the step (see MAX_RUNS)."""
         width = qkv.shape[1] // 3
         head_dim = width // num_heads
         if self.runs is not None:
-            out = qkv.new_empty(qkv.shape[0], width)
+            outs = []
             for start, g, n in self.runs:
                 seg = qkv[start:start + g * n]
                 q, k, v = seg.view(g, n, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
                 o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (g, heads, n, head_dim)
-                out[start:start + g * n].view(g, n, num_heads, head_dim).copy_(o.transpose(1, 2))
-            return out
+                # SDPA lays its output out as its query: (g, n, heads, head_dim) here, so this is a view.
+                outs.append(o.transpose(1, 2).reshape(g * n, width))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)  # one copy for the step, not one per run
         r, n = self.num_reqs, self.max_len
         padded = qkv if self.gather is None else qkv.index_select(0, self.gather)  # (R * n, 3 * width)
         # (R, n, 3, heads, head_dim) -> q, k, v (R, heads, n, head_dim), strided views
@@ -100,7 +98,9 @@ class EncoderBatch:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.key_mask, scale=scale).transpose(1, 2)
         if self.gather is None:
             return o.reshape(r * n, width)
-        return o[self.req, self.offset].reshape(-1, width)  # (T, heads, head_dim) -> (T, width)
+        # Back to flat rows: one row gather on the contiguous (R * n, width) output (SDPA's CPU
+        # kernel writes (R, n, heads, head_dim)), not advanced indexing on the strided view.
+        return o.reshape(r * n, width).index_select(0, self.flat)
 
 
 class BertEmbeddings(nn.Module):
@@ -119,11 +119,12 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(self.position_ids(positions))
+        x = self.word_embeddings(input_ids)  # (T, hidden), this call's own buffer: add in place
+        x += self.position_embeddings(self.position_ids(positions))
         if token_type_ids is None:
-            x = x + self.token_type_embeddings.weight[0]
+            x += self.token_type_embeddings.weight[0]
         else:
-            x = x + self.token_type_embeddings(token_type_ids)
+            x += self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(x)
 
 
@@ -146,27 +147,13 @@ class BertLayer(nn.Module):
                                        prefix=f"{prefix}.output")
         self.out_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
 
-        self._onednn: list[OneDNNDense] | None = None  # prepared on the first CPU float32 forward
-
-    def dense_layers(self) -> list[OneDNNDense] | None:
-        """oneDNN copies of the four dense layers (layers/onednn_dense.py), or None off its path.
-        Built lazily so that every way of filling the weights (checkpoint, dummy) is covered."""
-        if self._onednn is None and OneDNNDense.supports(self.qkv_proj.weight) and type(
-                self.qkv_proj.quant_method).__name__ == "UnquantizedLinearMethod":
-            self._onednn = [OneDNNDense(m.weight, m.bias)
-                            for m in (self.qkv_proj, self.attn_out, self.intermediate, self.output)]
-        return self._onednn
-
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        fast = self.dense_layers()
-        if fast is not None:
-            qkv, attn_out, inter, out = fast
-            x = self.attn_norm(attn_out(batch.attend(qkv(x), self.num_heads, self.scale), residual=x))
-            return self.out_norm(out(inter(x, self.act), residual=x))
+        # x is this layer's own input (the embeddings' or the previous layer's LayerNorm output):
+        # the residual adds accumulate into it, then into the attention norm's output.
         attn = batch.attend(self.qkv_proj(x), self.num_heads, self.scale)  # (T, hidden)
-        x = self.attn_norm(dense_ref(attn, self.attn_out.weight, self.attn_out.bias, residual=x))
-        y = dense_ref(x, self.intermediate.weight, self.intermediate.bias, self.act)
-        return self.out_norm(dense_ref(y, self.output.weight, self.output.bias, residual=x))
+        x = self.attn_norm(dense_into(x, attn, self.attn_out.weight, self.attn_out.bias))
+        y = dense(x, self.intermediate.weight, self.intermediate.bias, self.act)  # (T, intermediate)
+        return self.out_norm(dense_into(x, y, self.output.weight, self.output.bias))
 
 
 class BertModel(nn.Module):

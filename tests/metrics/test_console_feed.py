@@ -45,3 +45,33 @@ def test_series_gauges_and_recent_requests():
     assert snap["requests"][0] == live[0]
     assert snap["requests"][1] == {"id": "r1", "state": "stop", "prompt_tokens": 40, "output_tokens": 4,
                                    "e2e_s": 1.5, "finished_at": 1002.5}
+
+
+def test_event_stream_deltas():
+    """A stream's first event is the full snapshot; then nothing while nothing moved, and deltas that
+    carry the block map and request list only when they changed, and only the new seconds."""
+    import numpy as np
+
+    from pagedllm.core.kv_snapshot import build_kv_block_map
+    from pagedllm.metrics.console_feed import StreamCursor
+
+    clock = Clock()
+    feed = ConsoleFeed("m", 2048, 16, 8, window_s=10, clock=clock)
+    cur = StreamCursor()
+    first = feed.next_event(cur)
+    assert first is not None and "delta" not in first and first["model"] == "m"
+    assert len(first["series"]) == 10 and "kv_map" in first and first["requests"] == []
+    assert feed.next_event(cur) is None  # nothing recorded since
+    clock.t += 3.0
+    kv_map = build_kv_block_map(8, {}, np.zeros(8, dtype=bool))
+    s = stats(2, 0, 0.5)
+    s.kv_block_map = kv_map
+    feed.record(s, IterationStats(num_generation_tokens=2))
+    d = feed.next_event(cur)
+    assert d["delta"] is True and "model" not in d and d["running"] == 2
+    assert [p[0] for p in d["series"]] == [1000, 1001, 1002, 1003]  # from the last second sent on
+    assert d["series"][-1][2] == 2 and d["kv_map"]["num_blocks"] == 8 and "requests" not in d
+    feed.record(stats(1, 0, 0.2), IterationStats(num_generation_tokens=1))  # same second, no new map
+    d = feed.next_event(cur)
+    assert [p[0] for p in d["series"]] == [1003] and d["series"][0][2] == 3 and "kv_map" not in d
+    assert feed.snapshot()["kv_map"]["num_blocks"] == 8  # a new stream still gets everything

@@ -14,7 +14,8 @@ from pagedllm import LLM, PoolingParams
 
 ENC = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
            max_position_embeddings=128)
-# Lengths that differ (the padded attention path), one pair of equal ones, and a single token.
+# Lengths that differ (the padded attention path), one pair of equal ones, and a single token; both
+# attention paths are also held to plain SDPA per request in test_encoder_batch_paths.
 PROMPTS = [[5, 17, 42, 7, 99, 3], [8, 9], [11] * 20, [250], [4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8]]
 
 
@@ -117,3 +118,23 @@ def test_qwen3_embedder_last_token_matches_transformers(tmp_path_factory, arch):
         assert (torch.tensor(o.outputs.embedding) - ref).abs().max() <= 1e-4
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks  # no KV block held after the step
+
+
+@pytest.mark.parametrize("max_runs", [0, 64])  # 0: the padded (gather + key mask) call; 64: one call per run
+def test_encoder_batch_paths(monkeypatch, max_runs):
+    from types import SimpleNamespace
+
+    from pagedllm.models.bert import EncoderBatch
+
+    monkeypatch.setattr(EncoderBatch, "MAX_RUNS", max_runs)
+    lens = [7, 7, 5, 3, 3, 3, 1]
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    batch = EncoderBatch.from_metadata(SimpleNamespace(query_start_loc_cpu=qsl), torch.device("cpu"))
+    assert (batch.runs is None) == (max_runs == 0)
+    torch.manual_seed(0)
+    qkv = torch.randn(int(qsl[-1]), 3 * 4 * 8)
+    got = batch.attend(qkv, 4, 0.3)
+    for s, e in zip(qsl[:-1].tolist(), qsl[1:].tolist()):  # each request alone, plain SDPA
+        q, k, v = qkv[s:e].view(e - s, 3, 4, 8).permute(1, 2, 0, 3)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.3).transpose(0, 1).reshape(e - s, -1)
+        assert (got[s:e] - want).abs().max() <= 1e-5

@@ -11,9 +11,11 @@ keeps the key in the tab's sessionStorage and sends it as `Authorization: Bearer
 
 Cost and back-pressure: the engine core adds a KV block map to its stats at most every
 `KV_SNAPSHOT_INTERVAL_S` (only when the console is on); the feed is updated on the event loop by the
-stats the server already gathers. Each event stream sends the *latest* snapshot per tick and nothing
-is queued for it: a slow browser blocks only its own send (cut after the stream write timeout), and
-at most `--web-ui-max-streams` streams run at once.
+stats the server already gathers. Each event stream sends the full snapshot once, then at most one
+delta per `EVENT_INTERVAL_S` and only when something moved (metrics/console_feed.py), built when it
+is sent: nothing is queued for a stream, so a slow browser blocks only its own send (cut after the
+stream write timeout) and gets fewer, larger deltas; at most `--web-ui-max-streams` streams run at
+once. An idle stream sends an SSE comment every `HEARTBEAT_S`, so a vanished browser is noticed.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.http_io import SSEResponse
 from pagedllm.entrypoints.openai.serving_engine import EventStream
-from pagedllm.metrics.console_feed import ConsoleFeed
+from pagedllm.metrics.console_feed import ConsoleFeed, StreamCursor
 
 UI_PATH = "/ui"
 EVENTS_PATH = "/v1/engine/events"
 # How often the engine core maps its KV pool, and how often each event stream sends a snapshot.
 KV_SNAPSHOT_INTERVAL_S = 1.0
-EVENT_INTERVAL_S = 0.5
+EVENT_INTERVAL_S = 1.0
+HEARTBEAT_S = 15.0
 
 LOGIN_PAGE = b"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>pagedllm console</title>
 <style>body{font:14px system-ui,sans-serif;background:#0f1115;color:#e6e8ee;display:grid;place-items:center;height:90vh}
@@ -89,8 +92,16 @@ def install_web_ui(app: FastAPI, feed: ConsoleFeed, max_streams: int, write_time
             open_streams -= 1
 
         async def events() -> AsyncIterator[str]:
+            cursor = StreamCursor()
+            quiet = 0.0
             while True:
-                yield f"data: {json.dumps(feed.snapshot(), separators=(',', ':'))}\n\n"
+                event = feed.next_event(cursor)
+                if event is not None:
+                    quiet = 0.0
+                    yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+                elif (quiet := quiet + EVENT_INTERVAL_S) >= HEARTBEAT_S:
+                    quiet = 0.0
+                    yield ": idle\n\n"
                 await asyncio.sleep(EVENT_INTERVAL_S)
 
         return SSEResponse(EventStream(events(), [], on_close=[release]), write_timeout)
