@@ -45,8 +45,12 @@ class PoolingModelRunner(ModelRunner):
         self.pooler = Pooler(pooler_config, self.model)
         self.uses_token_type_ids = bool(getattr(self.model, "uses_token_type_ids", False))
 
-    def capture_model(self, tuning: bool = True) -> None:
+    def make_graph_runner(self, tuning: bool = True) -> None:
         """No CUDA graphs: every pooling step is a prefill."""
+        return None
+
+    def capture_model(self, tuning: bool = True, runner: object = None) -> None:
+        """No CUDA graphs (make_graph_runner)."""
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> PooledOutput:
