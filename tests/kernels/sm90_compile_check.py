@@ -140,14 +140,14 @@ def _record(launches: list) -> None:
 
 def _record_quant() -> None:
     """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the W4A16 GEMV (FMA at M 1,
-    tensor cores at M 8), the tile kernel (M 256) and the dequantization; W8A8's activation quantizer
+    tensor cores at M 8), the tile kernel (M 64: 16 < M < DEQUANT_MIN_M) and the dequantization (M 256); W8A8's activation quantizer
     (int8, fp8) and scale epilogue."""
     bf16 = torch.bfloat16
     n, k = 4096, 14336
     qw = torch.zeros(k // 8, n, dtype=torch.int32)
     s, z = torch.zeros(k // 128, n, dtype=bf16), torch.zeros(k // 128, n, dtype=torch.uint8)
     wna16_gemv._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
-    for m in (1, 8, 256):
+    for m in (1, 8, 64, 256):
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
     wna16_gemm.dequantize_wna16_triton(qw, s, z, 4, 128, bf16)
     for qdtype in (torch.int8, torch.float8_e4m3fn):
