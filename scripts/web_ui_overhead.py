@@ -5,6 +5,10 @@ without, and (on a GPU) offline W1 with the engine mapping its KV pool as the co
     python scripts/web_ui_overhead.py gpu --model qwen3-0.6b   # W1, kv snapshot every 1 s vs never
 
 Runs alternate (without, with, with, without, ...) and the table shows every run and the medians.
+The CPU mode also counts the CPU seconds each run costs the server's processes and the browser's
+(psutil, the process trees): on a 2-core machine whose other jobs move wall-clock throughput by more
+than the 2% the issue allows, the extra CPU per output token with the page open is the steadier
+measure of what the page costs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -31,6 +36,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tree_cpu_s(root: psutil.Process, exclude: set[int] = frozenset()) -> float:
+    """User + system CPU seconds of `root` and its live descendants (minus the `exclude` subtrees)."""
+    total = 0.0
+    procs = [root]
+    try:
+        procs += root.children(recursive=True)
+    except psutil.Error:
+        pass
+    skip: set[int] = set()
+    for pid in exclude:
+        try:
+            skip |= {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+    for p in procs:
+        if p.pid in skip:
+            continue
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def bench_serve(port: int, out: Path) -> float:
@@ -61,6 +91,8 @@ def cpu(reps: int) -> None:
             time.sleep(0.5)
         out = Path(tempfile.mkstemp(suffix=".json")[1])
         results: dict[str, list[float]] = {"closed": [], "open": []}
+        cpu_per_tok: dict[str, list[float]] = {"closed": [], "open": []}
+        srv, me = psutil.Process(server.pid), psutil.Process()
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
                 "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -72,12 +104,19 @@ def cpu(reps: int) -> None:
                         page = browser.new_page()
                         page.goto(f"http://127.0.0.1:{port}/ui")
                         page.wait_for_selector("[data-testid=conn]:text('live')", timeout=30_000)
+                    s0, b0 = tree_cpu_s(srv), tree_cpu_s(me, exclude={server.pid})
                     results[mode].append(bench_serve(port, out))
+                    s1, b1 = tree_cpu_s(srv), tree_cpu_s(me, exclude={server.pid})
+                    tokens = json.loads(out.read_text())["total_output_tokens"]
+                    cpu_per_tok[mode].append((s1 - s0 + b1 - b0) / tokens * 1e3)
                     if page is not None:
                         page.close()
-                    print(f"rep {rep + 1} page {mode}: {results[mode][-1]:.1f} tok/s", flush=True)
+                    print(f"rep {rep + 1} page {mode}: {results[mode][-1]:.1f} tok/s; CPU ms per output token: "
+                          f"server {(s1 - s0) / tokens * 1e3:.3f}, browser + client {(b1 - b0) / tokens * 1e3:.3f}, "
+                          f"load {os.getloadavg()[0]:.1f}", flush=True)
             browser.close()
         table(results, "closed", "open", "16 streams, CPU server: output tok/s")
+        table(cpu_per_tok, "closed", "open", "CPU ms per output token (server + browser + bench client)")
     finally:
         server.terminate()
         server.wait(30)
