@@ -24,6 +24,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla_ref import write_latents
 from pagedllm.kernels.decode_attention import decode_attention_fused
 from pagedllm.kernels.kv_cache_write import write_kv_cache
+from pagedllm.kernels.mla_decode import mla_decode
 from pagedllm.kernels.paged_attention import paged_attention
 from pagedllm.kernels.qkv_prep import fused_qkv_prep
 
@@ -145,12 +146,16 @@ class TritonAttentionBackend:
         scale: float,
         v_width: int,  # values are the first v_width features of each latent
     ) -> torch.Tensor:  # (num_tokens, num_heads, v_width)
-        """MLA as MQA over the latent cache: the K/V write kernel and the unified kernel read the one
-        cache as both K and V (a stride-0 view, no copy); value columns past v_width (the rope part)
-        are dropped. Without a cache (profiling pass) the torch reference runs."""
+        """MLA as MQA over the latent cache. Decode-only batches: the latent decode kernel
+        (kernels/mla_decode.py: one read of each latent tile serves scores and values of a block of
+        heads). Batches with prefill chunks: the unified kernel, which reads the one cache as both K
+        and V (a stride-0 view, no copy); value columns past v_width (the rope part) are dropped.
+        Without a cache (profiling pass) the torch reference runs."""
         if kv_cache is None:
             return forward_mla_torch(query, latent, None, md, scale, v_width)
         n = md.num_actual_tokens
         write_latents(latent[:n], kv_cache, md.slot_mapping[:n])
+        if md.is_decode_only and n == md.num_reqs:
+            return mla_decode(query, kv_cache, md, scale, v_width, num_splits=self.num_splits)
         kv = kv_cache.expand(2, *kv_cache.shape[1:])
         return paged_attention(query, kv, md, scale, num_splits=self.num_splits)[..., :v_width]

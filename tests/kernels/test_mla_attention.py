@@ -82,3 +82,32 @@ def test_deepseek_width_latent_takes_the_small_tile_config():
     latent = cache.view(-1, 576)[md.slot_mapping].clone()
     out = TritonAttentionBackend().forward_mla(query, latent, cache, md, 0.05, 512)
     torch.testing.assert_close(out, mla_attention_ref(query, latent, cache, md, 0.05, 512), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("s_lens, heads, splits", [([9, 30, 3, 1], H, None), ([40, 17], 20, 4), ([33], 3, 2)])
+def test_mla_decode_kernel_matches_reference(s_lens, heads, splits):
+    # The decode-only kernel: head blocks of 16 (20 heads = one full block + a masked one, 3 = masked rows),
+    # ragged key tiles, split-K partitions with empty trailing ones (33 keys cut in 2 of 32-key tiles).
+    from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
+
+    md, cache, _ = _batch([1] * len(s_lens), s_lens, seed=3)
+    query = torch.randn(len(s_lens), heads, R + ROPE, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = mla_decode(query, cache, md, 0.3, R, num_splits=splits)
+    ref = mla_decode_ref(query, cache, md, 0.3, R)
+    assert out.shape == (len(s_lens), heads, R)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_mla_decode_kernel_zeroes_graph_padding_rows():
+    # A CUDA-graph batch padded past its requests: those rows come back as zeros, real rows unchanged.
+    from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
+
+    md, cache, query = _batch([1, 1], [6, 11], seed=5)
+    wide = torch.randn(1, cache.shape[1], 4, 1, 576).to(DEVICE)  # DeepSeek's 512 + 64 latent
+    wq = torch.randn(2, 16, 576).to(DEVICE) * 0.05
+    torch.testing.assert_close(mla_decode(wq, wide, md, 0.1, 512), mla_decode_ref(wq, wide, md, 0.1, 512),
+                               atol=1e-4, rtol=1e-4)
+    padded = torch.cat([query, torch.randn(2, H, R + ROPE).to(DEVICE)])
+    out = mla_decode(padded, cache, md, 0.5, R)
+    torch.testing.assert_close(out[:2], mla_decode_ref(query, cache, md, 0.5, R), atol=1e-4, rtol=1e-4)
+    assert torch.count_nonzero(out[2:]) == 0

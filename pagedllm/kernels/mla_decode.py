@@ -1,0 +1,168 @@
+"""MLA decode: a decode-only batch's attention over the latent cache (DeepSeek V2/V3), one Triton kernel.
+
+The cache holds one latent row per token, [c_kv (R) | k_pe (P)] (attention/mla.py); queries come
+folded into latent space, [q_lat (R) | q_pe (P)] per head. Per head h and key j:
+
+    score[h, j] = (q_lat[h] . c_kv[j] + q_pe[h] . k_pe[j]) * scale,   out[h] = softmax(score[h]) @ c_kv
+
+Work split. A program owns (one request) x (BLOCK_H query heads) x (one key partition): every head
+shares the one latent row per key, so each latent tile is read from the cache once and serves both
+products (scores and values) of all BLOCK_H heads. The unified kernel (kernels/paged_attention.py)
+treats the latent as a head of width R + P padded to a power of two (576 -> 1024 for DeepSeek) and
+loads it twice, as K and as V; here c_kv (512) and k_pe (64) are two power-of-two loads of one row.
+DeepSeek-V2-Lite: 16 heads -> one head block per request; V3: 128 heads -> 8.
+
+Split-K as the unified kernel (kernels/split_k.py: the same partition count for one kv head, the same
+partials and merge), so few long requests still fill the GPU. The grid depends only on host ints of
+the metadata: CUDA-graph capturable. The step's latents are already written (attention/mla_ref.py:
+write_latents), so request r attends to keys 0 .. seq_lens[r] - 1; rows with seq_len 0 (graph
+padding) come back as zeros.
+
+Reference: `mla_decode_ref` (= attention/mla_ref.py's `mla_attention_ref` on a decode-only batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.mla_ref import mla_attention_ref
+from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
+
+__all__ = ["mla_decode", "mla_decode_ref"]
+
+_LOG2E = 1.4426950408889634
+BLOCK_H = 16  # tl.dot's smallest M: heads past num_heads are masked rows
+TILE_N = 32  # keys per tile: a (32, 512) bf16 latent tile is 32 KB
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "stride_bt"])
+def _mla_decode_kernel(
+    out_ptr,  # (num_tokens, num_heads, R) when not split
+    part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, R_PAD); only when USE_SPLIT
+    part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    part_l_ptr,
+    q_ptr,  # (num_tokens, num_heads, R + P)
+    cache_ptr,  # (num_blocks, block_size, R + P): layer cache [0, :, :, 0, :]
+    block_table_ptr,  # int32 (num_reqs, max_blocks)
+    seq_lens_ptr,  # int32 (num_reqs,)
+    num_reqs,
+    num_heads,
+    num_splits,
+    scale_log2,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_c_blk,
+    stride_c_slot,
+    stride_bt,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    R_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    row = req.to(tl.int64)  # a decode request's one token
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_valid = offs_h < num_heads
+    offs_r = tl.arange(0, R_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    r_mask = offs_r < R
+    p_mask = offs_p < P
+    q_rows = q_ptr + row * stride_q_t + offs_h[:, None] * stride_q_h
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=h_valid[:, None] & r_mask[None, :], other=0.0)  # (BLOCK_H, R_PAD)
+    q_pe = tl.load(q_rows + R + offs_p[None, :], mask=h_valid[:, None] & p_mask[None, :], other=0.0)
+
+    kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(kv_lo, kv_hi, TILE_N):
+        offs_n = start_n + tl.arange(0, TILE_N)
+        n_mask = offs_n < kv_hi
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        key_rows = cache_ptr + blk * stride_c_blk + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_c_slot
+        c_kv = tl.load(key_rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        k_pe = tl.load(key_rows[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)  # (BLOCK_H, TILE_N) fp32
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if USE_SPLIT:
+        part = (row * num_heads + offs_h) * num_splits + split  # (BLOCK_H,)
+        store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, h_valid, offs_r, R_PAD)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # seq_len 0 (padding): zeros
+        tl.store(out_ptr + row * stride_o_t + offs_h[:, None] * stride_o_h + offs_r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & r_mask[None, :])
+
+
+def mla_decode(
+    query: torch.Tensor,  # (num_tokens, num_heads, R + P): [q_lat | q_pe]
+    kv_cache: torch.Tensor,  # (1, num_blocks, block_size, 1, R + P), this step's latents written
+    md: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,  # R
+    num_splits: int | None = None,
+) -> torch.Tensor:  # (num_tokens, num_heads, R)
+    """MQA over the latent cache for a decode-only batch (md.max_query_len == 1, one token a request)."""
+    if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs:
+        raise ValueError(f"mla_decode takes decode-only batches, got max_query_len {md.max_query_len} and "
+                         f"{md.num_actual_tokens} tokens for {md.num_reqs} requests")
+    t, num_heads, width = query.shape
+    r, p = kv_lora_rank, width - kv_lora_rank
+    out = torch.empty((t, num_heads, r), dtype=query.dtype, device=query.device)
+    n = md.num_reqs
+    if t > n:
+        out[n:].zero_()
+    if n == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    cache = kv_cache[0, :, :, 0, :]  # (num_blocks, block_size, W), a view
+    r_pad, p_pad = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
+    if num_splits is None:
+        num_splits = choose_num_splits(n, 1, 1, md.max_seq_len)
+    use_split = num_splits > 1
+    if use_split:
+        part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, r_pad, query.device)
+    else:
+        part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
+    _mla_decode_kernel[(n, triton.cdiv(num_heads, BLOCK_H), num_splits)](
+        out, part_acc, part_m, part_l, query, cache, md.block_table, md.seq_lens,
+        n, num_heads, num_splits, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), md.block_table.stride(0),
+        R=r, P=p, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=BLOCK_H, TILE_N=TILE_N, BLOCK_SIZE=kv_cache.shape[2],
+        USE_SPLIT=use_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if use_split:
+        merge_splits(out, part_acc, part_m, part_l, md)
+    return out
+
+
+def mla_decode_ref(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                   kv_lora_rank: int) -> torch.Tensor:
+    """The plain torch MQA over the latent cache (attention/mla_ref.py), for the same inputs."""
+    latent = torch.zeros((query.shape[0], query.shape[2]), dtype=query.dtype, device=query.device)  # unused
+    return mla_attention_ref(query, latent, kv_cache, md, scale, kv_lora_rank)
