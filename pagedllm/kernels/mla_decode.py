@@ -36,6 +36,7 @@ __all__ = ["mla_decode", "mla_decode_ref"]
 _LOG2E = 1.4426950408889634
 BLOCK_H = 16  # tl.dot's smallest M: heads past num_heads are masked rows
 TILE_N = 32  # keys per tile: a (32, 512) bf16 latent tile is 32 KB
+NUM_WARPS, NUM_STAGES = 4, 2  # not yet tuned on the GPU (scripts/gpu_mla_decode_sweep.py)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "stride_bt"])
@@ -123,6 +124,7 @@ def mla_decode(
     scale: float,
     kv_lora_rank: int,  # R
     num_splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,  # (TILE_N, num_warps, num_stages); None: the defaults above
 ) -> torch.Tensor:  # (num_tokens, num_heads, R)
     """MQA over the latent cache for a decode-only batch (md.max_query_len == 1, one token a request)."""
     if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs:
@@ -147,14 +149,15 @@ def mla_decode(
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, r_pad, query.device)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
+    tile_n, num_warps, num_stages = tile or (TILE_N, NUM_WARPS, NUM_STAGES)
     _mla_decode_kernel[(n, triton.cdiv(num_heads, BLOCK_H), num_splits)](
         out, part_acc, part_m, part_l, query, cache, md.block_table, md.seq_lens,
         n, num_heads, num_splits, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), md.block_table.stride(0),
-        R=r, P=p, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=BLOCK_H, TILE_N=TILE_N, BLOCK_SIZE=kv_cache.shape[2],
+        R=r, P=p, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=BLOCK_H, TILE_N=tile_n, BLOCK_SIZE=kv_cache.shape[2],
         USE_SPLIT=use_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if use_split:
         merge_splits(out, part_acc, part_m, part_l, md)

@@ -1,0 +1,87 @@
+"""The MLA decode kernel (kernels/mla_decode.py) on the GPU: correctness against the torch reference and
+time per layer-step for DeepSeek-V2-Lite's shape (16 heads, 512 + 64 latent, bf16, block size 16), every
+(TILE_N, num_warps, num_stages) variant and split count, beside the unified kernel it replaces and the
+floor (the batch's latent bytes at the copy bandwidth measured here). CUDA-graph replay. ~1 min.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_decode_sweep.py
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+
+import torch
+
+from pagedllm.attention.metadata import build_metadata
+from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
+from pagedllm.kernels.paged_attention import paged_attention
+
+H, R, P, BS = 16, 512, 64, 16
+TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (16, 4, 2)]
+
+
+def timed(fn) -> float:
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 50 * 1e6
+
+
+def main() -> None:
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
+    del a, b
+    rows = []
+    for n, ctx in ((256, 800), (64, 1500), (8, 3000)):
+        rng = random.Random(n)
+        s_lens = [max(1, int(ctx * rng.uniform(0.5, 1.5))) for _ in range(n)]
+        blocks = [-(-s // BS) for s in s_lens]
+        perm = list(range(sum(blocks)))
+        rng.shuffle(perm)
+        tables, i = [], 0
+        for nb in blocks:
+            tables.append(perm[i:i + nb])
+            i += nb
+        md = build_metadata([1] * n, s_lens, tables, BS, device="cuda")
+        md.max_seq_len = 4096  # as the CUDA graphs capture it
+        cache = (torch.randn(1, sum(blocks), BS, 1, R + P, device="cuda") * 0.5).to(torch.bfloat16)
+        q = (torch.randn(n, H, R + P, device="cuda") * 0.1).to(torch.bfloat16)
+        ref = mla_decode_ref(q.float(), cache.float(), md, 0.1, R)
+        err = ((mla_decode(q, cache, md, 0.1, R).float() - ref).norm() / ref.norm()).item()
+        floor = sum(s_lens) * (R + P) * 2 / bw * 1e6
+        kv = cache.expand(2, *cache.shape[1:])
+        us = timed(functools.partial(paged_attention, q, kv, md, 0.1))
+        rows.append((n, ctx, "unified kernel (before)", "", us, floor, ""))
+        for tile in TILES:
+            for splits in (None, 1, 8):
+                try:
+                    us = timed(functools.partial(mla_decode, q, cache, md, 0.1, R, num_splits=splits, tile=tile))
+                except Exception as exc:  # a variant out of shared memory must not hide the others
+                    rows.append((n, ctx, f"tile {tile}", str(splits), float("nan"), floor, repr(exc)[:60]))
+                    continue
+                rows.append((n, ctx, f"tile {tile}", "auto" if splits is None else str(splits), us, floor,
+                             f"rel err {err:.1e}" if tile == TILES[0] and splits is None else ""))
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; DeepSeek-V2-Lite latent (16 heads, 512 + 64), bf16, per layer-step")
+    print("| batch | mean ctx | kernel | splits | us | floor us | fraction | note |\n|---|---|---|---|---|---|---|---|")
+    for n, ctx, name, splits, us, floor, note in rows:
+        print(f"| {n} | {ctx} | {name} | {splits} | {us:.1f} | {floor:.1f} | {floor / us * 100:.0f}% | {note} |")
+
+
+if __name__ == "__main__":
+    main()
