@@ -38,9 +38,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_cpu_s(root: psutil.Process, exclude: set[int] = frozenset()) -> float:
-    """User + system CPU seconds of `root` and its live descendants (minus the `exclude` subtrees)."""
-    total = 0.0
+def tree_cpu(root: psutil.Process, exclude: frozenset[int] = frozenset()) -> dict[int, float]:
+    """User + system CPU seconds per live process of `root`'s tree (minus the `exclude` subtrees)."""
     procs = [root]
     try:
         procs += root.children(recursive=True)
@@ -52,15 +51,21 @@ def tree_cpu_s(root: psutil.Process, exclude: set[int] = frozenset()) -> float:
             skip |= {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
         except psutil.Error:
             pass
+    out = {}
     for p in procs:
-        if p.pid in skip:
-            continue
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+        if p.pid not in skip:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two snapshots by the processes alive at the second one (a process that
+    exited in between, e.g. a closed page's renderer, drops out instead of turning the sum negative)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
 def bench_serve(port: int, out: Path) -> float:
@@ -104,15 +109,16 @@ def cpu(reps: int) -> None:
                         page = browser.new_page()
                         page.goto(f"http://127.0.0.1:{port}/ui")
                         page.wait_for_selector("[data-testid=conn]:text('live')", timeout=30_000)
-                    s0, b0 = tree_cpu_s(srv), tree_cpu_s(me, exclude={server.pid})
+                    s0, b0 = tree_cpu(srv), tree_cpu(me, exclude=frozenset({server.pid}))
                     results[mode].append(bench_serve(port, out))
-                    s1, b1 = tree_cpu_s(srv), tree_cpu_s(me, exclude={server.pid})
+                    s1, b1 = tree_cpu(srv), tree_cpu(me, exclude=frozenset({server.pid}))
                     tokens = json.loads(out.read_text())["total_output_tokens"]
-                    cpu_per_tok[mode].append((s1 - s0 + b1 - b0) / tokens * 1e3)
+                    server_s, other_s = cpu_delta(s0, s1), cpu_delta(b0, b1)
+                    cpu_per_tok[mode].append((server_s + other_s) / tokens * 1e3)
                     if page is not None:
                         page.close()
                     print(f"rep {rep + 1} page {mode}: {results[mode][-1]:.1f} tok/s; CPU ms per output token: "
-                          f"server {(s1 - s0) / tokens * 1e3:.3f}, browser + client {(b1 - b0) / tokens * 1e3:.3f}, "
+                          f"server {server_s / tokens * 1e3:.3f}, browser + client {other_s / tokens * 1e3:.3f}, "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
             browser.close()
         table(results, "closed", "open", "16 streams, CPU server: output tok/s")
