@@ -30,9 +30,18 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096 /* software prefetch distance in the weight stream */
 #endif
+/* AVX2 without AVX-512 has its own 256-bit kernels (gguf_gemm_avx2.h); the generic ones below are for
+ * 16-lane vectors. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define GEMM_AVX2 1
+#else
+#define GEMM_AVX2 0
+#endif
 /* Rows of x per pass over a tile: all accumulators must fit in registers (32 zmm with AVX-512). */
 #if defined(__AVX512F__)
 #define MAX_MR 16
+#elif GEMM_AVX2
+#define MAX_MR 6 /* the AVX2 buffered kernel's pass (AVX2_PASS) */
 #else
 #define MAX_MR 4
 #endif
@@ -105,6 +114,10 @@ static inline __attribute__((always_inline)) void q8_tile(
     store_rows(y, ldy, acc, mr, nc, ncols);
 }
 
+#if GEMM_AVX2
+#include "gguf_gemm_avx2.h"
+#endif
+
 #if MAX_MR == 16
 #define DISPATCH_MR(fn, mr, ...)                      \
     switch (mr) {                                     \
@@ -165,6 +178,9 @@ static void gemm_chunk(void *arg, long chunk, int worker) {
     for (long t = chunk * c->tiles_per_chunk; t < t_end; t++) {
         const uint8_t *tile = c->w + t * tb;
         const int nc = (int)((c->N - t * TILE) < TILE ? (c->N - t * TILE) : TILE);
+#if GEMM_AVX2
+        tile_avx2(c->kind, tile, nblocks, c->xt, c->K, c->y + t * TILE, c->ldy, c->M, nc);
+#else
         /* Rows in passes of MAX_MR; the tile's bytes are reread per pass, from cache. */
         for (long r0 = 0; r0 < c->M; r0 += MAX_MR) {
             const int mr = (int)((c->M - r0) < MAX_MR ? (c->M - r0) : MAX_MR);
@@ -177,6 +193,7 @@ static void gemm_chunk(void *arg, long chunk, int worker) {
                 DISPATCH_MR(q8_tile, mr, tile, nblocks, xt, yr, ldy)
             }
         }
+#endif
     }
 }
 
