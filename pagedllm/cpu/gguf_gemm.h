@@ -32,11 +32,7 @@
 #endif
 /* AVX2 without AVX-512 has its own 256-bit kernels (gguf_gemm_avx2.h); the generic ones below are for
  * 16-lane vectors. */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
-#define GEMM_AVX2 1
-#else
-#define GEMM_AVX2 0
-#endif
+#define GEMM_AVX2 VEC_AVX2
 /* Rows of x per pass over a tile: all accumulators must fit in registers (32 zmm with AVX-512). */
 #if defined(__AVX512F__)
 #define MAX_MR 16
