@@ -156,6 +156,7 @@ static inline long tiles_per_chunk(long M) {
     return per < 1 ? 1 : per;
 }
 
+
 struct gemm_ctx {
     int kind;
     const float *xt; /* x regrouped: per pass of up to MAX_MR rows, [k][row] (see regroup_rows) */
@@ -223,7 +224,11 @@ int gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, lo
     const float *xt = regroup_rows(x, ldx, M, K);
     if (xt == NULL) return 0;
     const long ntiles = (N + TILE - 1) / TILE;
+#if GEMM_AVX2
+    struct gemm_ctx c = {kind, xt, w, y, ldy, M, N, K, tiles_per_chunk_avx2(M, K)};
+#else
     struct gemm_ctx c = {kind, xt, w, y, ldy, M, N, K, tiles_per_chunk(M)};
+#endif
     pool_run(gemm_chunk, &c, (ntiles + c.tiles_per_chunk - 1) / c.tiles_per_chunk);
     return 1;
 }

@@ -27,6 +27,14 @@
 #define AVX2_PASS 6           /* rows per pass of the buffered kernel (= MAX_MR: x is regrouped per 6 rows) */
 #define AVX2_GROUP_ROWS 48    /* rows whose partial sums stay in the L1 array at once */
 
+/* Tiles per pool chunk, sized by work: ~10k cycles (~4 us at 2.45 GHz) at ~40 + 32 M cycles per 32 x 16
+ * block. By tiles alone (gguf_gemm.h's tiles_per_chunk), a 1-row down_proj (K = 1536) made 5 chunks of
+ * ~10 us for 2 workers. */
+static inline long tiles_per_chunk_avx2(long M, long K) {
+    const long per = 10000 / ((K / QK) * (40 + 32 * (M < 48 ? M : 48)));
+    return per < 1 ? 1 : per;
+}
+
 static inline __attribute__((always_inline)) void store_tile_avx2(float *y, __m256 a0, __m256 a1, int ncols) {
     if (ncols == TILE) {
         _mm256_storeu_ps(y, a0);
