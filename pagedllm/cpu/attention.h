@@ -104,7 +104,12 @@ static inline __attribute__((always_inline)) float qk_scores(const f32x16 *qv, c
 
 /* Heads per pass of the P.V loop: GS * nv <= 16 accumulators, so each V row is loaded (and widened)
  * once for GS heads. */
+#if VEC_AVX2
+#include "attention_avx2.h"
+#define PV_HEADS(nv) PV_HEADS_AVX2
+#else
 #define PV_HEADS(nv) ((nv) >= 16 ? 1 : 16 / (nv))
+#endif
 
 /* out_g = sum_p w_g[p] v[p] * inv_g for the gn (<= PV_HEADS(nv)) heads whose weights start at w
  * (head g at w + g * wstride) and whose outputs start at out (head g at out + g * head_dim). */
@@ -169,12 +174,23 @@ static inline __attribute__((always_inline)) void attn_task(
     float *scores = (float *)(offs + seq16), inv[group];
     slot_offsets(table, block_size, row, seq, offs);
     /* 1. per head: scores = q . k, then softmax numerators (masked lanes give 0) and 1 / their sum */
+#if VEC_AVX2
+    float mx[group];
+    const float *q_row = query + t * q_stride + (long)kvh * group * head_dim;
+    for (int g0 = 0; g0 < group; g0 += QK_HEADS_AVX2)
+        qk_scores_avx2(q_row + (long)g0 * head_dim, group - g0 < QK_HEADS_AVX2 ? group - g0 : QK_HEADS_AVX2, scale,
+                       k_cache + head_off, offs, seq, seq16, scores + (long)g0 * seq16, mx + g0, nv, kvt);
+#endif
     for (int g = 0; g < group; g++) {
+        float *s = scores + (long)g * seq16;
+#if VEC_AVX2
+        const float m = mx[g];
+#else
         const float *q = query + t * q_stride + (long)(kvh * group + g) * head_dim;
         f32x16 qv[16];
         for (int j = 0; j < nv; j++) qv[j] = load_f32x16(q + 16 * j) * splat(scale);
-        float *s = scores + (long)g * seq16;
         const float m = qk_scores(qv, k_cache + head_off, offs, seq, s, nv, kvt);
+#endif
         f32x16 sum = splat(0.0f);
         for (int p0 = 0; p0 < seq16; p0 += 16) {
             const f32x16 e = exp16(load_f32x16(s + p0) - splat(m));
@@ -187,8 +203,13 @@ static inline __attribute__((always_inline)) void attn_task(
     float *o = out + t * out_stride + (long)kvh * group * head_dim;
     for (int g0 = 0; g0 < group; g0 += PV_HEADS(nv)) {
         const int gn = group - g0 < PV_HEADS(nv) ? group - g0 : PV_HEADS(nv);
+#if VEC_AVX2
+        pv_heads_avx2(v_cache + head_off, offs, seq, scores + (long)g0 * seq16, seq16, inv + g0, gn,
+                      o + (long)g0 * head_dim, head_dim, nv, kvt);
+#else
         pv_heads(v_cache + head_off, offs, seq, scores + (long)g0 * seq16, seq16, inv + g0, gn,
                  o + (long)g0 * head_dim, head_dim, nv, kvt);
+#endif
     }
 }
 

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 EXTENSION_SOURCE = Path(__file__).with_name("pymodule.c")  # includes kernels.c
 EXTENSION_NAME = "pagedllm_cpu_kernels"
-HEADERS = ("vec.h", "pool.h", "gguf_gemm.h", "attention.h", "rows.h", "decoder.h")
+HEADERS = ("vec.h", "pool.h", "gguf_gemm.h", "gguf_gemm_avx2.h", "attention.h", "attention_avx2.h", "rows.h", "decoder.h")
 CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-ffp-contract=fast", "-std=gnu11", "-Wno-psabi")
 
 

@@ -30,9 +30,14 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096 /* software prefetch distance in the weight stream */
 #endif
+/* AVX2 without AVX-512 has its own 256-bit kernels (gguf_gemm_avx2.h); the generic ones below are for
+ * 16-lane vectors. */
+#define GEMM_AVX2 VEC_AVX2
 /* Rows of x per pass over a tile: all accumulators must fit in registers (32 zmm with AVX-512). */
 #if defined(__AVX512F__)
 #define MAX_MR 16
+#elif GEMM_AVX2
+#define MAX_MR 6 /* the AVX2 buffered kernel's pass (AVX2_PASS) */
 #else
 #define MAX_MR 4
 #endif
@@ -105,6 +110,10 @@ static inline __attribute__((always_inline)) void q8_tile(
     store_rows(y, ldy, acc, mr, nc, ncols);
 }
 
+#if GEMM_AVX2
+#include "gguf_gemm_avx2.h"
+#endif
+
 #if MAX_MR == 16
 #define DISPATCH_MR(fn, mr, ...)                      \
     switch (mr) {                                     \
@@ -147,6 +156,7 @@ static inline long tiles_per_chunk(long M) {
     return per < 1 ? 1 : per;
 }
 
+
 struct gemm_ctx {
     int kind;
     const float *xt; /* x regrouped: per pass of up to MAX_MR rows, [k][row] (see regroup_rows) */
@@ -165,6 +175,9 @@ static void gemm_chunk(void *arg, long chunk, int worker) {
     for (long t = chunk * c->tiles_per_chunk; t < t_end; t++) {
         const uint8_t *tile = c->w + t * tb;
         const int nc = (int)((c->N - t * TILE) < TILE ? (c->N - t * TILE) : TILE);
+#if GEMM_AVX2
+        tile_avx2(c->kind, tile, nblocks, c->xt, c->K, c->y + t * TILE, c->ldy, c->M, nc);
+#else
         /* Rows in passes of MAX_MR; the tile's bytes are reread per pass, from cache. */
         for (long r0 = 0; r0 < c->M; r0 += MAX_MR) {
             const int mr = (int)((c->M - r0) < MAX_MR ? (c->M - r0) : MAX_MR);
@@ -177,6 +190,7 @@ static void gemm_chunk(void *arg, long chunk, int worker) {
                 DISPATCH_MR(q8_tile, mr, tile, nblocks, xt, yr, ldy)
             }
         }
+#endif
     }
 }
 
@@ -210,7 +224,11 @@ int gguf_gemm(int kind, const float *x, long ldx, const uint8_t *w, float *y, lo
     const float *xt = regroup_rows(x, ldx, M, K);
     if (xt == NULL) return 0;
     const long ntiles = (N + TILE - 1) / TILE;
+#if GEMM_AVX2
+    struct gemm_ctx c = {kind, xt, w, y, ldy, M, N, K, tiles_per_chunk_avx2(M, K)};
+#else
     struct gemm_ctx c = {kind, xt, w, y, ldy, M, N, K, tiles_per_chunk(M)};
+#endif
     pool_run(gemm_chunk, &c, (ntiles + c.tiles_per_chunk - 1) / c.tiles_per_chunk);
     return 1;
 }

@@ -93,11 +93,14 @@ static void *pool_helper(void *arg) {
             if (atomic_load_explicit(&POOL.stop, memory_order_relaxed)) return NULL;
             pool_pause();
             if (++spins % 64 || pool_now_ns() - spin_start < POOL_SPIN_NS) continue;
+            /* sleepers is set back to 0 by the waker (pool_run), not here: until this thread runs again
+             * (on a busy machine that can take a time slice) the jobs that follow find it 0 and do not
+             * lock sleep_mu, which this thread may hold, nor broadcast again. Both sides are seq_cst:
+             * either the waker sees the count or this thread sees the new generation. */
             pthread_mutex_lock(&POOL.sleep_mu);
             atomic_fetch_add(&POOL.sleepers, 1);
             while (atomic_load(&POOL.generation) == seen && !atomic_load(&POOL.stop))
                 pthread_cond_wait(&POOL.sleep_cv, &POOL.sleep_mu);
-            atomic_fetch_sub(&POOL.sleepers, 1);
             pthread_mutex_unlock(&POOL.sleep_mu);
             spin_start = pool_now_ns();
         }
@@ -132,7 +135,7 @@ static void pool_run(pool_task_fn fn, void *ctx, long n) {
     atomic_store_explicit(&POOL.done, 0, memory_order_relaxed);
     atomic_store_explicit(&POOL.claim, (uint64_t)g << 32, memory_order_release);
     atomic_store_explicit(&POOL.generation, g, memory_order_release);
-    if (atomic_load(&POOL.sleepers) > 0) {
+    if (atomic_load(&POOL.sleepers) > 0 && atomic_exchange(&POOL.sleepers, 0) > 0) {
         pthread_mutex_lock(&POOL.sleep_mu);
         pthread_cond_broadcast(&POOL.sleep_cv);
         pthread_mutex_unlock(&POOL.sleep_mu);

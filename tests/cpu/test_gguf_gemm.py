@@ -28,7 +28,7 @@ def test_dequantize_is_bit_exact(cpu_kernels, qtype, n, k):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("m,n", [(1, 50), (2, 50), (5, 50), (16, 50), (17, 50), (33, 50), (70, 50), (300, 600)])
+@pytest.mark.parametrize("m,n", [(1, 50), (2, 50), (3, 50), (4, 50), (5, 50), (16, 50), (17, 50), (33, 50), (70, 50), (300, 600)])
 def test_matmul_matches_dense_float32(cpu_kernels, qtype, m, n):
     # (300, 600): panels of 256 rows (the last one partial, 600 % 16 != 0) x row blocks of 128
     k = 160
