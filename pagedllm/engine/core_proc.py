@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from multiprocessing.connection import Connection
 
 from pagedllm.config import EngineConfig
@@ -67,8 +68,12 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
+    t0 = time.monotonic()
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
+
+    # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
+    logger.info("start-up: engine process imports took %.2f s", time.monotonic() - t0)
 
     def emit(reply: EngineCoreReply) -> bool:
         outputs.send_bytes(encode(reply))

@@ -336,7 +336,9 @@ def run_server(args: argparse.Namespace) -> None:
             engine_args.kv_snapshot_interval_s = KV_SNAPSHOT_INTERVAL_S  # the console's block map
         if args.served_model_name:
             engine_args.served_model_name = list(args.served_model_name)
+        t0 = time.monotonic()
         config = engine_args.create_engine_config()  # every config error before the port check and the load
+        logger.info("start-up: engine config took %.2f s", time.monotonic() - t0)
         check_port_free(args.host, args.port)
         engine = AsyncLLM(config)
     except ValueError as e:
