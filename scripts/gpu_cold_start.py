@@ -1,8 +1,9 @@
 """`pagedllm serve` start to ready, Llama-3.1-8B shape (dummy bf16 weights), cold and warm, per phase (issue 16).
 
-    python3 scripts/gpu_cold_start.py [--model M] [--max-model-len N] [--root DIR] [--quick] [TREE ...]
+    python3 scripts/gpu_cold_start.py [--model M] [--max-model-len N] [--root DIR] [--quick] [TREE[@VAR=V,...] ...]
 
-TREE: checkout roots to compare (default: this one). M: a model name or folder (default `llama3-8b`, the
+TREE: checkout roots to compare (default: this one), each optionally with environment variables set
+for its starts (`.@PAGEDLLM_ENABLE_MULTIPROCESSING=0`: the engine core in a thread). M: a model name or folder (default `llama3-8b`, the
 bundled 8B config; served with the SmolLM2 tokenizer the script writes once into DIR/tokenizer, so the
 server loads a real tokenizer as a user's would). For each tree, each start is a fresh
 `python3 -m pagedllm serve M --load-format dummy` process, timed from the moment it is started until
@@ -120,6 +121,14 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         os.killpg(p.pid, 9)
         p.wait()
     reader.join(5)
+    for _ in range(100):  # the engine process (same group) must let go of the GPU before the next start
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(p.pid, 9)
     marks, phases = {}, []
     for t, line in lines:
         for label, pat in MARKS:
@@ -166,11 +175,14 @@ def main() -> None:
                                                 PAGEDLLM_CACHE_ROOT=os.path.join(root, "tok-cache")))
             print(f"tokenizer written to {tokenizer} in {time.time() - t:.1f} s (not part of any start)", flush=True)
     rows, ref = [], None
-    for ti, tree in enumerate(trees):
+    for ti, spec in enumerate(trees):
+        # TREE[@VAR=VALUE,...]: that checkout with those environment variables (an A/B of a switch)
+        tree, _, env_spec = spec.partition("@")
+        extra_env = dict(kv.split("=", 1) for kv in env_spec.split(",") if kv)
         cache = os.path.join(root, f"cache-{ti}")
         shutil.rmtree(cache, ignore_errors=True)
         for kind in ("cold", "warm") + (() if quick else ("warm2",)):
-            r = start(tree, model, tokenizer, max_len, cache, {})
+            r = start(tree, model, tokenizer, max_len, cache, extra_env)
             ready = "FAILED" if r["ready"] is None else f"{r['ready']:.1f}"
             if isinstance(r["tokens"], list):
                 ref = ref or r["tokens"]
@@ -178,10 +190,10 @@ def main() -> None:
             else:
                 same = str(r["tokens"])[:80]
             timeline = ", ".join(f"{k} {v:.1f}" for k, v in r["marks"].items())
-            print(f"{tree} {kind}: ready {ready} s\n  timeline (s since start): {timeline}\n"
+            print(f"{spec} {kind}: ready {ready} s\n  timeline (s since start): {timeline}\n"
                   f"  phases (s): {'; '.join(r['phases'])}\n  cubins {r['cubins']}; warnings {r['warnings']}",
                   flush=True)
-            rows.append((tree, kind, ready, f"{r['marks'].get('engine: first line', float('nan')):.1f}",
+            rows.append((spec, kind, ready, f"{r['marks'].get('engine: first line', float('nan')):.1f}",
                          f"{r['marks'].get('engine ready', float('nan')):.1f}", str(r["cubins"]), same))
     print("\n| tree | start | ready s | engine's first log line s | engine ready s | cubins | greedy tokens |")
     print("|---|---|---|---|---|---|---|")
