@@ -147,6 +147,26 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             "warnings": [line[:200] for _, line in lines if "WARNING" in line or "Traceback" in line][:4]}
 
 
+def import_profile(tree: str) -> None:
+    """`python -X importtime` of what a start imports before its engine runs: the slowest modules
+    (cumulative seconds), so the imports on the critical path are known on this machine."""
+    code = ("import time; t = time.time(); import torch; a = time.time(); "
+            "import pagedllm.entrypoints.openai.api_server; b = time.time(); "
+            "from pagedllm.loader.source import resolve_model; resolve_model('llama3-8b'); c = time.time(); "
+            "print(f'IMPORTS torch {a - t:.2f} s, server modules {b - a:.2f} s, the 8B config {c - b:.2f} s')")
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tree, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
+    rows = []
+    for line in p.stderr.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
+    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("IMPORTS")) or p.stderr[-2000:])
+    print("slowest imports (cumulative s):")
+    for sec, name in sorted(rows, reverse=True)[:45]:
+        print(f"  {sec:6.2f} {name}")
+
+
 def main() -> None:
     args = sys.argv[1:]
 
@@ -174,6 +194,8 @@ def main() -> None:
                            check=True, env=dict(os.environ, PYTHONPATH=os.path.abspath(trees[0]),
                                                 PAGEDLLM_CACHE_ROOT=os.path.join(root, "tok-cache")))
             print(f"tokenizer written to {tokenizer} in {time.time() - t:.1f} s (not part of any start)", flush=True)
+    if not quick:
+        import_profile(trees[0].partition("@")[0])
     rows, ref = [], None
     for ti, spec in enumerate(trees):
         # TREE[@VAR=VALUE,...]: that checkout with those environment variables (an A/B of a switch)
