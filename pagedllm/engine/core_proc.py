@@ -25,14 +25,18 @@ to stop) and exits when its input pipe closes (frontend gone).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine import fork_server
 from pagedllm.engine.messages import (
     EngineCoreCommand,
     EngineCoreReply,
@@ -48,16 +52,15 @@ from pagedllm.engine.messages import (
 
 logger = logging.getLogger(__name__)
 
-# Imported once by the fork server (nothing of pagedllm: its modules read the environment, which the
-# engine process takes from the frontend as it is when the engine starts).
-PRELOAD = ["torch", "transformers"]
 # Seconds the frontend waits for the engine process to load the model and report ready.
 STARTUP_TIMEOUT_S = 600.0
 
 
-def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, env: dict[str, str],
-                 log_level: int, log_format: str | None, fail_at_step: int | None) -> None:
-    """The engine process: build the EngineCore, then serve commands and step until told to stop."""
+def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Connection, env: dict[str, str],
+                 log_level: int, log_format: str | None, fail_at_step: int | None, warm_cuda: bool = False) -> None:
+    """The engine process: build the EngineCore, then serve commands and step until told to stop.
+    Started early (`prestart_engine_process`: config None), it first imports and, with `warm_cuda`,
+    initialises CUDA, then waits for the frontend's config (one pickled frame; EOF: not needed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
@@ -72,8 +75,20 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
 
+    if warm_cuda:  # what the worker would do first, done while the frontend still builds the config
+        import torch
+
+        import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
+
+        torch.cuda.init()
     # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
-    logger.info("start-up: engine process imports took %.2f s", time.monotonic() - t0)
+    logger.info("start-up: engine process imports%s took %.2f s", " and CUDA init" if warm_cuda else "",
+                time.monotonic() - t0)
+    if config is None:
+        try:
+            config, fail_at_step = pickle.loads(inputs.recv_bytes())
+        except EOFError:
+            return  # the frontend did not need this process (a bad flag, a busy port)
 
     def emit(reply: EngineCoreReply) -> bool:
         outputs.send_bytes(encode(reply))
@@ -109,30 +124,88 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    # A fork server that has imported torch: each engine starts from a clean single-threaded process
-    # without paying torch's import again (spawn would, ~2 s; fork would copy the frontend's threads).
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    return fork_server.context()  # the engine process forks from a fork server (engine/fork_server.py)
 
 
 def multiprocessing_available() -> bool:
-    return "forkserver" in multiprocessing.get_all_start_methods()
+    return fork_server.available()
+
+
+# The engine process started by `prestart_engine_process` (a future: it starts in a thread), until
+# EngineCoreProc.start takes it.
+_prestarted: concurrent.futures.Future[EngineCoreProc] | None = None
+
+
+def prestart_engine_process(warm_cuda: bool) -> None:
+    """Start the engine process now, before the frontend has read the model's config (the server
+    calls this first): its imports and, with `warm_cuda` (one CUDA device will run the model),
+    CUDA's initialisation overlap the frontend's imports, config and tokenizer instead of following
+    them. `EngineCoreProc.start` hands it the config, or starts a new process when this one does
+    not fit (the environment changed since, or the config is not for one CUDA device)."""
+    global _prestarted
+    if _prestarted is None and multiprocessing_available():
+        # In a thread: starting a process waits until the fork server has finished its own imports.
+        _prestarted = concurrent.futures.Future()
+        threading.Thread(target=_start_into, args=(_prestarted, warm_cuda), name="pagedllm-engine-prestart",
+                         daemon=True).start()
+
+
+def _start_into(future: concurrent.futures.Future[EngineCoreProc], warm_cuda: bool) -> None:
+    try:
+        future.set_result(EngineCoreProc(None, None, warm_cuda=warm_cuda))
+    except BaseException as e:  # noqa: BLE001 - then EngineCoreProc.start starts one itself
+        future.set_exception(e)
+
+
+def _take_prestarted() -> EngineCoreProc | None:
+    global _prestarted
+    future, _prestarted = _prestarted, None
+    if future is None:
+        return None
+    try:
+        return future.result(STARTUP_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001
+        logger.info("the early engine process did not start (%s); starting one now", e)
+        return None
+
+
+def discard_prestarted_engine_process() -> None:
+    """The frontend stops before it started its engine (a bad flag): end the early process."""
+    early = _take_prestarted()
+    if early is not None:
+        early.close(5.0)
 
 
 class EngineCoreProc:
     """The frontend's handle on the engine process: start it, wait until it is ready (the model loads
     there; its errors are raised here), send commands, receive messages, stop it."""
 
-    def __init__(self, config: EngineConfig, fail_at_step: int | None) -> None:
+    @classmethod
+    def start(cls, config: EngineConfig, fail_at_step: int | None) -> EngineCoreProc:
+        """The engine process for `config`: the prestarted one when it fits, else a new one."""
+        early = _take_prestarted()
+        if early is not None:
+            one_cuda_device = config.device_config.device == "cuda" and config.parallel_config.world_size == 1
+            if (early.env == dict(os.environ) and early.warm_cuda == one_cuda_device
+                    and early.process.is_alive()):
+                early._inputs.send_bytes(pickle.dumps((config, fail_at_step)))
+                early._configured = True
+                return early
+            early.close(5.0)
+        return cls(config, fail_at_step)
+
+    def __init__(self, config: EngineConfig | None, fail_at_step: int | None, warm_cuda: bool = False) -> None:
         ctx = _context()
         self._inputs_recv, self._inputs = ctx.Pipe(duplex=False)
         self._outputs, self._outputs_send = ctx.Pipe(duplex=False)
         root = logging.getLogger()
         fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else None
+        self.env = dict(os.environ)  # what the process's modules read at import
+        self.warm_cuda = warm_cuda
+        self._configured = config is not None
         self.process = ctx.Process(
             target=_engine_main, name="pagedllm-engine-core", daemon=True,
-            args=(config, self._inputs_recv, self._outputs_send, dict(os.environ), root.level, fmt, fail_at_step),
+            args=(config, self._inputs_recv, self._outputs_send, self.env, root.level, fmt, fail_at_step, warm_cuda),
         )
         self.process.start()
         # The child holds its own ends now; closing ours lets each side see EOF when the other dies.
@@ -169,7 +242,10 @@ class EngineCoreProc:
     def close(self, timeout: float = 5.0) -> None:
         """Ask the process to stop (it finishes its step), then make sure it has."""
         try:
-            self.send(Shutdown())
+            if self._configured:
+                self.send(Shutdown())
+            else:
+                self._inputs.close()  # EOF where it waits for its config
         except OSError:
             pass
         self.process.join(timeout)
@@ -180,4 +256,5 @@ class EngineCoreProc:
             self.process.kill()
             self.process.join(1.0)
         for conn in (self._inputs, self._outputs):
-            conn.close()
+            if not conn.closed:
+                conn.close()

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -35,8 +36,10 @@ from prometheus_client import Counter
 from pydantic import BaseModel
 
 import pagedllm
+import pagedllm.envs as envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.core_proc import discard_prestarted_engine_process, prestart_engine_process
 from pagedllm.entrypoints.openai.admission import SHUTTING_DOWN_CODE, AdmissionController
 from pagedllm.entrypoints.openai.cli_args import (
     api_keys,
@@ -323,11 +326,23 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     return exit_code
 
 
+def _prestart_engine(args: argparse.Namespace) -> None:
+    """The engine process, started before anything else (engine/core_proc.py's prestart): it imports
+    and initialises CUDA while this process builds the config, reads the tokenizer and the app."""
+    if envs.PAGEDLLM_ENABLE_MULTIPROCESSING is False or not envs.PAGEDLLM_PRESTART_ENGINE:
+        return
+    one_device = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1) == 1
+    warm_cuda = (args.device in ("auto", "cuda") and one_device and args.distributed_executor_backend is None
+                 and torch.cuda.is_available())
+    prestart_engine_process(warm_cuda)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Load the model, then serve; exits non-zero with a clear message on a bad flag."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     raise_open_file_limit()
     try:
+        _prestart_engine(args)
         check_table_flags(args)
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)
@@ -342,8 +357,10 @@ def run_server(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port)
         engine = AsyncLLM(config)
     except ValueError as e:
+        discard_prestarted_engine_process()
         print(f"pagedllm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    discard_prestarted_engine_process()  # unless AsyncLLM took it (a thread-run or unfitting engine)
     mc = engine.model_config
     scheme = "https" if args.ssl_certfile else "http"
     logger.info(
