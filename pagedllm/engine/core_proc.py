@@ -76,11 +76,14 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     from pagedllm.engine.engine_core import EngineCore
 
     if warm_cuda:  # what the worker would do first, done while the frontend still builds the config
-        import torch
+        try:
+            import torch
 
-        import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
+            import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
 
-        torch.cuda.init()
+            torch.cuda.init()
+        except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
+            logger.warning("engine process: early CUDA initialisation failed (%s)", e)
     # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
     logger.info("start-up: engine process imports%s took %.2f s", " and CUDA init" if warm_cuda else "",
                 time.monotonic() - t0)
