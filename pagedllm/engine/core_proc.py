@@ -34,6 +34,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import fork_server
@@ -57,10 +58,12 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Connection, env: dict[str, str],
-                 log_level: int, log_format: str | None, fail_at_step: int | None, warm_cuda: bool = False) -> None:
+                 log_level: int, log_format: str | None, fail_at_step: int | None, warm_cuda: bool = False,
+                 engine_args: Any = None) -> None:
     """The engine process: build the EngineCore, then serve commands and step until told to stop.
     Started early (`prestart_engine_process`: config None), it first imports and, with `warm_cuda`,
-    initialises CUDA, then waits for the frontend's config (one pickled frame; EOF: not needed)."""
+    initialises CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend
+    builds the same config (`_await_config`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
@@ -87,9 +90,11 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
     logger.info("start-up: engine process imports%s took %.2f s", " and CUDA init" if warm_cuda else "",
                 time.monotonic() - t0)
+    core: EngineCore | None = None
+    early_error: BaseException | None = None
     if config is None:
         try:
-            config, fail_at_step = pickle.loads(inputs.recv_bytes())
+            config, core, early_error, fail_at_step = _await_config(inputs, engine_args)
         except EOFError:
             return  # the frontend did not need this process (a bad flag, a busy port)
 
@@ -107,7 +112,10 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
         return batch
 
     try:
-        core = EngineCore(config)
+        if early_error is not None:
+            raise early_error
+        if core is None:
+            core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which raises it
         emit(StartupFailed(ErrorInfo.from_exception(e)))
         return
@@ -126,6 +134,39 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
         core.shutdown()
 
 
+def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, Any, BaseException | None, int | None]:
+    """A prestarted engine process's config and core: (config, EngineCore or None, its start-up
+    error, fail_at_step).
+
+    The frontend builds the config from `engine_args` and sends it (one pickled frame) once built;
+    this process builds the same config itself meanwhile (faster: its fork server has imported the
+    transformers modules a config needs) and its EngineCore with it, so the model loads while the
+    frontend still reads the config. The frontend's config is the one served: when it is not equal
+    to this one (it never should be: both are built from the same arguments and environment), the
+    core is built again from it. A config error is the frontend's to report: this process then
+    waits for the config (EOFError: the frontend stopped instead)."""
+    from pagedllm.engine.engine_core import EngineCore
+
+    own = core = error = None
+    if engine_args is not None:
+        try:
+            own = engine_args.create_engine_config()
+        except Exception:  # noqa: BLE001 - the frontend's create_engine_config raises it to the user
+            own = None
+    if own is not None:
+        try:
+            core = EngineCore(own)
+        except BaseException as e:  # noqa: BLE001 - reported once the frontend's config agrees
+            error = e
+    config, fail_at_step = pickle.loads(inputs.recv_bytes())
+    if own is not None and config != own:
+        logger.warning("the engine process's config differs from the frontend's; building the engine again")
+        if core is not None:
+            core.shutdown()
+        core = error = None
+    return config, core, error, fail_at_step
+
+
 def _context() -> multiprocessing.context.BaseContext:
     return fork_server.context()  # the engine process forks from a fork server (engine/fork_server.py)
 
@@ -139,23 +180,24 @@ def multiprocessing_available() -> bool:
 _prestarted: concurrent.futures.Future[EngineCoreProc] | None = None
 
 
-def prestart_engine_process(warm_cuda: bool) -> None:
-    """Start the engine process now, before the frontend has read the model's config (the server
-    calls this first): its imports and, with `warm_cuda` (one CUDA device will run the model),
-    CUDA's initialisation overlap the frontend's imports, config and tokenizer instead of following
-    them. `EngineCoreProc.start` hands it the config, or starts a new process when this one does
-    not fit (the environment changed since, or the config is not for one CUDA device)."""
+def prestart_engine_process(engine_args: Any, warm_cuda: bool) -> None:
+    """Start the engine process now, before the frontend has built the config from `engine_args`
+    (the server calls this just before): its imports, with `warm_cuda` (one CUDA device will run
+    the model) CUDA's initialisation, its own config and the model load overlap the frontend's
+    config, tokenizer and app instead of following them (`_await_config`). `EngineCoreProc.start`
+    hands it the frontend's config, or starts a new process when this one does not fit (the
+    environment changed since, or the config is not for one CUDA device)."""
     global _prestarted
     if _prestarted is None and multiprocessing_available():
         # In a thread: starting a process waits until the fork server has finished its own imports.
         _prestarted = concurrent.futures.Future()
-        threading.Thread(target=_start_into, args=(_prestarted, warm_cuda), name="pagedllm-engine-prestart",
-                         daemon=True).start()
+        threading.Thread(target=_start_into, args=(_prestarted, engine_args, warm_cuda),
+                         name="pagedllm-engine-prestart", daemon=True).start()
 
 
-def _start_into(future: concurrent.futures.Future[EngineCoreProc], warm_cuda: bool) -> None:
+def _start_into(future: concurrent.futures.Future[EngineCoreProc], engine_args: Any, warm_cuda: bool) -> None:
     try:
-        future.set_result(EngineCoreProc(None, None, warm_cuda=warm_cuda))
+        future.set_result(EngineCoreProc(None, None, warm_cuda=warm_cuda, engine_args=engine_args))
     except BaseException as e:  # noqa: BLE001 - then EngineCoreProc.start starts one itself
         future.set_exception(e)
 
@@ -197,7 +239,8 @@ class EngineCoreProc:
             early.close(5.0)
         return cls(config, fail_at_step)
 
-    def __init__(self, config: EngineConfig | None, fail_at_step: int | None, warm_cuda: bool = False) -> None:
+    def __init__(self, config: EngineConfig | None, fail_at_step: int | None, warm_cuda: bool = False,
+                 engine_args: Any = None) -> None:
         ctx = _context()
         self._inputs_recv, self._inputs = ctx.Pipe(duplex=False)
         self._outputs, self._outputs_send = ctx.Pipe(duplex=False)
@@ -208,7 +251,8 @@ class EngineCoreProc:
         self._configured = config is not None
         self.process = ctx.Process(
             target=_engine_main, name="pagedllm-engine-core", daemon=True,
-            args=(config, self._inputs_recv, self._outputs_send, self.env, root.level, fmt, fail_at_step, warm_cuda),
+            args=(config, self._inputs_recv, self._outputs_send, self.env, root.level, fmt, fail_at_step, warm_cuda,
+                  engine_args),
         )
         self.process.start()
         # The child holds its own ends now; closing ours lets each side see EOF when the other dies.
@@ -247,8 +291,9 @@ class EngineCoreProc:
         try:
             if self._configured:
                 self.send(Shutdown())
-            else:
-                self._inputs.close()  # EOF where it waits for its config
+            else:  # a prestarted process nobody needs: it may be loading a model; nothing to finish
+                self._inputs.close()
+                self.process.kill()
         except OSError:
             pass
         self.process.join(timeout)

@@ -326,15 +326,15 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     return exit_code
 
 
-def _prestart_engine(args: argparse.Namespace) -> None:
-    """The engine process, started before anything else (engine/core_proc.py's prestart): it imports
-    and initialises CUDA while this process builds the config, reads the tokenizer and the app."""
+def _prestart_engine(engine_args: EngineArgs) -> None:
+    """The engine process, started before this process builds the config (engine/core_proc.py's
+    prestart): it builds the same config and loads the model while this process reads the config,
+    the tokenizer and builds the app."""
     if envs.PAGEDLLM_ENABLE_MULTIPROCESSING is False or not envs.PAGEDLLM_PRESTART_ENGINE:
         return
-    one_device = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1) == 1
-    warm_cuda = (args.device in ("auto", "cuda") and one_device and args.distributed_executor_backend is None
-                 and torch.cuda.is_available())
-    prestart_engine_process(warm_cuda)
+    ea = engine_args
+    one_device = ea.tensor_parallel_size * ea.pipeline_parallel_size == 1 and ea.distributed_executor_backend is None
+    prestart_engine_process(ea, warm_cuda=ea.device in ("auto", "cuda") and one_device and torch.cuda.is_available())
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -342,7 +342,6 @@ def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     raise_open_file_limit()
     try:
-        _prestart_engine(args)
         check_table_flags(args)
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)
@@ -351,6 +350,7 @@ def run_server(args: argparse.Namespace) -> None:
             engine_args.kv_snapshot_interval_s = KV_SNAPSHOT_INTERVAL_S  # the console's block map
         if args.served_model_name:
             engine_args.served_model_name = list(args.served_model_name)
+        _prestart_engine(engine_args)
         t0 = time.monotonic()
         config = engine_args.create_engine_config()  # every config error before the port check and the load
         logger.info("start-up: engine config took %.2f s", time.monotonic() - t0)
