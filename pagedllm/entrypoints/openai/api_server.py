@@ -361,6 +361,12 @@ def run_server(args: argparse.Namespace) -> None:
         print(f"pagedllm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     discard_prestarted_engine_process()  # unless AsyncLLM took it (a thread-run or unfitting engine)
+    if not engine.engine_core.in_process:
+        # With PAGEDLLM_PARALLEL_COMPILE=1 create_engine_config started Triton compile processes here
+        # too; the engine process compiles with its own, so these would only take CPU from it.
+        from pagedllm.worker.compile_pool import close_compile_pool
+
+        close_compile_pool()
     mc = engine.model_config
     scheme = "https" if args.ssl_certfile else "http"
     logger.info(
