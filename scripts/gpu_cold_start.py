@@ -15,6 +15,9 @@ GET /v1/models answers (issue 16's "start to ready"):
     warm   a second start on the same directories
     warm2  a third (not with --quick): the spread of warm starts
 
+First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
+process's (after its fork server's preload): the slowest modules on this machine.
+
 Printed per start: ready, and a timeline of the server's log lines (seconds since the start: the
 first line of each process, every "start-up: X took Y s" phase, "engine ready in", the frontend's
 "serving" line, uvicorn's "Application startup complete"); then a greedy /v1/completions request of
@@ -165,6 +168,29 @@ def import_profile(tree: str) -> None:
     print("slowest imports (cumulative s):")
     for sec, name in sorted(rows, reverse=True)[:45]:
         print(f"  {sec:6.2f} {name}")
+    # What the engine process imports after its fork server's preload: the config's unpickling and
+    # the engine modules (a config pickled here first, in a process of its own).
+    code = ("import pickle, sys; from pagedllm.engine.arg_utils import EngineArgs; "
+            "sys.stdout.buffer.write(pickle.dumps(EngineArgs(model='llama3-8b', load_format='dummy', "
+            "max_model_len=4096).create_engine_config()))")
+    blob = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.path.abspath(tree))).stdout
+    code = ("import time, pickle, sys; from pagedllm.engine.fork_server import PRELOAD; t = time.time(); "
+            "[__import__(m) for m in PRELOAD]; a = time.time(); c = pickle.loads(sys.stdin.buffer.read()); "
+            "from pagedllm.engine.engine_core import EngineCore; import pagedllm.attention.triton_backend; "
+            "b = time.time(); print(f'ENGINE fork-server preload {a - t:.2f} s, config + engine modules {b - a:.2f} s')")
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tree, input=blob, capture_output=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
+    out, err = p.stdout.decode(), p.stderr.decode()
+    rows = []
+    for line in err.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
+    print("\n".join(line for line in out.splitlines() if line.startswith("ENGINE")) or err[-2000:])
+    print("engine process, slowest imports (cumulative s):")
+    for sec, name in sorted(rows, reverse=True)[:30]:
+        print(f"  {sec:6.2f} {name}")
 
 
 def main() -> None:
@@ -182,7 +208,7 @@ def main() -> None:
     max_len = int(option("--max-model-len", "4096"))
     root = option("--root", None) or tempfile.mkdtemp(prefix="cold-start-")
     quick = "--quick" in args
-    trees = [a for a in args if a != "--quick"] or ["."]
+    trees = [a for a in args if a not in ("--quick", "--no-profile")] or ["."]
     os.makedirs(root, exist_ok=True)
     tokenizer = None
     if not os.path.isdir(model) or not os.path.exists(os.path.join(model, "tokenizer.json")):
@@ -194,7 +220,7 @@ def main() -> None:
                            check=True, env=dict(os.environ, PYTHONPATH=os.path.abspath(trees[0]),
                                                 PAGEDLLM_CACHE_ROOT=os.path.join(root, "tok-cache")))
             print(f"tokenizer written to {tokenizer} in {time.time() - t:.1f} s (not part of any start)", flush=True)
-    if not quick:
+    if "--no-profile" not in args:
         import_profile(trees[0].partition("@")[0])
     rows, ref = [], None
     for ti, spec in enumerate(trees):

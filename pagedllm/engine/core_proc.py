@@ -158,7 +158,9 @@ def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, A
             core = EngineCore(own)
         except BaseException as e:  # noqa: BLE001 - reported once the frontend's config agrees
             error = e
-    config, fail_at_step = pickle.loads(inputs.recv_bytes())
+    config, fail_at_step, env = pickle.loads(inputs.recv_bytes())
+    os.environ.clear()  # the frontend's environment now (_env_fits: only variables nothing read yet differ)
+    os.environ.update(env)
     if own is not None and config != own:
         logger.warning("the engine process's config differs from the frontend's; building the engine again")
         if core is not None:
@@ -221,6 +223,22 @@ def discard_prestarted_engine_process() -> None:
         early.close(5.0)
 
 
+# Variables read when torch, Triton or CUDA start (or by pagedllm, envs.py): a prestarted engine
+# process has read them, so one that differs now makes the frontend start a new process.
+_READ_AT_START = ("PAGEDLLM_", "TRITON_", "CUDA_", "TORCH", "PYTORCH_", "NCCL_", "NVIDIA_", "LD_", "PYTHON",
+                  "HF_", "TRANSFORMERS_", "OMP_", "MKL_")
+
+
+def _env_fits(then: dict[str, str], now: dict[str, str]) -> bool:
+    """Whether a process started with environment `then` can serve a frontend whose environment is
+    `now`: equal, but for variables added since that nothing of the engine has read at start (the
+    frontend's own imports set some: scikit-learn, imported by transformers' generation utilities
+    where installed, sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK)."""
+    if any(now.get(k) != v for k, v in then.items()):
+        return False
+    return not any(k.startswith(_READ_AT_START) for k in now.keys() - then.keys())
+
+
 class EngineCoreProc:
     """The frontend's handle on the engine process: start it, wait until it is ready (the model loads
     there; its errors are raised here), send commands, receive messages, stop it."""
@@ -231,11 +249,14 @@ class EngineCoreProc:
         early = _take_prestarted()
         if early is not None:
             one_cuda_device = config.device_config.device == "cuda" and config.parallel_config.world_size == 1
-            if (early.env == dict(os.environ) and early.warm_cuda == one_cuda_device
-                    and early.process.is_alive()):
-                early._inputs.send_bytes(pickle.dumps((config, fail_at_step)))
+            now = dict(os.environ)
+            if _env_fits(early.env, now) and early.warm_cuda == one_cuda_device and early.process.is_alive():
+                early._inputs.send_bytes(pickle.dumps((config, fail_at_step, now)))
                 early._configured = True
                 return early
+            changed = sorted(k for k in early.env.keys() | now.keys() if early.env.get(k) != now.get(k))
+            logger.info("the prestarted engine process does not fit (environment changed: %s; CUDA %s -> %s); "
+                        "starting another", ", ".join(changed) or "no", early.warm_cuda, one_cuda_device)
             early.close(5.0)
         return cls(config, fail_at_step)
 

@@ -116,3 +116,14 @@ def test_a_prestarted_engine_process_serves_the_frontends_config(model_dir):
     unused = core_proc._prestarted.result(60)
     core_proc.discard_prestarted_engine_process()
     assert not unused.process.is_alive() and core_proc._prestarted is None
+
+
+def test_a_prestarted_process_fits_an_environment_with_unread_additions():
+    from pagedllm.engine.core_proc import _env_fits
+
+    then = {"PATH": "/bin", "PAGEDLLM_FUSED_QKV": "1"}
+    assert _env_fits(then, dict(then))
+    assert _env_fits(then, {**then, "KMP_DUPLICATE_LIB_OK": "True"})  # set by an import since: never read
+    assert not _env_fits(then, {**then, "PAGEDLLM_FUSED_QKV": "0"})  # changed
+    assert not _env_fits(then, {"PATH": "/bin"})  # removed
+    assert not _env_fits(then, {**then, "TRITON_INTERPRET": "1"})  # added, but read at import
