@@ -147,7 +147,8 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         print("--- start failed; last lines:\n" + "\n".join(line for _, line in lines[-40:]), flush=True)
     binaries = sum(n.endswith(".cubin") for _, _, files in os.walk(cache + "/triton") for n in files)
     return {"ready": ready, "marks": marks, "phases": phases, "tokens": tokens, "cubins": binaries,
-            "warnings": [line[:200] for _, line in lines if "WARNING" in line or "Traceback" in line][:4]}
+            "warnings": [line[:200] for _, line in lines
+                         if "WARNING" in line or "Traceback" in line or "does not fit" in line][:4]}
 
 
 def import_profile(tree: str) -> None:
