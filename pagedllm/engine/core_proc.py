@@ -182,19 +182,20 @@ def multiprocessing_available() -> bool:
 _prestarted: concurrent.futures.Future[EngineCoreProc] | None = None
 
 
-def prestart_engine_process(engine_args: Any, warm_cuda: bool) -> None:
+def prestart_engine_process(engine_args: Any, warm_cuda: bool) -> bool:
     """Start the engine process now, before the frontend has built the config from `engine_args`
     (the server calls this just before): its imports, with `warm_cuda` (one CUDA device will run
     the model) CUDA's initialisation, its own config and the model load overlap the frontend's
     config, tokenizer and app instead of following them (`_await_config`). `EngineCoreProc.start`
     hands it the frontend's config, or starts a new process when this one does not fit (the
-    environment changed since, or the config is not for one CUDA device)."""
+    environment changed since, or the config is not for one CUDA device). -> whether one was started."""
     global _prestarted
     if _prestarted is None and multiprocessing_available():
         # In a thread: starting a process waits until the fork server has finished its own imports.
         _prestarted = concurrent.futures.Future()
         threading.Thread(target=_start_into, args=(_prestarted, engine_args, warm_cuda),
                          name="pagedllm-engine-prestart", daemon=True).start()
+    return _prestarted is not None
 
 
 def _start_into(future: concurrent.futures.Future[EngineCoreProc], engine_args: Any, warm_cuda: bool) -> None:
