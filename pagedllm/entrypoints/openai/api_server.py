@@ -364,6 +364,9 @@ def run_server(args: argparse.Namespace) -> None:
         discard_prestarted_engine_process()
         print(f"pagedllm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except BaseException:  # Ctrl-C or any other failure while starting: no engine process is left behind
+        discard_prestarted_engine_process()
+        raise
     discard_prestarted_engine_process()  # unless AsyncLLM took it (a thread-run or unfitting engine)
     if not engine.engine_core.in_process:
         # With PAGEDLLM_PARALLEL_COMPILE=1 create_engine_config started Triton compile processes here
