@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_MODULES])
+    return sorted(__all__)
 
 
 __all__ = [
