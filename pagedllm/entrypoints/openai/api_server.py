@@ -334,8 +334,11 @@ def _prestart_engine(engine_args: EngineArgs) -> None:
         return
     ea = engine_args
     one_device = ea.tensor_parallel_size * ea.pipeline_parallel_size == 1 and ea.distributed_executor_backend is None
-    if prestart_engine_process(ea, warm_cuda=ea.device in ("auto", "cuda") and one_device
-                               and torch.cuda.is_available()):
+    if not (ea.device in ("auto", "cuda") and one_device and torch.cuda.is_available()):
+        # On the CPU the engine's work competes with the frontend's for the same few cores (a 2-core
+        # machine measured no gain), and a multi-GPU engine starts its own workers: the old order.
+        return
+    if prestart_engine_process(ea, warm_cuda=True):
         from pagedllm.worker.compile_pool import leave_to_engine_process
 
         leave_to_engine_process()  # PAGEDLLM_PARALLEL_COMPILE=1: the engine process starts its own
