@@ -1,33 +1,60 @@
-"""pagedllm: a vLLM-style LLM inference and serving engine (paged KV cache, continuous batching)."""
+"""pagedllm: a vLLM-style LLM inference and serving engine (paged KV cache, continuous batching).
 
+The public names are imported on first use (as vLLM's package does), so `import pagedllm` costs
+nothing: the command line starts its engine's fork server before torch loads (entrypoints/cli.py),
+and AsyncLLM (which brings msgspec, the server's wire format) never loads where only the offline
+path runs (the GPU benchmarks, where only torch and transformers are).
+"""
+
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.llm import LLM
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.pooling.outputs import (
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingRequestOutput,
-    ScoringRequestOutput,
-)
-from pagedllm.pooling.params import PoolingParams
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-
 if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.pooling.outputs import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
+    from pagedllm.pooling.params import PoolingParams
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_MODULES = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "AsyncLLM": "pagedllm.engine.async_llm",
+    "EngineArgs": "pagedllm.engine.arg_utils",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutputKind": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling.params",
+    "PoolingRequestOutput": "pagedllm.pooling.outputs",
+    "EmbeddingRequestOutput": "pagedllm.pooling.outputs",
+    "ClassificationRequestOutput": "pagedllm.pooling.outputs",
+    "ScoringRequestOutput": "pagedllm.pooling.outputs",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # AsyncLLM (the server's engine) brings msgspec, its wire format, in: imported on first use, so
-    # the offline LLM path (and the GPU benchmarks) runs where only torch and transformers are.
-    if name == "AsyncLLM":
-        from pagedllm.engine.async_llm import AsyncLLM
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
 
-        return AsyncLLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "LLM",

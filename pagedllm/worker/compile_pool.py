@@ -63,13 +63,22 @@ class CompilePool:
 
 
 _pool: CompilePool | None = None
+_elsewhere = False  # this process runs no worker: its engine process compiles (leave_to_engine_process)
+
+
+def leave_to_engine_process() -> None:
+    """This process's engine runs in another process, which starts its own compile processes: start
+    none here (the server's frontend, whose create_engine_config would)."""
+    global _elsewhere
+    _elsewhere = True
+    close_compile_pool()
 
 
 def start_compile_pool() -> None:
     """Start the compile processes now, once per process (later calls do nothing while they run);
     a failure to start them only means this process compiles instead."""
     global _pool
-    if _pool is not None:
+    if _pool is not None or _elsewhere:
         return
     try:
         _pool = CompilePool(min(_MAX_PROCESSES, max((os.cpu_count() or 1) - 1, 1)))

@@ -105,6 +105,8 @@ class Worker:
         else:
             self.device = torch.device(dc.device)
         if self.device.type == "cuda":
+            with start_phase("CUDA init"):  # paid by the first CUDA call anyway; its own line in the log
+                torch.cuda.init()
             # Before any kernel compiles: compiled variants persist under the user's cache directory.
             logger.info("Triton cache: %s", use_triton_cache_dir())
             if self.kernel_switches.parallel_compile:

@@ -1,0 +1,43 @@
+"""The fork server the engine process starts from (engine/core_proc.py), and its earliest start.
+
+The engine process is forked from a fork server that has imported torch and transformers, so each
+engine starts from a clean single-threaded process without paying those imports again (spawn would;
+fork would copy the frontend's threads). The fork server is a fresh Python that imports them itself,
+seconds on any machine: `pagedllm serve` starts it first thing (entrypoints/cli.py), before its own
+imports, so those seconds pass while the frontend imports and reads the config. Otherwise it starts
+with the first engine process.
+
+This module imports nothing of torch or pagedllm: the command line calls it before those load.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
+
+# Imported once by the fork server. Nothing of pagedllm: its modules may read the environment at
+# import, and a fork server lives as long as its process (a test that sets a variable later must not
+# get modules that read the old one). The transformers modules are the ones every model config's
+# module imports (in transformers 5: type validators -> activations -> hub kernels -> distributed
+# tensors, seconds), paid here instead of when the engine process unpickles its config. A module a
+# transformers version lacks is skipped (the fork server ignores ImportError).
+PRELOAD = ["torch", "transformers", "transformers.configuration_utils", "transformers.activations"]
+
+
+def available() -> bool:
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_early() -> None:
+    """Start the fork server now (its imports run in its own process while this one goes on); the
+    first engine process started later forks from it. Nothing happens where there is no fork server."""
+    if available():
+        context()
+        multiprocessing.forkserver.ensure_running()
