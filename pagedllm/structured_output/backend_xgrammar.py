@@ -162,6 +162,10 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             super().fill_bitmasks(grammars, bitmask, rows)
 
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool]:
+        # One C++ call for the batch instead of one Python -> C++ call per row (~64 a decode step).
+        return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
+
     def validate(self, params: StructuredOutputsParams) -> None:
         self._compile(params)
 

@@ -2,12 +2,17 @@
 
 - `add_request`: the request's grammar compiles in a small thread pool, off the step loop; the
   core holds the request back from the scheduler until it is ready (a cached schema: at once).
-- `advance`: after each collected step, the tokens the scheduler accepted advance the grammars.
-  This is the only place grammars move, so a token the scheduler dropped (a request finished or
-  aborted while its step ran) never reaches one.
-- `grammar_bitmask`: before a step samples, one bitmask row per constrained request that samples,
-  filled on the host from grammars that have seen every earlier token (the core collects the step
-  in flight first; the device meanwhile runs this step's forward pass).
+- `advance`: after each collected step, the tokens the scheduler accepted are queued for the
+  grammars. Only these tokens ever reach a grammar, so a token the scheduler dropped (a request
+  finished or aborted while its step ran) never does.
+- `grammar_bitmask`: before a step samples, one bitmask row per request whose next token is
+  constrained: the queued tokens advance the grammars (one batch call), then the rows are filled
+  (xgrammar's threads). `submit_grammar_bitmask` runs the same job on the manager's bitmask thread
+  (xgrammar's C++ gives up the GIL), so with async scheduling the engine core schedules the next
+  step while it runs and samples only when the next forward is launched (engine_core.py).
+
+Rows whose next token is free (the reasoning text, a grammar already ended) get no row: the mask
+is applied to constrained rows only. A step with none samples unmasked (GrammarOutput None).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
@@ -46,6 +51,13 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.requests: dict[str, StructuredOutputRequest] = {}
+        # Accepted tokens not yet fed to their grammar, in order (the next bitmask job feeds them).
+        self._to_accept: dict[StructuredOutputRequest, list[int]] = {}
+        self._fill_thread: ThreadPoolExecutor | None = None
+        # Pinned host bitmasks, reused in turn: a step's copy to the device is queued when it
+        # samples and has run when that step is collected, before the buffer's next turn (2 steps on).
+        self._bitmasks: list = []
+        self._next_bitmask = 0
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -72,20 +84,41 @@ class StructuredOutputManager:
 
     def remove(self, request_ids) -> None:
         for rid in request_ids:
-            self.requests.pop(rid, None)
+            sor = self.requests.pop(rid, None)
+            if sor is not None:
+                self._to_accept.pop(sor, None)
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
-        """Feed each constrained request the tokens the scheduler accepted; forget finished ones."""
+        """Queue each constrained request's accepted tokens for its grammar; forget finished ones."""
         if not self.requests:
             return
         for out in outputs:
             sor = self.requests.get(out.request_id)
             if sor is None:
                 continue
-            if out.new_token_ids and sor.ready:
-                sor.advance(out.new_token_ids)
             if out.finished:
                 del self.requests[out.request_id]
+                self._to_accept.pop(sor, None)
+            elif out.new_token_ids and sor.ready:
+                self._to_accept.setdefault(sor, []).extend(out.new_token_ids)
+
+    def _accept_queued(self, queued: dict[StructuredOutputRequest, list[int]]) -> None:
+        """Feed queued tokens: one batch call for the requests with one token (a decode step), one
+        call each for the others (a request collected twice before a fill)."""
+        backend = self.backend()
+        singles: list[StructuredOutputRequest] = []
+        tokens: list[int] = []
+        for sor, new in queued.items():
+            grammar_tokens = sor.grammar_tokens(new)
+            if len(grammar_tokens) == 1:
+                singles.append(sor)
+                tokens.append(grammar_tokens[0])
+            elif grammar_tokens:
+                sor.accepted(grammar_tokens, sor.grammar.accept_tokens(grammar_tokens))
+        if singles:
+            oks = backend.accept_tokens_batch([sor.grammar for sor in singles], tokens)
+            for sor, token, ok in zip(singles, tokens, oks, strict=True):
+                sor.accepted([token], ok)
 
     def sampling_request_ids(self, so: SchedulerOutput) -> list[str]:
         """Constrained requests that sample in this step, in batch order (the runner's row order)."""
@@ -93,21 +126,43 @@ class StructuredOutputManager:
             return []
         return [r for r in so.num_scheduled_tokens if r in so.sampling_req_ids and r in self.requests]
 
-    def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
-        ids = self.sampling_request_ids(so)
-        if not ids:
-            return None
+    def _take_bitmask(self, num_rows: int):
         backend = self.backend()
-        bitmask = backend.allocate_bitmask(len(ids), pin_memory=self.config.device_config.device == "cuda")
-        rows, grammars = [], []
-        for i, rid in enumerate(ids):
-            sor = self.requests[rid]
-            if sor.constrains_next:
-                rows.append(i)
-                grammars.append(sor.grammar)
-        backend.fill_bitmasks(grammars, bitmask, rows)
-        return GrammarOutput(ids, bitmask)
+        if not self._bitmasks or self._bitmasks[0].shape[0] < num_rows:
+            rows = max(num_rows, self.config.scheduler_config.max_num_seqs)
+            pin = self.config.device_config.device == "cuda"
+            self._bitmasks = [backend.allocate_bitmask(rows, pin_memory=pin) for _ in range(2)]
+        self._next_bitmask ^= 1
+        return self._bitmasks[self._next_bitmask][:num_rows]
+
+    def _bitmask_job(self, queued: dict, sors: list[StructuredOutputRequest]) -> GrammarOutput | None:
+        """Advance by the queued tokens, then fill one row per request whose next token is constrained.
+        Runs on the bitmask thread (or the caller's); touches only the grammars it is given."""
+        if queued:
+            self._accept_queued(queued)
+        rows = [sor for sor in sors if sor.constrains_next]
+        if not rows:
+            return None
+        bitmask = self._take_bitmask(len(rows))
+        self.backend().fill_bitmasks([sor.grammar for sor in rows], bitmask, list(range(len(rows))))
+        return GrammarOutput([sor.request_id for sor in rows], bitmask)
+
+    def _job_args(self, so: SchedulerOutput) -> tuple[dict, list[StructuredOutputRequest]]:
+        queued, self._to_accept = self._to_accept, {}
+        return queued, [self.requests[rid] for rid in self.sampling_request_ids(so)]
+
+    def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """The step's bitmask, computed now (in the caller's thread)."""
+        return self._bitmask_job(*self._job_args(so))
+
+    def submit_grammar_bitmask(self, so: SchedulerOutput) -> Future[GrammarOutput | None]:
+        """The same on the bitmask thread. Until its result is taken, the caller must not start
+        another job (the grammars are this one's); `advance`, `add_request` and `remove` are safe."""
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+        return self._fill_thread.submit(self._bitmask_job, *self._job_args(so))
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._fill_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-import torch
-
 from pagedllm.structured_output.backend_types import StructuredOutputGrammar
 from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -40,9 +38,9 @@ class StructuredOutputRequest:
             self._grammar = self.future.result()
         return self._grammar
 
-    def advance(self, new_token_ids: list[int]) -> bool:
-        """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
-        allowed it; logged, and the rest of the output runs unconstrained)."""
+    def grammar_tokens(self, new_token_ids: list[int]) -> list[int]:
+        """The part of accepted tokens the grammar must see (none while reasoning, or once it has
+        ended: after the stop token the request is finishing)."""
         tokens = new_token_ids
         if not self.reasoning_ended:
             for i, t in enumerate(tokens):
@@ -51,25 +49,27 @@ class StructuredOutputRequest:
                     tokens = tokens[i + 1:]
                     break
             else:
-                return True
-        if not tokens:
-            return True
-        grammar = self.grammar
-        if grammar.is_terminated():
-            return True  # after the stop token: the request is finishing
-        ok = grammar.accept_tokens(tokens)
+                return []
+        if not tokens or self.grammar.is_terminated():
+            return []
+        return tokens
+
+    def accepted(self, tokens: list[int], ok: bool) -> bool:
+        """Book `tokens` fed to the grammar (by `advance` or the manager's batch call)."""
         self.num_accepted += len(tokens)
         if not ok:
             logger.error("%s: the grammar refused sampled tokens %s", self.request_id, tokens)
         return ok
 
+    def advance(self, new_token_ids: list[int]) -> bool:
+        """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
+        allowed it; logged, and the rest of the output runs unconstrained)."""
+        tokens = self.grammar_tokens(new_token_ids)
+        if not tokens:
+            return True
+        return self.accepted(tokens, self.grammar.accept_tokens(tokens))
+
     @property
     def constrains_next(self) -> bool:
         """Whether the next token is constrained (reasoning over, grammar not yet ended)."""
         return self.reasoning_ended and not self.grammar.is_terminated()
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.constrains_next:
-            self.grammar.fill_bitmask(bitmask, row)
-        else:
-            bitmask[row].numpy().fill(-1)  # numpy: see StructuredOutputBackend.allocate_bitmask
