@@ -11,7 +11,11 @@ way with --vllm, when vLLM is importable).
 
 Every request generates exactly --max-tokens tokens (ignore_eos, and a schema that cannot end
 sooner: an array with minItems far beyond max_tokens), so both runs decode the same batch sizes.
-Prints one JSON line per run and a table last.
+Each engine runs in its own child process (the parent touches no device), plain and schema runs
+alternating, the best of each kept. Every schema output is checked: its tokens are accepted by a
+fresh xgrammar matcher of the schema (no whitespace bound, so vLLM's outputs are held to the same
+language), and its complete records parse and validate. pagedllm's runs also report the bitmask
+job's mean time a step and how long the step loop waited for it. One JSON line per run; a table last.
 """
 
 from __future__ import annotations
@@ -62,6 +66,88 @@ def prompts(tokenizer, n: int) -> list[str]:
                                           tokenize=False, add_generation_prompt=True) for i in range(n)]
 
 
+def check_record(rec) -> str | None:
+    """What is wrong with one record of SCHEMA's array, or None."""
+    if not isinstance(rec, dict) or set(rec) != {"name", "age", "role", "tags"}:
+        return f"keys {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}"
+    if not isinstance(rec["name"], str) or len(rec["name"]) > 16:
+        return f"name {rec['name']!r}"
+    if type(rec["age"]) is not int or not 0 <= rec["age"] <= 120:
+        return f"age {rec['age']!r}"
+    if rec["role"] not in ("admin", "user", "guest"):
+        return f"role {rec['role']!r}"
+    tags = rec["tags"]
+    if not isinstance(tags, list) or len(tags) > 3 or any(not isinstance(t, str) or len(t) > 8 for t in tags):
+        return f"tags {tags!r}"
+    return None
+
+
+class OutputChecker:
+    """Schema outputs cut at max_tokens: every token must be allowed by the schema's grammar, and
+    the complete records (the text up to the last '}' that closes one) must validate (a short
+    output may hold none yet)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=True)
+
+    def problem(self, text: str, token_ids: list[int]) -> str | None:
+        matcher = self.xgr.GrammarMatcher(self.grammar)
+        for i, t in enumerate(token_ids):
+            if not matcher.accept_token(t):
+                return f"token {i} ({t}) not allowed by the schema"
+        end = len(text)
+        while (end := text.rfind("}", 0, end)) > 0:
+            try:
+                records = json.loads(text[: end + 1] + "]")
+            except json.JSONDecodeError:
+                continue
+            bad = [p for p in map(check_record, records) if p]
+            return f"record {bad[0]}" if bad else None
+        return None
+
+
+def model_vocab_size(args) -> int | None:
+    """The logits' width from the model folder's config (the same for both engines)."""
+    return json.load(open(os.path.join(args.model, "config.json")))["vocab_size"] if args.model else None
+
+
+def check_outputs(checker: OutputChecker, outs) -> int:
+    problems = [(i, p) for i, o in enumerate(outs)
+                if (p := checker.problem(o.outputs[0].text, list(o.outputs[0].token_ids)))]
+    assert not problems, f"{len(problems)} of {len(outs)} outputs invalid, first: {problems[0]}"
+    return len(outs)
+
+
+def time_bitmask_job(llm) -> dict:
+    """Wrap the engine core's bitmask job and its wait (this script's instrumentation only)."""
+    core = llm.llm_engine.engine_core
+    manager = core.structured_output_manager
+    stats = {"job_s": 0.0, "wait_s": 0.0, "jobs": 0}
+    job, sample = manager._bitmask_job, core._sample_deferred
+
+    def timed_job(*a):
+        t = time.perf_counter()
+        try:
+            return job(*a)
+        finally:
+            stats["job_s"] += time.perf_counter() - t
+            stats["jobs"] += 1
+
+    def timed_sample():
+        fut = core.deferred_sample[1]
+        t = time.perf_counter()
+        fut.result()
+        stats["wait_s"] += time.perf_counter() - t
+        sample()
+
+    manager._bitmask_job, core._sample_deferred = timed_job, timed_sample
+    return stats
+
+
 def run_pagedllm(args) -> list[dict]:
     from pagedllm import LLM, SamplingParams
     from pagedllm.sampling_params import StructuredOutputsParams
@@ -73,22 +159,27 @@ def run_pagedllm(args) -> list[dict]:
         kwargs.update(num_gpu_blocks_override=64 * args.num_requests)
     llm = LLM(**kwargs)
     ps = prompts(llm.get_tokenizer(), args.num_requests)
+    checker = OutputChecker(llm.get_tokenizer(), model_vocab_size(args) or llm.llm_engine.config.model_config.vocab_size)
+    stats = time_bitmask_job(llm)
     results = []
     for constrained in (False, True, False, True):  # alternated; the best of two each
         so = StructuredOutputsParams(json=SCHEMA) if constrained else None
         sp = SamplingParams(temperature=0.8, seed=None, max_tokens=args.max_tokens, ignore_eos=True,
                             structured_outputs=so)
         llm.generate(ps[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # compile, warm
+        stats.update(job_s=0.0, wait_s=0.0, jobs=0)
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
         assert toks == args.num_requests * args.max_tokens, toks
-        if constrained:
-            text = outs[0].outputs[0].text
-            assert text.lstrip().startswith("["), text[:80]
         results.append({"engine": "pagedllm", "constrained": constrained, "requests": args.num_requests,
                         "output_tokens": toks, "seconds": round(dt, 3), "tok_per_s": round(toks / dt, 1)})
+        if constrained:
+            results[-1]["valid_outputs"] = check_outputs(checker, outs)
+            jobs = max(stats["jobs"], 1)
+            results[-1].update(bitmask_job_ms=round(1e3 * stats["job_s"] / jobs, 3),
+                               wait_ms=round(1e3 * stats["wait_s"] / jobs, 3), jobs=stats["jobs"])
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -102,9 +193,9 @@ def run_vllm(args) -> list[dict]:
     except ImportError:
         from vllm.sampling_params import GuidedDecodingParams
         so_kw = lambda: {"guided_decoding": GuidedDecodingParams(json=SCHEMA)}  # noqa: E731
-    # 0.8: this process's parent keeps a CUDA context (~1 GiB) of its own run.
     llm = LLM(model=args.model, load_format="dummy", max_model_len=1024, seed=0, gpu_memory_utilization=0.8)
     ps = prompts(llm.get_tokenizer(), args.num_requests)
+    checker = OutputChecker(llm.get_tokenizer(), model_vocab_size(args))
     results = []
     for constrained in (False, True, False, True):
         extra = so_kw() if constrained else {}
@@ -116,18 +207,41 @@ def run_vllm(args) -> list[dict]:
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
         results.append({"engine": "vllm", "constrained": constrained, "requests": args.num_requests,
                         "output_tokens": toks, "seconds": round(dt, 3), "tok_per_s": round(toks / dt, 1)})
+        if constrained:
+            results[-1]["valid_outputs"] = check_outputs(checker, outs)
         print(json.dumps(results[-1]), flush=True)
     return results
 
 
 def table(results: list[dict]) -> None:
-    print("\n| engine | requests | unconstrained tok/s | JSON schema tok/s | schema / plain |")
-    print("|---|---|---|---|---|")
+    print("\n| engine | requests | unconstrained tok/s | JSON schema tok/s | schema / plain | valid schema outputs |")
+    print("|---|---|---|---|---|---|")
     for engine in dict.fromkeys(r["engine"] for r in results):
-        plain = max(r["tok_per_s"] for r in results if r["engine"] == engine and not r["constrained"])
-        schema = max(r["tok_per_s"] for r in results if r["engine"] == engine and r["constrained"])
+        plain = max((r["tok_per_s"] for r in results if r["engine"] == engine and not r["constrained"]), default=0)
+        schema = [r for r in results if r["engine"] == engine and r["constrained"]]
+        if not schema or not plain:
+            continue
+        best = max(r["tok_per_s"] for r in schema)
+        valid = "/".join(str(r.get("valid_outputs", "-")) for r in schema)
         n = results[0]["requests"]
-        print(f"| {engine} | {n} | {plain:,.0f} | {schema:,.0f} | {schema / plain:.3f} |")
+        print(f"| {engine} | {n} | {plain:,.0f} | {best:,.0f} | {best / plain:.3f} | {valid} |")
+
+
+def run_child(engine: str, args) -> list[dict]:
+    """One engine in its own process: each starts on a free device and gives all of it back."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--device", args.device,
+           "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
+    if args.model:
+        cmd += ["--model", args.model]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for line in proc.stdout.splitlines():
+        print(line, flush=True)
+    print(f"# {engine}: exit {proc.returncode}, {time.perf_counter() - t:.0f} s", flush=True)
+    return results
 
 
 def main() -> None:
@@ -138,35 +252,21 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--vllm", action="store_true", help="also run vLLM (in a second process, after ours)")
+    ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
         prepare(args.prepare)
         return
-    results = run_pagedllm(args)
+    if args.child:
+        (run_vllm if args.child == "vllm" else run_pagedllm)(args)
+        return
+    results = run_child("pagedllm", args)
     if args.vllm:
-        import gc
-
-        import torch
-
-        gc.collect()  # our engine's KV cache and weights back to the device before vLLM's start
-        torch.cuda.empty_cache()
-        import subprocess
-
-        cmd = [sys.executable, __file__, "--model", args.model, "--num-requests", str(args.num_requests),
-               "--max-tokens", str(args.max_tokens), "--vllm-child"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        sys.stderr.write(out.stderr[-3000:])
-        results += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    table(results)
+        results += run_child("vllm", args)
+    if results:
+        table(results)
+    sys.exit(0 if results else 1)
 
 
 if __name__ == "__main__":
-    if "--vllm-child" in sys.argv:
-        sys.argv.remove("--vllm-child")
-        ap = argparse.ArgumentParser()
-        ap.add_argument("--model")
-        ap.add_argument("--num-requests", type=int)
-        ap.add_argument("--max-tokens", type=int)
-        run_vllm(ap.parse_args())
-    else:
-        main()
+    main()
