@@ -26,6 +26,10 @@ import os
 import sys
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # run as scripts/gpu_structured_bench.py: pagedllm from this tree
+VLLM_SITE = "/tmp/site"  # where the GPU machine keeps vLLM 0.21 (PYTHONPATH for its child only)
+CHILD_TIMEOUT_S = {"pagedllm": 170, "vllm": 180}  # the whole run stays under 6 minutes
 # An array of records: objects with a string, an integer, an enum and a list, as API outputs look.
 SCHEMA = {
     "type": "array",
@@ -235,8 +239,18 @@ def run_child(engine: str, args) -> list[dict]:
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
     if args.model:
         cmd += ["--model", args.model]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    paths = [REPO] + ([VLLM_SITE] if engine == "vllm" and os.path.isdir(VLLM_SITE) else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if engine == "vllm":
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # as scripts/gpu_bench.sh runs vLLM there
     t = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env,
+                              timeout=CHILD_TIMEOUT_S[engine])
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        proc = subprocess.CompletedProcess(cmd, f"timeout after {CHILD_TIMEOUT_S[engine]} s", out)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for line in proc.stdout.splitlines():
         print(line, flush=True)

@@ -163,7 +163,10 @@ class XgrammarBackend(StructuredOutputBackend):
             super().fill_bitmasks(grammars, bitmask, rows)
 
     def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool]:
-        # One C++ call for the batch instead of one Python -> C++ call per row (~64 a decode step).
+        # One C++ call for the batch instead of one Python -> C++ call per row (~64 a decode step);
+        # older xgrammar releases have no batch_accept_token.
+        if not hasattr(xgr.BatchGrammarMatcher, "batch_accept_token"):
+            return super().accept_tokens_batch(grammars, tokens)
         return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
 
     def validate(self, params: StructuredOutputsParams) -> None:
