@@ -149,8 +149,8 @@ class EngineCore:
         manager's thread, and the next step() samples it once it has scheduled (the host's
         scheduling and the caller's output processing overlap the fill), else at once.
 
-            step k:   schedule k | sample k-1 | launch forward k | collect k-1 | submit fill k | return
-            thread:                                                               [advance, fill k .......]
+            step k:   schedule k | sample k-1 | launch forward k | collect k-1 | advance, submit fill k | return
+            thread:                                                                       [fill k ........]
             step k+1: schedule k+1 | sample k (waits for the fill) | launch forward k+1 | ...
         """
         if self.batch_queue is not None:

@@ -7,7 +7,7 @@
   finished or aborted while its step ran) never does.
 - `grammar_bitmask`: before a step samples, one bitmask row per request whose next token is
   constrained: the queued tokens advance the grammars (one batch call), then the rows are filled
-  (xgrammar's threads). `submit_grammar_bitmask` runs the same job on the manager's bitmask thread
+  (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the manager's bitmask thread
   (xgrammar's C++ gives up the GIL), so with async scheduling the engine core schedules the next
   step while it runs and samples only when the next forward is launched (engine_core.py).
 
@@ -22,6 +22,8 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
+
+import torch
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
@@ -135,32 +137,52 @@ class StructuredOutputManager:
         self._next_bitmask ^= 1
         return self._bitmasks[self._next_bitmask][:num_rows]
 
-    def _bitmask_job(self, queued: dict, sors: list[StructuredOutputRequest]) -> GrammarOutput | None:
-        """Advance by the queued tokens, then fill one row per request whose next token is constrained.
-        Runs on the bitmask thread (or the caller's); touches only the grammars it is given."""
+    def _prepare(self, so: SchedulerOutput) -> tuple[list, torch.Tensor, list[str]] | None:
+        """In the caller's thread: advance by the queued tokens (one C++ call, ~0.1 ms for 64 rows),
+        pick the rows whose next token is constrained, take a bitmask. None when no row is."""
+        queued, self._to_accept = self._to_accept, {}
         if queued:
             self._accept_queued(queued)
-        rows = [sor for sor in sors if sor.constrains_next]
-        if not rows:
+        sors = [sor for rid in self.sampling_request_ids(so) if (sor := self.requests[rid]).constrains_next]
+        if not sors:
             return None
-        bitmask = self._take_bitmask(len(rows))
-        self.backend().fill_bitmasks([sor.grammar for sor in rows], bitmask, list(range(len(rows))))
-        return GrammarOutput([sor.request_id for sor in rows], bitmask)
+        return [sor.grammar for sor in sors], self._take_bitmask(len(sors)), [sor.request_id for sor in sors]
 
-    def _job_args(self, so: SchedulerOutput) -> tuple[dict, list[StructuredOutputRequest]]:
-        queued, self._to_accept = self._to_accept, {}
-        return queued, [self.requests[rid] for rid in self.sampling_request_ids(so)]
+    def _fill(self, grammars: list, bitmask: torch.Tensor, ids: list[str]) -> GrammarOutput:
+        self.backend().fill_bitmasks(grammars, bitmask, list(range(len(ids))))
+        return GrammarOutput(ids, bitmask)
 
     def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The step's bitmask, computed now (in the caller's thread)."""
-        return self._bitmask_job(*self._job_args(so))
+        job = self._prepare(so)
+        return None if job is None else self._fill(*job)
 
     def submit_grammar_bitmask(self, so: SchedulerOutput) -> Future[GrammarOutput | None]:
-        """The same on the bitmask thread. Until its result is taken, the caller must not start
-        another job (the grammars are this one's); `advance`, `add_request` and `remove` are safe."""
+        """The same, its fill on the bitmask thread. Until its result is taken, the caller must not
+        start another job (the grammars are the fill's); `advance`, `add_request`, `remove` are safe.
+
+        Why only the fill, and why the hand-shake: the thread needs the GIL to start and to finish.
+        While this thread runs Python (output processing, scheduling), a thread waiting for the GIL
+        gets it only after the switch interval (5 ms), so Python work on the bitmask thread would
+        run after the step loop blocks, not beside it. Here this thread waits (GIL released) until
+        the bitmask thread is inside xgrammar's fill, which runs without the GIL; its one Python
+        line after the fill runs when the step loop asks for the result."""
+        job = self._prepare(so)
+        done: Future[GrammarOutput | None] = Future()
+        if job is None:
+            done.set_result(None)
+            return done
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
-        return self._fill_thread.submit(self._bitmask_job, *self._job_args(so))
+        started = threading.Event()
+
+        def fill() -> GrammarOutput:
+            started.set()  # this thread keeps the GIL until the fill gives it up
+            return self._fill(*job)
+
+        future = self._fill_thread.submit(fill)
+        started.wait()
+        return future
 
     def shutdown(self) -> None:
         for pool in (self._pool, self._fill_thread):
