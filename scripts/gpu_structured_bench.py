@@ -166,12 +166,26 @@ def run_pagedllm(args) -> list[dict]:
         kwargs.update(model=args.model, load_format="dummy")
     if args.device == "cpu":
         kwargs.update(num_gpu_blocks_override=64 * args.num_requests)
+    if args.async_scheduling:
+        kwargs.update(async_scheduling=True)  # the CPU's default is off
     llm = LLM(**kwargs)
     ps = prompts(llm.get_tokenizer(), args.num_requests)
     checker = OutputChecker(llm.get_tokenizer(), model_vocab_size(args) or llm.llm_engine.config.model_config.vocab_size)
     stats = time_bitmask_job(llm)
+    manager = llm.llm_engine.engine_core.structured_output_manager
+    threaded = manager.submit_grammar_bitmask
+
+    def inline(so):  # the A/B variant: the fill in the step loop, as before the bitmask thread
+        from concurrent.futures import Future
+
+        done = Future()
+        done.set_result(manager.grammar_bitmask(so))
+        return done
+
     results = []
-    for constrained in (False, True) * args.rounds:  # alternated; the best of each kept
+    for variant in ("plain", "schema", "schema, fill in the step loop") * args.rounds:
+        constrained = variant != "plain"
+        manager.submit_grammar_bitmask = inline if variant.endswith("loop") else threaded
         so = StructuredOutputsParams(json=SCHEMA) if constrained else None
         sp = SamplingParams(temperature=0.8, seed=None, max_tokens=args.max_tokens, ignore_eos=True,
                             structured_outputs=so)
@@ -182,7 +196,8 @@ def run_pagedllm(args) -> list[dict]:
         dt = time.perf_counter() - t
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
         assert toks == args.num_requests * args.max_tokens, toks
-        results.append({"engine": "pagedllm", "constrained": constrained, "requests": args.num_requests,
+        results.append({"engine": "pagedllm", "variant": variant, "constrained": constrained,
+                        "requests": args.num_requests,
                         "output_tokens": toks, "seconds": round(dt, 3), "tok_per_s": round(toks / dt, 1)})
         if constrained:
             results[-1]["valid_outputs"] = check_outputs(checker, outs)
@@ -223,21 +238,28 @@ def run_vllm(args) -> list[dict]:
 
 
 def table(results: list[dict]) -> None:
-    print("\n| engine | requests | unconstrained tok/s | JSON schema tok/s | schema / plain (best) | "
+    print("\n| engine | variant | requests | unconstrained tok/s | JSON schema tok/s | schema / plain (best) | "
           "median of pairs | valid schema outputs |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for engine in dict.fromkeys(r["engine"] for r in results):
-        plain = max((r["tok_per_s"] for r in results if r["engine"] == engine and not r["constrained"]), default=0)
-        schema = [r for r in results if r["engine"] == engine and r["constrained"]]
-        if not schema or not plain:
-            continue
-        best = max(r["tok_per_s"] for r in schema)
-        valid = "/".join(str(r.get("valid_outputs", "-")) for r in schema)
-        runs = [r["tok_per_s"] for r in results if r["engine"] == engine]
-        pairs = sorted(b / a for a, b in zip(runs[0::2], runs[1::2]))  # each schema run / the plain run before it
-        n = results[0]["requests"]
-        print(f"| {engine} | {n} | {plain:,.0f} | {best:,.0f} | {best / plain:.3f} | {pairs[len(pairs) // 2]:.3f} "
-              f"| {valid} |")
+        runs = [r for r in results if r["engine"] == engine]
+        plain = max((r["tok_per_s"] for r in runs if not r["constrained"]), default=0)
+        for variant in dict.fromkeys(r.get("variant", "schema") for r in runs if r["constrained"]):
+            ratios, last_plain, schema = [], None, []
+            for r in runs:  # each schema run over the plain run before it
+                if not r["constrained"]:
+                    last_plain = r["tok_per_s"]
+                elif r.get("variant", "schema") == variant:
+                    schema.append(r)
+                    if last_plain:
+                        ratios.append(r["tok_per_s"] / last_plain)
+            if not schema or not plain:
+                continue
+            best = max(r["tok_per_s"] for r in schema)
+            valid = "/".join(str(r.get("valid_outputs", "-")) for r in schema)
+            median = sorted(ratios)[len(ratios) // 2] if ratios else float("nan")
+            print(f"| {engine} | {variant} | {schema[0]['requests']} | {plain:,.0f} | {best:,.0f} | {best / plain:.3f} "
+                  f"| {median:.3f} | {valid} |")
 
 
 def run_child(engine: str, args) -> list[dict]:
@@ -246,6 +268,8 @@ def run_child(engine: str, args) -> list[dict]:
 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--device", args.device,
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds)]
+    if args.async_scheduling:
+        cmd.append("--async-scheduling")
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -276,6 +300,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="plain/schema pairs per engine (default 2)")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM (in a second process, after ours)")
+    ap.add_argument("--async-scheduling", action="store_true", help="pagedllm: async scheduling on the CPU too")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
