@@ -29,6 +29,11 @@ class StructuredOutputGrammar(ABC):
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: nothing more may follow."""
 
+    def may_terminate(self, token: int) -> bool:
+        """Whether accepting `token` can end the grammar (a stop token); True when unknown. Lets the
+        caller skip asking is_terminated after every ordinary token."""
+        return True
+
 
 class StructuredOutputBackend(ABC):
     vocab_size: int

@@ -88,6 +88,8 @@ def choice_to_ebnf(choices: list[str]) -> str:
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self.matcher = matcher
+        # An xgrammar matcher ends only by accepting one of these (terminate_without_stop_token off).
+        self.stop_ids = frozenset(matcher.stop_token_ids)
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         return all(self.matcher.accept_token(t) for t in tokens)
@@ -97,6 +99,9 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def may_terminate(self, token: int) -> bool:
+        return token in self.stop_ids
 
 
 class XgrammarBackend(StructuredOutputBackend):

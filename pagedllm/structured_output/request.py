@@ -25,6 +25,7 @@ class StructuredOutputRequest:
         self.reasoning_end_ids = frozenset(params._reasoning_end_token_ids)
         self.reasoning_ended = not self.reasoning_end_ids
         self.num_accepted = 0  # output tokens the grammar has seen (after the reasoning)
+        self.ended = False  # the grammar accepted a stop token (kept here: read per row per step)
         self._grammar: StructuredOutputGrammar | None = None
 
     @property
@@ -50,13 +51,16 @@ class StructuredOutputRequest:
                     break
             else:
                 return []
-        if not tokens or self.grammar.is_terminated():
+        if not tokens or self.ended:
             return []
         return tokens
 
     def accepted(self, tokens: list[int], ok: bool) -> bool:
         """Book `tokens` fed to the grammar (by `advance` or the manager's batch call)."""
         self.num_accepted += len(tokens)
+        grammar = self.grammar
+        if any(grammar.may_terminate(t) for t in tokens):
+            self.ended = grammar.is_terminated()
         if not ok:
             logger.error("%s: the grammar refused sampled tokens %s", self.request_id, tokens)
         return ok
@@ -72,4 +76,4 @@ class StructuredOutputRequest:
     @property
     def constrains_next(self) -> bool:
         """Whether the next token is constrained (reasoning over, grammar not yet ended)."""
-        return self.reasoning_ended and not self.grammar.is_terminated()
+        return self.reasoning_ended and not self.ended
