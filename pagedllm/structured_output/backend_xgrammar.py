@@ -88,8 +88,10 @@ def choice_to_ebnf(choices: list[str]) -> str:
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self.matcher = matcher
-        # An xgrammar matcher ends only by accepting one of these (terminate_without_stop_token off).
-        self.stop_ids = frozenset(matcher.stop_token_ids)
+        # An xgrammar matcher ends only by accepting one of these (terminate_without_stop_token off);
+        # None (a release without the property): ask after every token.
+        stop_ids = getattr(matcher, "stop_token_ids", None)
+        self.stop_ids = None if stop_ids is None else frozenset(stop_ids)
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         return all(self.matcher.accept_token(t) for t in tokens)
@@ -101,7 +103,7 @@ class XgrammarGrammar(StructuredOutputGrammar):
         return self.matcher.is_terminated()
 
     def may_terminate(self, token: int) -> bool:
-        return token in self.stop_ids
+        return self.stop_ids is None or token in self.stop_ids
 
 
 class XgrammarBackend(StructuredOutputBackend):
