@@ -132,7 +132,7 @@ def time_bitmask_job(llm) -> dict:
     long the step loop then waited for the fill."""
     core = llm.llm_engine.engine_core
     manager = core.structured_output_manager
-    stats = {"prepare_s": 0.0, "fill_s": 0.0, "wait_s": 0.0, "jobs": 0}
+    stats = {"prepare_s": 0.0, "fill_s": 0.0, "wait_s": 0.0, "steps": 0, "jobs": 0}
     prepare, fill, sample = manager._prepare, manager._fill, core._sample_deferred
 
     def timed(fn, key):
@@ -142,6 +142,7 @@ def time_bitmask_job(llm) -> dict:
                 return fn(*a)
             finally:
                 stats[key] += time.perf_counter() - t
+                stats["steps"] += key == "prepare_s"
         return run
 
     def timed_sample():
@@ -193,7 +194,7 @@ def run_pagedllm(args) -> list[dict]:
         sp = SamplingParams(temperature=0.8, seed=None, max_tokens=args.max_tokens, ignore_eos=True,
                             structured_outputs=so)
         llm.generate(ps[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # compile, warm
-        stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, jobs=0)
+        stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, steps=0, jobs=0)
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -204,9 +205,10 @@ def run_pagedllm(args) -> list[dict]:
                         "output_tokens": toks, "seconds": round(dt, 3), "tok_per_s": round(toks / dt, 1)})
         if constrained:
             results[-1]["valid_outputs"] = check_outputs(checker, outs)
-            steps = max(stats["jobs"], 1)  # deferred samples (async scheduling); 0 on the CPU's default
+            steps = max(stats["steps"], 1)  # constrained steps; deferred ones only under async scheduling
             results[-1].update({k.replace("_s", "_ms"): round(1e3 * stats[k] / steps, 3)
-                                for k in ("prepare_s", "fill_s", "wait_s")}, deferred_steps=stats["jobs"])
+                                for k in ("prepare_s", "fill_s", "wait_s")}, steps=stats["steps"],
+                               deferred_steps=stats["jobs"], step_ms=round(1e3 * dt / steps, 3))
         print(json.dumps(results[-1]), flush=True)
     return results
 
