@@ -107,6 +107,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),
     # 1: check the block pool's invariants at every schedule() (slow; the test suite sets it).
     "PAGEDLLM_DEBUG_BLOCKS": lambda: os.environ.get("PAGEDLLM_DEBUG_BLOCKS") == "1",
+    # Threads of xgrammar's grammar compiler and batch bitmask fill (structured_output/manager.py);
+    # unset: half the host's cores, 2 to 8.
+    "PAGEDLLM_XGRAMMAR_THREADS": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_THREADS") or 0) or None,
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

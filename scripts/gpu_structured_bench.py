@@ -185,8 +185,14 @@ def run_pagedllm(args) -> list[dict]:
 
     results = []
     variants = ("plain", "schema", "schema, fill in the step loop")
-    if not llm.llm_engine.engine_core.async_scheduling:
-        variants = variants[:2]  # the fill is in the step loop anyway
+    threads = os.environ.get("PAGEDLLM_XGRAMMAR_THREADS")
+    engine = f"pagedllm, {threads} xgrammar threads" if threads else "pagedllm"
+    if threads or not llm.llm_engine.engine_core.async_scheduling:
+        variants = variants[:2]  # the A/B once; without async scheduling the fill is in the loop anyway
+    # One full-size run of each first: the first plain run after start was 25% slower on the H200.
+    for so in (None, StructuredOutputsParams(json=SCHEMA)):
+        llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True,
+                                        structured_outputs=so), use_tqdm=False)
     for variant in variants * args.rounds:
         constrained = variant != "plain"
         manager.submit_grammar_bitmask = inline if variant.endswith("loop") else threaded
@@ -200,7 +206,7 @@ def run_pagedllm(args) -> list[dict]:
         dt = time.perf_counter() - t
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
         assert toks == args.num_requests * args.max_tokens, toks
-        results.append({"engine": "pagedllm", "variant": variant, "constrained": constrained,
+        results.append({"engine": engine, "variant": variant, "constrained": constrained,
                         "requests": args.num_requests,
                         "output_tokens": toks, "seconds": round(dt, 3), "tok_per_s": round(toks / dt, 1)})
         if constrained:
@@ -222,9 +228,20 @@ def run_vllm(args) -> list[dict]:
     except ImportError:
         from vllm.sampling_params import GuidedDecodingParams
         so_kw = lambda: {"guided_decoding": GuidedDecodingParams(json=SCHEMA)}  # noqa: E731
-    llm = LLM(model=args.model, load_format="dummy", max_model_len=1024, seed=0, gpu_memory_utilization=0.8)
+    kwargs = {}
+    try:  # xgrammar, as ours (vLLM's "auto" picks it too, but says so only in its logs)
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar")
+    except ImportError:
+        pass
+    llm = LLM(model=args.model, load_format="dummy", max_model_len=1024, seed=0, gpu_memory_utilization=0.8,
+              **kwargs)
     ps = prompts(llm.get_tokenizer(), args.num_requests)
     checker = OutputChecker(llm.get_tokenizer(), model_vocab_size(args))
+    for extra in ({}, so_kw()):  # one full-size run of each first, as for ours
+        llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True, **extra),
+                     use_tqdm=False)
     results = []
     for constrained in (False, True) * args.rounds:
         extra = so_kw() if constrained else {}
@@ -267,8 +284,9 @@ def table(results: list[dict]) -> None:
                   f"| {median:.3f} | {valid} |")
 
 
-def run_child(engine: str, args) -> list[dict]:
-    """One engine in its own process: each starts on a free device and gives all of it back."""
+def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[dict]:
+    """One engine in its own process: each starts on a free device and gives all of it back.
+    xgrammar_threads: pagedllm with PAGEDLLM_XGRAMMAR_THREADS set (a row of its own in the table)."""
     import subprocess
 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--device", args.device,
@@ -282,6 +300,8 @@ def run_child(engine: str, args) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if engine == "vllm":
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # as scripts/gpu_bench.sh runs vLLM there
+    if xgrammar_threads:
+        env["PAGEDLLM_XGRAMMAR_THREADS"] = str(xgrammar_threads)
     limit = CHILD_TIMEOUT_S[engine] if args.device == "cuda" else None  # a loaded CPU takes what it takes
     t = time.perf_counter()
     try:
@@ -305,6 +325,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="plain/schema pairs per engine (default 2)")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM (in a second process, after ours)")
+    ap.add_argument("--xgrammar-threads", type=int, help="also run pagedllm with this many xgrammar threads")
     ap.add_argument("--async-scheduling", action="store_true", help="pagedllm: async scheduling on the CPU too")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -315,6 +336,8 @@ def main() -> None:
         (run_vllm if args.child == "vllm" else run_pagedllm)(args)
         return
     results = run_child("pagedllm", args)
+    if args.xgrammar_threads:
+        results += run_child("pagedllm", args, args.xgrammar_threads)
     if args.vllm:
         results += run_child("vllm", args)
     if results:

@@ -51,9 +51,11 @@ class StructuredOutputBackend(ABC):
         for grammar, row in zip(grammars, rows, strict=True):
             grammar.fill_bitmask(bitmask, row)
 
-    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool]:
-        """Advance grammars[i] by the one token tokens[i]; a backend may do it in one call."""
-        return [grammar.accept_tokens([token]) for grammar, token in zip(grammars, tokens, strict=True)]
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
+        """Advance grammars[i] by the one token tokens[i]; a backend may do it in one call. None when
+        every token was accepted, else one bool per grammar."""
+        oks = [grammar.accept_tokens([token]) for grammar, token in zip(grammars, tokens, strict=True)]
+        return None if all(oks) else oks
 
     def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
         """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set);

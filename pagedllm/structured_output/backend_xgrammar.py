@@ -43,6 +43,11 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 MAX_WHITESPACE = 24
 _BATCH_FILL_MIN_ROWS = 16  # below this, one call per row costs less than the batch call's set-up
 
+# xgrammar's C++ batch matcher, under its Python wrapper (see accept_tokens_batch); None if moved.
+_CORE_BATCH = getattr(getattr(getattr(xgr, "matcher", None), "_core", None), "BatchGrammarMatcher", None)
+if _CORE_BATCH is not None and not hasattr(_CORE_BATCH, "batch_accept_token"):
+    _CORE_BATCH = None
+
 _CPP_PREFIX = re.compile(r"\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -169,12 +174,19 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             super().fill_bitmasks(grammars, bitmask, rows)
 
-    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool]:
-        # One C++ call for the batch instead of one Python -> C++ call per row (~64 a decode step);
-        # older xgrammar releases have no batch_accept_token.
-        if not hasattr(xgr.BatchGrammarMatcher, "batch_accept_token"):
-            return super().accept_tokens_batch(grammars, tokens)
-        return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
+        # One C++ call for the batch instead of one Python -> C++ call per row (64 a decode step).
+        # xgrammar's wrapper turns the result into a Python list element by element, which costs
+        # more than the accepts (BENCHMARKS.md, issue 22, h28); its core call's result answers
+        # "any refused?" in one C call. Older releases lack either: the public paths.
+        matchers = [g.matcher for g in grammars]
+        if _CORE_BATCH is not None:
+            result = _CORE_BATCH.batch_accept_token([m._handle for m in matchers], tokens, False)
+            return [bool(ok) for ok in result] if 0 in result else None
+        if hasattr(xgr.BatchGrammarMatcher, "batch_accept_token"):
+            oks = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+            return None if all(oks) else oks
+        return super().accept_tokens_batch(grammars, tokens)
 
     def validate(self, params: StructuredOutputsParams) -> None:
         self._compile(params)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm import envs
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.request import StructuredOutputRequest
@@ -40,9 +41,9 @@ logger = logging.getLogger(__name__)
 def make_backend(tokenizer, vocab_size: int) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
-    # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (a 64-row fill takes
-    # ~0.8 ms on one thread; it must stay well under a GPU decode step).
-    threads = max(2, min(8, (os.cpu_count() or 2) // 2))
+    # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
+    # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS says.
+    threads = envs.environment_variables["PAGEDLLM_XGRAMMAR_THREADS"]() or max(2, min(8, (os.cpu_count() or 2) // 2))
     return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
 
 
@@ -105,22 +106,32 @@ class StructuredOutputManager:
                 self._to_accept.setdefault(sor, []).extend(out.new_token_ids)
 
     def _accept_queued(self, queued: dict[StructuredOutputRequest, list[int]]) -> None:
-        """Feed queued tokens: one batch call for the requests with one token (a decode step), one
-        call each for the others (a request collected twice before a fill)."""
-        backend = self.backend()
+        """Feed queued tokens: one batch call for the requests with one token past the reasoning (a
+        decode step), one call each for the others (a request collected twice before a fill).
+        The batch's bookkeeping is inline: this loop runs over every constrained row every step."""
         singles: list[StructuredOutputRequest] = []
         tokens: list[int] = []
         for sor, new in queued.items():
+            if len(new) == 1 and sor.reasoning_ended:
+                if not sor.ended:
+                    singles.append(sor)
+                    tokens.append(new[0])
+                continue
             grammar_tokens = sor.grammar_tokens(new)
-            if len(grammar_tokens) == 1:
-                singles.append(sor)
-                tokens.append(grammar_tokens[0])
-            elif grammar_tokens:
+            if grammar_tokens:
                 sor.accepted(grammar_tokens, sor.grammar.accept_tokens(grammar_tokens))
-        if singles:
-            oks = backend.accept_tokens_batch([sor.grammar for sor in singles], tokens)
-            for sor, token, ok in zip(singles, tokens, oks, strict=True):
-                sor.accepted([token], ok)
+        if not singles:
+            return
+        grammars = [sor.grammar for sor in singles]
+        refused = self.backend().accept_tokens_batch(grammars, tokens)
+        for sor, grammar, token in zip(singles, grammars, tokens, strict=True):
+            sor.num_accepted += 1
+            if grammar.may_terminate(token):
+                sor.ended = grammar.is_terminated()
+        if refused is not None:
+            for sor, token, ok in zip(singles, tokens, refused, strict=True):
+                if not ok:
+                    sor.accepted([], ok=False, refused=[token])
 
     def sampling_request_ids(self, so: SchedulerOutput) -> list[str]:
         """Constrained requests that sample in this step, in batch order (the runner's row order)."""

@@ -55,14 +55,15 @@ class StructuredOutputRequest:
             return []
         return tokens
 
-    def accepted(self, tokens: list[int], ok: bool) -> bool:
-        """Book `tokens` fed to the grammar (by `advance` or the manager's batch call)."""
+    def accepted(self, tokens: list[int], ok: bool, refused: list[int] | None = None) -> bool:
+        """Book `tokens` fed to the grammar (by `advance`; the manager's batch call books its own
+        and reports a refused token here as `refused`)."""
         self.num_accepted += len(tokens)
         grammar = self.grammar
         if any(grammar.may_terminate(t) for t in tokens):
             self.ended = grammar.is_terminated()
         if not ok:
-            logger.error("%s: the grammar refused sampled tokens %s", self.request_id, tokens)
+            logger.error("%s: the grammar refused sampled tokens %s", self.request_id, refused or tokens)
         return ok
 
     def advance(self, new_token_ids: list[int]) -> bool:

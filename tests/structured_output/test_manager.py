@@ -96,3 +96,27 @@ def test_dropped_tokens_never_reach_a_grammar_and_free_rows_get_none():
     assert manager.grammar_bitmask(step("ended")) is None  # its grammar ended: nothing to mask
     assert grammar["done"].seen == [] and grammar["aborted"].seen == []
     assert grammar["ended"].is_terminated() and set(manager.requests) == {"ended"}
+
+
+def test_a_refused_token_is_reported_and_leaves_its_grammar():
+    manager = make_manager("a", "b")
+    manager.advance([EngineCoreOutput("a", [1]), EngineCoreOutput("b", [STOP])])  # STOP: not after 0 digits
+    go = manager.grammar_bitmask(step("a", "b"))
+    assert manager.requests["a"].grammar.seen == [1] and manager.requests["b"].grammar.seen == []
+    assert allowed_rows(go) == {"a": DIGITS, "b": DIGITS}
+
+
+def test_xgrammar_batch_accept_reports_refusals_only():
+    import xgrammar as xgr
+
+    from pagedllm.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+
+    vocab = ["a", "b", "c", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[3])
+    compiled = xgr.GrammarCompiler(info).compile_regex("[ab]*")
+    grammars = [XgrammarGrammar(xgr.GrammarMatcher(compiled)) for _ in range(3)]
+    backend = object.__new__(XgrammarBackend)  # accept_tokens_batch needs no tokenizer
+    assert backend.accept_tokens_batch(grammars, [0, 1, 0]) is None
+    assert backend.accept_tokens_batch(grammars, [0, 2, 3]) == [True, False, True]
+    assert [g.is_terminated() for g in grammars] == [False, False, True]
+    assert grammars[2].may_terminate(3) and not grammars[2].may_terminate(0)
