@@ -95,15 +95,16 @@ class StructuredOutputManager:
         """Queue each constrained request's accepted tokens for its grammar; forget finished ones."""
         if not self.requests:
             return
-        for out in outputs:
-            sor = self.requests.get(out.request_id)
+        requests, to_accept = self.requests, self._to_accept
+        for out in outputs:  # every constrained row, every step: attribute reads, no property calls
+            sor = requests.get(out.request_id)
             if sor is None:
                 continue
-            if out.finished:
-                del self.requests[out.request_id]
-                self._to_accept.pop(sor, None)
-            elif out.new_token_ids and sor.ready:
-                self._to_accept.setdefault(sor, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                del requests[out.request_id]
+                to_accept.pop(sor, None)
+            elif out.new_token_ids and (sor._grammar is not None or sor.ready):
+                to_accept.setdefault(sor, []).extend(out.new_token_ids)
 
     def _accept_queued(self, queued: dict[StructuredOutputRequest, list[int]]) -> None:
         """Feed queued tokens: one batch call for the requests with one token past the reasoning (a
