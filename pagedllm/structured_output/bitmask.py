@@ -41,7 +41,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: lis
         from pagedllm.kernels.grammar_bitmask import apply_bitmask_inplace
 
         mask = to_device_async(bitmask, logits.device)
-        return apply_bitmask_inplace(logits, mask, host_tensor(rows, torch.int32, logits.device))
+        first_rows = rows[-1] == len(rows) - 1 and rows == list(range(len(rows)))
+        idx = None if first_rows else host_tensor(rows, torch.int32, logits.device)
+        return apply_bitmask_inplace(logits, mask, idx)
     return apply_grammar_bitmask_ref(logits, bitmask, rows)
 
 

@@ -24,3 +24,10 @@ def test_matches_the_torch_reference(device, dtype, vocab_size):
     assert torch.equal(got, want)
     assert torch.isinf(want[4]).any() and not torch.isinf(want[0]).any()  # the case is not trivial
     assert torch.equal(got[[1, 3, 5]], logits[[1, 3, 5]])
+
+
+def test_first_rows_need_no_index(device):
+    logits = torch.randn(4, 100, device=device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32)
+    want = apply_grammar_bitmask_ref(logits.clone(), bitmask, [0, 1])
+    assert torch.equal(apply_bitmask_inplace(logits.clone(), bitmask.to(device), None), want)
