@@ -52,13 +52,16 @@ class ThreeDigitsBackend(StructuredOutputBackend):
         return ThreeDigits()
 
 
-def make_manager(*rids: str) -> StructuredOutputManager:
+def make_manager(*rids: str, reasoning_end: int | None = None) -> StructuredOutputManager:
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4),
                              device_config=SimpleNamespace(device="cpu"))
     manager = StructuredOutputManager(config)
     manager._backend = ThreeDigitsBackend()
     for rid in rids:
-        sp = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+        params = StructuredOutputsParams(regex="[0-9]{3}")
+        if reasoning_end is not None:
+            params._reasoning_end_token_ids = [reasoning_end]
+        sp = SamplingParams(structured_outputs=params)
         manager.add_request(SimpleNamespace(request_id=rid, sampling_params=sp)).future.result()
     return manager
 
@@ -120,3 +123,17 @@ def test_xgrammar_batch_accept_reports_refusals_only():
     assert backend.accept_tokens_batch(grammars, [0, 2, 3]) == [True, False, True]
     assert [g.is_terminated() for g in grammars] == [False, False, True]
     assert grammars[2].may_terminate(3) and not grammars[2].may_terminate(0)
+
+
+def test_reasoning_text_is_free_and_the_tokens_after_its_end_reach_the_grammar():
+    END = 30
+    manager = make_manager("r", reasoning_end=END)
+    grammar = manager.requests["r"].grammar
+    manager.advance([EngineCoreOutput("r", [20, 21])])
+    assert manager.grammar_bitmask(step("r")) is None and grammar.seen == []  # thinking: no row
+    manager.advance([EngineCoreOutput("r", [22, END, 5])])  # the end and a first answer token in one step
+    go = manager.submit_grammar_bitmask(step("r")).result()
+    assert grammar.seen == [5] and allowed_rows(go) == {"r": DIGITS}
+    manager.advance([EngineCoreOutput("r", [6])])  # from here the one-token fast path
+    manager.grammar_bitmask(step("r"))
+    assert grammar.seen == [5, 6]
