@@ -143,6 +143,7 @@ def time_bitmask_job(llm) -> dict:
             finally:
                 stats[key] += time.perf_counter() - t
                 stats["steps"] += key == "prepare_s"
+                stats["loop_steps"] = stats.get("loop_steps", 0) + (key == "step_s")
         return run
 
     def timed_sample():
@@ -155,7 +156,16 @@ def time_bitmask_job(llm) -> dict:
 
     manager._prepare, manager._fill = timed(prepare, "prepare_s"), timed(fill, "fill_s")
     core._sample_deferred = timed_sample
+    # The step loop's parts, every run (plain too): where the host time of a step goes.
+    ex, out = core.model_executor, llm.llm_engine.output_processor
+    for obj, name in ((core.scheduler, "schedule"), (ex, "execute_model"), (ex, "sample_tokens"),
+                      (core, "_collect_inflight"), (out, "process_outputs"), (core, "step")):
+        stats[name + "_s"] = 0.0
+        setattr(obj, name, timed(getattr(obj, name), name + "_s"))
     return stats
+
+
+LOOP_PARTS = ("step", "schedule", "execute_model", "sample_tokens", "_collect_inflight", "process_outputs")
 
 
 def run_pagedllm(args) -> list[dict]:
@@ -200,7 +210,8 @@ def run_pagedllm(args) -> list[dict]:
         sp = SamplingParams(temperature=0.8, seed=None, max_tokens=args.max_tokens, ignore_eos=True,
                             structured_outputs=so)
         llm.generate(ps[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # compile, warm
-        stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, steps=0, jobs=0)
+        stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, steps=0, jobs=0, loop_steps=0,
+                     **{p + "_s": 0.0 for p in LOOP_PARTS})
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -209,6 +220,8 @@ def run_pagedllm(args) -> list[dict]:
         results.append({"engine": engine, "variant": variant, "constrained": constrained,
                         "requests": args.num_requests,
                         "output_tokens": toks, "seconds": round(dt, 3), "tok_per_s": round(toks / dt, 1)})
+        loop_steps = max(stats["loop_steps"], 1)  # core.step calls (each part's ms below is per call)
+        results[-1]["loop_ms"] = {p: round(1e3 * stats[p + "_s"] / loop_steps, 3) for p in LOOP_PARTS}
         if constrained:
             results[-1]["valid_outputs"] = check_outputs(checker, outs)
             steps = max(stats["steps"], 1)  # constrained steps; deferred ones only under async scheduling
