@@ -43,7 +43,7 @@ def make_backend(tokenizer, vocab_size: int) -> StructuredOutputBackend:
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
     # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS says.
-    threads = envs.environment_variables["PAGEDLLM_XGRAMMAR_THREADS"]() or max(2, min(8, (os.cpu_count() or 2) // 2))
+    threads = envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, (os.cpu_count() or 2) // 2))
     return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
 
 
