@@ -47,6 +47,16 @@ def _multiprocessing() -> bool | None:
     return v == "1"
 
 
+def _positive_int(name: str) -> int | None:
+    """An optional count: unset or empty -> None; anything but a positive integer is refused by name."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
 def _cache_root() -> Path:
     root = os.environ.get("PAGEDLLM_CACHE_ROOT")
     if root:
@@ -112,6 +122,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),
     # 1: check the block pool's invariants at every schedule() (slow; the test suite sets it).
     "PAGEDLLM_DEBUG_BLOCKS": lambda: os.environ.get("PAGEDLLM_DEBUG_BLOCKS") == "1",
+    # Threads of xgrammar's grammar compiler and batch bitmask fill (structured_output/manager.py);
+    # unset: half the host's cores, 2 to 8.
+    "PAGEDLLM_XGRAMMAR_THREADS": lambda: _positive_int("PAGEDLLM_XGRAMMAR_THREADS"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

@@ -84,6 +84,9 @@ class EngineCore:
         self.step_count = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutputHandle] | None = None
+        # Async scheduling, constrained rows: a launched step whose bitmask is being filled on the
+        # structured-output manager's thread; the next step() samples it first.
+        self.deferred_sample: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         self.structured_output_manager = StructuredOutputManager(config)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -142,7 +145,13 @@ class EngineCore:
         runs step N. A batch whose sampling reads past outputs (penalties, min_tokens) first
         collects the step in flight, so the runner holds every token. A batch with constrained
         rows (structured outputs) launches its forward pass, then collects the step in flight (its
-        tokens advance the grammars), fills the grammar bitmask and samples.
+        tokens advance the grammars) and has the bitmask filled; with async scheduling on the
+        manager's thread, and the next step() samples it once it has scheduled (the host's
+        scheduling and the caller's output processing overlap the fill), else at once.
+
+            step k:   schedule k | sample k-1 | launch forward k | collect k-1 | advance, submit fill k | return
+            thread:                                                                       [fill k ........]
+            step k+1: schedule k+1 | sample k (waits for the fill) | launch forward k+1 | ...
         """
         if self.batch_queue is not None:
             return self.step_with_batch_queue(self.batch_queue)
@@ -152,6 +161,8 @@ class EngineCore:
         so = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
         if so is not None and so.is_empty:
             so = None
+        if self.deferred_sample is not None:
+            self._sample_deferred()  # before anything is collected or launched
         if self.inflight is not None and (so is None or not self.async_scheduling or so.needs_output_history):
             outputs += self._collect_inflight()
         if so is None and self.waiting_for_grammar and self.inflight is None:
@@ -160,19 +171,29 @@ class EngineCore:
             manager = self.structured_output_manager
             so.has_structured_output_requests = bool(manager.sampling_request_ids(so))
             pending = self.model_executor.execute_model(so)
-            if pending is None:
-                # Constrained rows: their bitmask needs the tokens of the step in flight, so collect
-                # it now (the device runs this step's forward meanwhile), then fill and sample.
-                if self.inflight is not None:
-                    outputs += self._collect_inflight()
-                pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
             self.step_count += 1
             if self.inflight is not None:
+                # Constrained rows need the tokens of the step in flight for their bitmask; the
+                # device runs this step's forward meanwhile.
                 outputs += self._collect_inflight()
+            if pending is None and self.async_scheduling:
+                # The bitmask job runs on the manager's thread while this thread returns the
+                # outputs and schedules the next step; that step's start samples this one.
+                self.deferred_sample = (so, manager.submit_grammar_bitmask(so))
+                return outputs
+            if pending is None:
+                pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
             self.inflight = (so, pending)
             if not self.async_scheduling:
                 outputs += self._collect_inflight()
         return outputs
+
+    def _sample_deferred(self) -> None:
+        """Sample the step whose bitmask job ran since the last step; it becomes the step in flight."""
+        assert self.deferred_sample is not None and self.inflight is None
+        so, job = self.deferred_sample
+        self.deferred_sample = None
+        self.inflight = (so, self.model_executor.sample_tokens(job.result()))
 
     def step_with_batch_queue(self, queue: BatchQueue) -> list[EngineCoreOutput]:
         """Pipeline parallel (vLLM's step_with_batch_queue): launch a new batch while the queue
@@ -223,8 +244,8 @@ class EngineCore:
         concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.inflight is not None or bool(self.batch_queue) or bool(self.waiting_for_grammar)
-                or self.scheduler.has_unfinished_requests())
+        return (self.inflight is not None or self.deferred_sample is not None or bool(self.batch_queue)
+                or bool(self.waiting_for_grammar) or self.scheduler.has_unfinished_requests())
 
     def reset_prefix_cache(self) -> bool:
         """Drop all prefix-cache entries; refused (False) unless every block is free."""

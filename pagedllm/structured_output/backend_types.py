@@ -29,6 +29,11 @@ class StructuredOutputGrammar(ABC):
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: nothing more may follow."""
 
+    def may_terminate(self, token: int) -> bool:
+        """Whether accepting `token` can end the grammar (a stop token); True when unknown. Lets the
+        caller skip asking is_terminated after every ordinary token."""
+        return True
+
 
 class StructuredOutputBackend(ABC):
     vocab_size: int
@@ -45,6 +50,12 @@ class StructuredOutputBackend(ABC):
         """Fill row rows[i] from grammars[i]; a backend may do it in parallel."""
         for grammar, row in zip(grammars, rows, strict=True):
             grammar.fill_bitmask(bitmask, row)
+
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
+        """Advance grammars[i] by the one token tokens[i]; a backend may do it in one call. None when
+        every token was accepted, else one bool per grammar."""
+        oks = [grammar.accept_tokens([token]) for grammar, token in zip(grammars, tokens, strict=True)]
+        return None if all(oks) else oks
 
     def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
         """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set);

@@ -43,6 +43,11 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 MAX_WHITESPACE = 24
 _BATCH_FILL_MIN_ROWS = 16  # below this, one call per row costs less than the batch call's set-up
 
+# xgrammar's C++ batch matcher, under its Python wrapper (see accept_tokens_batch); None if moved.
+_CORE_BATCH = getattr(getattr(getattr(xgr, "matcher", None), "_core", None), "BatchGrammarMatcher", None)
+if _CORE_BATCH is not None and not hasattr(_CORE_BATCH, "batch_accept_token"):
+    _CORE_BATCH = None
+
 _CPP_PREFIX = re.compile(r"\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -88,6 +93,10 @@ def choice_to_ebnf(choices: list[str]) -> str:
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self.matcher = matcher
+        # An xgrammar matcher ends only by accepting one of these (terminate_without_stop_token off);
+        # None (a release without the property): ask after every token.
+        stop_ids = getattr(matcher, "stop_token_ids", None)
+        self.stop_ids = None if stop_ids is None else frozenset(stop_ids)
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         return all(self.matcher.accept_token(t) for t in tokens)
@@ -97,6 +106,9 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def may_terminate(self, token: int) -> bool:
+        return self.stop_ids is None or token in self.stop_ids
 
 
 class XgrammarBackend(StructuredOutputBackend):
@@ -161,6 +173,20 @@ class XgrammarBackend(StructuredOutputBackend):
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
         else:
             super().fill_bitmasks(grammars, bitmask, rows)
+
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
+        # One C++ call for the batch instead of one Python -> C++ call per row (64 a decode step).
+        # xgrammar's wrapper turns the result into a Python list element by element, which costs
+        # more than the accepts (BENCHMARKS.md, issue 22, h28); its core call's result answers
+        # "any refused?" in one C call. Older releases lack either: the public paths.
+        matchers = [g.matcher for g in grammars]
+        if _CORE_BATCH is not None:
+            result = _CORE_BATCH.batch_accept_token([m._handle for m in matchers], tokens, False)
+            return [bool(ok) for ok in result] if 0 in result else None
+        if hasattr(xgr.BatchGrammarMatcher, "batch_accept_token"):
+            oks = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+            return None if all(oks) else oks
+        return super().accept_tokens_batch(grammars, tokens)
 
     def validate(self, params: StructuredOutputsParams) -> None:
         self._compile(params)

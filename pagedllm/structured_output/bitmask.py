@@ -4,8 +4,9 @@
     rows of the batch ["a", "b", "c"] -> only row 1 is masked; "a" and "c" are untouched.
 
 The bitmask is filled on the host (manager.py) while the device runs the step's forward pass, then
-copied with one pinned, non-blocking copy and unpacked on the device: bit j of word w allows token
-32 * w + j. Words past the vocabulary's end are ignored.
+copied with one pinned, non-blocking copy and applied on the device: bit j of word w allows token
+32 * w + j. Words past the vocabulary's end are ignored. On CUDA one Triton launch masks the rows in
+place (kernels/grammar_bitmask.py); elsewhere `apply_grammar_bitmask_ref`, its reference.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Mask rows `rows` of (R, V) logits with the host bitmask (k, W), k == len(rows). In place."""
+    if not rows:
+        return logits
+    if logits.is_cuda and logits.stride(1) == 1:
+        from pagedllm.kernels.grammar_bitmask import apply_bitmask_inplace
+
+        mask = to_device_async(bitmask, logits.device)
+        first_rows = rows[-1] == len(rows) - 1 and rows == list(range(len(rows)))
+        idx = None if first_rows else host_tensor(rows, torch.int32, logits.device)
+        return apply_bitmask_inplace(logits, mask, idx)
+    return apply_grammar_bitmask_ref(logits, bitmask, rows)
+
+
+def apply_grammar_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The torch path (any device): unpack to a bool (k, V) mask, then masked_fill the rows."""
     if not rows:
         return logits
     vocab_size = logits.shape[1]

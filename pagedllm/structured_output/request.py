@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-import torch
-
 from pagedllm.structured_output.backend_types import StructuredOutputGrammar
 from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -27,6 +25,7 @@ class StructuredOutputRequest:
         self.reasoning_end_ids = frozenset(params._reasoning_end_token_ids)
         self.reasoning_ended = not self.reasoning_end_ids
         self.num_accepted = 0  # output tokens the grammar has seen (after the reasoning)
+        self.ended = False  # the grammar accepted a stop token (kept here: read per row per step)
         self._grammar: StructuredOutputGrammar | None = None
 
     @property
@@ -40,9 +39,9 @@ class StructuredOutputRequest:
             self._grammar = self.future.result()
         return self._grammar
 
-    def advance(self, new_token_ids: list[int]) -> bool:
-        """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
-        allowed it; logged, and the rest of the output runs unconstrained)."""
+    def grammar_tokens(self, new_token_ids: list[int]) -> list[int]:
+        """The part of accepted tokens the grammar must see (none while reasoning, or once it has
+        ended: after the stop token the request is finishing)."""
         tokens = new_token_ids
         if not self.reasoning_ended:
             for i, t in enumerate(tokens):
@@ -51,25 +50,31 @@ class StructuredOutputRequest:
                     tokens = tokens[i + 1:]
                     break
             else:
-                return True
+                return []
+        if not tokens or self.ended:
+            return []
+        return tokens
+
+    def accepted(self, tokens: list[int], ok: bool, refused: list[int] | None = None) -> bool:
+        """Book `tokens` fed to the grammar (by `advance`; the manager's batch call books its own
+        and reports a refused token here as `refused`)."""
+        self.num_accepted += len(tokens)
+        grammar = self.grammar
+        if any(grammar.may_terminate(t) for t in tokens):
+            self.ended = grammar.is_terminated()
+        if not ok:
+            logger.error("%s: the grammar refused sampled tokens %s", self.request_id, refused or tokens)
+        return ok
+
+    def advance(self, new_token_ids: list[int]) -> bool:
+        """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
+        allowed it; logged, and the rest of the output runs unconstrained)."""
+        tokens = self.grammar_tokens(new_token_ids)
         if not tokens:
             return True
-        grammar = self.grammar
-        if grammar.is_terminated():
-            return True  # after the stop token: the request is finishing
-        ok = grammar.accept_tokens(tokens)
-        self.num_accepted += len(tokens)
-        if not ok:
-            logger.error("%s: the grammar refused sampled tokens %s", self.request_id, tokens)
-        return ok
+        return self.accepted(tokens, self.grammar.accept_tokens(tokens))
 
     @property
     def constrains_next(self) -> bool:
         """Whether the next token is constrained (reasoning over, grammar not yet ended)."""
-        return self.reasoning_ended and not self.grammar.is_terminated()
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.constrains_next:
-            self.grammar.fill_bitmask(bitmask, row)
-        else:
-            bitmask[row].numpy().fill(-1)  # numpy: see StructuredOutputBackend.allocate_bitmask
+        return self.reasoning_ended and not self.ended
