@@ -2,7 +2,7 @@
 
 `tiny_server` serves a tiny random Llama (hidden 64, 2 layers) with SmolLM2's real tokenizer and
 chat template, so concurrency tests are fast; it requires an API key on every /v1 call, so every
-test also exercises auth. `smollm2_server` (test_openai_smollm2.py) serves the embedded model.
+test also exercises auth. `smollm2_server` serves the embedded model.
 """
 
 from __future__ import annotations
@@ -158,9 +158,11 @@ def client(tiny_server: RemoteOpenAIServer) -> openai.OpenAI:
     return tiny_server.client()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def smollm2_server():
-    """The embedded SmolLM2-135M-Instruct GGUF, no --model: what `make serve` starts."""
+    """The embedded SmolLM2-135M-Instruct GGUF, no --model: what `make serve` starts. One for the
+    package (test_openai_smollm2, the TP=1 reference of test_serve_tensor_parallel, test_web_ui):
+    it is the slowest server to start."""
     server = RemoteOpenAIServer(["--max-model-len", "2048", "--max-num-seqs", "16", "--disable-uvicorn-access-log"])
     yield server
     server.stop()
