@@ -13,7 +13,6 @@ Exit status 0 = all compiled without spills.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -234,19 +233,10 @@ def _record_gemv() -> None:
         gemv.skinny_linear(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
 
 
-def _compile(job: tuple) -> tuple[int, int, int]:
-    """(registers, stack bytes, shared-memory bytes) of one launch compiled for sm_90."""
-    kernel, sig, consts, attrs, options = job
-    src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    regs, stack = _stack_bytes(compiled.asm["cubin"])
-    return regs, stack, compiled.metadata.shared
-
-
 def main() -> int:
     launches: list = []
     _record(launches)
-    jobs = []
+    failures = 0
     seen = set()
     for kernel, args, kwargs in launches:
         sig, consts, attrs = _signature(kernel, args, kwargs)
@@ -257,33 +247,17 @@ def main() -> int:
         if key in seen:
             continue
         seen.add(key)
-        jobs.append((kernel, sig, consts, attrs, options))
-    _JOBS[:] = jobs
-    # Compiling (MLIR passes, then ptxas) is CPU bound and each launch is independent: one forked
-    # process per core (the recorded kernels are inherited, not pickled); results come back in
-    # launch order, so the printed lines do not depend on the process count.
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers > 1:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            results = pool.map(_compile_at, range(len(jobs)), chunksize=1)
-    else:
-        results = [_compile(job) for job in jobs]
-    failures = 0
-    for (kernel, _, consts, _, options), (regs, stack, shared) in zip(jobs, results, strict=True):
+        src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        regs, stack = _stack_bytes(compiled.asm["cubin"])
         shown = {k: v for k, v in consts.items() if k.isupper() and k not in ("DOT_PRECISION",)}
+        shared = compiled.metadata.shared
         print(f"{kernel.fn.__name__} {shown} {options}: {regs} registers, {stack} bytes of stack, "
               f"{shared} bytes of shared memory")
         if stack:
             print("  ^ spills registers", file=sys.stderr)
             failures += 1
     return 1 if failures else 0
-
-
-_JOBS: list = []  # main()'s compile jobs, read by the forked workers
-
-
-def _compile_at(i: int) -> tuple[int, int, int]:
-    return _compile(_JOBS[i])
 
 
 if __name__ == "__main__":
