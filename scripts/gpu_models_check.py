@@ -18,25 +18,24 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
 
 import torch
-
-RESULTS: list[tuple[str, str]] = []
-
-
-def record(name: str, value: str) -> None:
-    RESULTS.append((name, value))
-    print(f"## {name}: {value}", flush=True)
-
+from _gpu_common import (
+    MOE_SHAPES,
+    bench_w1,
+    copy_bandwidth,
+    graph_time_us,
+    moe_expert_weights,
+    moe_floor_us,
+    print_results,
+    record,
+)
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=1000, max_position_embeddings=1024)
@@ -111,71 +110,34 @@ def correctness() -> None:
             record(f"{arch} correctness", "ERROR (traceback above)")
 
 
-def _copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device copy (read + write counted), the floor's memory speed."""
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    bw = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
-    del a, b
-    return bw
-
-
 def moe_kernel() -> None:
     from pagedllm.kernels.fused_moe import fused_experts
     from pagedllm.layers.fused_moe.router import select_experts
 
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     record("device copy bandwidth", f"{bw / 1e12:.2f} TB/s")
-    for shape, (e, top_k, hidden, inter) in {"qwen3-30b-a3b": (128, 8, 2048, 768),
-                                             "deepseek-v2-lite": (64, 6, 2048, 1408)}.items():
-        w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    for shape, (e, top_k, hidden, inter) in MOE_SHAPES.items():
+        w13, w2 = moe_expert_weights(e, hidden, inter)
         for tokens in (1, 16, 64, 256, 2048):
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             weights, ids = select_experts(torch.randn(tokens, e, device="cuda"), top_k, True)
-            for _ in range(3):
-                fused_experts(x, w13, w2, weights, ids)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fused_experts(x, w13, w2, weights, ids)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                g.replay()
-            torch.cuda.synchronize()
-            us = (time.perf_counter() - t0) / 50 * 1e6
+            us = graph_time_us(functools.partial(fused_experts, x, w13, w2, weights, ids))
             hit = int(torch.unique(ids).numel())
-            floor_us = hit * 3 * hidden * inter * 2 / bw * 1e6
+            floor_us = moe_floor_us(hit, hidden, inter, bw)
             record(f"fused MoE {shape} {tokens} tok ({hit}/{e} experts hit)",
                    f"{us:.1f} us, floor {floor_us:.1f} us, {floor_us / us * 100:.0f}% of floor speed")
-            del g
         del w13, w2
         torch.cuda.empty_cache()
 
 
 def w1() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     for model in ("qwen3-30b-a3b", "deepseek-v2-lite"):
-        out = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model,
-               "--load-format", "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
-        t0 = time.monotonic()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+        r, proc, seconds = bench_w1(model, timeout=150)
+        if r is None:
             record(f"W1 {model}", f"FAILED rc={proc.returncode}")
             continue
-        with open(out) as f:
-            r = json.load(f)
         record(f"W1 {model} (dummy bf16)", f"{r['tokens_per_second']:.0f} tok/s total, "
-               f"{r['output_tokens_per_second']:.0f} output tok/s ({time.monotonic() - t0:.0f} s incl. start)")
+               f"{r['output_tokens_per_second']:.0f} output tok/s ({seconds:.0f} s incl. start)")
 
 
 def main() -> None:
@@ -194,9 +156,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
-    print("\n| check | result |\n|---|---|")
-    for name, value in RESULTS:
-        print(f"| {name} | {value} |")
+    print_results()
 
 
 if __name__ == "__main__":

@@ -19,20 +19,16 @@ generate call alone (start-up excluded, shown separately). The kernel section ti
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-RESULTS: list[tuple[str, str]] = []
+from _gpu_common import bench_w1, copy_bandwidth, graph_time_us, moe_expert_weights, moe_floor_us, print_results, record
+
 MODELS = ("qwen3-30b-a3b", "deepseek-v2-lite")
-
-
-def record(name: str, value: str) -> None:
-    RESULTS.append((name, value))
-    print(f"## {name}: {value}", flush=True)
 
 
 def config_dir(model: str) -> str:
@@ -40,20 +36,12 @@ def config_dir(model: str) -> str:
 
 
 def run_pagedllm(model: str) -> float | None:
-    out = tempfile.mktemp(suffix=".json")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model, "--load-format",
-           "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-    if proc.returncode != 0 or not os.path.exists(out):
-        print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+    r, proc, seconds = bench_w1(model, timeout=200)
+    if r is None:
         record(f"pagedllm W1 {model}", f"FAILED rc={proc.returncode}")
         return None
-    with open(out) as f:
-        r = json.load(f)
     record(f"pagedllm W1 {model}", f"{r['output_tokens_per_second']:.0f} output tok/s ({r['total_output_tokens']} tokens "
-           f"in {r['elapsed_time']:.1f} s; ready in {r['startup_seconds']:.0f} s; {time.monotonic() - t0:.0f} s in all)")
+           f"in {r['elapsed_time']:.1f} s; ready in {r['startup_seconds']:.0f} s; {seconds:.0f} s in all)")
     return float(r["output_tokens_per_second"])
 
 
@@ -92,19 +80,8 @@ def kernel_per_step(model: str) -> None:
     e = cfg.get("num_experts") or cfg["n_routed_experts"]
     top_k, hidden, inter = cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     moe_layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    bw = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
-    del a, b
-    w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    bw = copy_bandwidth()
+    w13, w2 = moe_expert_weights(e, hidden, inter)
     from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
     for t in (3, 300):  # the kernel (align included) against the torch reference, on this GPU
@@ -116,24 +93,13 @@ def kernel_per_step(model: str) -> None:
     for t in (1, 32, 128, 256):  # W1's decode batches: 256 running at first, fewer at the tail
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, True)
-        for _ in range(3):
-            fused_experts(x, w13, w2, weights, ids)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fused_experts(x, w13, w2, weights, ids)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            g.replay()
-        torch.cuda.synchronize()
-        us = (time.perf_counter() - t0) / 50 * 1e6
+        us = graph_time_us(functools.partial(fused_experts, x, w13, w2, weights, ids))
         hit = int(torch.unique(ids).numel())
-        floor = hit * 3 * hidden * inter * 2 / bw * 1e6
+        floor = moe_floor_us(hit, hidden, inter, bw)
         tiles = "/".join(str(v) for v in _config(t * top_k, torch.bfloat16).values())
         record(f"fused MoE {model}, decode batch {t} ({hit}/{e} experts hit, tiles {tiles})",
                f"{us:.0f} us per layer, {us * moe_layers / 1000:.2f} ms per step ({moe_layers} MoE layers); floor "
                f"{floor * moe_layers / 1000:.2f} ms at {bw / 1e12:.2f} TB/s: {floor / us * 100:.0f}% of floor speed")
-        del g
     del w13, w2
     torch.cuda.empty_cache()
 
@@ -158,9 +124,7 @@ def main() -> None:
         except Exception as exc:
             record(f"fused MoE {model}", f"ERROR {exc!r}")
     print(f"[{time.monotonic() - start:.0f} s in all]")
-    print("\n| check | result |\n|---|---|")
-    for name, value in RESULTS:
-        print(f"| {name} | {value} |")
+    print_results()
 
 
 if __name__ == "__main__":

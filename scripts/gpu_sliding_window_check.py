@@ -3,7 +3,7 @@ to transformers', in a KV pool far smaller than the context (blocks behind the w
 core/kv_cache_manager.py). Table printed last.
 
 Usage, from the repo root on the GPU machine (~2-3 min):
-    python3 scripts/gpu_sliding_window_check.py [--context 32000] [--new-tokens 64]
+    PYTHONPATH=$PWD python3 scripts/gpu_sliding_window_check.py [--context 32000] [--new-tokens 64]
 (a CPU smoke run of the same code: --device cpu --context 600 --window 64 --new-tokens 8;
 --variants graphs runs only the first variant below, ~1.5 min)
 
@@ -28,17 +28,15 @@ import time
 import traceback
 
 import torch
+from _gpu_common import print_results, record
 
-RESULTS: list[tuple[str, str]] = []
+from tests import utils as test_utils
+from tests.utils import track_peak_blocks
+
 WINDOW = 4096  # --window
 DEVICE = "cuda"  # --device
 POOL_BLOCKS = 800
 BLOCK = 16
-
-
-def record(name: str, value: str) -> None:
-    RESULTS.append((name, value))
-    print(f"## {name}: {value}", flush=True)
 
 
 def build_model(path: str):
@@ -62,10 +60,8 @@ def build_model(path: str):
 
 def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], float]:
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+    tokens = test_utils.hf_greedy(hf, prompt, n)  # on hf's device (DEVICE)
+    return tokens, time.perf_counter() - t0
 
 
 def run_pagedllm(path: str, chunk: int, eager: bool, prompt: list[int], n: int, follow_extra: list[int]):
@@ -76,15 +72,7 @@ def run_pagedllm(path: str, chunk: int, eager: bool, prompt: list[int], n: int, 
               enable_prefix_caching=True, enforce_eager=eager, gpu_memory_utilization=0.3, device=DEVICE)
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.sliding_window == WINDOW, kv.sliding_window
-    peak = [0]
-    allocate = kv.allocate_slots
-
-    def tracked(*args, **kwargs):
-        out = allocate(*args, **kwargs)
-        peak[0] = max(peak[0], kv.num_blocks - kv.block_pool.get_num_free_blocks())
-        return out
-
-    kv.allocate_slots = tracked
+    peak = track_peak_blocks(kv)
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
@@ -148,9 +136,7 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             record(label, "ERROR (traceback above)")
-    print("\n| check | result |\n|---|---|")
-    for name, value in RESULTS:
-        print(f"| {name} | {value} |")
+    print_results()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
+from _gpu_common import MOE_SHAPES, copy_bandwidth, graph_time_us, moe_expert_weights, moe_floor_us
 
 from pagedllm.kernels.fused_moe import _config, fused_experts, moe_align_block_size, moe_align_block_size_ref
 from pagedllm.layers.fused_moe.router import select_experts
@@ -27,35 +27,8 @@ CANDIDATES = {
     "m128 n256 k64 w8 s4": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
     "m64 n256 k64 w8 s4": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
 }
-SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}
+SHAPES = dict(MOE_SHAPES)
 TOKENS = (1, 16, 64, 256, 1024, 4096)
-
-
-def bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
-
-
-def time_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / 50 * 1e6
 
 
 def align_check() -> list[tuple[str, str]]:
@@ -74,8 +47,8 @@ def align_check() -> list[tuple[str, str]]:
                     rows_of = (ref[1][:n] == ex).nonzero().flatten()
                     lo, hi = int(rows_of[0]) * bm, (int(rows_of[-1]) + 1) * bm
                     same &= got[0][lo:hi].sort().values.equal(ref[0][lo:hi].sort().values)
-            us_k = time_us(functools.partial(moe_align_block_size, ids, bm, e))
-            us_r = time_us(functools.partial(moe_align_block_size_ref, ids, bm, e))
+            us_k = graph_time_us(functools.partial(moe_align_block_size, ids, bm, e))
+            us_r = graph_time_us(functools.partial(moe_align_block_size_ref, ids, bm, e))
             out.append((f"align E={e} top_k={top_k} T={t} BLOCK_M={bm}",
                         f"{'OK' if same else 'WRONG'}: kernel {us_k:.1f} us, torch {us_r:.1f} us"))
             print(*out[-1], flush=True)
@@ -92,9 +65,9 @@ def align_check() -> list[tuple[str, str]]:
             p = torch.softmax(logits.cpu().float(), dim=-1)
             ok = torch.allclose(p.gather(1, ids.cpu().long()), p.gather(1, rids.long()), atol=1e-6, rtol=0) and \
                 torch.allclose(w.cpu(), rw, atol=1e-5, rtol=1e-4) and bool((ids.cpu().sort(1).values.diff(dim=1) != 0).all())
-            us_k = time_us(functools.partial(topk_softmax, logits, top_k, renorm))
+            us_k = graph_time_us(functools.partial(topk_softmax, logits, top_k, renorm))
             torch_path = functools.partial(_torch_routing, logits, top_k, renorm)
-            us_r = time_us(torch_path)
+            us_r = graph_time_us(torch_path)
             out.append((f"router E={e} top_k={top_k} T={t}",
                         f"{'OK' if ok else 'WRONG'}: kernel {us_k:.1f} us, torch {us_r:.1f} us"))
             print(*out[-1], flush=True)
@@ -122,26 +95,25 @@ def main() -> None:
         TOKENS = (1, 256, 2048)
         keep = ("m16 n64 k128 w4 s3", "m32 n256 k128 w4 s2", "m128 n256 k64 w8 s4")
         CANDIDATES = {k: v for k, v in CANDIDATES.items() if k in keep}
-    bw = bandwidth()
+    bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     align_rows = align_check()
     rows = []
     for shape, (e, top_k, hidden, inter) in SHAPES.items():
-        w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        w13, w2 = moe_expert_weights(e, hidden, inter)
         for t in TOKENS:
             x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
             weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, True)
             ref = fused_experts(x, w13, w2, weights, ids)
             hit = int(torch.unique(ids).numel())
-            floor = hit * 3 * hidden * inter * 2 / bw * 1e6
+            floor = moe_floor_us(hit, hidden, inter, bw)
             cands = {"current " + str(tuple(_config(t * top_k, torch.bfloat16).values())): None, **CANDIDATES}
             times = {}
             for name, cfg in cands.items():
                 try:
                     out = fused_experts(x, w13, w2, weights, ids, config=cfg)
                     err = (out.float() - ref.float()).abs().max().item()
-                    times[name] = (time_us(functools.partial(fused_experts, x, w13, w2, weights, ids, config=cfg)), err)
+                    times[name] = (graph_time_us(functools.partial(fused_experts, x, w13, w2, weights, ids, config=cfg)), err)
                 except Exception as exc:  # a tile that does not fit shared memory
                     times[name] = (float("inf"), str(exc)[:60])
             best = min(times, key=lambda n: times[n][0])

@@ -77,7 +77,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **
     prompts that are compared must not hold token 0."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=None,
@@ -85,6 +85,22 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **
             **generate_kwargs,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def track_peak_blocks(kv_cache_manager) -> list[int]:
+    """Wrap `allocate_slots` of an engine's KVCacheManager so the returned one-element list holds the
+    most blocks in use after any allocation (a sliding window's bound on the pool, for example)."""
+    kv = kv_cache_manager
+    peak = [0]
+    allocate = kv.allocate_slots
+
+    def tracked(*args, **kwargs):
+        out = allocate(*args, **kwargs)
+        peak[0] = max(peak[0], kv.num_blocks - kv.block_pool.get_num_free_blocks())
+        return out
+
+    kv.allocate_slots = tracked
+    return peak
 
 
 def assert_pool_idle(llm) -> None:

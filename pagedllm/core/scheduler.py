@@ -10,13 +10,11 @@ preemption, resumed from its KV kept on the CPU (the policy object in core/preem
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv, max_blocks_per_request
-from pagedllm.core.kv_snapshot import KVBlockMap, build_kv_block_map
 from pagedllm.core.preemption import PreemptionPolicy, make_preemption_policy
 from pagedllm.core.sched_output import (
     CachedRequestData,
@@ -25,20 +23,8 @@ from pagedllm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.core.scheduler_stats import KVSnapshotClock, SchedulerStats
 from pagedllm.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, tokens
-    prefix_cache_hits: int  # cumulative, tokens
-    # The pool's picture for the web console, at most every `kv_snapshot_interval_s` (else None).
-    kv_block_map: KVBlockMap | None = None
-    num_swapped_reqs: int = 0  # waiting requests whose KV sits in the CPU swap pool
 
 
 @dataclass
@@ -82,8 +68,7 @@ class Scheduler:
         # Requests the runner has state for (seen since their last (re)admission).
         self._runner_knows: set[str] = set()
         self.preemption: PreemptionPolicy = make_preemption_policy(preemption_mode, num_cpu_blocks, self.block_size)
-        self._next_kv_snapshot = 0.0
-        self._idle_kv_snapshot_sent = False
+        self._kv_snapshots = KVSnapshotClock()
 
     # -- admission ---------------------------------------------------------------------------------
     def max_tokens_that_fit(self) -> int:
@@ -393,21 +378,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            kv_block_map=self._maybe_kv_block_map(),
+            kv_block_map=self._kv_snapshots.maybe_kv_block_map(kv, self.config.kv_snapshot_interval_s,
+                                                             idle=not self.requests),
             num_swapped_reqs=self.preemption.num_held_requests(),
         )
-
-    def _maybe_kv_block_map(self) -> KVBlockMap | None:
-        interval = self.config.kv_snapshot_interval_s
-        if interval <= 0:
-            return None
-        now = time.monotonic()
-        # The stats of the step that emptied the engine always carry a map, so the last picture
-        # shown is the idle pool, not one from up to `interval` earlier.
-        idle = not self.requests
-        if now < self._next_kv_snapshot and not (idle and not self._idle_kv_snapshot_sent):
-            return None
-        self._idle_kv_snapshot_sent = idle
-        self._next_kv_snapshot = now + interval
-        kv = self.kv_cache_manager
-        return build_kv_block_map(kv.num_blocks, kv.req_to_blocks, kv.block_pool.cached_mask)

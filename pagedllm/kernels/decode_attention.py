@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _tile_config
 from pagedllm.kernels.kv_cache_write import to_cache
-from pagedllm.kernels.paged_attention import _LOG2E, _attend_tile, _tile_config, paged_attention_ref
+from pagedllm.kernels.paged_attention import paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
 from pagedllm.kernels.split_k import (
     FEW_DECODE_PROGRAMS,

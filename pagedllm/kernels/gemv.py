@@ -193,9 +193,21 @@ def _skinny_linear_kernel(
             x_ptrs += BLOCK_K
         acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
 
+    store_split_k_output(acc, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+                         M, N, pid_k, pid_n, SPLIT_K, HAS_BIAS, SPLIT_K > 1, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def store_split_k_output(
+    acc, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, M, N, pid_k, pid_n,
+    SPLIT_K, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The GEMV epilogue (this kernel's and wna16_gemv's): acc (BLOCK_M, BLOCK_N) fp32 of one K split
+    -> out (+ bias). Split-K: each split stores its partial to ws (SPLIT_K, M, N) and the last of the
+    SPLIT_K programs of an N-block to arrive (counter) sums them in split order and writes out."""
     out_mask = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K == 1:
+    if not USE_SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -216,17 +228,20 @@ def _skinny_linear_kernel(
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, no memset needed
 
 
-def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """This device's split-K partials and counters; None if they would first be made in a capture."""
-    ws = _workspaces.get(device)
+def split_k_workspace(
+    workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]], device: torch.device, floats: int, counters: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A device's split-K partials (`floats` fp32) and zeroed counters, made once and kept in
+    `workspaces` (each GEMV module has its own); None if they would first be made in a capture."""
+    ws = workspaces.get(device)
     if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         ws = (
-            torch.empty(_WS_FLOATS, dtype=torch.float32, device=device),
-            torch.zeros(_WS_COUNTERS, dtype=torch.int32, device=device),
+            torch.empty(floats, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device),
         )
-        _workspaces[device] = ws
+        workspaces[device] = ws
     return ws
 
 
@@ -261,7 +276,7 @@ def skinny_linear(
     block_m = max(16, triton.next_power_of_2(m)) if cfg.USE_DOT else triton.next_power_of_2(m)
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     split_k, k_per_split = _split_k(k, cfg.BLOCK_K, cfg.SPLIT_K)
-    ws = _workspace(x.device) if split_k > 1 else None
+    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split_k > 1 else None
     if ws is None:
         split_k, k_per_split = 1, k
         ws = (out, out)  # never read: the split-K branch is compiled out

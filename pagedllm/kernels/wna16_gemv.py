@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
 __all__ = ["WNA16GemvConfig", "wna16_gemv", "wna16_gemv_config"]
@@ -118,25 +119,8 @@ def _wna16_gemv_kernel(
         res = acc
     else:
         res = tl.sum(acc, 0)[None, :]  # (1, BLOCK_N); BLOCK_M is 1
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if not USE_SPLIT:
-        if HAS_BIAS:
-            res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_ptrs = ws_ptr + (offs_m[:, None] * N + offs_n[None, :])
-        tl.store(part_ptrs + pid_k * M * N, res, mask=out_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, SPLIT_K):
-                total += tl.load(part_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    store_split_k_output(res, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+                         M, N, pid_k, pid_n, SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
 
 
 def block_k_for(group_size: int) -> int:
@@ -169,17 +153,6 @@ def wna16_gemv_config(m: int, n: int, k: int, group_size: int, bits: int) -> WNA
     return WNA16GemvConfig(block_n, block_kp, split, warps, stages)
 
 
-def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    ws = _workspaces.get(device)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ws = (torch.empty(_WS_FLOATS, dtype=torch.float32, device=device),
-              torch.zeros(_WS_COUNTERS, dtype=torch.int32, device=device))
-        _workspaces[device] = ws
-    return ws
-
-
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                group_size: int, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
                config: WNA16GemvConfig | None = None) -> torch.Tensor:
@@ -204,7 +177,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     split = triton.cdiv(k, k_per_split)
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = _workspace(x.device) if split > 1 else None
+    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
     if ws is None or split * m * n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
         split, k_per_split = 1, k
         ws = (out, out)  # never read: the split-K branch is compiled out

@@ -12,7 +12,7 @@ from transformers import MistralConfig, Qwen2Config
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.utils import sliding_window_for_layer
-from tests.utils import assert_pool_idle, hf_greedy
+from tests.utils import assert_pool_idle, hf_greedy, track_peak_blocks
 
 
 def test_mistral_window_shorter_than_the_context_matches_transformers():
@@ -50,15 +50,7 @@ def test_context_many_windows_long_matches_transformers_in_a_bounded_pool(long_m
               enable_prefix_caching=True, max_num_batched_tokens=chunk, max_num_seqs=4)
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.sliding_window == 64
-    peak = [0]
-    allocate = kv.allocate_slots
-
-    def tracked(*args, **kwargs):
-        out = allocate(*args, **kwargs)
-        peak[0] = max(peak[0], kv.num_blocks - kv.block_pool.get_num_free_blocks())
-        return out
-
-    kv.allocate_slots = tracked
+    peak = track_peak_blocks(kv)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert out == ref

@@ -2,7 +2,7 @@
 
 `tiny_server` serves a tiny random Llama (hidden 64, 2 layers) with SmolLM2's real tokenizer and
 chat template, so concurrency tests are fast; it requires an API key on every /v1 call, so every
-test also exercises auth. `smollm2_server` (test_openai_smollm2.py) serves the embedded model.
+test also exercises auth. `smollm2_server` serves the embedded model.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ class RemoteOpenAIServer:
     """`python -m pagedllm.entrypoints.openai.api_server ...` as a subprocess, ready when /health is 200."""
 
     def __init__(
-        self, args: list[str], *, api_key: str | None = None, env: dict[str, str] | None = None, timeout: float = 240
+        self, args: list[str], *, api_key: str | None = None, env: dict[str, str] | None = None, timeout: float = 240,
+        wait: bool = True,
     ) -> None:
+        """wait=False returns once the process is started; `wait_ready()` then waits for /health
+        (`start_servers` starts several so that their start-ups overlap)."""
         self.port = free_port()
         self.api_key = api_key
         self.log_path = Path(tempfile.mkstemp(prefix="pagedllm-server-", suffix=".log")[1])
@@ -47,7 +50,12 @@ class RemoteOpenAIServer:
             cmd += ["--api-key", api_key]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        self._wait_ready(timeout)
+        self._timeout = timeout
+        if wait:
+            self._wait_ready(timeout)
+
+    def wait_ready(self) -> None:
+        self._wait_ready(self._timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -129,6 +137,25 @@ class RemoteOpenAIServer:
         return self.proc.returncode
 
 
+def start_servers(arg_lists: list[list[str]], **kwargs: Any) -> list[RemoteOpenAIServer]:
+    """Start one server per argument list, as many at once as there are cores: a start-up is mostly
+    one process importing on one core, so on CI's 2 cores two starts take about the time of one.
+    Every server started is stopped if any fails to become healthy."""
+    started: list[RemoteOpenAIServer] = []
+    batch = max(1, os.cpu_count() or 1)
+    try:
+        for i in range(0, len(arg_lists), batch):
+            group = [RemoteOpenAIServer(args, wait=False, **kwargs) for args in arg_lists[i:i + batch]]
+            started += group
+            for server in group:
+                server.wait_ready()
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+    return started
+
+
 @pytest.fixture(scope="package")
 def tiny_chat_template(tiny_tokenizer: Any) -> str:
     """The server's --chat-template: the model's own with a marker line first, so tests can tell
@@ -158,9 +185,11 @@ def client(tiny_server: RemoteOpenAIServer) -> openai.OpenAI:
     return tiny_server.client()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def smollm2_server():
-    """The embedded SmolLM2-135M-Instruct GGUF, no --model: what `make serve` starts."""
+    """The embedded SmolLM2-135M-Instruct GGUF, no --model: what `make serve` starts. One for the
+    package (test_openai_smollm2, the TP=1 reference of test_serve_tensor_parallel, test_web_ui):
+    it is the slowest server to start."""
     server = RemoteOpenAIServer(["--max-model-len", "2048", "--max-num-seqs", "16", "--disable-uvicorn-access-log"])
     yield server
     server.stop()

@@ -5,14 +5,12 @@ its rows / columns of the GGUF blocks."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 
 import openai
 import pytest
 
-from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from tests.entrypoints.openai.conftest import RemoteOpenAIServer
 
@@ -44,18 +42,20 @@ class _Serve(RemoteOpenAIServer):
         self._wait_ready(300)
 
 
-def test_smollm2_gguf_tp3_answers_like_tp1():
-    llm = LLM(cpu_threads=1)
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    del llm
-    gc.collect()
+def _greedy_texts(client: openai.OpenAI) -> list[str]:
+    """Both prompts in one request (one batch, as LLM.generate runs them), greedy."""
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def test_smollm2_gguf_tp3_answers_like_tp1(smollm2_server):
+    # TP=1: the package's SmolLM2 server (the same GGUF, no --tensor-parallel-size).
+    expected = _greedy_texts(smollm2_server.client())
+    assert all(expected), expected
     server = _Serve(["--tensor-parallel-size", "3", "--max-model-len", "512"])
     try:
-        client = openai.OpenAI(base_url=server.base_url, api_key="none")
-        model = client.models.list().data[0].id
-        got = [client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
-               for p in PROMPTS]
+        got = _greedy_texts(openai.OpenAI(base_url=server.base_url, api_key="none"))
         assert got == expected
     finally:
         server.stop()

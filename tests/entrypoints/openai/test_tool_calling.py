@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteOpenAIServer
+from tests.entrypoints.openai.conftest import RemoteOpenAIServer, start_servers
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 TOOLS: {{ tools | tojson }}<|im_end|>
@@ -78,17 +78,24 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=list(CALL_TEXT))
-def served(request, model_dir):
-    parser = request.param
-    extra = ["--reasoning-parser", "deepseek_r1"] if parser == "hermes" else []
-    server = RemoteOpenAIServer([
+@pytest.fixture(scope="module")
+def servers(model_dir) -> dict[str, RemoteOpenAIServer]:
+    """One server per tool-call parser (the parser is a server flag), started two at a time."""
+    args = [[
         "--model", str(model_dir), "--served-model-name", "tiny", "--max-model-len", "1024",
         "--num-gpu-blocks-override", "256", "--cpu-threads", "1", "--chat-template", str(model_dir / "template.jinja"),
-        "--enable-auto-tool-choice", "--tool-call-parser", parser, "--disable-uvicorn-access-log", *extra,
-    ])
-    yield parser, server
-    server.stop()
+        "--enable-auto-tool-choice", "--tool-call-parser", parser, "--disable-uvicorn-access-log",
+        *(["--reasoning-parser", "deepseek_r1"] if parser == "hermes" else []),
+    ] for parser in CALL_TEXT]
+    started = dict(zip(CALL_TEXT, start_servers(args), strict=True))
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module", params=list(CALL_TEXT))
+def served(request, servers):
+    return request.param, servers[request.param]
 
 
 def _prompt_text(server, response) -> str:

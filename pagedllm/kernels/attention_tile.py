@@ -1,0 +1,110 @@
+"""The pieces the paged attention kernels share: one online-softmax step over a tile of cached keys
+(`_attend_tile`, a Triton device function) and the tile sizes a launch uses (`_tile_config`).
+`paged_attention.py` (prefill chunks and decodes) and `decode_attention.py` (decodes with the q/k
+prep fused in) both build on them, so a tuning or masking fix lands in both at once.
+
+Scores are kept in base 2: the callers pass scale * log2(e) (`_LOG2E`), and exp2 replaces exp.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
+    stride_c_blk, stride_c_slot, scale_log2, window, soft_cap_log2,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr = False,
+    USE_SOFTCAP: tl.constexpr = False,
+):
+    """One online-softmax update with keys start_n .. start_n + TILE_N - 1.
+
+    q (BLOCK_M, HEAD_DIM_PAD); m_i, l_i (BLOCK_M,) fp32; acc (BLOCK_M, HEAD_DIM_PAD) fp32.
+    MASKED=False promises every key valid (< kv_hi) and visible to every row (<= its q_pos).
+    USE_WINDOW: a row sees only keys > q_pos - window (sliding window; needs MASKED).
+    USE_SOFTCAP: scores s become cap * tanh(s / cap) (Gemma 2), here in base 2: soft_cap_log2 = cap * log2(e).
+    """
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k_pos = start_n + offs_n
+    if MASKED:
+        k_valid = k_pos < kv_hi
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+    slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
+    k_ptrs = k_cache_ptr + slot_off[None, :] + offs_d[:, None]  # (HEAD_DIM_PAD, TILE_N)
+    v_ptrs = v_cache_ptr + slot_off[:, None] + offs_d[None, :]  # (TILE_N, HEAD_DIM_PAD)
+    # Masked lanes read 0, never stale cache memory (which may hold NaN/inf bit patterns).
+    if MASKED:
+        k = tl.load(k_ptrs, mask=k_valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
+    if USE_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without NaN when exp overflows.
+        s = soft_cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap_log2) + 1.0))
+    if MASKED:
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=k_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool,
+                 few_programs: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages), tuned on the H200 with
+    `scripts/attn_sweep.py` (2026-11-29, head_dim 128, bf16, W1-like batches).
+
+    Decode rows are memory bound: the smallest MMA tile (16 rows) holds the GQA group of one token,
+    and 128-key tiles 3 stages deep stream K/V fastest (256 requests x ~800 keys: 215 us, 3.9 TB/s;
+    64-key tiles 220-227 us); an unsplit decode batch of at most FEW_DECODE_PROGRAMS (request, kv
+    head) programs (`few_programs`) is faster with 64-key tiles, 2 stages (split_k.py). Prefill tiles use 64 rows so each K/V tile is reused by up to 64
+    (token, head) rows; 32-key tiles beat 64 and 128-row tiles (8192-token mixed batch: 200 vs 210 us
+    for 16/8 heads, 318 vs 336 us for 32/8). tl.dot needs every dimension >= 16.
+    """
+    if head_dim_pad > 256:
+        # MLA's latent (DeepSeek: 512 + 64 = 576, padded to 1024): the smallest tiles, one stage, so
+        # q, acc and a K/V tile fit the registers and shared memory (64-row tiles need 393 KB of it).
+        block_m = max(16, triton.next_power_of_2(queries_per_kv))
+        return block_m, max(1, block_m // queries_per_kv), 16, 8, 1
+    rows = 16 if decode_only else 64
+    block_m = max(rows, triton.next_power_of_2(queries_per_kv))
+    block_q = max(1, block_m // queries_per_kv)
+    if head_dim_pad <= 128:
+        tile_n = (64 if few_programs else 128) if decode_only else 32
+        num_warps = 4
+        if decode_only and few_programs:  # an unsplit decode batch of few programs (split_k.py)
+            return block_m, block_q, tile_n, num_warps, 2
+    else:
+        tile_n, num_warps = 32, 8
+    return block_m, block_q, tile_n, num_warps, 3

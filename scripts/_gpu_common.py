@@ -1,0 +1,97 @@
+"""What the GPU check scripts share: the results table, the device copy bandwidth (the floor's
+memory speed), CUDA-graph replay timing, the fused MoE expert weights and their floor, and the W1
+throughput run of `pagedllm bench throughput`.
+
+Import it from a script run as `python3 scripts/NAME.py` (its folder is then on sys.path):
+`from _gpu_common import record, print_results`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+RESULTS: list[tuple[str, str]] = []
+# (experts, top_k, hidden, moe_intermediate) of the real MoE models (pagedllm/model_configs/NAME).
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}
+
+
+def record(name: str, value: str) -> None:
+    RESULTS.append((name, value))
+    print(f"## {name}: {value}", flush=True)
+
+
+def print_results() -> None:
+    """The table printed last: one row per `record`."""
+    print("\n| check | result |\n|---|---|")
+    for name, value in RESULTS:
+        print(f"| {name} | {value} |")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device copy (read + write counted), the floor's memory speed."""
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
+    del a, b
+    return bw
+
+
+def graph_time_us(fn: Callable[[], Any]) -> float:
+    """Microseconds per call of `fn` replayed as a CUDA graph (3 warm-up calls, 50 replays)."""
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        g.replay()
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - t0) / 50 * 1e6
+    del g
+    return us
+
+
+def moe_expert_weights(e: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 experts: w13 (e, 2 * inter, hidden) and w2 (e, hidden, inter)."""
+    w13 = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    return w13, w2
+
+
+def moe_floor_us(hit: int, hidden: int, inter: int, bw: float) -> float:
+    """The experts hit, each read once (w1, w3, w2: 3 x hidden x inter bf16) at `bw` bytes/s."""
+    return hit * 3 * hidden * inter * 2 / bw * 1e6
+
+
+def bench_w1(model: str, timeout: float) -> tuple[dict | None, subprocess.CompletedProcess, float]:
+    """`pagedllm bench throughput --dataset w1` on a preset's config (dummy weights, 4096 context)
+    in a fresh process: (its JSON result or None on failure, the process, seconds in all)."""
+    out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model, "--load-format",
+           "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+        return None, proc, time.monotonic() - t0
+    with open(out) as f:
+        return json.load(f), proc, time.monotonic() - t0
