@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 
 import torch
+from _gpu_common import copy_bandwidth, graph_time_us
 
 from pagedllm.attention.metadata import build_metadata
 from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
@@ -22,31 +22,8 @@ H, R, P, BS = 16, 512, 64, 16
 TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (16, 4, 2)]
 
 
-def timed(fn) -> float:
-    for _ in range(3):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / 50 * 1e6
-
-
 def main() -> None:
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    bw = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
-    del a, b
+    bw = copy_bandwidth()
     rows = []
     for n, ctx in ((256, 800), (64, 1500), (8, 3000)):
         rng = random.Random(n)
@@ -66,12 +43,12 @@ def main() -> None:
         err = ((mla_decode(q, cache, md, 0.1, R).float() - ref).norm() / ref.norm()).item()
         floor = sum(s_lens) * (R + P) * 2 / bw * 1e6
         kv = cache.expand(2, *cache.shape[1:])
-        us = timed(functools.partial(paged_attention, q, kv, md, 0.1))
+        us = graph_time_us(functools.partial(paged_attention, q, kv, md, 0.1))
         rows.append((n, ctx, "unified kernel (before)", "", us, floor, ""))
         for tile in TILES:
             for splits in (None, 1, 8):
                 try:
-                    us = timed(functools.partial(mla_decode, q, cache, md, 0.1, R, num_splits=splits, tile=tile))
+                    us = graph_time_us(functools.partial(mla_decode, q, cache, md, 0.1, R, num_splits=splits, tile=tile))
                 except Exception as exc:  # a variant out of shared memory must not hide the others
                     rows.append((n, ctx, f"tile {tile}", str(splits), float("nan"), floor, repr(exc)[:60]))
                     continue
