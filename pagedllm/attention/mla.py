@@ -18,7 +18,8 @@ Absorbed weights. kv_b_proj maps c_kv to every head's k_nope (W_UK, (H, nope, r)
 so attention is MQA over the latent cache (one KV head of width W, values its first r features).
 Every step takes this path, decodes and prefill chunks alike (prefill with expanded heads, fewer
 FLOPs per key for long prompts, is not built). Every backend implements `forward_mla`: the torch
-and CPU ones with `mla_ref` (plain torch), the Triton one with the unified attention kernel.
+and CPU ones with `mla_ref` (plain torch), the Triton one with the latent decode kernel for decode-only
+batches (kernels/mla_decode.py) and the unified attention kernel for batches with prefill chunks.
 """
 
 from __future__ import annotations
