@@ -6,8 +6,9 @@ and AsyncLLM (which brings msgspec, the server's wire format) never loads where 
 path runs (the GPU benchmarks, where only torch and transformers are).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedllm._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
@@ -43,18 +44,7 @@ _MODULES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once: later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
-
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES, globals())
 
 __all__ = [
     "LLM",

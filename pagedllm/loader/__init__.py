@@ -5,8 +5,9 @@ The names below are imported on first use: the engine process unpickles its conf
 brings transformers' generation and model-auto modules: seconds; BENCHMARKS.md, issue 16 cold start).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedllm._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pagedllm.loader.dummy import initialize_dummy_weights
@@ -38,18 +39,7 @@ _MODULES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
-
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES, globals())
 
 __all__ = [
     "LOAD_FORMATS",
