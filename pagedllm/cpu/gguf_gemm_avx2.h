@@ -47,6 +47,19 @@ static inline __attribute__((always_inline)) void store_tile_avx2(float *y, __m2
     }
 }
 
+/* The register kernels' epilogue: per row, the two 8-output halves summed over sp (1 or 2) chains. */
+static inline __attribute__((always_inline)) void store_rows_avx2(float *y, long ldy, __m256 acc[4][2][2], int mr,
+                                                                  int sp, int ncols) {
+    for (int r = 0; r < mr; r++) {
+        __m256 a0 = acc[r][0][0], a1 = acc[r][1][0];
+        if (sp == 2) {
+            a0 = _mm256_add_ps(a0, acc[r][0][1]);
+            a1 = _mm256_add_ps(a1, acc[r][1][1]);
+        }
+        store_tile_avx2(y + r * ldy, a0, a1, ncols);
+    }
+}
+
 /* Q4 tile, mr rows (x as [k][row]), weights dequantized in registers and used at once; used at 1 row
  * (from 2 rows its accumulators spill: q4_half_avx2). At 1-2 rows the low and high nibbles feed separate
  * accumulators (4 per row: an FMA's 4-cycle latency would otherwise bound the loop). */
@@ -84,14 +97,7 @@ static inline __attribute__((always_inline)) void q4_tile_avx2(const uint8_t *ti
             }
         }
     }
-    for (int r = 0; r < mr; r++) {
-        __m256 a0 = acc[r][0][0], a1 = acc[r][1][0];
-        if (sp == 2) {
-            a0 = _mm256_add_ps(a0, acc[r][0][1]);
-            a1 = _mm256_add_ps(a1, acc[r][1][1]);
-        }
-        store_tile_avx2(y + r * ldy, a0, a1, ncols);
-    }
+    store_rows_avx2(y, ldy, acc, mr, sp, ncols);
 }
 
 /* Q4, one half of a tile (8 outputs, `half` 0 or 1) for mr <= 4 rows: d, m, the mask, the weights and
@@ -162,14 +168,7 @@ static inline __attribute__((always_inline)) void q8_tile_avx2(const uint8_t *ti
             }
         }
     }
-    for (int r = 0; r < mr; r++) {
-        __m256 a0 = acc[r][0][0], a1 = acc[r][1][0];
-        if (sp == 2) {
-            a0 = _mm256_add_ps(a0, acc[r][0][1]);
-            a1 = _mm256_add_ps(a1, acc[r][1][1]);
-        }
-        store_tile_avx2(y + r * ldy, a0, a1, ncols);
-    }
+    store_rows_avx2(y, ldy, acc, mr, sp, ncols);
 }
 
 /* One 32 x 16 block dequantized into buf[k][16] (the same values as in the register kernels). */
