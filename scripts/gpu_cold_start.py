@@ -153,6 +153,20 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
                          if "WARNING" in line or "Traceback" in line or "does not fit" in line][:4]}
 
 
+def _print_imports(out: str, err: str, tag: str, title: str, top: int) -> None:
+    """The child's `tag` summary line (its stderr's tail if it printed none) and the `top` slowest
+    modules of its `-X importtime` report (cumulative seconds)."""
+    rows = []
+    for line in err.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
+    print("\n".join(line for line in out.splitlines() if line.startswith(tag)) or err[-2000:])
+    print(title)
+    for sec, name in sorted(rows, reverse=True)[:top]:
+        print(f"  {sec:6.2f} {name}")
+
+
 def import_profile(tree: str) -> None:
     """`python -X importtime` of what a start imports before its engine runs: the slowest modules
     (cumulative seconds), so the imports on the critical path are known on this machine."""
@@ -162,15 +176,7 @@ def import_profile(tree: str) -> None:
             "print(f'IMPORTS torch {a - t:.2f} s, server modules {b - a:.2f} s, the 8B config {c - b:.2f} s')")
     p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tree, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
-    rows = []
-    for line in p.stderr.splitlines():
-        parts = line.split("|")
-        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
-            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
-    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("IMPORTS")) or p.stderr[-2000:])
-    print("slowest imports (cumulative s):")
-    for sec, name in sorted(rows, reverse=True)[:45]:
-        print(f"  {sec:6.2f} {name}")
+    _print_imports(p.stdout, p.stderr, "IMPORTS", "slowest imports (cumulative s):", 45)
     # What the engine process imports after its fork server's preload: the config's unpickling and
     # the engine modules (a config pickled here first, in a process of its own).
     code = ("import pickle, sys; from pagedllm.engine.arg_utils import EngineArgs; "
@@ -184,16 +190,7 @@ def import_profile(tree: str) -> None:
             "b = time.time(); print(f'ENGINE fork-server preload {a - t:.2f} s, config + engine modules {b - a:.2f} s')")
     p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=tree, input=blob, capture_output=True,
                        env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
-    out, err = p.stdout.decode(), p.stderr.decode()
-    rows = []
-    for line in err.splitlines():
-        parts = line.split("|")
-        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
-            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
-    print("\n".join(line for line in out.splitlines() if line.startswith("ENGINE")) or err[-2000:])
-    print("engine process, slowest imports (cumulative s):")
-    for sec, name in sorted(rows, reverse=True)[:30]:
-        print(f"  {sec:6.2f} {name}")
+    _print_imports(p.stdout.decode(), p.stderr.decode(), "ENGINE", "engine process, slowest imports (cumulative s):", 30)
 
 
 def main() -> None:
