@@ -29,11 +29,11 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla_ref import mla_attention_ref
+from pagedllm.kernels.attention_tile import _LOG2E
 from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
 
 __all__ = ["mla_decode", "mla_decode_ref"]
 
-_LOG2E = 1.4426950408889634
 BLOCK_H = 16  # tl.dot's smallest M: heads past num_heads are masked rows
 TILE_N = 32  # keys per tile: a (32, 512) bf16 latent tile is 32 KB
 NUM_WARPS, NUM_STAGES = 4, 2  # not yet tuned on the GPU (scripts/gpu_mla_decode_sweep.py)
