@@ -36,6 +36,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine import fork_server
 from pagedllm.engine.messages import (
@@ -196,6 +197,25 @@ def prestart_engine_process(engine_args: Any, warm_cuda: bool) -> bool:
         threading.Thread(target=_start_into, args=(_prestarted, engine_args, warm_cuda),
                          name="pagedllm-engine-prestart", daemon=True).start()
     return _prestarted is not None
+
+
+def prestart_for_server(engine_args: Any) -> None:
+    """`pagedllm serve`'s use of the prestart: only with PAGEDLLM_PRESTART_ENGINE=1, an engine process
+    (not a thread) and one CUDA device. On the CPU the engine's work competes with the frontend's for the
+    same few cores (a 2-core machine measured no gain), and a multi-GPU engine starts its own workers:
+    both keep the old order."""
+    if envs.PAGEDLLM_ENABLE_MULTIPROCESSING is False or not envs.PAGEDLLM_PRESTART_ENGINE:
+        return
+    ea = engine_args
+    one_device = ea.tensor_parallel_size * ea.pipeline_parallel_size == 1 and ea.distributed_executor_backend is None
+    if ea.device not in ("auto", "cuda") or not one_device:
+        return
+    import torch
+
+    if torch.cuda.is_available() and prestart_engine_process(ea, warm_cuda=True):
+        from pagedllm.worker.compile_pool import leave_to_engine_process
+
+        leave_to_engine_process()  # PAGEDLLM_PARALLEL_COMPILE=1: the engine process starts its own
 
 
 def _start_into(future: concurrent.futures.Future[EngineCoreProc], engine_args: Any, warm_cuda: bool) -> None:

@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -36,10 +35,9 @@ from prometheus_client import Counter
 from pydantic import BaseModel
 
 import pagedllm
-import pagedllm.envs as envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.core_proc import discard_prestarted_engine_process, prestart_engine_process
+from pagedllm.engine.core_proc import discard_prestarted_engine_process, prestart_for_server
 from pagedllm.entrypoints.openai.admission import SHUTTING_DOWN_CODE, AdmissionController
 from pagedllm.entrypoints.openai.cli_args import (
     api_keys,
@@ -326,24 +324,6 @@ async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     return exit_code
 
 
-def _prestart_engine(engine_args: EngineArgs) -> None:
-    """The engine process, started before this process builds the config (engine/core_proc.py's
-    prestart): it builds the same config and loads the model while this process reads the config,
-    the tokenizer and builds the app."""
-    if envs.PAGEDLLM_ENABLE_MULTIPROCESSING is False or not envs.PAGEDLLM_PRESTART_ENGINE:
-        return
-    ea = engine_args
-    one_device = ea.tensor_parallel_size * ea.pipeline_parallel_size == 1 and ea.distributed_executor_backend is None
-    if not (ea.device in ("auto", "cuda") and one_device and torch.cuda.is_available()):
-        # On the CPU the engine's work competes with the frontend's for the same few cores (a 2-core
-        # machine measured no gain), and a multi-GPU engine starts its own workers: the old order.
-        return
-    if prestart_engine_process(ea, warm_cuda=True):
-        from pagedllm.worker.compile_pool import leave_to_engine_process
-
-        leave_to_engine_process()  # PAGEDLLM_PARALLEL_COMPILE=1: the engine process starts its own
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Load the model, then serve; exits non-zero with a clear message on a bad flag."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -357,7 +337,7 @@ def run_server(args: argparse.Namespace) -> None:
             engine_args.kv_snapshot_interval_s = KV_SNAPSHOT_INTERVAL_S  # the console's block map
         if args.served_model_name:
             engine_args.served_model_name = list(args.served_model_name)
-        _prestart_engine(engine_args)
+        prestart_for_server(engine_args)
         t0 = time.monotonic()
         config = engine_args.create_engine_config()  # every config error before the port check and the load
         logger.info("start-up: engine config took %.2f s", time.monotonic() - t0)
