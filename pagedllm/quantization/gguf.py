@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.cpu.gguf_gemm import BLOCK_BYTES, QK, SUPPORTED_TYPES, PackedGGUFWeight, gguf_matmul, pack_gguf_rows
+from pagedllm.kernels.gguf_dequant import GPU_GGUF_TYPES
 from pagedllm.layers.utils import set_weight_attrs
 from pagedllm.quantization.base import (
     LinearMethodBase,
@@ -35,6 +36,7 @@ from pagedllm.quantization.base import (
     QuantizeMethodBase,
     _create_dense_weight,
 )
+from pagedllm.quantization.gguf_gpu import GGUFGPULinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +50,22 @@ class GGUFConfig(QuantizationConfig):
     """Which layers of a GGUF checkpoint compute on their blocks, from the file's tensor types."""
 
     def __init__(self, tensor_types: dict[str, str], max_packed_rows: int = DEFAULT_MAX_PACKED_ROWS,
-                 tie_word_embeddings: bool = False) -> None:
+                 tie_word_embeddings: bool = False, gpu: bool = False) -> None:
         super().__init__()
         # HF weight name -> GGML type name, e.g. "model.layers.0.mlp.down_proj.weight" -> "Q4_1"
         self.tensor_types = dict(tensor_types)
         self.max_packed_rows = max_packed_rows
         # A tied LM head takes the embedding's method (and skips any output.weight in the file).
         self.tie_word_embeddings = tie_word_embeddings
+        # True: the GPU method (quantization/gguf_gpu.py) for Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linears, the
+        # embedding and LM head dense; False: the CPU C kernels (float32) for Q4_0/Q4_1/Q8_0.
+        self.gpu = gpu
 
     def get_name(self) -> str:
         return "gguf"
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32]
+        return [torch.bfloat16, torch.float16, torch.float32] if self.gpu else [torch.float32]
 
     @classmethod
     def get_min_capability(cls) -> int:
@@ -74,7 +79,8 @@ class GGUFConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> GGUFConfig:
         return cls(cls.get_from_keys(config, ["tensor_types"]),
                    cls.get_from_keys(config, ["max_packed_rows"], DEFAULT_MAX_PACKED_ROWS),
-                   cls.get_from_keys(config, ["tie_word_embeddings"], False))
+                   cls.get_from_keys(config, ["tie_word_embeddings"], False),
+                   cls.get_from_keys(config, ["gpu"], False))
 
     def _checkpoint_weight_names(self, prefix: str) -> list[str]:
         # "model.layers.0.self_attn.qkv_proj" -> [... q_proj.weight, ... k_proj.weight, ... v_proj.weight]
@@ -88,13 +94,15 @@ class GGUFConfig(QuantizationConfig):
         if len(types) != 1:
             return None  # absent (tied lm_head) or mixed types in one fused layer: dense
         (qtype,) = types
-        return qtype if qtype in SUPPORTED_TYPES else None
+        return qtype if qtype in (GPU_GGUF_TYPES if self.gpu else SUPPORTED_TYPES) else None
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from pagedllm.layers.linear import LinearBase
         from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
         qtype = self.block_type(prefix)
+        if self.gpu:  # linears on their blocks; the embedding table and LM head stay dense
+            return GGUFGPULinearMethod(qtype) if qtype is not None and isinstance(layer, LinearBase) else None
         if qtype is None or (self.tie_word_embeddings and isinstance(layer, ParallelLMHead)):
             return None
         if isinstance(layer, LinearBase):
@@ -109,7 +117,7 @@ class GGUFConfig(QuantizationConfig):
         skip_dense: set[str] = set()
         for prefix, module in model.named_modules():
             method = getattr(module, "quant_method", None)
-            if isinstance(method, _GGUFMethodMixin) and hasattr(module, "qweight"):
+            if isinstance(method, (_GGUFMethodMixin, GGUFGPULinearMethod)) and hasattr(module, "qweight"):
                 names = self._checkpoint_weight_names(prefix)
                 keep.update(names)
                 if not method.keeps_dense_weight:
@@ -251,10 +259,13 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
     from pagedllm.cpu.build import configure_cpu_threads, cpu_isa
     from pagedllm.loader.gguf_weights import gguf_tensor_types
 
+    if _is_gguf_checkpoint(model_config) and device.type == "cuda" and model_config.dtype in (torch.bfloat16,
+                                                                                              torch.float16):
+        return _select_gpu(model_config)
     if not computes_on_gguf_blocks(model_config, device):
         if _is_gguf_checkpoint(model_config) and (device.type != "cpu" or model_config.dtype != torch.float32):
-            logger.info("GGUF weights dequantized to dense %s (block kernels are built for float32 on the "
-                        "CPU; running %s on %s)", model_config.dtype, model_config.dtype, device)
+            logger.info("GGUF weights dequantized to dense %s (block kernels: float32 on the CPU, bfloat16 / "
+                        "float16 on CUDA; running %s on %s)", model_config.dtype, model_config.dtype, device)
         return None
     source = model_config.source
     threads = configure_cpu_threads()
@@ -268,4 +279,19 @@ def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | 
         "/".join(kept) or "no", cpu_isa(), threads, config.max_packed_rows,
         f"; {'/'.join(dense)} tensors dequantized (no kernel)" if dense else "",
     )
+    return config
+
+
+def _select_gpu(model_config: Any) -> GGUFConfig:
+    """CUDA, bfloat16 / float16: linears of the types with a kernel compute on their blocks."""
+    from pagedllm.loader.gguf_weights import gguf_tensor_types
+
+    types = gguf_tensor_types(model_config.source.path)
+    config = GGUFConfig(types, tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings",
+                                                                False)), gpu=True)
+    kept = sorted({t for t in types.values() if t in GPU_GGUF_TYPES})
+    dense = sorted({t for t in types.values() if t not in GPU_GGUF_TYPES and t not in ("F32", "F16", "BF16")})
+    logger.info("GPU weights: GGUF %s linears computed on their blocks (%s activations; embedding and LM head "
+                "dense)%s", "/".join(kept) or "no", model_config.dtype,
+                f"; {'/'.join(dense)} tensors dequantized to dense (no kernel)" if dense else "")
     return config
