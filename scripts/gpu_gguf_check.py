@@ -1,0 +1,334 @@
+"""GGUF blocks on the GPU (issue 19): kernels vs their torch reference at Llama-3.1-8B linear shapes, times
+vs bf16 cuBLAS, a GEMV config sweep, the memory a GGUF model's weights take vs dense, and greedy
+generation on the GPU vs the CPU. One call, < 3 minutes on one H200 (needs the `gguf` wheel):
+
+    python3 scripts/gpu_gguf_check.py [--sections tests,kernels,sweep,model,tiny]
+
+tests    tests/kernels/test_gguf_kernels.py compiled for the GPU (subprocess)
+
+kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096), (4096, 14336), M = 1,
+         16, 256, 2048 (random valid blocks): the repack's dequantization equals gguf.quants.dequantize
+         (first 64 rows, bit for bit), `gguf_linear` (bf16 x) within 2e-2 of max |ref| of the fp32
+         reference, and its time vs bf16 F.linear (cuBLAS); GB/s of the blocks at M = 1
+sweep    GEMV configs (BLOCK_N, BLOCK_K, split target, warps, stages) at M = 1 and 16, Q4_K / Q6_K
+model    a 2-layer GGUF with Llama-3.1-8B-sized layers (Q4_K, down Q6_K: as Q4_K_M), loaded in bf16 by
+         the real selection: bytes of the model's weights vs the same file loaded dense, and greedy
+         tokens of the block path vs the dense bf16 path
+tiny     a tiny GGUF mixing all five types (+ Q5_K, dense): greedy tokens on the GPU (bf16, the real
+         selection; and the block method forced in float32) vs the CPU float32 dense reference
+Times: CUDA-graph replays of 20 calls rotating over enough weight copies (>= 150 MB) that L2 cannot
+hold them; microseconds per call. Table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import gguf  # noqa: E402
+
+from pagedllm.kernels.gguf_dequant import (  # noqa: E402
+    GGUF_BLOCK,
+    GGUFPacked,
+    dequantize_packed,
+    dequantize_packed_ref,
+    repack_gguf_rows,
+)
+from pagedllm.kernels.gguf_gemv import (  # noqa: E402
+    GGUFGemvConfig,
+    gguf_gemv,
+    gguf_gemv_config,
+    gguf_linear,
+    gguf_linear_ref,
+)
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+MS = [1, 16, 256, 2048]
+ROTATE_BYTES = 150e6
+RESULTS: list[tuple[str, str]] = []
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f} s] {msg}", flush=True)
+
+
+def record(name: str, value: str) -> None:
+    RESULTS.append((name, value))
+    print(f"## {name}: {value}", flush=True)
+
+
+def random_raw(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """(n, bytes) uint8 random blocks on the GPU with finite fp16 scales (w ~ N(0, ~0.05))."""
+    qk, nbytes = GGUF_BLOCK[qtype]
+    raw = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, device="cuda", generator=gen)
+    unit = {"Q4_0": 0.05 / 4.6, "Q4_1": 0.05 / 4.6, "Q8_0": 0.05 / 74, "Q4_K": 0.05 / 200, "Q6_K": 0.05 / 1300}
+    d = (unit[qtype] * (0.5 + torch.rand(n, k // qk, device="cuda", generator=gen))).half()
+    db = d.view(torch.uint8).reshape(n, k // qk, 2)
+    if qtype == "Q6_K":
+        raw[..., 208:210] = db
+    else:
+        raw[..., 0:2] = db
+        if qtype == "Q4_1":
+            raw[..., 2:4] = (-8 * d).half().view(torch.uint8).reshape(n, k // qk, 2)
+        elif qtype == "Q4_K":
+            raw[..., 2:4] = (7.5 * d).half().view(torch.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
+
+
+def clone_packed(p: GGUFPacked) -> GGUFPacked:
+    return p._replace(**{f: getattr(p, f).clone() for f in ("qs", "qh", "scales", "mins", "d", "dmin")
+                         if getattr(p, f) is not None})
+
+
+def graph_us(call: Callable[[int], object], copies: int, reps: int = 20) -> float:
+    """Median microseconds per call of call(i), i rotating over the weight copies, in one CUDA graph."""
+    for i in range(copies):
+        call(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            call(r % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    del g
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+def run_kernels() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in SHAPES:
+        dense_bytes = n * k * 2
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+                 for _ in range(max(1, min(8, math.ceil(ROTATE_BYTES / dense_bytes))))]
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in MS}
+        base = {m: graph_us(lambda i, x=xs[m], w=dense: F.linear(x, w[i]), len(dense)) for m in MS}
+        record(f"bf16 cuBLAS {n}x{k}", " / ".join(f"M={m} {base[m]:.1f} us" for m in MS)
+               + f"; M=1 {dense_bytes / base[1] / 1e3:.0f} GB/s")
+        for qtype in TYPES:
+            raw = random_raw(qtype, n, k, gen)
+            p = repack_gguf_rows(raw, qtype, k)
+            expect = gguf.quants.dequantize(raw[:64].cpu().numpy(), gguf.GGMLQuantizationType[qtype])
+            w_ref = dequantize_packed_ref(p)  # (K, N) fp32
+            exact = np.array_equal(expect, w_ref[:, :64].T.cpu().numpy()) and torch.equal(
+                dequantize_packed(p, torch.float32), w_ref)
+            del w_ref
+            del raw
+            copies = [p] + [clone_packed(p) for _ in range(max(0, min(7, math.ceil(ROTATE_BYTES / p.nbytes())) - 1))]
+            cells, worst = [], 0.0
+            for m in MS:
+                err = rel_err(gguf_linear(xs[m], p), gguf_linear_ref(xs[m], p))
+                worst = max(worst, err)
+                us = graph_us(lambda i, x=xs[m], c=copies: gguf_linear(x, c[i]), len(copies))
+                cells.append(f"M={m} {us:.1f} us ({base[m] / us:.2f}x)")
+                if m == 1:
+                    gbs = p.nbytes() / us / 1e3
+            ok = "ok" if exact and worst <= 2e-2 else "FAIL"
+            record(f"{qtype} {n}x{k}", f"{ok} (dequant exact {exact}, max rel err {worst:.1e}); "
+                   + " / ".join(cells) + f"; M=1 {gbs:.0f} GB/s of {p.nbytes() / 1e6:.1f} MB")
+            copies = p = None
+            torch.cuda.empty_cache()
+        dense = None
+
+
+def run_sweep() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grid = {1: [(64, 128, 512, 4, 3), (32, 256, 512, 4, 3), (128, 128, 512, 8, 3), (64, 256, 1024, 8, 3),
+                (32, 128, 1024, 4, 3)],
+            16: [(64, 64, 192, 4, 2), (128, 64, 192, 4, 2), (64, 128, 192, 4, 3), (32, 128, 512, 4, 3)]}
+    for qtype in ("Q4_K", "Q6_K"):
+        for n, k in SHAPES:
+            p = repack_gguf_rows(random_raw(qtype, n, k, gen), qtype, k)
+            copies = [p] + [clone_packed(p) for _ in range(max(0, min(7, math.ceil(ROTATE_BYTES / p.nbytes())) - 1))]
+            for m, cfgs in grid.items():
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                ref = gguf_linear_ref(x, p)
+                res = []
+                default = gguf_gemv_config(m, p)
+                for bn, bk, target, warps, stages in cfgs:
+                    steps = k // bk
+                    split = 1
+                    while math.ceil(n / bn) * split < target and split * 8 <= steps:
+                        split *= 2
+                    cfg = GGUFGemvConfig(bn, bk, split, warps, stages)
+                    try:
+                        err = rel_err(gguf_gemv(x, p, None, cfg), ref)
+                        us = graph_us(lambda i, cfg=cfg, x=x, c=copies: gguf_gemv(x, c[i], None, cfg), len(copies))
+                        res.append((us, f"{bn}/{bk}/s{split}/w{warps}/st{stages}", err))
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+                        res.append((float("inf"), f"{bn}/{bk}/s{split}/w{warps}/st{stages} {type(e).__name__}", 0))
+                res.sort()
+                best = res[0]
+                dus = graph_us(lambda i, x=x, c=copies: gguf_gemv(x, c[i]), len(copies))
+                record(f"sweep {qtype} {n}x{k} M={m}",
+                       f"best {best[1]} {best[0]:.1f} us ({p.nbytes() / best[0] / 1e3:.0f} GB/s, err {best[2]:.0e}); "
+                       f"default {tuple(default)} {dus:.1f} us; others "
+                       + ", ".join(f"{name} {us:.1f}" for us, name, _ in res[1:]))
+            copies = p = None
+            torch.cuda.empty_cache()
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return total + sum(m.gguf_packed.nbytes() for m in model.modules() if hasattr(m, "gguf_packed"))
+
+
+def build(path: str, **kw):
+    from pagedllm import LLM
+
+    llm = LLM(path, max_model_len=256, num_gpu_blocks_override=64, enable_prefix_caching=False, **kw)
+    return llm, llm.llm_engine.engine_core.model_executor.driver_worker.model
+
+
+def greedy(llm, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
+    from pagedllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def drop(llm) -> None:
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def match(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b))
+    first = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None) for x, y in zip(a, b)]
+    return f"{same}/{len(a)} prompts identical (first divergence per prompt {first})"
+
+
+PROMPTS = [[5, 80, 81, 200], [7] * 30, list(range(10, 60)), [3, 9, 27, 81, 243, 100]]
+
+
+def run_model(tmp: str) -> None:
+    from transformers import LlamaConfig
+
+    from pagedllm.loader import model_loader
+    from pagedllm.quantization.gguf_gpu import GGUFGPULinearMethod
+    from tests.kernels.gguf_blocks import write_random_llama_gguf
+
+    config = LlamaConfig(vocab_size=263, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
+    path = write_random_llama_gguf(os.path.join(tmp, "llama8b-2layers-q4km.gguf"), config,
+                                   [("Q4_K", "Q4_K", "Q4_K", "Q6_K")] * 2, np.random.default_rng(0), std=0.02)
+    log(f"wrote {os.path.getsize(path) / 1e6:.0f} MB")
+    llm, model = build(str(path), dtype="bfloat16")  # CUDA graphs: the kernels captured as served
+    n_blocks = sum(isinstance(getattr(m, "quant_method", None), GGUFGPULinearMethod) for m in model.modules())
+    q_bytes, q_tok = model_bytes(model), greedy(llm, PROMPTS)
+    drop(llm)
+    orig = model_loader.get_quant_config
+    model_loader.get_quant_config = lambda *a: None
+    try:
+        llm, model = build(str(path), dtype="bfloat16", enforce_eager=True)
+        d_bytes, d_tok = model_bytes(model), greedy(llm, PROMPTS)
+        drop(llm)
+    finally:
+        model_loader.get_quant_config = orig
+    record("8B-layer GGUF (Q4_K/Q6_K) weights on the GPU",
+           f"{n_blocks} linears on blocks (expect 8); {q_bytes / 1e9:.3f} GB vs dense bf16 {d_bytes / 1e9:.3f} GB "
+           f"({q_bytes / d_bytes:.2f}x); file {os.path.getsize(path) / 1e9:.3f} GB")
+    record("8B-layer GGUF greedy, blocks vs dense bf16 (GPU)", match(q_tok, d_tok))
+
+
+def run_tiny(tmp: str) -> None:
+    from transformers import LlamaConfig
+
+    from pagedllm.loader import model_loader
+    from pagedllm.loader.gguf_weights import gguf_tensor_types
+    from pagedllm.quantization.gguf import GGUFConfig
+    from tests.kernels.gguf_blocks import write_random_llama_gguf
+
+    config = LlamaConfig(vocab_size=263, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    types = [("Q4_K", "Q6_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1", "Q5_K")]
+    path = str(write_random_llama_gguf(os.path.join(tmp, "tiny-mixed.gguf"), config, types,
+                                       np.random.default_rng(0)))
+    orig = model_loader.get_quant_config
+    try:
+        model_loader.get_quant_config = lambda *a: None
+        llm, _ = build(path, dtype="float32", device="cpu", kv_cache_dtype="float32")
+        cpu = greedy(llm, PROMPTS, 24)
+        drop(llm)
+        model_loader.get_quant_config = orig
+        llm, _ = build(path, dtype="bfloat16", enforce_eager=True)
+        bf16 = greedy(llm, PROMPTS, 24)
+        drop(llm)
+        forced = GGUFConfig(gguf_tensor_types(path), gpu=True)
+        model_loader.get_quant_config = lambda *a: forced
+        llm, _ = build(path, dtype="float32", enforce_eager=True)
+        f32 = greedy(llm, PROMPTS, 24)
+        drop(llm)
+    finally:
+        model_loader.get_quant_config = orig
+    record("tiny mixed GGUF greedy, GPU fp32 blocks vs CPU fp32 dense", match(f32, cpu))
+    record("tiny mixed GGUF greedy, GPU bf16 blocks (real selection) vs CPU fp32 dense", match(bf16, cpu))
+
+
+def run_tests() -> None:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_gguf_kernels.py"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    record("tests/kernels/test_gguf_kernels.py on the GPU",
+           " | ".join([ln for ln in lines if ln.startswith("FAILED")][:5] + lines[-1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="tests,kernels,sweep,model,tiny")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in (("tests", run_tests), ("kernels", run_kernels), ("sweep", run_sweep), ("model", lambda: run_model(tmp)),
+                         ("tiny", lambda: run_tiny(tmp))):
+            if name in sections:
+                log(f"section {name}")
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - one failed section must not hide the others
+                    import traceback
+
+                    traceback.print_exc()
+                    record(f"section {name}", f"FAILED {type(e).__name__}: {str(e)[:200]}")
+    log("done")
+    print("\n| check | result |\n|---|---|")
+    for name, value in RESULTS:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
