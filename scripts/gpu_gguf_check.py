@@ -10,7 +10,7 @@ kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096
          16, 256, 2048 (random valid blocks): the repack's dequantization equals gguf.quants.dequantize
          (first 64 rows, bit for bit), `gguf_linear` (bf16 x) within 2e-2 of max |ref| of the fp32
          reference, and its time vs bf16 F.linear (cuBLAS); GB/s of the blocks at M = 1
-sweep    GEMV configs (BLOCK_N, BLOCK_K, split target, warps, stages) at M = 1 and 16, Q4_K / Q6_K
+sweep    GEMV configs (BLOCK_N, BLOCK_KP, split target, warps, stages) at M = 1 and 16, Q4_K / Q6_K
 model    a 2-layer GGUF with Llama-3.1-8B-sized layers (Q4_K, down Q6_K: as Q4_K_M), loaded in bf16 by
          the real selection: bytes of the model's weights vs the same file loaded dense, and greedy
          tokens of the block path vs the dense bf16 path
@@ -161,9 +161,10 @@ def run_kernels() -> None:
 
 def run_sweep() -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    grid = {1: [(64, 128, 512, 4, 3), (32, 256, 512, 4, 3), (128, 128, 512, 8, 3), (64, 256, 1024, 8, 3),
-                (32, 128, 1024, 4, 3)],
-            16: [(64, 64, 192, 4, 2), (128, 64, 192, 4, 2), (64, 128, 192, 4, 3), (32, 128, 512, 4, 3)]}
+    # (BLOCK_N, BLOCK_KP, split target (programs), warps, stages); the default is timed beside them
+    grid = {1: [(128, 16, 512, 4, 3), (128, 32, 512, 8, 3), (256, 16, 512, 8, 3), (64, 32, 1024, 4, 3),
+                (64, 16, 1024, 4, 4)],
+            16: [(128, 16, 192, 4, 2), (64, 16, 384, 4, 2), (128, 32, 192, 8, 3), (256, 16, 384, 8, 3)]}
     for qtype in ("Q4_K", "Q6_K"):
         for n, k in SHAPES:
             p = repack_gguf_rows(random_raw(qtype, n, k, gen), qtype, k)
@@ -174,7 +175,7 @@ def run_sweep() -> None:
                 res = []
                 default = gguf_gemv_config(m, p)
                 for bn, bk, target, warps, stages in cfgs:
-                    steps = k // bk
+                    steps = k // (bk * 8)  # Q4_K / Q6_K: 8 values a word
                     split = 1
                     while math.ceil(n / bn) * split < target and split * 8 <= steps:
                         split *= 2

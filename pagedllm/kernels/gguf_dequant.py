@@ -27,8 +27,10 @@ Bits per weight (file / here): Q4_0 4.5 / 4.5, Q4_1 5 / 5, Q8_0 8.5 / 8.5, Q4_K 
 6.5625 / 6.5625. Every value is computed in fp32 in gguf.quants' order, so the dequantized weights equal
 `gguf.quants.dequantize` bit for bit (the products d * sc and d * q are exact in fp32).
 
-Kernels: `dequant_tile` (one (BLOCK_K, BLOCK_N) fp32 tile, shared by the GEMV in kernels/gguf_gemv.py
-and `_dequant_kernel` here, which writes the whole (K, N) weight in the activation dtype for cuBLAS).
+Kernels: `load_step` + `value_j` (a step's words and scales, then value j of every word, all in the
+word tile's register layout; shared by the GEMV in kernels/gguf_gemv.py and `_dequant_kernel` here,
+which writes the whole (K, N) weight in the activation dtype for cuBLAS). Nibbles come out of the words
+with kernels/wna16_unpack.py's LOP3 trick (no int -> float conversions).
 References: `dequantize_gguf_rows` (raw blocks -> (N, K) fp32, the decoder the repack rests on) and
 `dequantize_packed_ref` (the packed arrays -> (K, N) fp32).
 """
@@ -40,6 +42,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.wna16_unpack import unpack_q
 
 __all__ = ["GGUF_BLOCK", "GPU_GGUF_TYPES", "GGUFPacked", "dequantize_gguf_rows", "dequantize_packed",
            "dequantize_packed_ref", "repack_gguf_rows"]
@@ -197,46 +201,60 @@ def dequantize_packed_ref(p: GGUFPacked) -> torch.Tensor:
 
 
 @triton.jit
-def dequant_tile(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N,
-                 QTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Weights k0 .. k0 + BLOCK_K of columns offs_n as a (BLOCK_K, BLOCK_N) fp32 tile. BLOCK_K is a
-    multiple of the sub-block (32; Q6_K 16) and divides 256, so the tile lies in one super-block."""
+def load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K,
+              QTYPE: tl.constexpr, BLOCK_KP: tl.constexpr):
+    """One step's words and scales, all (BLOCK_KP, BLOCK_N) in the layout of the word tile (no layout
+    conversions later): word row kp holds k = k0 + kp * PF + j, j < PF, in sub-block (k0 + kp * PF) // G;
+    s / o: that sub-block's scale and offset (w = q * s + o, or (q - Z) * s), gathered per row (rows
+    repeat G / PF times: L1 hits). k0 is a multiple of BLOCK_KP * PF, which divides 256, so a step lies in
+    one K-quant super-block. Rows past K are masked (K need not be a multiple of the step)."""
     BITS: tl.constexpr = 8 if QTYPE == 2 else 4
     PF: tl.constexpr = 32 // BITS
     G: tl.constexpr = 16 if QTYPE == 4 else 32
-    NG: tl.constexpr = BLOCK_K // G
-    rows = k0 // PF + tl.arange(0, BLOCK_K // PF)
-    words = tl.load(qs_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_n[None, :], other=0,
+    kp = tl.arange(0, BLOCK_KP)
+    krow = k0 + kp * PF
+    mask = (krow < K)[:, None] & mask_n[None, :]
+    col = offs_n[None, :]
+    words = tl.load(qs_ptr + (krow // PF)[:, None].to(tl.int64) * N + col, mask=mask, other=0,
                     eviction_policy="evict_first")
-    q = (words[:, None, :] >> (tl.arange(0, PF) * BITS)[None, :, None]) & ((1 << BITS) - 1)
-    q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-    if QTYPE == 4:  # Q6_K: the high 2 bits, 16 values a word
-        hrows = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        hw = tl.load(qh_ptr + hrows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_n[None, :], other=0,
-                     eviction_policy="evict_first")
-        h = (hw[:, None, :] >> (tl.arange(0, 16) * 2)[None, :, None]) & 3
-        q = q | (tl.reshape(h, (BLOCK_K, BLOCK_N)) << 4)
-    qf = tl.reshape(q.to(tl.float32), (NG, G, BLOCK_N))
-    g_off = (k0 // G + tl.arange(0, NG))[:, None].to(tl.int64) * N + offs_n[None, :]
-    s = tl.load(s_ptr + g_off, mask=mask_n[None, :], other=0).to(tl.float32)  # (NG, BLOCK_N)
+    g_off = (krow // G)[:, None].to(tl.int64) * N + col
+    s = tl.load(s_ptr + g_off, mask=mask, other=0).to(tl.float32)
+    o = s
+    hq = words
+    if QTYPE == 1:
+        o = tl.load(m_ptr + g_off, mask=mask, other=0).to(tl.float32)
+    if QTYPE >= 3:  # K-quants: the super-block's fp16 d (and dmin) times the sub-block's integer scale
+        sup = (k0 // 256) * N + offs_n  # < K / 256 * N: no int32 overflow
+        d = tl.load(d_ptr + sup, mask=mask_n, other=0).to(tl.float32)
+        s = d[None, :] * s  # exact in fp32, as gguf.quants computes it
+        if QTYPE == 3:
+            dm = tl.load(dm_ptr + sup, mask=mask_n, other=0).to(tl.float32)
+            o = -(dm[None, :] * tl.load(m_ptr + g_off, mask=mask, other=0).to(tl.float32))
+        else:  # Q6_K high bits: word (k0 + kp * 8) // 16, value j at bits (kp % 2) * 16 + 2 j
+            hw = tl.load(qh_ptr + (krow // 16)[:, None].to(tl.int64) * N + col, mask=mask, other=0,
+                         eviction_policy="evict_first")
+            hq = hw >> ((kp % 2) * 16)[:, None]
+    return words, words >> 16, hq, s, o
+
+
+@triton.jit
+def value_j(words, hi, hq, s, o, J: tl.constexpr, QTYPE: tl.constexpr):
+    """fp32 weights of value J of every word of the step (rows k = k0 + kp * PF + J), gguf.quants' fp32
+    operations (the fused multiply-adds round once, as its separate ones do: the products are exact)."""
+    BITS: tl.constexpr = 8 if QTYPE == 2 else 4
+    q = unpack_q(words, hi, J, BITS)  # exact, no int -> float conversion (kernels/wna16_unpack.py)
+    if QTYPE == 4:
+        h = (((hq >> (2 * J)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        q = q + h * 16.0
     if QTYPE == 0:
-        w = s[:, None, :] * (qf - 8.0)
-    elif QTYPE == 1:
-        m = tl.load(m_ptr + g_off, mask=mask_n[None, :], other=0).to(tl.float32)
-        w = s[:, None, :] * qf + m[:, None, :]
+        w = (q - 8.0) * s
     elif QTYPE == 2:
-        w = s[:, None, :] * (qf - 128.0)
-    elif QTYPE == 3:
-        sup = (k0 // 256) * N + offs_n  # < K / 256 * N: no int32 overflow
-        d = tl.load(d_ptr + sup, mask=mask_n, other=0).to(tl.float32)
-        dm = tl.load(dm_ptr + sup, mask=mask_n, other=0).to(tl.float32)
-        m = tl.load(m_ptr + g_off, mask=mask_n[None, :], other=0).to(tl.float32)
-        w = (d[None, :] * s)[:, None, :] * qf - (dm[None, :] * m)[:, None, :]
-    else:
-        sup = (k0 // 256) * N + offs_n  # < K / 256 * N: no int32 overflow
-        d = tl.load(d_ptr + sup, mask=mask_n, other=0).to(tl.float32)
-        w = (d[None, :] * s)[:, None, :] * (qf - 32.0)
-    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+        w = (q - 128.0) * s
+    elif QTYPE == 4:
+        w = (q - 32.0) * s
+    else:  # Q4_1: d q + m; Q4_K: (d sc) q - dmin mn
+        w = q * s + o
+    return w
 
 
 def kernel_args(p: GGUFPacked) -> tuple[torch.Tensor, ...]:
@@ -244,31 +262,31 @@ def kernel_args(p: GGUFPacked) -> tuple[torch.Tensor, ...]:
     return tuple(t if t is not None else p.qs for t in (p.qs, p.qh, p.scales, p.mins, p.d, p.dmin))
 
 
-def block_k_for(p: GGUFPacked, largest: int = 256) -> int:
-    """The largest tile depth of 256 / 128 / 64 / 32 (<= `largest`) that divides K."""
-    for b in (256, 128, 64, 32):
-        if b <= largest and p.k % b == 0:
-            return b
-    raise ValueError(f"K = {p.k} is not a multiple of 32")
+def pack_factor(qtype: str) -> int:
+    """Values per int32 word of `qs`."""
+    return 4 if qtype == "Q8_0" else 8
 
 
 @triton.jit
-def _dequant_kernel(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, out_ptr, N,
-                    QTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant_kernel(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, out_ptr, N, K,
+                    QTYPE: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr):
+    PF: tl.constexpr = 4 if QTYPE == 2 else 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    k0 = tl.program_id(1) * BLOCK_K
-    w = dequant_tile(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, QTYPE, BLOCK_K, BLOCK_N)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=mask_n[None, :])
+    k0 = tl.program_id(1) * BLOCK_KP * PF
+    words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K, QTYPE,
+                                    BLOCK_KP)
+    for j in tl.static_range(PF):
+        w = value_j(words, hi, hq, s, o, j, QTYPE)
+        k = k0 + tl.arange(0, BLOCK_KP) * PF + j
+        tl.store(out_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=(k < K)[:, None] & mask_n[None, :])
 
 
-def dequantize_packed(p: GGUFPacked, dtype: torch.dtype, block_n: int = 64) -> torch.Tensor:
+def dequantize_packed(p: GGUFPacked, dtype: torch.dtype, block_n: int = 128, block_kp: int = 16) -> torch.Tensor:
     """CUDA (or the interpreter): the (K, N) weight in `dtype` (a scratch for cuBLAS at large M)."""
     out = torch.empty((p.k, p.n), dtype=dtype, device=p.qs.device)
-    block_k = block_k_for(p, 64)
-    _dequant_kernel[(triton.cdiv(p.n, block_n), p.k // block_k)](
-        *kernel_args(p), out, p.n, QTYPE=QTYPE_ID[p.qtype], BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
-    )
+    grid = (triton.cdiv(p.n, block_n), triton.cdiv(p.k, block_kp * pack_factor(p.qtype)))
+    _dequant_kernel[grid](*kernel_args(p), out, p.n, p.k, QTYPE=QTYPE_ID[p.qtype], BLOCK_KP=block_kp,
+                          BLOCK_N=block_n, num_warps=4)
     return out

@@ -3,11 +3,14 @@
 Layout: kernels/gguf_dequant.py (qs (K // 8, N) int32 natural-order nibbles, per-sub-block scales,
 K-quant super-block d / dmin, all K-major with N contiguous).
 
-    M <= MAX_M (16)   `_gguf_gemv_kernel`: the blocks streamed once, each (BLOCK_K, BLOCK_N) tile
-                      dequantized in registers (`dequant_tile`) and multiplied with fp32 accumulation:
-                      M == 1 by FMA (acc (BLOCK_K, BLOCK_N) += x[:, None] * w, summed over K once at
-                      the end), M = 2..16 by one tensor-core dot per tile (w rounded to x's dtype, as
-                      the cuBLAS path's scratch is; x rows padded to 16). Split-K as kernels/gemv.py:
+    M <= MAX_M (16)   `_gguf_gemv_kernel`: the blocks streamed once. A step loads a (BLOCK_KP, BLOCK_N)
+                      tile of words and its scales (`load_step`), then for each of the PF values j of
+                      a word dequantizes the (BLOCK_KP, BLOCK_N) weights of rows k0 + kp * PF + j in
+                      registers (`value_j`, no layout conversion) and meets them with those columns of
+                      x, fp32 accumulation: M == 1 by FMA (acc (BLOCK_KP, BLOCK_N) += x[:, None] * w,
+                      summed over rows once at the end), M = 2..16 by a tensor-core dot per j (w
+                      rounded to x's dtype, as the cuBLAS path's scratch is; x rows padded to 16; K
+                      of a dot = BLOCK_KP >= 16). Split-K as kernels/gemv.py:
                       the last of an N-block's SPLIT_K programs to arrive sums the fp32 partials in
                       split order (`store_split_k_output`), one launch, no memset, deterministic.
     M > MAX_M         `dequantize_packed` writes the (K, N) weight in x's dtype to a scratch (freed
@@ -29,11 +32,12 @@ from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
 from pagedllm.kernels.gguf_dequant import (
     QTYPE_ID,
     GGUFPacked,
-    block_k_for,
-    dequant_tile,
     dequantize_packed,
     dequantize_packed_ref,
     kernel_args,
+    load_step,
+    pack_factor,
+    value_j,
 )
 
 __all__ = ["MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear", "gguf_linear_ref"]
@@ -46,7 +50,7 @@ _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 class GGUFGemvConfig(NamedTuple):
     BLOCK_N: int  # output columns per program
-    BLOCK_K: int  # inputs per step (divides 256 and K; a multiple of the sub-block)
+    BLOCK_KP: int  # word rows per step (BLOCK_K = BLOCK_KP * PF inputs, PF 8, Q8_0 4; divides 256)
     SPLIT_K: int  # programs per N-block (asked; fewer when K has fewer steps)
     num_warps: int
     num_stages: int
@@ -57,13 +61,15 @@ def _gguf_gemv_kernel(
     x_ptr, qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
     QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
+    PF: tl.constexpr = 4 if QTYPE == 2 else 8
+    BLOCK_K: tl.constexpr = BLOCK_KP * PF
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_kp = tl.arange(0, BLOCK_KP)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     k_start = pid_k * K_PER_SPLIT
@@ -71,17 +77,21 @@ def _gguf_gemv_kernel(
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w = dequant_tile(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, QTYPE, BLOCK_K,
-                         BLOCK_N)
-        if USE_DOT:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None],
-                        other=0.0)
-            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-        else:
-            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-            acc += x[:, None] * w
+        words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K,
+                                        QTYPE, BLOCK_KP)
+        # Value j of every word: rows k = k0 + kp * PF + j of the weight, met by the same x columns.
+        for j in tl.static_range(PF):
+            w = value_j(words, hi, hq, s, o, j, QTYPE)
+            k = k0 + offs_kp * PF + j
+            if USE_DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & (k < K)[None, :],
+                            other=0.0)
+                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+            else:
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                acc += x[:, None] * w
     if USE_DOT:
         res = acc
     else:
@@ -91,19 +101,19 @@ def _gguf_gemv_kernel(
 
 
 def gguf_gemv_config(m: int, p: GGUFPacked) -> GGUFGemvConfig:
-    """Launch configuration: K split until the grid has >= 512 programs (M = 1) or >= 192 (M > 1),
-    keeping >= 4 steps a split (kernels/wna16_gemv.py's rule, which its H200 sweep chose)."""
+    """Launch configuration: kernels/wna16_gemv.py's H200 choices for 4-bit words (M = 1: BLOCK_N 128,
+    16 word rows a step, 8 warps, 3 stages, K split until >= 512 programs; M > 1: BLOCK_N 256, 4 warps,
+    2 stages, >= 192 programs), keeping >= 4 steps a split."""
     if m == 1:
-        block_n, block_k, target, warps, stages = 64, 128, 512, 4, 3
+        block_n, block_kp, target, warps, stages = 128, 16, 512, 8, 3
     else:
-        block_n, block_k, target, warps, stages = 64, 64, 192, 4, 2
-    block_k = block_k_for(p, block_k)
+        block_n, block_kp, target, warps, stages = 256, 16, 192, 4, 2
     n_blocks = triton.cdiv(p.n, block_n)
-    steps = p.k // block_k
+    steps = triton.cdiv(p.k, block_kp * pack_factor(p.qtype))
     split = 1
     while n_blocks * split < target and split * 8 <= steps:
         split *= 2
-    return GGUFGemvConfig(block_n, block_k, split, warps, stages)
+    return GGUFGemvConfig(block_n, block_kp, split, warps, stages)
 
 
 def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
@@ -117,16 +127,17 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or gguf_gemv_config(m, p)
-    if 256 % cfg.BLOCK_K or k % cfg.BLOCK_K or cfg.BLOCK_K % (16 if p.qtype == "Q6_K" else 32):
-        raise ValueError(f"BLOCK_K {cfg.BLOCK_K} must divide 256 and K {k} and hold whole sub-blocks")
-    steps = k // cfg.BLOCK_K
-    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * cfg.BLOCK_K
+    block_k = cfg.BLOCK_KP * pack_factor(p.qtype)
+    if 256 % block_k or (m > 1 and cfg.BLOCK_KP < 16):
+        raise ValueError(f"a step of {block_k} inputs must divide 256 (and have >= 16 word rows for M > 1)")
+    steps = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
     split = triton.cdiv(k, k_per_split)
     n_blocks = triton.cdiv(p.n, cfg.BLOCK_N)
     out = torch.empty((m, p.n), dtype=x.dtype, device=x.device)
     ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
     if ws is None or split * m * p.n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
-        split, k_per_split = 1, k
+        split, k_per_split = 1, steps * block_k
         ws = (out, out)  # never read: the split-K branch is compiled out
     use_dot = m > 1
     _gguf_gemv_kernel[(n_blocks, split)](
@@ -134,7 +145,7 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
         m, p.n, k, x.stride(0), out.stride(0), k_per_split, split,
         QTYPE=QTYPE_ID[p.qtype], HAS_BIAS=bias is not None, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
-        USE_SPLIT=split > 1, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        USE_SPLIT=split > 1, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

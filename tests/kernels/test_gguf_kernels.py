@@ -46,24 +46,26 @@ def test_malformed_rows_are_refused():
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_dequant_kernel_is_exact(device, qtype):
-    _, packed = _packed(qtype, 40, 256, device)  # 40: a ragged last column block of 64
+def test_kernels_match_reference(device, qtype):
+    """The fp32 dequantization kernel (bit for bit), the FMA GEMV (M 1, the default config) and the
+    tensor-core GEMV split over K (M 3) on one weight (24 x 256: a ragged column block, two K steps)."""
+    n, k = 24, 256
+    _, packed = _packed(qtype, n, k, device, seed=1)
     assert torch.equal(dequantize_packed(packed, torch.float32), dequantize_packed_ref(packed))
-
-
-# (m, config): FMA GEMV with the default config; tensor-core GEMV split over K 4 ways (16-deep steps
-# for Q6_K, 32 otherwise); the dequantize + matmul path (m 17).
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize(("m", "split"), [(1, False), (3, True), (17, False)])
-def test_linear_matches_reference(device, qtype, m, split):
-    n, k = 40, 256
-    _, packed = _packed(qtype, n, k, device, seed=m)
-    x = torch.randn(m, k, device=device)
     bias = torch.randn(n, device=device)
-    if split:
-        cfg = GGUFGemvConfig(32, 16 if qtype == "Q6_K" else 32, 4, 4, 2)
-        out = gguf_gemv(x, packed, bias, cfg)
-    else:
-        out = gguf_linear(x, packed, bias)
-    ref = gguf_linear_ref(x, packed, bias)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    for m, cfg in ((1, None), (3, GGUFGemvConfig(32, 16, 2, 4, 2))):
+        x = torch.randn(m, k, device=device)
+        out = gguf_linear(x, packed, bias) if cfg is None else gguf_gemv(x, packed, bias, cfg)
+        ref = gguf_linear_ref(x, packed, bias)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_k_not_a_multiple_of_the_step(device):
+    """K = 96 (three 32-value blocks; SmolLM2's 576 is 4.5 steps of 128): the step's tail is masked, in
+    the GEMV (M 1, 2) and in the dequantize + matmul path (M 17)."""
+    _, packed = _packed("Q4_1", 24, 96, device, seed=5)
+    assert torch.equal(dequantize_packed(packed, torch.float32), dequantize_packed_ref(packed))
+    for m in (1, 2, 17):
+        x = torch.randn(m, 96, device=device)
+        ref = gguf_linear_ref(x, packed)
+        torch.testing.assert_close(gguf_linear(x, packed), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
