@@ -11,7 +11,8 @@ kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096
          (first 64 rows, bit for bit), `gguf_linear` (bf16 x) within 2e-2 of max |ref| of the fp32
          reference, and its time vs bf16 F.linear (cuBLAS); GB/s of the blocks at M = 1
 sweep    GEMV configs (BLOCK_N, BLOCK_KP, split target, warps, stages) at M = 1 and 16, Q4_K / Q6_K
-model    a 2-layer GGUF with Llama-3.1-8B-sized layers (Q4_K, down Q6_K: as Q4_K_M), loaded in bf16 by
+model    a 2-layer GGUF with Llama-3.1-8B-sized layers (Q4_K; layer 0's down and layer 1's v Q6_K, as
+         Q4_K_M files mix them), loaded in bf16 by
          the real selection: bytes of the model's weights vs the same file loaded dense, and greedy
          tokens of the block path vs the dense bf16 path
 tiny     a tiny GGUF mixing all five types (+ Q5_K, dense): greedy tokens on the GPU (bf16, the real
@@ -199,7 +200,7 @@ def run_sweep() -> None:
 
 def model_bytes(model: torch.nn.Module) -> int:
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    return total + sum(m.gguf_packed.nbytes() for m in model.modules() if hasattr(m, "gguf_packed"))
+    return total + sum(p.nbytes() for m in model.modules() for p in getattr(m, "gguf_packed", ()))
 
 
 def build(path: str, **kw):
@@ -243,7 +244,7 @@ def run_model(tmp: str) -> None:
     config = LlamaConfig(vocab_size=263, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
     path = write_random_llama_gguf(os.path.join(tmp, "llama8b-2layers-q4km.gguf"), config,
-                                   [("Q4_K", "Q4_K", "Q4_K", "Q6_K")] * 2, np.random.default_rng(0), std=0.02)
+                                   [("Q4_K", "Q4_K", "Q4_K", "Q6_K"), (("Q4_K", "Q4_K", "Q6_K"), "Q4_K", "Q4_K", "Q4_K")], np.random.default_rng(0), std=0.02)
     log(f"wrote {os.path.getsize(path) / 1e6:.0f} MB")
     llm, model = build(str(path), dtype="bfloat16")  # CUDA graphs: the kernels captured as served
     n_blocks = sum(isinstance(getattr(m, "quant_method", None), GGUFGPULinearMethod) for m in model.modules())
@@ -273,7 +274,7 @@ def run_tiny(tmp: str) -> None:
 
     config = LlamaConfig(vocab_size=263, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    types = [("Q4_K", "Q6_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1", "Q5_K")]
+    types = [(("Q4_K", "Q4_K", "Q6_K"), "Q6_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1", "Q5_K")]
     path = str(write_random_llama_gguf(os.path.join(tmp, "tiny-mixed.gguf"), config, types,
                                        np.random.default_rng(0)))
     orig = model_loader.get_quant_config

@@ -94,15 +94,18 @@ class GGUFConfig(QuantizationConfig):
         if len(types) != 1:
             return None  # absent (tied lm_head) or mixed types in one fused layer: dense
         (qtype,) = types
-        return qtype if qtype in (GPU_GGUF_TYPES if self.gpu else SUPPORTED_TYPES) else None
+        return qtype if qtype in SUPPORTED_TYPES else None
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from pagedllm.layers.linear import LinearBase
         from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
+        if self.gpu:  # linears on their blocks (fused shards may mix types); embedding and LM head dense
+            types = [self.tensor_types.get(name) for name in self._checkpoint_weight_names(prefix)]
+            if isinstance(layer, LinearBase) and all(t in GPU_GGUF_TYPES for t in types):
+                return GGUFGPULinearMethod(types)
+            return None
         qtype = self.block_type(prefix)
-        if self.gpu:  # linears on their blocks; the embedding table and LM head stay dense
-            return GGUFGPULinearMethod(qtype) if qtype is not None and isinstance(layer, LinearBase) else None
         if qtype is None or (self.tie_word_embeddings and isinstance(layer, ParallelLMHead)):
             return None
         if isinstance(layer, LinearBase):

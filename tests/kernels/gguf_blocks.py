@@ -34,11 +34,12 @@ def random_gguf_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generato
 _PROJ_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def write_random_llama_gguf(path: Path, config, layer_types: list[tuple[str, str, str, str]],
-                            rng: np.random.Generator, std: float = 0.06) -> Path:
+def write_random_llama_gguf(path: Path, config, layer_types: list[tuple], rng: np.random.Generator,
+                            std: float = 0.06) -> Path:
     """A Llama GGUF (llama.cpp's names and tokenizer header) with random weights: layer i's (q/k/v, o,
-    gate/up, down) projections as blocks of layer_types[i], norms ~1, embedding and LM head float32
-    (the head scaled 0.3 for a spread of logits; untied)."""
+    gate/up, down) projections as blocks of layer_types[i] (an entry is one type, or a tuple of one per
+    projection of the group: ("Q4_K", "Q4_K", "Q6_K") for q, k, v as Q4_K_M files have them), norms
+    ~1, embedding and LM head float32 (the head scaled 0.3 for a spread of logits; untied)."""
     from tests.loader.conftest import hf_to_gguf_names, write_llama_cpp_header
 
     h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -59,7 +60,9 @@ def write_random_llama_gguf(path: Path, config, layer_types: list[tuple[str, str
             writer.add_tensor(gguf_name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
         elif hf_name.startswith("model.layers."):
             types = layer_types[int(hf_name.split(".")[2])]
-            qtype = next(t for t, group in zip(types, _PROJ_GROUPS) if any(f".{g}." in hf_name for g in group))
+            group, qtype = next((g, t) for t, g in zip(types, _PROJ_GROUPS) if any(f".{p}." in hf_name for p in g))
+            if not isinstance(qtype, str):  # one type per projection of the group, e.g. q, k Q4_K and v Q6_K
+                qtype = qtype[next(i for i, p in enumerate(group) if f".{p}." in hf_name)]
             data = random_gguf_blocks(qtype, *shape, rng, std=std)
             writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:

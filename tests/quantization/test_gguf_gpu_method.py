@@ -1,6 +1,6 @@
 """The GGUF GPU method (quantization/gguf_gpu.py) end to end, forced onto the CPU where its `apply` is
 the fp32 torch reference: a tiny Llama GGUF mixing Q4_K / Q6_K (as Q4_K_M files do) with Q4_0 / Q4_1 /
-Q8_0 and one Q5_K tensor (no kernel: dense). Greedy tokens and logprobs equal the dense-dequantized
+Q8_0 (a fused qkv of Q4_K q/k and Q6_K v included) and one Q5_K tensor (no kernel: dense). Greedy tokens and logprobs equal the dense-dequantized
 model's; the layers keep only their repacked blocks."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from tests.kernels.gguf_blocks import write_random_llama_gguf
 
 PROMPTS = [[5, 80, 81, 200], [7] * 30, list(range(10, 60))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-# per layer: (q/k/v, o, gate/up, down) types; layer 1's down is Q5_K, which has no kernel
-LAYER_TYPES = [("Q4_K", "Q6_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1", "Q5_K")]
+# per layer: (q/k/v, o, gate/up, down) types; layer 1's down is Q5_K, which has no kernel;
+# layer 0's v_proj is Q6_K beside Q4_K q/k (as in Q4_K_M files): a fused layer of mixed types
+LAYER_TYPES = [(("Q4_K", "Q4_K", "Q6_K"), "Q6_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1", "Q5_K")]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +49,14 @@ def test_gpu_method_matches_dense(mixed_gguf, monkeypatch):
     model = llm.llm_engine.engine_core.model_executor.driver_worker.model
     methods = {name: m.quant_method for name, m in model.named_modules() if hasattr(m, "quant_method")}
     gpu = {n: m.qtype for n, m in methods.items() if isinstance(m, GGUFGPULinearMethod)}
-    assert gpu == {"model.layers.0.self_attn.qkv_proj": "Q4_K", "model.layers.0.self_attn.o_proj": "Q6_K",
+    assert gpu == {"model.layers.0.self_attn.qkv_proj": "Q4_K/Q6_K", "model.layers.0.self_attn.o_proj": "Q6_K",
                    "model.layers.0.mlp.gate_up_proj": "Q4_K", "model.layers.0.mlp.down_proj": "Q6_K",
                    "model.layers.1.self_attn.qkv_proj": "Q4_0", "model.layers.1.self_attn.o_proj": "Q8_0",
                    "model.layers.1.mlp.gate_up_proj": "Q4_1"}
     for name in gpu:  # only the repacked blocks: no dense weight, no raw bytes
         layer = model.get_submodule(name)
-        assert not hasattr(layer, "weight") and not hasattr(layer, "qweight") and layer.gguf_packed.qs.numel()
+        assert not hasattr(layer, "weight") and not hasattr(layer, "qweight")
+        assert [p.qtype for p in layer.gguf_packed] == gpu[name].split("/")
     assert hasattr(model.get_submodule("model.layers.1.mlp.down_proj"), "weight")  # Q5_K: dense
 
     monkeypatch.setattr(model_loader, "get_quant_config", lambda *a: None)
