@@ -8,7 +8,8 @@ kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096
          16, 256, 2048 (random valid blocks): the repack's dequantization equals gguf.quants.dequantize
          (first 64 rows, bit for bit), `gguf_linear` (bf16 x) within 2e-2 of max |ref| of the fp32
          reference, and its time vs bf16 F.linear (cuBLAS); GB/s of the blocks at M = 1
-sweep    GEMV configs (BLOCK_N, BLOCK_KP, split target, warps, stages) at M = 1 and 16, Q4_K / Q6_K
+sweep    GEMV configs (BLOCK_N, BLOCK_KP, split target, warps, stages) at M = 1 and 16, Q4_K / Q6_K;
+         at M = 32 and 64 the GEMV (default config) vs dequantize + cuBLAS (where the dispatch switches)
 model    a 2-layer GGUF with Llama-3.1-8B-sized layers (Q4_K; layer 0's down and layer 1's v Q6_K, as
          Q4_K_M files mix them), loaded in bf16 by
          the real selection: bytes of the model's weights vs the same file loaded dense, and greedy
@@ -193,6 +194,14 @@ def run_sweep() -> None:
                        f"best {best[1]} {best[0]:.1f} us ({p.nbytes() / best[0] / 1e3:.0f} GB/s, err {best[2]:.0e}); "
                        f"default {tuple(default)} {dus:.1f} us; others "
                        + ", ".join(f"{name} {us:.1f}" for us, name, _ in res[1:]))
+            for m in (32, 64):  # mid-size batches: the GEMV (weights read once) vs dequantize + cuBLAS
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                ref = gguf_linear_ref(x, p)
+                err = max(rel_err(gguf_gemv(x, p), ref), rel_err(gguf_linear(x, p, None, dequant_min_m=1), ref))
+                g_us = graph_us(lambda i, x=x, c=copies: gguf_gemv(x, c[i]), len(copies))
+                d_us = graph_us(lambda i, x=x, c=copies: gguf_linear(x, c[i], None, dequant_min_m=1), len(copies))
+                record(f"mid-M {qtype} {n}x{k} M={m}", f"GEMV {g_us:.1f} us vs dequant + cuBLAS {d_us:.1f} us "
+                       f"(max rel err {err:.0e})")
             copies = p = None
             torch.cuda.empty_cache()
 

@@ -141,10 +141,11 @@ def _pack_k(q: torch.Tensor, bits: int) -> torch.Tensor:
     """(N, K) unsigned values -> (K // pf, N) int32, pf = 32 // bits values of consecutive k per word."""
     pf = 32 // bits
     n, k = q.shape
-    v = q.T.to(torch.int64).reshape(k // pf, pf, n)
-    shifts = (torch.arange(pf, device=q.device, dtype=torch.int64) * bits).view(1, pf, 1)
-    words = (v << shifts).sum(dim=1)  # disjoint bit ranges: the sum is the bitwise or
-    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+    v = q.T.reshape(k // pf, pf, n)
+    words = torch.zeros(k // pf, n, dtype=torch.int32, device=q.device)
+    for j in range(pf):  # int32 throughout (a shift into bit 31 wraps to the sign): no int64 copy of q
+        words |= v[:, j].to(torch.int32) << (j * bits)
+    return words
 
 
 def repack_gguf_rows(raw: torch.Tensor, qtype: str, k: int) -> GGUFPacked:

@@ -40,9 +40,10 @@ from pagedllm.kernels.gguf_dequant import (
     value_j,
 )
 
-__all__ = ["MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear", "gguf_linear_ref"]
+__all__ = ["KERNEL_MAX_M", "MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear", "gguf_linear_ref"]
 
-MAX_M = 16
+MAX_M = 16  # rows `gguf_linear` sends to the GEMV by default (the kernel itself takes up to KERNEL_MAX_M)
+KERNEL_MAX_M = 64
 _WS_FLOATS = 1 << 23  # 32 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -106,8 +107,10 @@ def gguf_gemv_config(m: int, p: GGUFPacked) -> GGUFGemvConfig:
     2 stages, >= 192 programs), keeping >= 4 steps a split."""
     if m == 1:
         block_n, block_kp, target, warps, stages = 128, 16, 512, 8, 3
-    else:
+    elif m <= 16:
         block_n, block_kp, target, warps, stages = 256, 16, 192, 4, 2
+    else:  # 17..64 rows (not dispatched here by default): a smaller N tile keeps the fp32 acc in registers
+        block_n, block_kp, target, warps, stages = 128, 16, 192, 4, 2
     n_blocks = triton.cdiv(p.n, block_n)
     steps = triton.cdiv(p.k, block_kp * pack_factor(p.qtype))
     split = 1
@@ -118,10 +121,10 @@ def gguf_gemv_config(m: int, p: GGUFPacked) -> GGUFGemvConfig:
 
 def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
               config: GGUFGemvConfig | None = None) -> torch.Tensor:
-    """x (M <= 16, K) -> (M, N) in x's dtype, fp32 accumulation."""
+    """x (M <= 64, K) -> (M, N) in x's dtype, fp32 accumulation (every weight byte read once)."""
     m, k = x.shape
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"gguf_gemv takes 1..{MAX_M} rows, got {m}")
+    if not 1 <= m <= KERNEL_MAX_M:
+        raise ValueError(f"gguf_gemv takes 1..{KERNEL_MAX_M} rows, got {m}")
     if k != p.k:
         raise ValueError(f"x has {k} inputs, the GGUF weight {p.k}")
     if x.stride(1) != 1:
@@ -145,7 +148,7 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
         m, p.n, k, x.stride(0), out.stride(0), k_per_split, split,
         QTYPE=QTYPE_ID[p.qtype], HAS_BIAS=bias is not None, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
-        USE_SPLIT=split > 1, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
+        USE_SPLIT=split > 1, BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

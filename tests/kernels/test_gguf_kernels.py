@@ -62,10 +62,11 @@ def test_kernels_match_reference(device, qtype):
 
 def test_k_not_a_multiple_of_the_step(device):
     """K = 96 (three 32-value blocks; SmolLM2's 576 is 4.5 steps of 128): the step's tail is masked, in
-    the GEMV (M 1, 2) and in the dequantize + matmul path (M 17)."""
+    the GEMV (M 1, 2, and 33: 64 rows a tile) and in the dequantize + matmul path (M 17)."""
     _, packed = _packed("Q4_1", 24, 96, device, seed=5)
     assert torch.equal(dequantize_packed(packed, torch.float32), dequantize_packed_ref(packed))
-    for m in (1, 2, 17):
+    for m in (1, 2, 17, 33):
         x = torch.randn(m, 96, device=device)
         ref = gguf_linear_ref(x, packed)
-        torch.testing.assert_close(gguf_linear(x, packed), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+        out = gguf_gemv(x, packed) if m == 33 else gguf_linear(x, packed)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
