@@ -1,4 +1,5 @@
-"""`--quantization gguf` on the CPU: keep a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks and compute with them.
+"""`--quantization gguf`: keep a GGUF file's blocks and compute with them (the CPU method here; on CUDA
+the Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K linears take quantization/gguf_gpu.py, see `select_gguf_config`).
 
 A decode step of a small model on a CPU is bound by the bytes of weights it streams: SmolLM2-135M
 is ~540 MB as dense float32 but ~97 MB as its Q4_1 / Q8_0 blocks. The C kernel
@@ -256,8 +257,9 @@ def computes_on_gguf_blocks(model_config: Any, device: torch.device) -> bool:
 def select_gguf_config(model_config: Any, device: torch.device) -> GGUFConfig | None:
     """Decide once, at load, whether this model computes on its GGUF blocks; logs the decision.
 
-    Yes for a GGUF file on the CPU in float32 when the kernels build (`quantization` None or
-    "gguf"); otherwise the weights are dequantized to dense `dtype` as before.
+    For a GGUF file (`quantization` None or "gguf"): on CUDA in bfloat16 / float16, the GPU method
+    for the linears whose types have a kernel; on the CPU in float32 when the C kernels build, the CPU
+    method; otherwise None: the weights are dequantized to dense `dtype`.
     """
     from pagedllm.cpu.build import configure_cpu_threads, cpu_isa
     from pagedllm.loader.gguf_weights import gguf_tensor_types
