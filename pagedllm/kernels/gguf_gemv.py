@@ -102,15 +102,18 @@ def _gguf_gemv_kernel(
 
 
 def gguf_gemv_config(m: int, p: GGUFPacked) -> GGUFGemvConfig:
-    """Launch configuration: kernels/wna16_gemv.py's H200 choices for 4-bit words (M = 1: BLOCK_N 128,
-    16 word rows a step, 8 warps, 3 stages, K split until >= 512 programs; M > 1: BLOCK_N 256, 4 warps,
-    2 stages, >= 192 programs), keeping >= 4 steps a split."""
+    """Launch configuration. 16 word rows a step (128 inputs; Q8_0 64) and K split until the grid has
+    >= 512 programs (M = 1) or >= 192, keeping >= 4 steps a split (kernels/wna16_gemv.py's H200 rule).
+    Tiles chosen so that no type spills registers on sm_90 (compiled with ptxas on the CPU,
+    2026-12-01): M = 1 BLOCK_N 128, 8 warps, 3 stages (48-74 registers); M = 2..16 BLOCK_N 64, 4
+    warps (64-79; BLOCK_N 128 spills at 4 warps for Q4_K / Q6_K, at 8 for Q4_1); M = 17..64 BLOCK_N
+    64, 4 warps (96-128)."""
     if m == 1:
         block_n, block_kp, target, warps, stages = 128, 16, 512, 8, 3
     elif m <= 16:
-        block_n, block_kp, target, warps, stages = 256, 16, 192, 4, 2
-    else:  # 17..64 rows (not dispatched here by default): a smaller N tile keeps the fp32 acc in registers
-        block_n, block_kp, target, warps, stages = 128, 16, 192, 4, 2
+        block_n, block_kp, target, warps, stages = 64, 16, 192, 4, 2
+    else:  # 17..64 rows (not dispatched here by default)
+        block_n, block_kp, target, warps, stages = 64, 16, 192, 4, 2
     n_blocks = triton.cdiv(p.n, block_n)
     steps = triton.cdiv(p.k, block_kp * pack_factor(p.qtype))
     split = 1
