@@ -252,8 +252,9 @@ def run_model(tmp: str) -> None:
 
     config = LlamaConfig(vocab_size=263, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
-    path = write_random_llama_gguf(os.path.join(tmp, "llama8b-2layers-q4km.gguf"), config,
-                                   [("Q4_K", "Q4_K", "Q4_K", "Q6_K"), (("Q4_K", "Q4_K", "Q6_K"), "Q4_K", "Q4_K", "Q4_K")], np.random.default_rng(0), std=0.02)
+    types = [("Q4_K", "Q4_K", "Q4_K", "Q6_K"), (("Q4_K", "Q4_K", "Q6_K"), "Q4_K", "Q4_K", "Q4_K")]
+    path = write_random_llama_gguf(os.path.join(tmp, "llama8b-2layers-q4km.gguf"), config, types,
+                                   np.random.default_rng(0), std=0.02, head_type="Q6_K")
     log(f"wrote {os.path.getsize(path) / 1e6:.0f} MB")
     # CUDA graphs (decode batches 1, 2, 4: the GEMV captured as served, split-K workspace included)
     llm, model = build(str(path), dtype="bfloat16", max_num_seqs=4, cudagraph_capture_sizes=[1, 2, 4])
@@ -269,7 +270,7 @@ def run_model(tmp: str) -> None:
     finally:
         model_loader.get_quant_config = orig
     record("8B-layer GGUF (Q4_K/Q6_K) weights on the GPU",
-           f"{n_blocks} linears on blocks (expect 8); {q_bytes / 1e9:.3f} GB vs dense bf16 {d_bytes / 1e9:.3f} GB "
+           f"{n_blocks} linears on blocks (expect 9: 8 + the LM head); {q_bytes / 1e9:.3f} GB vs dense bf16 {d_bytes / 1e9:.3f} GB "
            f"({q_bytes / d_bytes:.2f}x); file {os.path.getsize(path) / 1e9:.3f} GB")
     record("8B-layer GGUF greedy, blocks vs dense bf16 (GPU)", match(q_tok, d_tok))
 
@@ -287,7 +288,7 @@ def run_tiny(tmp: str) -> None:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     types = [(("Q4_K", "Q4_K", "Q6_K"), "Q6_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1", "Q5_K")]
     path = str(write_random_llama_gguf(os.path.join(tmp, "tiny-mixed.gguf"), config, types,
-                                       np.random.default_rng(0)))
+                                       np.random.default_rng(0), head_type="Q6_K"))
     orig = model_loader.get_quant_config
     forced = GGUFConfig(gguf_tensor_types(path), gpu=True)
     runs = {"cpu": (lambda *a: None, dict(dtype="float32", device="cpu", kv_cache_dtype="float32")),

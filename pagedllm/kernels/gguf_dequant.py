@@ -269,25 +269,32 @@ def pack_factor(qtype: str) -> int:
 
 
 @triton.jit
-def _dequant_kernel(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, out_ptr, N, K,
+def _dequant_kernel(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, out_ptr, N, K, N_START, N_OUT,
                     QTYPE: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [N_START, N_START + N_OUT) of the weight -> out (K, N_OUT)."""
     PF: tl.constexpr = 4 if QTYPE == 2 else 8
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = N_START + cols
+    mask_n = cols < N_OUT
     k0 = tl.program_id(1) * BLOCK_KP * PF
     words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K, QTYPE,
                                     BLOCK_KP)
     for j in tl.static_range(PF):
         w = value_j(words, hi, hq, s, o, j, QTYPE)
         k = k0 + tl.arange(0, BLOCK_KP) * PF + j
-        tl.store(out_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + k[:, None].to(tl.int64) * N_OUT + cols[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=(k < K)[:, None] & mask_n[None, :])
 
 
-def dequantize_packed(p: GGUFPacked, dtype: torch.dtype, block_n: int = 128, block_kp: int = 16) -> torch.Tensor:
-    """CUDA (or the interpreter): the (K, N) weight in `dtype` (a scratch for cuBLAS at large M)."""
-    out = torch.empty((p.k, p.n), dtype=dtype, device=p.qs.device)
-    grid = (triton.cdiv(p.n, block_n), triton.cdiv(p.k, block_kp * pack_factor(p.qtype)))
-    _dequant_kernel[grid](*kernel_args(p), out, p.n, p.k, QTYPE=QTYPE_ID[p.qtype], BLOCK_KP=block_kp,
-                          BLOCK_N=block_n, num_warps=4)
+def dequantize_packed(p: GGUFPacked, dtype: torch.dtype, cols: tuple[int, int] | None = None, block_n: int = 128,
+                      block_kp: int = 16) -> torch.Tensor:
+    """CUDA (or the interpreter): the (K, N) weight in `dtype`, or its columns [start, end) as (K, end -
+    start) (a scratch for cuBLAS at large M)."""
+    start, end = cols or (0, p.n)
+    if not 0 <= start < end <= p.n:
+        raise ValueError(f"columns {cols} outside the weight's {p.n}")
+    out = torch.empty((p.k, end - start), dtype=dtype, device=p.qs.device)
+    grid = (triton.cdiv(end - start, block_n), triton.cdiv(p.k, block_kp * pack_factor(p.qtype)))
+    _dequant_kernel[grid](*kernel_args(p), out, p.n, p.k, start, end - start, QTYPE=QTYPE_ID[p.qtype],
+                          BLOCK_KP=block_kp, BLOCK_N=block_n, num_warps=4)
     return out

@@ -14,7 +14,7 @@ K-quant super-block d / dmin, all K-major with N contiguous).
                       the last of an N-block's SPLIT_K programs to arrive sums the fp32 partials in
                       split order (`store_split_k_output`), one launch, no memset, deterministic.
     M > MAX_M         `dequantize_packed` writes the (K, N) weight in x's dtype to a scratch (freed
-                      after the call) and cuBLAS multiplies: at prefill sizes the GEMM's cost dwarfs
+                      after the call; column chunks of <= SCRATCH_BYTES) and cuBLAS multiplies: at prefill sizes the GEMM's cost dwarfs
                       the dequantization (BENCHMARKS.md, issue 19).
 
 Reference: `gguf_linear_ref` (dequantize to fp32, matmul in fp32); the CPU path of the GPU method.
@@ -44,6 +44,9 @@ __all__ = ["KERNEL_MAX_M", "MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_co
 
 MAX_M = 16  # rows `gguf_linear` sends to the GEMV by default (the kernel itself takes up to KERNEL_MAX_M)
 KERNEL_MAX_M = 64
+# Largest dequantized scratch for the cuBLAS path (bytes): Llama-3.1-8B's gate_up (28672 x 4096 bf16,
+# 235 MB) takes two chunks, down / qkv / o one.
+SCRATCH_BYTES = 128 << 20
 _WS_FLOATS = 1 << 23  # 32 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -158,12 +161,21 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
 
 
 def gguf_linear(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
-                dequant_min_m: int = MAX_M + 1) -> torch.Tensor:
-    """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `gguf_linear_ref`."""
+                dequant_min_m: int = MAX_M + 1, scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+    """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `gguf_linear_ref`.
+
+    From `dequant_min_m` rows: the weight dequantized to a scratch in x's dtype and cuBLAS, in column
+    chunks of at most `scratch_bytes` (a 128256-row LM head would otherwise take a 1 GB scratch)."""
     if x.shape[0] < dequant_min_m:
         return gguf_gemv(x, p, bias)
-    w = dequantize_packed(p, x.dtype)
-    out = torch.matmul(x, w)
+    chunk = max(128, scratch_bytes // (p.k * x.element_size()) // 128 * 128)
+    if chunk >= p.n:
+        out = torch.matmul(x, dequantize_packed(p, x.dtype))
+    else:
+        out = torch.empty((x.shape[0], p.n), dtype=x.dtype, device=x.device)
+        for start in range(0, p.n, chunk):
+            end = min(p.n, start + chunk)
+            torch.matmul(x, dequantize_packed(p, x.dtype, (start, end)), out=out[:, start:end])
     return out if bias is None else out + bias
 
 

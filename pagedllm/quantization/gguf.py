@@ -58,8 +58,8 @@ class GGUFConfig(QuantizationConfig):
         self.max_packed_rows = max_packed_rows
         # A tied LM head takes the embedding's method (and skips any output.weight in the file).
         self.tie_word_embeddings = tie_word_embeddings
-        # True: the GPU method (quantization/gguf_gpu.py) for Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linears, the
-        # embedding and LM head dense; False: the CPU C kernels (float32) for Q4_0/Q4_1/Q8_0.
+        # True: the GPU method (quantization/gguf_gpu.py) for Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linears and an
+        # untied LM head, the embedding table dense; False: the CPU C kernels (float32) for Q4_0/Q4_1/Q8_0.
         self.gpu = gpu
 
     def get_name(self) -> str:
@@ -101,9 +101,10 @@ class GGUFConfig(QuantizationConfig):
         from pagedllm.layers.linear import LinearBase
         from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
-        if self.gpu:  # linears on their blocks (fused shards may mix types); embedding and LM head dense
+        if self.gpu:  # linears and an untied LM head on their blocks; the embedding table dense
             types = [self.tensor_types.get(name) for name in self._checkpoint_weight_names(prefix)]
-            if isinstance(layer, LinearBase) and all(t in GPU_GGUF_TYPES for t in types):
+            head = isinstance(layer, ParallelLMHead) and not self.tie_word_embeddings
+            if (isinstance(layer, LinearBase) or head) and all(t in GPU_GGUF_TYPES for t in types):
                 return GGUFGPULinearMethod(types)
             return None
         qtype = self.block_type(prefix)
@@ -296,7 +297,7 @@ def _select_gpu(model_config: Any) -> GGUFConfig:
                                                                 False)), gpu=True)
     kept = sorted({t for t in types.values() if t in GPU_GGUF_TYPES})
     dense = sorted({t for t in types.values() if t not in GPU_GGUF_TYPES and t not in ("F32", "F16", "BF16")})
-    logger.info("GPU weights: GGUF %s linears computed on their blocks (%s activations; embedding and LM head "
-                "dense)%s", "/".join(kept) or "no", model_config.dtype,
+    logger.info("GPU weights: GGUF %s linears computed on their blocks (%s activations; the embedding table "
+                "dense, an untied LM head on blocks)%s", "/".join(kept) or "no", model_config.dtype,
                 f"; {'/'.join(dense)} tensors dequantized to dense (no kernel)" if dense else "")
     return config

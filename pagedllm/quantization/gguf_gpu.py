@@ -3,7 +3,8 @@
 The loader hands each such layer its raw blocks (`<name>.qweight`, uint8 rows of blocks in HF row
 order, as for the CPU kernels: quantization/gguf.py); `process_weights_after_loading` repacks them on
 the device into the layout of kernels/gguf_dequant.py and frees the raw bytes. No dense copy of the
-weight is kept: a Q4_K_M Llama-3.1-8B's linears take ~4.7 GB instead of 14 GB of bf16.
+weight is kept. The config (quantization/gguf.py) gives this method to the linears and to an untied
+LM head (ParallelLMHead calls create_weights / apply the same way); the embedding table stays dense.
 
 Decode batches (<= 16 rows) run the GEMV on the blocks; larger steps dequantize into a scratch for
 cuBLAS (kernels/gguf_gemv.py). Off CUDA (tests forcing this method on the CPU) `apply` is the fp32

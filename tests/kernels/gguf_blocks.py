@@ -35,11 +35,11 @@ _PROJ_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_p
 
 
 def write_random_llama_gguf(path: Path, config, layer_types: list[tuple], rng: np.random.Generator,
-                            std: float = 0.06) -> Path:
+                            std: float = 0.06, head_type: str = "F32") -> Path:
     """A Llama GGUF (llama.cpp's names and tokenizer header) with random weights: layer i's (q/k/v, o,
     gate/up, down) projections as blocks of layer_types[i] (an entry is one type, or a tuple of one per
     projection of the group: ("Q4_K", "Q4_K", "Q6_K") for q, k, v as Q4_K_M files have them), norms
-    ~1, embedding and LM head float32 (the head scaled 0.3 for a spread of logits; untied)."""
+    ~1, embedding float32, LM head (untied; weights ~N(0, 0.3) for a spread of logits) `head_type`."""
     from tests.loader.conftest import hf_to_gguf_names, write_llama_cpp_header
 
     h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -65,6 +65,9 @@ def write_random_llama_gguf(path: Path, config, layer_types: list[tuple], rng: n
                 qtype = qtype[next(i for i, p in enumerate(group) if f".{p}." in hf_name)]
             data = random_gguf_blocks(qtype, *shape, rng, std=std)
             writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        elif hf_name == "lm_head.weight" and head_type != "F32":
+            data = random_gguf_blocks(head_type, *shape, rng, std=0.3)
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[head_type])
         else:
             scale = 0.3 if hf_name == "lm_head.weight" else 1.0
             writer.add_tensor(gguf_name, (scale * rng.standard_normal(shape)).astype(np.float32))

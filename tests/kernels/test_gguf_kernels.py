@@ -70,3 +70,8 @@ def test_k_not_a_multiple_of_the_step(device):
         ref = gguf_linear_ref(x, packed)
         out = gguf_gemv(x, packed) if m == 33 else gguf_linear(x, packed)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    # the scratch path in column chunks: 200 columns as chunks of 128 (the smallest chunk)
+    _, wide = _packed("Q8_0", 200, 96, device, seed=6)
+    x = torch.randn(17, 96, device=device)
+    ref = gguf_linear_ref(x, wide)
+    torch.testing.assert_close(gguf_linear(x, wide, scratch_bytes=1), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())

@@ -1,6 +1,7 @@
 """The GGUF GPU method (quantization/gguf_gpu.py) end to end, forced onto the CPU where its `apply` is
 the fp32 torch reference: a tiny Llama GGUF mixing Q4_K / Q6_K (as Q4_K_M files do) with Q4_0 / Q4_1 /
-Q8_0 (a fused qkv of Q4_K q/k and Q6_K v included) and one Q5_K tensor (no kernel: dense). Greedy tokens and logprobs equal the dense-dequantized
+Q8_0 (a fused qkv of Q4_K q/k and Q6_K v included), a Q6_K LM head, and one Q5_K tensor (no kernel:
+dense). Greedy tokens and logprobs equal the dense-dequantized
 model's; the layers keep only their repacked blocks."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def mixed_gguf(tmp_path_factory) -> Path:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False)
     return write_random_llama_gguf(tmp_path_factory.mktemp("gguf_gpu") / "mixed.gguf", config, LAYER_TYPES,
-                                   np.random.default_rng(0))
+                                   np.random.default_rng(0), head_type="Q6_K")
 
 
 def _generate(path: Path):
@@ -52,7 +53,7 @@ def test_gpu_method_matches_dense(mixed_gguf, monkeypatch):
     assert gpu == {"model.layers.0.self_attn.qkv_proj": "Q4_K/Q6_K", "model.layers.0.self_attn.o_proj": "Q6_K",
                    "model.layers.0.mlp.gate_up_proj": "Q4_K", "model.layers.0.mlp.down_proj": "Q6_K",
                    "model.layers.1.self_attn.qkv_proj": "Q4_0", "model.layers.1.self_attn.o_proj": "Q8_0",
-                   "model.layers.1.mlp.gate_up_proj": "Q4_1"}
+                   "model.layers.1.mlp.gate_up_proj": "Q4_1", "lm_head": "Q6_K"}  # untied head on blocks
     for name in gpu:  # only the repacked blocks: no dense weight, no raw bytes
         layer = model.get_submodule(name)
         assert not hasattr(layer, "weight") and not hasattr(layer, "qweight")
