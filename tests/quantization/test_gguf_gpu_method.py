@@ -42,8 +42,11 @@ def _generate(path: Path):
 
 
 def test_gpu_method_matches_dense(mixed_gguf, monkeypatch):
-    # The real selection takes the GPU method only on CUDA (bf16/fp16): on the CPU it keeps its choice.
-    assert not getattr(select_gguf_config(_cpu_model_config(mixed_gguf), torch.device("cpu")), "gpu", False)
+    # The real selection takes the GPU method on CUDA in bf16 / fp16 (decided from the file alone, so
+    # checkable here); on the CPU it keeps its own choice.
+    assert select_gguf_config(_model_config(mixed_gguf, "bfloat16"), torch.device("cuda")).gpu
+    assert not getattr(select_gguf_config(_model_config(mixed_gguf, "float32"), torch.device("cpu")), "gpu", False)
+    assert select_gguf_config(_model_config(mixed_gguf, "bfloat16"), torch.device("cpu")) is None  # dense
     forced = GGUFConfig(gguf_tensor_types(mixed_gguf), gpu=True)
     monkeypatch.setattr(model_loader, "get_quant_config", lambda *a: forced)
     llm, outs = _generate(mixed_gguf)
@@ -70,7 +73,7 @@ def test_gpu_method_matches_dense(mixed_gguf, monkeypatch):
                 assert abs(lp[tok].logprob - entry.logprob) < 1e-3
 
 
-def _cpu_model_config(path: Path):
+def _model_config(path: Path, dtype: str):
     from pagedllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=str(path), max_model_len=128).create_engine_config().model_config
+    return EngineArgs(model=str(path), max_model_len=128, dtype=dtype).create_engine_config().model_config
