@@ -239,14 +239,22 @@ def load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N
 
 
 @triton.jit
-def value_j(words, hi, hq, s, o, J: tl.constexpr, QTYPE: tl.constexpr):
-    """fp32 weights of value J of every word of the step (rows k = k0 + kp * PF + J), gguf.quants' fp32
-    operations (the fused multiply-adds round once, as its separate ones do: the products are exact)."""
+def q_j(words, hi, hq, J: tl.constexpr, QTYPE: tl.constexpr):
+    """The unsigned integer q of value J of every word of the step, as exact fp32 (Q6_K: low 4 + high
+    2 bits); no int -> float conversion (kernels/wna16_unpack.py's LOP3 trick)."""
     BITS: tl.constexpr = 8 if QTYPE == 2 else 4
-    q = unpack_q(words, hi, J, BITS)  # exact, no int -> float conversion (kernels/wna16_unpack.py)
+    q = unpack_q(words, hi, J, BITS)
     if QTYPE == 4:
         h = (((hq >> (2 * J)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         q = q + h * 16.0
+    return q
+
+
+@triton.jit
+def value_j(words, hi, hq, s, o, J: tl.constexpr, QTYPE: tl.constexpr):
+    """fp32 weights of value J of every word of the step (rows k = k0 + kp * PF + J), gguf.quants' fp32
+    operations (the fused multiply-adds round once, as its separate ones do: the products are exact)."""
+    q = q_j(words, hi, hq, J, QTYPE)
     if QTYPE == 0:
         w = (q - 8.0) * s
     elif QTYPE == 2:

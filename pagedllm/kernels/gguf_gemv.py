@@ -37,6 +37,7 @@ from pagedllm.kernels.gguf_dequant import (
     kernel_args,
     load_step,
     pack_factor,
+    q_j,
     value_j,
 )
 
@@ -58,6 +59,7 @@ class GGUFGemvConfig(NamedTuple):
     SPLIT_K: int  # programs per N-block (asked; fewer when K has fewer steps)
     num_warps: int
     num_stages: int
+    FACTORED: bool = False  # M == 1 only: scales applied to each word row's partial sums (see the kernel)
 
 
 @triton.jit
@@ -66,6 +68,7 @@ def _gguf_gemv_kernel(
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
     QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+    FACTORED: tl.constexpr,
 ):
     PF: tl.constexpr = 4 if QTYPE == 2 else 8
     BLOCK_K: tl.constexpr = BLOCK_KP * PF
@@ -85,17 +88,36 @@ def _gguf_gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K,
                                         QTYPE, BLOCK_KP)
-        # Value j of every word: rows k = k0 + kp * PF + j of the weight, met by the same x columns.
-        for j in tl.static_range(PF):
-            w = value_j(words, hi, hq, s, o, j, QTYPE)
-            k = k0 + offs_kp * PF + j
-            if USE_DOT:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & (k < K)[None, :],
-                            other=0.0)
-                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-            else:
+        if FACTORED:
+            # M == 1, scales out of the inner loop: a word row lies in one sub-block, so
+            # sum_j x_j (q_j s + o) = s * sum_j x_j q_j + o * sum_j x_j (and (q - Z) s likewise).
+            part = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+            xs = tl.zeros((BLOCK_KP,), dtype=tl.float32)
+            for j in tl.static_range(PF):
+                k = k0 + offs_kp * PF + j
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                acc += x[:, None] * w
+                part += x[:, None] * q_j(words, hi, hq, j, QTYPE)
+                xs += x
+            if QTYPE == 0:
+                acc += s * (part - 8.0 * xs[:, None])
+            elif QTYPE == 2:
+                acc += s * (part - 128.0 * xs[:, None])
+            elif QTYPE == 4:
+                acc += s * (part - 32.0 * xs[:, None])
+            else:  # Q4_1, Q4_K: q s + o
+                acc += s * part + o * xs[:, None]
+        else:
+            # Value j of every word: rows k = k0 + kp * PF + j of the weight, met by the same x columns.
+            for j in tl.static_range(PF):
+                w = value_j(words, hi, hq, s, o, j, QTYPE)
+                k = k0 + offs_kp * PF + j
+                if USE_DOT:
+                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                                mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
+                    acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+                else:
+                    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                    acc += x[:, None] * w
     if USE_DOT:
         res = acc
     else:
@@ -155,7 +177,7 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
         QTYPE=QTYPE_ID[p.qtype], HAS_BIAS=bias is not None, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
         USE_SPLIT=split > 1, BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FACTORED=cfg.FACTORED and not use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
