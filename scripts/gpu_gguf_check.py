@@ -2,7 +2,7 @@
 vs bf16 cuBLAS, a GEMV config sweep, the memory a GGUF model's weights take vs dense, and greedy
 generation on the GPU vs the CPU. One call, < 3 minutes on one H200 (needs the `gguf` wheel):
 
-    python3 scripts/gpu_gguf_check.py [--sections kernels,sweep,model,tiny,tests] [--budget 150]
+    python3 scripts/gpu_gguf_check.py [--sections kernels,model,tiny,sweep,tests] [--budget 150]
 
 kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096), (4096, 14336), M = 1,
          16, 256, 2048 (random valid blocks): the repack's dequantization equals gguf.quants.dequantize
@@ -331,14 +331,14 @@ def run_tests() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="kernels,sweep,model,tiny,tests")
+    ap.add_argument("--sections", default="kernels,model,tiny,sweep,tests")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which the tests section is skipped")
     args = ap.parse_args()
     sections = args.sections.split(",")
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in (("kernels", run_kernels), ("sweep", run_sweep), ("model", lambda: run_model(tmp)),
-                         ("tiny", lambda: run_tiny(tmp)), ("tests", run_tests)):
+        for name, fn in (("kernels", run_kernels), ("model", lambda: run_model(tmp)), ("tiny", lambda: run_tiny(tmp)),
+                         ("sweep", run_sweep), ("tests", run_tests)):
             if name == "tests" and time.time() - T0 > args.budget:
                 record("section tests", f"skipped: {time.time() - T0:.0f} s spent (--budget {args.budget:.0f})")
                 continue
