@@ -4,7 +4,7 @@ generation on the GPU vs the CPU. One call, < 3 minutes on one H200 (needs the `
 
     python3 scripts/gpu_gguf_check.py [--sections kernels,model,tiny,sweep,tests] [--budget 150]
 
-kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096), (4096, 14336), M = 1,
+kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096), (4096, 14336), M = 1, 4,
          16, 256, 2048 (random valid blocks): the repack's dequantization equals gguf.quants.dequantize
          (first 64 rows, bit for bit), `gguf_linear` (bf16 x) within 2e-2 of max |ref| of the fp32
          reference, and its time vs bf16 F.linear (cuBLAS); GB/s of the blocks at M = 1
@@ -60,7 +60,7 @@ from pagedllm.kernels.gguf_gemv import (  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
-MS = [1, 16, 256, 2048]
+MS = [1, 4, 16, 256, 2048]
 ROTATE_BYTES = 150e6
 RESULTS: list[tuple[str, str]] = []
 T0 = time.time()

@@ -7,15 +7,16 @@ K-quant super-block d / dmin, all K-major with N contiguous).
                       tile of words and its scales (`load_step`), then for each of the PF values j of
                       a word dequantizes the (BLOCK_KP, BLOCK_N) weights of rows k0 + kp * PF + j in
                       registers (`value_j`, no layout conversion) and meets them with those columns of
-                      x, fp32 accumulation: M == 1 by FMA (acc (BLOCK_KP, BLOCK_N) += x[:, None] * w,
-                      summed over rows once at the end), M = 2..16 by a tensor-core dot per j (w
-                      rounded to x's dtype, as the cuBLAS path's scratch is; x rows padded to 16; K
-                      of a dot = BLOCK_KP >= 16). Split-K as kernels/gemv.py:
+                      x, fp32 accumulation: M <= FMA_MAX_M (4) by FMA (acc (BLOCK_KP, BLOCK_N) +=
+                      x[:, None] * w, one accumulator per row of x, summed over rows once at the
+                      end), M = 5..16 by a tensor-core dot per j (w rounded to x's dtype, as the
+                      cuBLAS path's scratch is; x rows padded to 16; K of a dot = BLOCK_KP >= 16).
+                      Split-K as kernels/gemv.py:
                       the last of an N-block's SPLIT_K programs to arrive sums the fp32 partials in
                       split order (`store_split_k_output`), one launch, no memset, deterministic.
     M > MAX_M         `dequantize_packed` writes the (K, N) weight in x's dtype to a scratch (freed
-                      after the call; column chunks of <= SCRATCH_BYTES) and cuBLAS multiplies: at prefill sizes the GEMM's cost dwarfs
-                      the dequantization (BENCHMARKS.md, issue 19).
+                      after the call; column chunks of <= SCRATCH_BYTES) and cuBLAS multiplies
+                      (BENCHMARKS.md, issue 19: 0.5-0.7x of bf16 cuBLAS at M = 256, ~0.9x at 2048).
 
 Reference: `gguf_linear_ref` (dequantize to fp32, matmul in fp32); the CPU path of the GPU method.
 """
@@ -41,10 +42,15 @@ from pagedllm.kernels.gguf_dequant import (
     value_j,
 )
 
-__all__ = ["KERNEL_MAX_M", "MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear", "gguf_linear_ref"]
+__all__ = ["FMA_MAX_M", "KERNEL_MAX_M", "MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear", "gguf_linear_ref"]
 
 MAX_M = 16  # rows `gguf_linear` sends to the GEMV by default (the kernel itself takes up to KERNEL_MAX_M)
 KERNEL_MAX_M = 64
+# Up to this many rows the GEMV multiplies on CUDA cores (FMA): one dequantized weight serves every
+# row. H200, Llama-3.1-8B shapes (scripts/gpu_gguf_check.py, 2026-12-01): the tensor-core path at
+# M = 16 took 2.4-3.6x the FMA path's M = 1 time (14336 x 4096 Q4_K: 83.0 vs 32.6 us), and at M <= 16
+# it costs the same for any M (x padded to 16 rows), while FMA adds one FFMA per weight and row.
+FMA_MAX_M = 4
 # Largest dequantized scratch for the cuBLAS path (bytes): Llama-3.1-8B's gate_up (28672 x 4096 bf16,
 # 235 MB) takes two chunks, down / qkv / o one.
 SCRATCH_BYTES = 128 << 20
@@ -85,6 +91,15 @@ def _gguf_gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    # FMA with 2..4 rows: one 2-D accumulator per row, all in the word tile's layout (a 3-D (M, KP, N)
+    # accumulator costs shared-memory layout conversions in the loop and spills: seen in sm_90 SASS).
+    acc1 = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    # x row r of the FMA rows (r < BLOCK_M <= 4) is read while k < k_lim_r: K for real rows, 0 past M
+    k_lim1 = tl.where(M > 1, K, 0)
+    k_lim2 = tl.where(M > 2, K, 0)
+    k_lim3 = tl.where(M > 3, K, 0)
     for k0 in range(k_start, k_end, BLOCK_K):
         words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K,
                                         QTYPE, BLOCK_KP)
@@ -118,10 +133,23 @@ def _gguf_gemv_kernel(
                 else:
                     x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                     acc += x[:, None] * w
+                    if BLOCK_M > 1:
+                        x = tl.load(x_ptr + stride_xm + k, mask=k < k_lim1, other=0.0).to(tl.float32)
+                        acc1 += x[:, None] * w
+                    if BLOCK_M > 2:
+                        x = tl.load(x_ptr + 2 * stride_xm + k, mask=k < k_lim2, other=0.0).to(tl.float32)
+                        acc2 += x[:, None] * w
+                        x = tl.load(x_ptr + 3 * stride_xm + k, mask=k < k_lim3, other=0.0).to(tl.float32)
+                        acc3 += x[:, None] * w
     if USE_DOT:
         res = acc
-    else:
-        res = tl.sum(acc, 0)[None, :]  # (1, BLOCK_N); BLOCK_M is 1
+    else:  # (BLOCK_M, BLOCK_N): row m of the result from accumulator m
+        res = tl.where(offs_m[:, None] == 0, tl.sum(acc, 0)[None, :], 0.0)
+        if BLOCK_M > 1:
+            res = tl.where(offs_m[:, None] == 1, tl.sum(acc1, 0)[None, :], res)
+        if BLOCK_M > 2:
+            res = tl.where(offs_m[:, None] == 2, tl.sum(acc2, 0)[None, :], res)
+            res = tl.where(offs_m[:, None] == 3, tl.sum(acc3, 0)[None, :], res)
     store_split_k_output(res, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
                          M, N, pid_k, pid_n, SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
 
@@ -130,10 +158,10 @@ def gguf_gemv_config(m: int, p: GGUFPacked) -> GGUFGemvConfig:
     """Launch configuration. 16 word rows a step (128 inputs; Q8_0 64) and K split until the grid has
     >= 512 programs (M = 1) or >= 192, keeping >= 4 steps a split (kernels/wna16_gemv.py's H200 rule).
     Tiles chosen so that no type spills registers on sm_90 (compiled with ptxas on the CPU,
-    2026-12-01): M = 1 BLOCK_N 128, 8 warps, 3 stages (48-74 registers); M = 2..16 BLOCK_N 64, 4
-    warps (64-79; BLOCK_N 128 spills at 4 warps for Q4_K / Q6_K, at 8 for Q4_1); M = 17..64 BLOCK_N
-    64, 4 warps (96-128)."""
-    if m == 1:
+    2026-12-01): M = 1..4 (FMA) BLOCK_N 128, 8 warps, 3 stages (48-74 registers at M = 1); M = 5..16
+    (tensor cores) BLOCK_N 64, 4 warps (64-79; BLOCK_N 128 spills at 4 warps for Q4_K / Q6_K, at 8
+    for Q4_1); M = 17..64 BLOCK_N 64, 4 warps (96-128)."""
+    if m <= FMA_MAX_M:
         block_n, block_kp, target, warps, stages = 128, 16, 512, 8, 3
     elif m <= 16:
         block_n, block_kp, target, warps, stages = 64, 16, 192, 4, 2
@@ -159,8 +187,9 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
         x = x.contiguous()
     cfg = config or gguf_gemv_config(m, p)
     block_k = cfg.BLOCK_KP * pack_factor(p.qtype)
-    if 256 % block_k or (m > 1 and cfg.BLOCK_KP < 16):
-        raise ValueError(f"a step of {block_k} inputs must divide 256 (and have >= 16 word rows for M > 1)")
+    if 256 % block_k or (m > FMA_MAX_M and cfg.BLOCK_KP < 16):
+        raise ValueError(f"a step of {block_k} inputs must divide 256 (and have >= 16 word rows for "
+                         f"M > {FMA_MAX_M}: tensor cores)")
     steps = triton.cdiv(k, block_k)
     k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
     split = triton.cdiv(k, k_per_split)
@@ -170,14 +199,14 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
     if ws is None or split * m * p.n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
         split, k_per_split = 1, steps * block_k
         ws = (out, out)  # never read: the split-K branch is compiled out
-    use_dot = m > 1
+    use_dot = m > FMA_MAX_M
     _gguf_gemv_kernel[(n_blocks, split)](
         x, *kernel_args(p), bias if bias is not None else out, out, ws[0], ws[1],
         m, p.n, k, x.stride(0), out.stride(0), k_per_split, split,
         QTYPE=QTYPE_ID[p.qtype], HAS_BIAS=bias is not None, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
-        USE_SPLIT=split > 1, BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1, BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
-        FACTORED=cfg.FACTORED and not use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_SPLIT=split > 1, BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m), BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
+        FACTORED=cfg.FACTORED and m == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

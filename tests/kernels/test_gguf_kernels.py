@@ -48,13 +48,14 @@ def test_malformed_rows_are_refused():
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernels_match_reference(device, qtype):
     """The fp32 dequantization kernel (bit for bit), the FMA GEMV (M 1: the default config, and the
-    factored-scales variant split over K) and the tensor-core GEMV split over K (M 3) on one weight
-    (24 x 256: a ragged column block, two K steps)."""
+    factored-scales variant split over K; M 3: rows padded to 4, split) and the tensor-core GEMV split
+    over K (M 6) on one weight (24 x 256: a ragged column block, two K steps)."""
     n, k = 24, 256
     _, packed = _packed(qtype, n, k, device, seed=1)
     assert torch.equal(dequantize_packed(packed, torch.float32), dequantize_packed_ref(packed))
     bias = torch.randn(n, device=device)
-    for m, cfg in ((1, None), (1, GGUFGemvConfig(16, 8, 2, 4, 2, FACTORED=True)), (3, GGUFGemvConfig(32, 16, 2, 4, 2))):
+    for m, cfg in ((1, None), (1, GGUFGemvConfig(16, 8, 2, 4, 2, FACTORED=True)), (3, GGUFGemvConfig(16, 8, 2, 4, 2)),
+                   (6, GGUFGemvConfig(32, 16, 2, 4, 2))):
         x = torch.randn(m, k, device=device)
         out = gguf_linear(x, packed, bias) if cfg is None else gguf_gemv(x, packed, bias, cfg)
         ref = gguf_linear_ref(x, packed, bias)
@@ -63,7 +64,7 @@ def test_kernels_match_reference(device, qtype):
 
 def test_k_not_a_multiple_of_the_step(device):
     """K = 96 (three 32-value blocks; SmolLM2's 576 is 4.5 steps of 128): the step's tail is masked, in
-    the GEMV (M 1, 2, and 33: 64 rows a tile) and in the dequantize + matmul path (M 17)."""
+    the GEMV (M 1, 2: FMA; 33: tensor cores, 64 rows a tile) and in the dequantize + matmul path (M 17)."""
     _, packed = _packed("Q4_1", 24, 96, device, seed=5)
     assert torch.equal(dequantize_packed(packed, torch.float32), dequantize_packed_ref(packed))
     for m in (1, 2, 17, 33):
