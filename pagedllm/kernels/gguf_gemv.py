@@ -3,14 +3,15 @@
 Layout: kernels/gguf_dequant.py (qs (K // 8, N) int32 natural-order nibbles, per-sub-block scales,
 K-quant super-block d / dmin, all K-major with N contiguous).
 
-    M <= MAX_M (16)   `_gguf_gemv_kernel`: the blocks streamed once. A step loads a (BLOCK_KP, BLOCK_N)
+    M <= MAX_M (4)    `_gguf_gemv_kernel`: the blocks streamed once. A step loads a (BLOCK_KP, BLOCK_N)
                       tile of words and its scales (`load_step`), then for each of the PF values j of
                       a word dequantizes the (BLOCK_KP, BLOCK_N) weights of rows k0 + kp * PF + j in
                       registers (`value_j`, no layout conversion) and meets them with those columns of
                       x, fp32 accumulation: M <= FMA_MAX_M (4) by FMA (acc (BLOCK_KP, BLOCK_N) +=
                       x[:, None] * w, one accumulator per row of x, summed over rows once at the
-                      end), M = 5..16 by a tensor-core dot per j (w rounded to x's dtype, as the
-                      cuBLAS path's scratch is; x rows padded to 16; K of a dot = BLOCK_KP >= 16).
+                      end); called directly with 5..64 rows (tests, tuning), by a tensor-core dot per
+                      j (w rounded to x's dtype, as the cuBLAS path's scratch is; x rows padded to
+                      16; K of a dot = BLOCK_KP >= 16).
                       Split-K as kernels/gemv.py:
                       the last of an N-block's SPLIT_K programs to arrive sums the fp32 partials in
                       split order (`store_split_k_output`), one launch, no memset, deterministic.
@@ -42,15 +43,19 @@ from pagedllm.kernels.gguf_dequant import (
     value_j,
 )
 
-__all__ = ["FMA_MAX_M", "KERNEL_MAX_M", "MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear", "gguf_linear_ref"]
+__all__ = ["FMA_MAX_M", "KERNEL_MAX_M", "MAX_M", "GGUFGemvConfig", "gguf_gemv", "gguf_gemv_config", "gguf_linear",
+           "gguf_linear_ref"]
 
-MAX_M = 16  # rows `gguf_linear` sends to the GEMV by default (the kernel itself takes up to KERNEL_MAX_M)
-KERNEL_MAX_M = 64
+KERNEL_MAX_M = 64  # rows the GEMV kernel takes (tensor cores from FMA_MAX_M + 1)
 # Up to this many rows the GEMV multiplies on CUDA cores (FMA): one dequantized weight serves every
 # row. H200, Llama-3.1-8B shapes (scripts/gpu_gguf_check.py, 2026-12-01): the tensor-core path at
 # M = 16 took 2.4-3.6x the FMA path's M = 1 time (14336 x 4096 Q4_K: 83.0 vs 32.6 us), and at M <= 16
 # it costs the same for any M (x padded to 16 rows), while FMA adds one FFMA per weight and row.
 FMA_MAX_M = 4
+# Rows `gguf_linear` sends to the GEMV; more take dequantize + cuBLAS, which the same run puts 5-20%
+# ahead of the tensor-core GEMV at M = 16 (its scratch costs the M = 256 time minus cuBLAS's: 14336 x
+# 4096 Q4_K ~44 us + cuBLAS 31 us at M = 16 = ~75 us vs 83.0; 4096 x 4096 Q4_K ~23 vs 24.6).
+MAX_M = FMA_MAX_M
 # Largest dequantized scratch for the cuBLAS path (bytes): Llama-3.1-8B's gate_up (28672 x 4096 bf16,
 # 235 MB) takes two chunks, down / qkv / o one.
 SCRATCH_BYTES = 128 << 20
