@@ -71,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--cases", default="decode256,decode64,mixed8192")
+    ap.add_argument("--quick", action="store_true", help="decode: 128/256-key tiles, 4/8 warps, 2/3 stages only")
     args = ap.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     default = pa._tile_config
@@ -84,7 +85,8 @@ def main() -> None:
             run = functools.partial(pa.paged_attention, q, cache, md, 0.088)
             base_us = timed(run)
             group = heads // kvh
-            cands = (itertools.product([16], [64, 128, 256], [4, 8], [2, 3, 4]) if decode
+            cands = (itertools.product([16], [128, 256] if args.quick else [64, 128, 256], [4, 8],
+                                       [2, 3] if args.quick else [2, 3, 4]) if decode
                      else itertools.product([64, 128], [32, 64], [4, 8], [2, 3]))
             best = (base_us, "default")
             for bm, tn, w, st in cands:
