@@ -4,7 +4,8 @@ Attention (MLA, see `pagedllm.attention.mla`):
     q = q_proj(x)  or  q_b_proj(RMSNorm(q_a_proj(x)))      (T, H, nope + rope)
     [c_kv | k_pe] = kv_a_proj_with_mqa(x); c_kv = kv_a_layernorm(c_kv)     one latent per token
     rope on q_pe and k_pe (interleaved pairs: transformers' complex / rope_interleave form), the cache
-    keeps [c_kv | k_pe]; attention runs in latent space with kv_b_proj absorbed; o_proj.
+    keeps [c_kv | k_pe]; decodes attend in latent space with kv_b_proj absorbed, prefill chunks over
+    the latents expanded through it (attention/mla_prefill.py); o_proj.
     scale = (nope + rope)^-0.5, times mscale^2 under YaRN with mscale_all_dim (as transformers).
 MLP: dense for the first first_k_dense_replace layers, then
     V2: softmax router (topk_method greedy | group_limited_greedy), renormalised when norm_topk_prob
@@ -87,8 +88,7 @@ class DeepseekV2MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
                                      latent[:, self.kv_lora_rank :].contiguous())
         w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, self.kv_lora_rank)
-        out = self.attn.forward_mla(q_nope, q_pe.view(t, hh, self.rope), kv_c, k_pe, w[:, : self.nope],
-                                    w[:, self.nope :], attn_metadata)
+        out = self.attn.forward_mla(q_nope, q_pe.view(t, hh, self.rope), kv_c, k_pe, w, attn_metadata)
         return self.o_proj(out)
 
 
