@@ -84,12 +84,36 @@ class DeepseekV2MLAAttention(nn.Module):
         q = q.view(t, hh, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         latent = self.kv_a_proj_with_mqa(hidden_states)
-        kv_c = self.kv_a_layernorm(latent[:, : self.kv_lora_rank].contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
-                                     latent[:, self.kv_lora_rank :].contiguous())
-        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, self.kv_lora_rank)
-        out = self.attn.forward_mla(q_nope, q_pe.view(t, hh, self.rope), kv_c, k_pe, w, attn_metadata)
+        r = self.kv_lora_rank
+        if latent.is_cuda and self.rotary_emb.is_neox_style:
+            # The Triton rotary kernel rotates the strided q_pe / k_pe views in place: no copies.
+            kv_c = self.kv_a_layernorm(latent[:, :r])
+            k_pe = latent[:, r:]
+            self.rotary_emb(positions, q_pe, k_pe)
+        else:
+            kv_c = self.kv_a_layernorm(latent[:, :r].contiguous())
+            q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
+                                         latent[:, r:].contiguous())
+            q_pe = q_pe.view(t, hh, self.rope)
+        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, r)
+        out = self.attn.forward_mla(q_nope, q_pe, kv_c, k_pe, w, attn_metadata)
         return self.o_proj(out)
+
+    def deinterleave_rope_rows(self) -> None:
+        """Reorder the rope features that q_proj (q_b_proj) and kv_a_proj_with_mqa produce from
+        interleaved pairs (x0 x1)(x2 x3)... to halves (x0 x2 ... | x1 x3 ...): neox rotary on the
+        new order is the interleaved rotary on the old one, features permuted alike for q_pe and
+        k_pe, so every score q_pe . k_pe is unchanged, and the fused Triton rotary kernel (neox
+        only) runs instead of ~18 torch ops. Worked example, rope 4: rows [a0 a1 a2 a3] -> [a0 a2 a1 a3];
+        pairs (a0, a1), (a2, a3) become (new0, new2), (new1, new3), neox's pairs."""
+        perm = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
+        q = self.q_b_proj if self.q_lora_rank else self.q_proj
+        w = q.weight.data.view(self.num_heads, self.nope + self.rope, -1)
+        w[:, self.nope :] = w[:, self.nope :][:, perm.to(w.device)].clone()
+        kv = self.kv_a_proj_with_mqa
+        for p in (kv.weight, kv.bias):
+            if p is not None:
+                p.data[self.kv_lora_rank :] = p.data[self.kv_lora_rank :][perm.to(p.device)].clone()
 
 
 class DeepseekV2MoE(nn.Module):
@@ -155,9 +179,12 @@ class DeepseekV2Model(LlamaModel):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")
         # Interleaved pairs (GPT-J style) on the rope part only; V3 with rope_interleave=False uses neox halves.
-        neox = getattr(config, "rope_interleave", True) is False
+        # Unquantized checkpoints get their rope rows reordered at load (deinterleave_rope_rows) and
+        # then rotate neox style; quantized weights keep their rows and the interleaved rotary.
+        interleaved = getattr(config, "rope_interleave", True) is not False
+        self.rope_deinterleaved = interleaved and quant_config is None
         rotary_emb = get_rope(config.qk_rope_head_dim, config.max_position_embeddings, get_rope_parameters(config),
-                              is_neox_style=neox)
+                              is_neox_style=not interleaved or self.rope_deinterleaved)
         self.layers = nn.ModuleList(decoder_layer_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -183,7 +210,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
         renamed = ((n.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"), t)
                    for n, t in weights)
-        return load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
+        loaded = load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
+        if self.model.rope_deinterleaved:
+            for layer in self.model.layers:
+                layer.self_attn.deinterleave_rope_rows()
+        return loaded
 
 
 class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
