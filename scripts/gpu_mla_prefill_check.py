@@ -11,6 +11,9 @@ kernel   DeepSeek-V2-Lite's attention shape (16 heads, latent 512 + 64, nope 128
          form, ms per layer call (eager, as mixed steps run); the prefill kernel alone per tile config.
 models   tiny fp32 DeepSeek V2 and V3 (scripts/gpu_models_check.py): greedy 48 tokens x 15 prompts on
          CUDA with graphs and eager == the CPU torch reference (chunked prefill with context)
+moe      fused_experts at DeepSeek-V2-Lite's expert shape (E=64 top-6, 2048 -> 1408) for decode batches of
+         64 / 128 / 256 tokens and a 2048-token prefill, the current tiles and candidates (CUDA-graph replay)
+         against the floor (experts hit, read once, at the copy bandwidth measured here)
 w1       `pagedllm bench throughput --model deepseek-v2-lite --load-format dummy --dataset w1
          --max-model-len 4096` (ours; vLLM's 12,743 output tok/s: BENCHMARKS.md, ninth session)
 """
@@ -134,6 +137,45 @@ def _case(name: str, q_lens: list[int], s_lens: list[int]) -> None:
     record(f"{name}: prefill kernel alone per tile (BLOCK_M, BLOCK_N, warps, stages)", "; ".join(cells))
 
 
+MOE_CANDIDATES = {
+    "m16 n64 k128 w4 s3": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "m32 n64 k128 w4 s3": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "m32 n128 k128 w4 s3": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "m64 n64 k128 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "m64 n128 k64 w4 s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    "m64 n64 k64 w4 s4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    "m128 n256 k64 w8 s4": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+}
+
+
+def moe() -> None:
+    from _gpu_common import MOE_SHAPES, copy_bandwidth, graph_time_us, moe_expert_weights, moe_floor_us
+
+    from pagedllm.kernels.fused_moe import _config, fused_experts
+    from pagedllm.layers.fused_moe.router import select_experts
+
+    e, top_k, hidden, inter = MOE_SHAPES["deepseek-v2-lite"]
+    bw = copy_bandwidth()
+    w13, w2 = moe_expert_weights(e, hidden, inter)
+    for t in (64, 128, 256, 2048):
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, False)
+        floor = moe_floor_us(int(torch.unique(ids).numel()), hidden, inter, bw)
+        ref = fused_experts(x, w13, w2, weights, ids)
+        cands = {"current " + " ".join(f"{v}" for v in _config(t * top_k, torch.bfloat16).values()): None,
+                 **MOE_CANDIDATES}
+        cells = []
+        for name, cfg in cands.items():
+            try:
+                err = (fused_experts(x, w13, w2, weights, ids, config=cfg).float() - ref.float()).abs().max().item()
+                us = graph_time_us(functools.partial(fused_experts, x, w13, w2, weights, ids, config=cfg))
+                cells.append((us, f"{name}: {us:.0f} us ({floor / us * 100:.0f}%{'' if err < 1e-2 else f', err {err:.1e}'})"))
+            except Exception as exc:  # a tile that does not fit shared memory
+                cells.append((float("inf"), f"{name}: {type(exc).__name__}"))
+        best = min(cells)[1].split(":")[0]
+        record(f"fused MoE deepseek-v2-lite {t} tok (floor {floor:.0f} us; best: {best})", "; ".join(c[1] for c in cells))
+
+
 def models() -> None:
     import gpu_models_check as g
 
@@ -151,7 +193,7 @@ def w1() -> None:
 
 
 def main() -> None:
-    sections = {"kernel": kernel, "models": models, "w1": w1}
+    sections = {"kernel": kernel, "moe": moe, "models": models, "w1": w1}
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
     args = parser.parse_args()
