@@ -1,7 +1,7 @@
 """MLA's expanded-heads prefill (attention/mla_prefill.py, kernels/mla_prefill.py) on the GPU, then the
 tiny fp32 DeepSeek V2/V3 greedy check and DeepSeek-V2-Lite W1. Table printed last. ~3-4 min on one H200.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill_check.py [--only kernel models w1]
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill_check.py [--only kernel decode moe models w1]
 
 kernel   DeepSeek-V2-Lite's attention shape (16 heads, latent 512 + 64, nope 128, v 128, bf16, block 16):
          one layer's MLA attention for prefill steps - 2048 new tokens with 0 / 2048 tokens of context,
@@ -11,8 +11,10 @@ kernel   DeepSeek-V2-Lite's attention shape (16 heads, latent 512 + 64, nope 128
          form, ms per layer call (eager, as mixed steps run); the prefill kernel alone per tile config.
 models   tiny fp32 DeepSeek V2 and V3 (scripts/gpu_models_check.py): greedy 48 tokens x 15 prompts on
          CUDA with graphs and eager == the CPU torch reference (chunked prefill with context)
+decode   scripts/gpu_mla_decode_sweep.py with 4 tile variants: the latent decode kernel per layer-step at
+         256 / 64 / 8 requests against the unified kernel and the latent bytes' floor (its own table)
 moe      fused_experts at DeepSeek-V2-Lite's expert shape (E=64 top-6, 2048 -> 1408) for decode batches of
-         64 / 128 / 256 tokens and a 2048-token prefill, the current tiles and candidates (CUDA-graph replay)
+         128 / 256 tokens and a 2048-token prefill, the current tiles and candidates (CUDA-graph replay)
          against the floor (experts hit, read once, at the copy bandwidth measured here)
 w1       `pagedllm bench throughput --model deepseek-v2-lite --load-format dummy --dataset w1
          --max-model-len 4096` (ours; vLLM's 12,743 output tok/s: BENCHMARKS.md, ninth session)
@@ -157,7 +159,7 @@ def moe() -> None:
     e, top_k, hidden, inter = MOE_SHAPES["deepseek-v2-lite"]
     bw = copy_bandwidth()
     w13, w2 = moe_expert_weights(e, hidden, inter)
-    for t in (64, 128, 256, 2048):
+    for t in (128, 256, 2048):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, False)
         floor = moe_floor_us(int(torch.unique(ids).numel()), hidden, inter, bw)
@@ -174,6 +176,13 @@ def moe() -> None:
                 cells.append((float("inf"), f"{name}: {type(exc).__name__}"))
         best = min(cells)[1].split(":")[0]
         record(f"fused MoE deepseek-v2-lite {t} tok (floor {floor:.0f} us; best: {best})", "; ".join(c[1] for c in cells))
+
+
+def decode() -> None:
+    import gpu_mla_decode_sweep as ds
+
+    ds.TILES = [(32, 4, 2), (64, 4, 2), (32, 8, 3), (16, 4, 2)]
+    ds.main()
 
 
 def models() -> None:
@@ -193,7 +202,7 @@ def w1() -> None:
 
 
 def main() -> None:
-    sections = {"kernel": kernel, "moe": moe, "models": models, "w1": w1}
+    sections = {"kernel": kernel, "decode": decode, "moe": moe, "models": models, "w1": w1}
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
     args = parser.parse_args()
