@@ -14,7 +14,7 @@ models   tiny fp32 DeepSeek V2 and V3 (scripts/gpu_models_check.py): greedy 48 t
 decode   scripts/gpu_mla_decode_sweep.py with 4 tile variants: the latent decode kernel per layer-step at
          256 / 64 / 8 requests against the unified kernel and the latent bytes' floor (its own table)
 moe      fused_experts at DeepSeek-V2-Lite's expert shape (E=64 top-6, 2048 -> 1408) for decode batches of
-         128 / 256 tokens and a 2048-token prefill, the current tiles and candidates (CUDA-graph replay)
+         128 / 256 tokens (decode) and 2048 / 8192 (prefill: W1's steps are 8192), the current tiles and candidates (CUDA-graph replay)
          against the floor (experts hit, read once, at the copy bandwidth measured here)
 w1       `pagedllm bench throughput --model deepseek-v2-lite --load-format dummy --dataset w1
          --max-model-len 4096` (ours; vLLM's 12,743 output tok/s: BENCHMARKS.md, ninth session)
@@ -139,14 +139,19 @@ def _case(name: str, q_lens: list[int], s_lens: list[int]) -> None:
     record(f"{name}: prefill kernel alone per tile (BLOCK_M, BLOCK_N, warps, stages)", "; ".join(cells))
 
 
-MOE_CANDIDATES = {
+MOE_DECODE = {
     "m16 n64 k128 w4 s3": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "m32 n64 k128 w4 s3": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "m32 n128 k128 w4 s3": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
     "m64 n64 k128 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "m64 n128 k64 w4 s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
     "m64 n64 k64 w4 s4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+}
+MOE_PREFILL = {  # all compile for sm_90 without spills (109-196 registers)
     "m128 n256 k64 w8 s4": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+    "m128 n128 k64 w8 s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "m64 n256 k64 w8 s4": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+    "m128 n256 k64 w8 s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
 }
 
 
@@ -159,13 +164,13 @@ def moe() -> None:
     e, top_k, hidden, inter = MOE_SHAPES["deepseek-v2-lite"]
     bw = copy_bandwidth()
     w13, w2 = moe_expert_weights(e, hidden, inter)
-    for t in (128, 256, 2048):
+    for t in (128, 256, 2048, 8192):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, False)
         floor = moe_floor_us(int(torch.unique(ids).numel()), hidden, inter, bw)
         ref = fused_experts(x, w13, w2, weights, ids)
         cands = {"current " + " ".join(f"{v}" for v in _config(t * top_k, torch.bfloat16).values()): None,
-                 **MOE_CANDIDATES}
+                 **(MOE_DECODE if t <= 256 else MOE_PREFILL)}
         cells = []
         for name, cfg in cands.items():
             try:
@@ -175,7 +180,10 @@ def moe() -> None:
             except Exception as exc:  # a tile that does not fit shared memory
                 cells.append((float("inf"), f"{name}: {type(exc).__name__}"))
         best = min(cells)[1].split(":")[0]
-        record(f"fused MoE deepseek-v2-lite {t} tok (floor {floor:.0f} us; best: {best})", "; ".join(c[1] for c in cells))
+        flops = 2 * t * top_k * 3 * hidden * inter
+        fastest = min(cells)[0]
+        record(f"fused MoE deepseek-v2-lite {t} tok (floor {floor:.0f} us, best {best}: {flops / fastest / 1e6:.0f} TFLOP/s)",
+               "; ".join(c[1] for c in cells))
 
 
 def decode() -> None:
