@@ -162,6 +162,16 @@ def moe() -> None:
     from pagedllm.layers.fused_moe.router import select_experts
 
     e, top_k, hidden, inter = MOE_SHAPES["deepseek-v2-lite"]
+    from pagedllm.models import deepseek_v2
+
+    x = torch.randn(256, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(e, hidden, device="cuda") * 0.02).to(torch.bfloat16)
+    got, want = deepseek_v2.router_logits(x, w), x.float() @ w.float().t()
+    us = graph_time_us(functools.partial(deepseek_v2.router_logits, x, w))
+    us_fp32 = graph_time_us(lambda: torch.nn.functional.linear(x.float(), w.float()))
+    record("DeepSeek router logits, 256 tokens (bf16 GEMM, fp32 out / the fp32 GEMM before)",
+           f"{us:.1f} / {us_fp32:.1f} us, mm out_dtype used: {deepseek_v2._MM_OUT_DTYPE[0]}, dtype {got.dtype}, "
+           f"rel err {_rel(got, want):.1e}")
     bw = copy_bandwidth()
     w13, w2 = moe_expert_weights(e, hidden, inter)
     for t in (128, 256, 2048, 8192):

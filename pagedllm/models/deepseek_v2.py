@@ -11,7 +11,9 @@ MLP: dense for the first first_k_dense_replace layers, then
     V2: softmax router (topk_method greedy | group_limited_greedy), renormalised when norm_topk_prob
     V3: sigmoid router + e_score_correction_bias, noaux_tc groups (top-2 sum), norm_topk_prob
     both: weights * routed_scaling_factor, + shared experts (n_shared_experts * moe_intermediate_size).
-The router runs in float32 (its weight is kept float32, as transformers computes it).
+The router's logits are float32, as transformers computes them; its weight is kept in the model dtype
+(DeepSeek's checkpoints store it in bf16, so that is exact there) and on CUDA one bf16 GEMM with fp32
+output computes x @ W^T: the same products as transformers' fp32 GEMM, without the fp32 copy of x.
 """
 
 from __future__ import annotations
@@ -127,8 +129,7 @@ class DeepseekV2MoE(nn.Module):
             raise ValueError(f"{prefix}: topk_method {method!r} is not supported; supported: {list(_TOPK_METHODS)}")
         num_experts = config.n_routed_experts
         grouped = method in ("group_limited_greedy", "noaux_tc")
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, params_dtype=torch.float32,
-                                     prefix=f"{prefix}.gate")
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
             num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
             renormalize=bool(getattr(config, "norm_topk_prob", False)), scoring_func=scoring_func,
@@ -142,10 +143,24 @@ class DeepseekV2MoE(nn.Module):
                                         quant_config, prefix=f"{prefix}.shared_experts") if n_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x.float()))
+        out = self.experts(x, router_logits(x, self.gate.weight))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+_MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) usable here; set False on its first failure
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (T, E) float32
+    """x (T, hidden) @ weight (E, hidden)^T in float32. 16-bit inputs on CUDA: one tensor-core GEMM
+    with an fp32 output (exact products, fp32 sums); elsewhere both operands cast to fp32."""
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without mm's out_dtype: the fp32 GEMM from now on
+            _MM_OUT_DTYPE[0] = False
+    return torch.nn.functional.linear(x.float(), weight.float())
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
