@@ -20,12 +20,14 @@ from pagedllm.kernels.paged_attention import paged_attention
 
 H, R, P, BS = 16, 512, 64, 16
 TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (16, 4, 2)]
+SPLITS = (None, 1, 8)  # None: choose_num_splits's pick
+CASES = ((256, 800), (64, 1500), (8, 3000))  # (decode requests, mean context)
 
 
 def main() -> None:
     bw = copy_bandwidth()
     rows = []
-    for n, ctx in ((256, 800), (64, 1500), (8, 3000)):
+    for n, ctx in CASES:
         rng = random.Random(n)
         s_lens = [max(1, int(ctx * rng.uniform(0.5, 1.5))) for _ in range(n)]
         blocks = [-(-s // BS) for s in s_lens]
@@ -46,7 +48,7 @@ def main() -> None:
         us = graph_time_us(functools.partial(paged_attention, q, kv, md, 0.1))
         rows.append((n, ctx, "unified kernel (before)", "", us, floor, ""))
         for tile in TILES:
-            for splits in (None, 1, 8):
+            for splits in SPLITS:
                 try:
                     us = graph_time_us(functools.partial(mla_decode, q, cache, md, 0.1, R, num_splits=splits, tile=tile))
                 except Exception as exc:  # a variant out of shared memory must not hide the others
