@@ -13,7 +13,8 @@ loads it twice, as K and as V; here c_kv (512) and k_pe (64) are two power-of-tw
 DeepSeek-V2-Lite: 16 heads -> one head block per request; V3: 128 heads -> 8.
 
 Split-K as the unified kernel (kernels/split_k.py: the same partition count for one kv head, the same
-partials and merge), so few long requests still fill the GPU. The grid depends only on host ints of
+partials), so few long requests still fill the GPU; the merge is this file's `_mla_merge_kernel`, which
+walks the partitions row by row (split_k's one-tile merge holds 64 x 512 fp32 per program here). The grid depends only on host ints of
 the metadata: CUDA-graph capturable. The step's latents are already written (attention/mla_ref.py:
 write_latents), so request r attends to keys 0 .. seq_lens[r] - 1; rows with seq_len 0 (graph
 padding) come back as zeros.
@@ -30,7 +31,7 @@ import triton.language as tl
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla_ref import mla_attention_ref
 from pagedllm.kernels.attention_tile import _LOG2E
-from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
+from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, split_key_range, store_partials
 
 __all__ = ["mla_decode", "mla_decode_ref"]
 
@@ -117,6 +118,43 @@ def _mla_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & r_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits"])
+def _mla_merge_kernel(
+    out_ptr,  # (num_tokens, num_heads, R)
+    part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, R_PAD)
+    part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    part_l_ptr,
+    num_reqs,
+    num_heads,
+    num_splits,
+    stride_o_t,
+    stride_o_h,
+    R: tl.constexpr,
+    R_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """The split partitions of one (request, head) merged. split_k's merge loads every split's
+    accumulator as one (SPLITS_PAD, width) tile: 64 x 512 fp32 here, far past the registers; this
+    one walks the splits, one 512-wide row at a time."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_heads + h) * num_splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key at all (seq_len 0): weights 0
+    denom = tl.sum(tl.math.exp2(m - m_max) * l_s, 0)
+    offs_r = tl.arange(0, R_PAD)
+    acc = tl.zeros([R_PAD], tl.float32)
+    for s in range(num_splits):
+        w = tl.math.exp2(tl.load(part_m_ptr + base + s) - m_max)  # empty partition: m = -inf -> 0
+        acc += w * tl.load(part_acc_ptr + (base + s) * R_PAD + offs_r)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + offs_r, out.to(out_ptr.dtype.element_ty), mask=offs_r < R)
+
+
 def mla_decode(
     query: torch.Tensor,  # (num_tokens, num_heads, R + P): [q_lat | q_pe]
     kv_cache: torch.Tensor,  # (1, num_blocks, block_size, 1, R + P), this step's latents written
@@ -160,7 +198,10 @@ def mla_decode(
         num_warps=num_warps, num_stages=num_stages,
     )
     if use_split:
-        merge_splits(out, part_acc, part_m, part_l, md)
+        _mla_merge_kernel[(n, num_heads)](
+            out, part_acc, part_m, part_l, n, num_heads, num_splits, out.stride(0), out.stride(1),
+            R=r, R_PAD=r_pad, SPLITS_PAD=64, num_warps=4,
+        )
     return out
 
 
