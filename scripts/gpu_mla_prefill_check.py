@@ -1,7 +1,7 @@
 """MLA's expanded-heads prefill (attention/mla_prefill.py, kernels/mla_prefill.py) on the GPU, then the
 tiny fp32 DeepSeek V2/V3 greedy check and DeepSeek-V2-Lite W1. Table printed last. ~3-4 min on one H200.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill_check.py [--only kernel decode moe models w1]
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill_check.py [--only kernel models w1 decode moe]
 
 kernel   DeepSeek-V2-Lite's attention shape (16 heads, latent 512 + 64, nope 128, v 128, bf16, block 16):
          one layer's MLA attention for prefill steps - 2048 new tokens with 0 / 2048 tokens of context,
@@ -219,7 +219,8 @@ def w1() -> None:
 
 
 def main() -> None:
-    sections = {"kernel": kernel, "decode": decode, "moe": moe, "models": models, "w1": w1}
+    # W1 and the greedy check first after the prefill kernel: a run cut short still has them.
+    sections = {"kernel": kernel, "models": models, "w1": w1, "decode": decode, "moe": moe}
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
     args = parser.parse_args()
