@@ -79,11 +79,16 @@ class MLAAttention(Attention):
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                   w_uk: torch.Tensor, w_uv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:  # (T, H * v)
         """Attention in latent space (the module docstring): the decode path."""
-        t = q_nope.shape[0]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = torch.cat([q_lat, q_pe], dim=-1)  # (T, H, W)
+        t, h, r = q_nope.shape[0], q_nope.shape[1], self.kv_lora_rank
+        # Per-head GEMMs written straight into their destinations (heads as the batch: (H, T, .) views
+        # of (T, H, .) rows, which cuBLAS takes as strided matrices): q_lat into the query's first r
+        # features, so only q_pe is copied beside it; the output into the (T, H * v) rows o_proj reads.
+        query = torch.empty((t, h, r + q_pe.shape[2]), dtype=q_nope.dtype, device=q_nope.device)  # (T, H, W)
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., :r].transpose(0, 1))
+        query[..., r:] = q_pe
         latent = torch.cat([kv_c, k_pe], dim=-1)  # (T, W)
         # The backend writes the latents and attends (attention/backend.py: forward_mla).
-        o_lat = self.backend.forward_mla(query, latent, self.kv_cache, md, self.scale, self.kv_lora_rank)
-        out = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
-        return out.reshape(t, -1)
+        o_lat = self.backend.forward_mla(query, latent, self.kv_cache, md, self.scale, r)
+        out = torch.empty((t, h, w_uv.shape[1]), dtype=w_uv.dtype, device=o_lat.device)
+        torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(t, -1)
