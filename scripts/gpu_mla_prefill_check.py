@@ -12,7 +12,8 @@ kernel   DeepSeek-V2-Lite's attention shape (16 heads, latent 512 + 64, nope 128
 models   tiny fp32 DeepSeek V2 and V3 (scripts/gpu_models_check.py): greedy 48 tokens x 15 prompts on
          CUDA with graphs and eager == the CPU torch reference (chunked prefill with context)
 decode   scripts/gpu_mla_decode_sweep.py with 4 tile variants: the latent decode kernel per layer-step at
-         256 / 128 / 64 / 8 requests, split counts auto / 1 / 2 / 4 / 8, against the unified kernel and the latent bytes' floor (its own table)
+         256 / 128 / 64 / 8 requests, split counts auto / 1 / 2 / 4 / 8 and fixed
+         partitions of 256 / 512 keys, against the unified kernel and the latent bytes' floor (its own table)
 moe      fused_experts at DeepSeek-V2-Lite's expert shape (E=64 top-6, 2048 -> 1408) for decode batches of
          128 / 256 tokens (decode) and 2048 / 8192 (prefill: W1's steps are 8192), the current tiles and candidates (CUDA-graph replay)
          against the floor (experts hit, read once, at the copy bandwidth measured here)
@@ -197,7 +198,7 @@ def decode() -> None:
     import gpu_mla_decode_sweep as ds
 
     ds.TILES = [(32, 4, 2), (64, 4, 2), (32, 8, 3), (16, 4, 2)]
-    ds.SPLITS = (None, 1, 2, 4, 8)
+    ds.SPLITS = (None, 1, 2, 4, 8, "c256", "c512")
     ds.CASES = ((256, 800), (128, 1000), (64, 1500), (8, 3000))
     ds.main()
 
