@@ -35,7 +35,10 @@ SHAPES = [("gate_up", 28672, 4096), ("down", 4096, 14336), ("qkv", 6144, 4096), 
 MS = [1, 4, 16, 64, 256, 2048, 8192]
 TILES = [(16, 64, 256, 8, 4, 4), (16, 128, 128, 8, 4, 4), (32, 64, 256, 8, 4, 4), (64, 64, 256, 8, 4, 4),
          (64, 128, 128, 8, 4, 4), (128, 128, 128, 8, 8, 4), (128, 256, 128, 8, 8, 3), (128, 128, 256, 8, 8, 3),
-         (256, 128, 128, 8, 8, 3), (64, 256, 128, 8, 4, 3)]
+         (256, 128, 128, 8, 8, 3), (64, 256, 128, 8, 4, 3),
+         # the TMA kernel (W8A8Config.TMA), at M >= 64 only
+         (64, 128, 128, 8, 4, 4, True), (128, 128, 128, 8, 8, 4, True), (128, 256, 128, 8, 8, 3, True),
+         (128, 128, 256, 8, 8, 3, True), (256, 128, 128, 8, 8, 3, True), (64, 256, 128, 8, 4, 3, True)]
 GEMVS = [(16, 512, 512, 4, 3, False), (8, 512, 1024, 4, 3, False), (32, 256, 512, 4, 3, False),
          (64, 256, 256, 4, 4, True), (32, 256, 512, 4, 4, True), (128, 128, 256, 4, 4, True),
          (64, 128, 512, 4, 4, True), (128, 256, 256, 8, 3, True), (32, 512, 256, 4, 3, True)]
@@ -98,7 +101,7 @@ def sweep(deadline: float) -> list[dict]:
                 if late:
                     continue
                 for t in TILES:
-                    if m >= 16 and t[0] <= max(16, m) and (m < 256 or t[0] >= 64):
+                    if m >= 16 and t[0] <= max(16, m) and (m < 256 or t[0] >= 64) and (m >= 64 or len(t) < 7):
                         cfg = W8A8Config(*t)
                         cases.append((qn, "triton", str(t), lambda i, qd=qd, cfg=cfg: _quant_gemm(
                             x, qd, quant[qd][i], cfg, quantize_activation_triton, w8a8_gemm), len(ws), ref8))

@@ -13,6 +13,10 @@ operand: each (BLOCK_N, BLOCK_K) tile is BLOCK_N rows of BLOCK_K contiguous byte
 loads, coalesced), and 8-bit wgmma takes B only K-major, so `tl.dot(a, tl.trans(b))` feeds it
 without a shuffle. xq (M, K) row-major is K-major for A likewise.
 
+TMA variant (W8A8Config.TMA): the same kernel with its A / B tiles fetched by the Hopper TMA unit
+through host-built tensor descriptors (zero fill past the edges, no masks, no address math in the
+loop); the sweep decides per M bucket whether it pays.
+
 Program order: a 1-d grid walked in GROUP_M-tall column groups (Triton's matmul tutorial), so the
 programs running at once share weight tiles in L2 instead of each streaming its own column.
 
@@ -30,6 +34,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["W8A8Config", "w8a8_gemm", "w8a8_gemm_config"]
 
@@ -41,6 +46,7 @@ class W8A8Config(NamedTuple):
     GROUP_M: int  # rows of programs per column group (L2 reuse of the weight tiles)
     num_warps: int
     num_stages: int
+    TMA: bool = False  # operand tiles by the TMA copy engine (`_w8a8_gemm_tma_kernel`)
 
 
 @triton.jit
@@ -88,6 +94,47 @@ def _w8a8_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
+    b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _w8a8_gemm_tma_kernel(
+    a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+    HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """`_w8a8_gemm_kernel` with the operand tiles fetched by the Hopper TMA unit (host-built tensor
+    descriptors; out-of-range rows, columns and K are zero-filled by the copy engine, so no masks and
+    no address arithmetic in the loop)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pm = first_m + (pid % per_group) % group_rows
+    pn = (pid % per_group) // group_rows
+    if IS_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pm * BLOCK_M, k0])
+        b = b_desc.load([pn * BLOCK_N, k0])  # (BLOCK_N, BLOCK_K): K-major, as 8-bit wgmma takes B
+        if IS_INT:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
@@ -151,6 +198,19 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
         return out
     cfg = _fit_k(config, k) if config is not None else w8a8_gemm_config(m, n, k)
     grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    if cfg.TMA:
+        if k % 16 or xq.stride(0) % 16 or wq.stride(0) % 16:
+            raise ValueError("the TMA path needs 16-byte aligned rows (K and the row strides multiples of 16)")
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
+        b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
+        _w8a8_gemm_tma_kernel[grid](
+            a_desc, b_desc, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
+            m, n, k, out.stride(0),
+            HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     _w8a8_gemm_kernel[grid](
         xq, wq, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
         m, n, k, xq.stride(0), wq.stride(0), out.stride(0),

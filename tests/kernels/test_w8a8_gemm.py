@@ -14,6 +14,7 @@ from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
 @pytest.mark.parametrize(("m", "n", "k", "cfg"), [
     (3, 40, 96, W8A8Config(16, 32, 32, 2, 4, 2)),  # ragged M and N, 3 K steps, 2 column groups
     (37, 64, 80, W8A8Config(16, 32, 64, 2, 4, 2)),  # 3 row blocks in groups of 2; K ragged (80 % 64)
+    (37, 40, 80, W8A8Config(16, 32, 32, 2, 4, 2, True)),  # TMA: edges zero-filled by the descriptors
 ])
 def test_matches_reference(device, qdtype, m, n, k, cfg):
     x = torch.randn(m, k, device=device) * 2
