@@ -4,7 +4,7 @@ best path per (linear, M). One call, ~3-4 minutes on one H200 (torch 2.11, Trito
     python3 scripts/gpu_w8a8_sweep.py [--out DIR] [--budget 220] [--skip-tests]
 
 check    every new kernel against its torch reference, qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
-         down 4096x14336, M = 1, 4, 16, 64, 256, 2048, 8192 (W8A16 up to its M <= 64):
+         down 4096x14336, M = 1, 4, 16, 64, 256, 512, 2048, 8192 (W8A16 up to its M <= 64):
          w8a8_gemm (Triton int8 / fp8 tile GEMM) vs scaled_mm_ref, w8a16_linear vs w8a16_linear_ref
          (max |out - ref| / max |ref| <= 2e-2)
 time     bf16 (the model's dense path), fp8 / int8 through `w8a8_linear` on each path ("cublas" =
@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 SHAPES = [("gate_up", 28672, 4096), ("down", 4096, 14336), ("qkv", 6144, 4096), ("o", 4096, 4096)]
-MS = [1, 4, 16, 64, 256, 2048, 8192]
+MS = [1, 4, 16, 64, 256, 512, 2048, 8192]
 TILES = [(16, 64, 256, 8, 4, 4), (16, 128, 128, 8, 4, 4), (32, 64, 256, 8, 4, 4), (64, 64, 256, 8, 4, 4),
          (64, 128, 128, 8, 4, 4), (128, 128, 128, 8, 8, 4), (128, 256, 128, 8, 8, 3), (128, 128, 256, 8, 8, 3),
          (256, 128, 128, 8, 8, 3), (64, 256, 128, 8, 4, 3),
