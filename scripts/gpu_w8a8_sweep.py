@@ -3,6 +3,8 @@ best path per (linear, M). One call, ~3-4 minutes on one H200 (torch 2.11, Trito
 
     python3 scripts/gpu_w8a8_sweep.py [--out DIR] [--budget 220] [--skip-tests]
 
+attn     decode attention with a bf16 and an fp8 KV cache (W1-like batches): paged_attention vs its
+         reference, paged and fused decode kernels timed (~15 s)
 check    every new kernel against its torch reference, qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
          down 4096x14336, M = 1, 4, 16, 64, 256, 512, 2048, 8192 (W8A16 up to its M <= 64):
          w8a8_gemm (Triton int8 / fp8 tile GEMM) vs scaled_mm_ref, w8a16_linear vs w8a16_linear_ref
@@ -130,6 +132,42 @@ def sweep(deadline: float) -> list[dict]:
     return rows
 
 
+def attention_rows() -> list[dict]:
+    """Decode attention with a bf16 and an fp8 (e4m3, scale 1) KV cache, Llama-3.1-8B heads (32 / 8,
+    head_dim 128), W1-like batches (scripts/attn_sweep.case): `paged_attention` against its torch
+    reference on the same cache, and the fused decode kernel the CUDA graphs run (rope + cache write +
+    attention), timed in CUDA graphs. An fp8 cache reads half the bytes: it should be faster."""
+    import torch
+    from attn_sweep import case
+    from gpu_quant_speed_kernels import graph_us, rel_err
+
+    from pagedllm.kernels.decode_attention import decode_attention_fused
+    from pagedllm.kernels.paged_attention import paged_attention, paged_attention_ref
+    from pagedllm.kernels.rotary import build_cos_sin_cache
+
+    rows = []
+    cos_sin = build_cos_sin_cache(128, 4096).to(DEVICE)
+    for kind in ("decode256", "decode64"):
+        q, cache16, md, kv_bytes = case(kind, 32, 8)
+        n = q.shape[0]
+        qkv = torch.randn(n, 48 * 128, device=DEVICE, dtype=torch.bfloat16)
+        positions = (md.seq_lens[:n] - 1).to(torch.int64)
+        for name, cache in (("bf16", cache16), ("fp8", cache16.to(torch.float8_e4m3fn))):
+            row = {"case": kind, "cache": name, "kv_gb": kv_bytes / (2 if name == "fp8" else 1) / 1e9}
+            try:
+                row["err"] = rel_err(paged_attention(q, cache, md, 0.088), paged_attention_ref(q, cache, md, 0.088))
+                row["paged_us"], _ = graph_us(lambda i, cache=cache: paged_attention(q, cache, md, 0.088), 1, 20)
+                work = cache.clone()  # the fused kernel writes this step's K / V into its cache
+                row["fused_us"], _ = graph_us(lambda i, work=work: decode_attention_fused(
+                    qkv, positions, cos_sin, work, md, 0.088, 32, 8, 128), 1, 20)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"ERR {type(e).__name__}: {str(e)[:100]}"
+            rows.append(row)
+            log(f"attention {kind} {name}: {row}")
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _quant_gemm(x, qd, wts, cfg, quant_fn, gemm_fn):
     xq, xs = quant_fn(x, qd)
     return gemm_fn(xq, wts[0], xs, wts[1], None, x.dtype, config=cfg)
@@ -142,12 +180,14 @@ def main() -> None:
     ap.add_argument("--skip-tests", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    attn = attention_rows()
     rows = sweep(T0 + a.budget)
     # The pytest files last, and only inside the time budget (the in-process check above covers the
     # kernels at the model's shapes; these add the edges: ragged shapes, bias, graph capture per path).
     tests = "not run" if a.skip_tests or time.time() - T0 > a.budget + 20 else run_tests()
     log(f"tests: {tests}")
-    json.dump({"rows": rows, "tests": tests}, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    json.dump({"rows": rows, "attention": attn, "tests": tests}, open(os.path.join(a.out, "results.json"), "w"),
+              indent=1)
 
     bad = [r for r in rows if r.get("error") or (r.get("err") is not None and not r["err"] <= 2e-2)]
     checked = [r for r in rows if r.get("err") is not None]
@@ -180,6 +220,14 @@ def main() -> None:
     print(f"\nchecked against references: {len(checked) - len([r for r in bad if 'err' in r])}/{len(checked)} "
           "within 2e-2" + "".join(f"\n  OFF: {r['shape']} M={r['m']} {r['q']} {r['path']} {r['config']}: "
                                   f"{r.get('error') or r['err']}" for r in bad))
+    print("\n## decode attention, bf16 vs fp8 KV cache (us, CUDA graphs; err vs torch reference)")
+    print("| case | cache | KV GB | paged_attention us | TB/s | fused decode us | err |\n|---|---|---|---|---|---|---|")
+    for r in attn:
+        if "error" in r:
+            print(f"| {r['case']} | {r['cache']} | {r['kv_gb']:.2f} | {r['error']} | | | |")
+            continue
+        print(f"| {r['case']} | {r['cache']} | {r['kv_gb']:.2f} | {r['paged_us']:.1f} | "
+              f"{r['kv_gb'] * 1e3 / r['paged_us']:.2f} | {r['fused_us']:.1f} | {r['err']:.1e} |")
     print(f"\n## GPU kernel tests\n{tests}")
     print(f"\ntotal {time.time() - T0:.0f} s; results in {a.out}/results.json")
 
