@@ -24,6 +24,7 @@ functions are set from.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -164,7 +165,36 @@ def attention_rows() -> list[dict]:
                 row["error"] = f"ERR {type(e).__name__}: {str(e)[:100]}"
             rows.append(row)
             log(f"attention {kind} {name}: {row}")
+        rows += _fp8_tiles(kind, q, cache16.to(torch.float8_e4m3fn), md, kv_bytes / 2)
         torch.cuda.empty_cache()
+    return rows
+
+
+def _fp8_tiles(kind, q, cache, md, kv_bytes) -> list[dict]:
+    """paged_attention on the fp8 cache with other (BLOCK_M, TILE_N, warps, stages): a 1-byte cache
+    tile is half a bf16 one's shared memory, so longer / deeper tiles may stream faster."""
+    from gpu_quant_speed_kernels import graph_us, rel_err
+
+    from pagedllm.kernels import paged_attention as pa
+
+    default = pa._tile_config
+    ref = pa.paged_attention(q, cache, md, 0.088)
+    rows = []
+    for tn, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3)):
+        pa._tile_config = lambda *_a, tn=tn, w=w, st=st, **_k: (16, 4, tn, w, st)
+        row = {"case": kind, "cache": f"fp8 tn{tn} w{w} s{st}", "kv_gb": kv_bytes / 1e9}
+        try:
+            row["err"] = rel_err(pa.paged_attention(q, cache, md, 0.088), ref)
+            row["paged_us"], _ = graph_us(lambda i: pa.paged_attention(q, cache, md, 0.088), 1, 20)
+            row["fused_us"] = float("nan")
+        except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+            row["error"] = f"ERR {type(e).__name__}: {str(e)[:80]}"
+        finally:
+            pa._tile_config = default
+        rows.append(row)
+    ok = [r for r in rows if "paged_us" in r]
+    if ok:
+        log(f"attention {kind} fp8 tiles: best {min(ok, key=lambda r: r['paged_us'])}")
     return rows
 
 
