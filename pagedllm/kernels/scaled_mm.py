@@ -171,17 +171,20 @@ def _fp8_cuda(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
 
 
 PATHS = ("w8a16", "triton", "cublas")
-# Dispatch thresholds per quantized dtype (first guesses; set from scripts/gpu_w8a8_sweep.py):
-# "w8a16" for M <= W8A16_MAX_M, then "triton" for M <= TRITON_MAX_M, then "cublas".
-W8A16_MAX_M = {FP8_DTYPE: 16, torch.int8: 16}
-TRITON_MAX_M = {FP8_DTYPE: 0, torch.int8: 1 << 30}
+# Dispatch per quantized dtype: (largest M, path) pairs in increasing M, the first that holds wins.
+# First guesses; set from scripts/gpu_w8a8_sweep.py.
+DISPATCH: dict[torch.dtype, tuple[tuple[int, str], ...]] = {
+    FP8_DTYPE: ((16, "w8a16"), (1 << 62, "cublas")),
+    torch.int8: ((16, "w8a16"), (1 << 62, "triton")),
+}
 
 
 def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
     """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
-    if m <= min(W8A16_MAX_M[qdtype], KERNEL_MAX_M):
-        return "w8a16"
-    return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
+    for max_m, path in DISPATCH[qdtype]:
+        if m <= max_m:
+            return "cublas" if path == "w8a16" and m > KERNEL_MAX_M else path
+    return "cublas"
 
 
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
