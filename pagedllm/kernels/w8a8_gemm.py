@@ -34,7 +34,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
 
 __all__ = ["W8A8Config", "w8a8_gemm", "w8a8_gemm_config"]
 
@@ -198,6 +202,8 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
         return out
     cfg = _fit_k(config, k) if config is not None else w8a8_gemm_config(m, n, k)
     grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    if cfg.TMA and TensorDescriptor is None:
+        cfg = cfg._replace(TMA=False)
     if cfg.TMA:
         if k % 16 or xq.stride(0) % 16 or wq.stride(0) % 16:
             raise ValueError("the TMA path needs 16-byte aligned rows (K and the row strides multiples of 16)")
