@@ -50,7 +50,10 @@ def quantize_activation(x: torch.Tensor, qdtype: torch.dtype,
     xf = x.float()
     qmax = FP8_MAX if qdtype == FP8_DTYPE else INT8_MAX
     if static_scale is None:
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+        # Divided by a tensor, not a Python float: torch's CUDA division by a CPU scalar multiplies by
+        # its reciprocal (an ulp off IEEE now and then), and the Triton kernel divides (div_rn).
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        scale = (amax / torch.full_like(amax, qmax)).clamp(min=1e-12)
     else:
         scale = static_scale.float().reshape(1, 1).expand(xf.shape[0], 1)
     y = xf / scale
@@ -171,20 +174,24 @@ def _fp8_cuda(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
 
 
 PATHS = ("w8a16", "triton", "cublas")
-# Dispatch per quantized dtype: (largest M, path) pairs in increasing M, the first that holds wins.
-# First guesses; set from scripts/gpu_w8a8_sweep.py.
-DISPATCH: dict[torch.dtype, tuple[tuple[int, str], ...]] = {
-    FP8_DTYPE: ((16, "w8a16"), (1 << 62, "cublas")),
-    torch.int8: ((16, "w8a16"), (1 << 62, "triton")),
-}
+# Dispatch thresholds, from the H200 sweep of scripts/gpu_w8a8_sweep.py (2026-12-01, Llama-3.1-8B
+# linears; one decoder layer's four linears summed, bf16 = 1.00x; BENCHMARKS.md, issue 19):
+#   M = 1       "w8a16": fp8 1.48x, int8 1.21x (cuBLAS W8A8 0.91x / 1.05x: one-row FP8 GEMMs + the quant launch)
+#   M = 2..16   "w8a16", fp8 1.18-1.21x, int8 1.40-1.45x; fp8 on the widest weights (N >= W8A16_MAX_N:
+#               gate_up) "triton" (35.6 us vs 43.1: e4m3 -> bf16 costs three conversions a value)
+#   M = 17..64  "triton": fp8 1.33x (cuBLAS 1.14x), int8 1.27x (cuBLAS 1.10x)
+#   M > 64      fp8 "cublas" (M = 256 / 2048 / 8192: 1.35 / 1.68 / 1.71x; Triton 1.19 / 1.55 / 1.55x);
+#               int8 "triton" (1.12 / 1.27 / 1.37x with the first tiles; cuBLAS _int_mm 0.76 / 0.95 / 1.00x)
+W8A16_MAX_M = 16
+W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
+TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
 
 
 def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
     """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
-    for max_m, path in DISPATCH[qdtype]:
-        if m <= max_m:
-            return "cublas" if path == "w8a16" and m > KERNEL_MAX_M else path
-    return "cublas"
+    if m == 1 or (m <= W8A16_MAX_M and n <= W8A16_MAX_N[qdtype]):
+        return "w8a16"
+    return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
 
 
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
@@ -214,7 +221,7 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
     aligned = k % 16 == 0 and n % 16 == 0 and m > 0
     is_int = wq.dtype == torch.int8
     path = path or choose_path(m, n, k, wq.dtype)
-    if aligned and path == "w8a16" and m <= KERNEL_MAX_M:
+    if aligned and path == "w8a16" and m <= KERNEL_MAX_M:  # (the kernel's limit; dispatch stops at 16)
         return w8a16_linear(x2, wq, w_scale, bias).reshape(*lead, n)
     if aligned and path == "triton":
         xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale)

@@ -101,14 +101,18 @@ def _w8a16_gemv_kernel(
                          M, N, pid_k, pid_n, SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
 
 
-def w8a16_config(m: int, n: int, k: int) -> W8A16Config:
-    """Launch configuration per M (first guesses, to be set from scripts/gpu_w8a8_sweep.py):
-        M == 1      FMA, BLOCK_N 16, BLOCK_K 512, 4 warps, split to >= 512 programs
-        M = 2..64   tensor cores, BLOCK_N 64, BLOCK_K 256, 4 warps, 4 stages, split to >= 256 programs
+def w8a16_config(m: int, n: int, k: int, qdtype: torch.dtype = torch.float8_e4m3fn) -> W8A16Config:
+    """Launch configuration, from the H200 sweep of scripts/gpu_w8a8_sweep.py (2026-12-01, Llama-3.1-8B
+    gate_up / down, CUDA graphs; BENCHMARKS.md):
+        M == 1, fp8     FMA, BLOCK_N 8, BLOCK_K 512, split to >= 1024 programs: gate_up 33.7 us, down 19.5
+                        (bf16 58.2 / 30.6; the tensor-core path 42.6 / 25.5)
+        M == 1, int8    tensor cores, BLOCK_N 32, BLOCK_K 256, 4 stages, >= 512 programs: 35.3 / 20.6 (its
+                        FMA path 40.2 / 25.0: int8 -> fp32 conversions are slow)
+        M = 2..64       tensor cores, the same: int8 gate_up M = 16 36.2, fp8 43.1
     """
-    if m == 1:
-        return W8A16Config(16, 512, 512, 4, 3, False)
-    return W8A16Config(64, 256, 256, 4, 4, True)
+    if m == 1 and qdtype == torch.float8_e4m3fn:
+        return W8A16Config(8, 512, 1024, 4, 3, False)
+    return W8A16Config(32, 256, 512, 4, 4, True)
 
 
 def _splits(k: int, block_k: int, n_blocks: int, target: int) -> tuple[int, int]:
@@ -138,7 +142,7 @@ def w8a16_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias:
         x = x.contiguous()
     if wq.stride(1) != 1:
         raise ValueError("w8a16_linear needs a K-contiguous weight")
-    cfg = config or w8a16_config(m, n, k)
+    cfg = config or w8a16_config(m, n, k, wq.dtype)
     use_dot = cfg.USE_DOT or m > 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)

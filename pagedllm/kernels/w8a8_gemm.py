@@ -20,9 +20,9 @@ loop); the sweep decides per M bucket whether it pays.
 Program order: a 1-d grid walked in GROUP_M-tall column groups (Triton's matmul tutorial), so the
 programs running at once share weight tiles in L2 instead of each streaming its own column.
 
-Configs per M bucket (`w8a8_gemm_config`; scripts/gpu_w8a8_sweep.py times the alternatives):
-decode-sized M (<= 64) uses BLOCK_M 16..64 with wide BLOCK_K; 64 < M <= 512 (64..128, 128) tiles;
-prefill (M > 512) (128, 256, 128) tiles, 8 warps, 3 stages.
+Configs per M bucket and grid size (`w8a8_gemm_config`, from the H200 sweep of
+scripts/gpu_w8a8_sweep.py): 16-row tiles for M <= 16, 64-row for M <= 64, (128, 256, 128) TMA tiles
+above wherever they fill the SMs.
 
 Reference: `scaled_mm.scaled_mm_ref` (checked under TRITON_INTERPRET=1 in tests/kernels/test_w8a8_gemm.py).
 """
@@ -150,27 +150,32 @@ def _w8a8_gemm_tma_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def w8a8_gemm_config(m: int, n: int, k: int) -> W8A8Config:
-    """The launch configuration per M bucket (int8 and fp8 alike: both are 1-byte operands, so the
-    tiles, stages and shared memory are the same).
+_SMS = 132  # an H200's SMs: a tile that gives fewer programs than this leaves SMs idle
 
-        M <= 16        (16, 64, 256), 4 warps, 4 stages: weight streaming; 64-wide N blocks give
-                       o / down 64 programs, qkv 96, gate_up 448
-        16 < M <= 64   (64, 64, 256), 4 warps, 4 stages
-        64 < M <= 256  (64, 128, 128), 4 warps, 4 stages
-        256 < M <= 512 (128, 128, 128), 8 warps, 4 stages
-        M > 512        (128, 256, 128), 8 warps, 3 stages: 48 KB of operands a stage (144 KB of 227)
+
+def w8a8_gemm_config(m: int, n: int, k: int) -> W8A8Config:
+    """The launch configuration (int8 and fp8 alike: both are 1-byte operands), from the H200 sweep
+    of scripts/gpu_w8a8_sweep.py (2026-12-01, Llama-3.1-8B linears, CUDA graphs; BENCHMARKS.md):
+
+        M <= 16        (16, 128, 128), 4 warps, 4 stages      gate_up M = 16: 34.5 us int8 / 35.6 fp8
+        16 < M <= 64   (64, 128, 128), 4 warps, 4 stages      gate_up M = 64: 36.3 / 36.1
+        M > 64         (128, 256, 128), 8 warps, 4 stages, TMA gate_up M = 256 / 2048 / 8192 int8:
+                                                              62.6 / 407.9 / 1614 (bf16 92 / 621 / 2767)
+    each the largest tile whose grid still fills the SMs; otherwise the next smaller one:
+    (64, 128, 128) TMA, then (64, 64, 256) (e.g. M = 256 on o / down: 256 programs, not 32), or at
+    M <= 16 (16, 64, 256).
     """
+    def programs(bm: int, bn: int) -> int:
+        return triton.cdiv(m, bm) * triton.cdiv(n, bn)
+
     if m <= 16:
-        cfg = W8A8Config(16, 64, 256, 8, 4, 4)
-    elif m <= 64:
-        cfg = W8A8Config(64, 64, 256, 8, 4, 4)
-    elif m <= 256:
-        cfg = W8A8Config(64, 128, 128, 8, 4, 4)
-    elif m <= 512:
-        cfg = W8A8Config(128, 128, 128, 8, 8, 4)
+        cfg = W8A8Config(16, 128, 128, 8, 4, 4) if programs(16, 128) >= _SMS else W8A8Config(16, 64, 256, 8, 4, 4)
+    elif m <= 64 or programs(64, 128) < _SMS:
+        cfg = W8A8Config(64, 128, 128, 8, 4, 4) if programs(64, 128) >= _SMS else W8A8Config(64, 64, 256, 8, 4, 4)
+    elif programs(128, 256) >= _SMS:
+        cfg = W8A8Config(128, 256, 128, 8, 8, 4, True)
     else:
-        cfg = W8A8Config(128, 256, 128, 8, 8, 3)
+        cfg = W8A8Config(64, 128, 128, 8, 4, 4, True)
     return _fit_k(cfg, k)
 
 

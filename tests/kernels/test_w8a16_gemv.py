@@ -32,8 +32,13 @@ def test_matches_reference(device, qdtype, m, cfg):
 
 def test_dispatch_paths():
     # Small M goes weight-only, larger M to a W8A8 GEMM; a path that is not built is refused.
-    assert scaled_mm.choose_path(1, 4096, 4096, FP8_DTYPE) == "w8a16"
-    assert scaled_mm.choose_path(2048, 4096, 4096, torch.int8) in ("triton", "cublas")
+    assert scaled_mm.choose_path(1, 28672, 4096, FP8_DTYPE) == "w8a16"
+    assert scaled_mm.choose_path(8, 4096, 14336, FP8_DTYPE) == "w8a16"
+    assert scaled_mm.choose_path(8, 28672, 4096, FP8_DTYPE) == "triton"  # fp8 -> bf16 costs more than quant
+    assert scaled_mm.choose_path(8, 28672, 4096, torch.int8) == "w8a16"
+    assert scaled_mm.choose_path(64, 4096, 4096, FP8_DTYPE) == "triton"
+    assert scaled_mm.choose_path(256, 4096, 4096, FP8_DTYPE) == "cublas"
+    assert scaled_mm.choose_path(2048, 4096, 4096, torch.int8) == "triton"
     with pytest.raises(ValueError, match="path must be one of"):
         scaled_mm.w8a8_linear(torch.randn(2, 16), torch.zeros(16, 16, dtype=torch.int8), torch.ones(16), None, None,
                               path="nope")

@@ -40,7 +40,10 @@ def test_padded_rows_and_no_bias(device):
 
 
 def test_config_buckets():
-    # K narrower than the bucket's BLOCK_K shrinks it (8-bit dots take K >= 32).
-    assert w8a8_gemm_config(1, 4096, 4096).BLOCK_M == 16
-    assert w8a8_gemm_config(2048, 4096, 4096).BLOCK_N == 256
+    # The largest tile whose grid fills the SMs; K narrower than BLOCK_K shrinks it (8-bit dots: K >= 32).
+    assert w8a8_gemm_config(1, 28672, 4096)[:3] == (16, 128, 128)
+    assert w8a8_gemm_config(1, 4096, 4096)[:3] == (16, 64, 256)  # 32 programs of 128 columns: too few
+    assert w8a8_gemm_config(2048, 4096, 4096) == W8A8Config(128, 256, 128, 8, 8, 4, True)
+    assert w8a8_gemm_config(256, 6144, 4096)[:3] == (64, 128, 128)  # 48 programs of (128, 256)
+    assert w8a8_gemm_config(256, 4096, 14336)[:3] == (64, 64, 256)  # 128 of (64, 128), 256 of these
     assert w8a8_gemm_config(1, 64, 40).BLOCK_K == 64
