@@ -1,7 +1,8 @@
 """W8A8 / W8A16 kernels on the H200 (issue 19): correctness and times at the Llama-3.1-8B linears, and the
 best path per (linear, M). One call, ~3-4 minutes on one H200 (torch 2.11, Triton 3.6):
 
-    python3 scripts/gpu_w8a8_sweep.py [--out DIR] [--budget 220] [--skip-tests]
+    python3 scripts/gpu_w8a8_sweep.py [--out DIR] [--budget 200] [--hard 320] [--skip-tests]
+    python3 scripts/gpu_w8a8_sweep.py --w1 int8[,fp8,fp8-kvfp8,bf16]    (only W1 runs, ~40 s each)
 
 attn     decode attention with a bf16 and an fp8 KV cache (W1-like batches): paged_attention vs its
          reference, paged and fused decode kernels timed (~15 s)
@@ -208,14 +209,55 @@ def _quant_gemm(x, qd, wts, cfg, quant_fn, gemm_fn):
     return gemm_fn(xq, wts[0], xs, wts[1], None, x.dtype, config=cfg)
 
 
+# The W1 runs of `--w1` (pagedllm only): tag -> (model dir or quantization_config to add, extra flags).
+INT8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {"targets": ["Linear"],
+                                             "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                         "strategy": "channel"},
+                                             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                                   "strategy": "token", "dynamic": True}}}}
+W1_RUNS = {"bf16": (None, []), "fp8": (None, ["--quantization", "fp8"]),
+           "fp8-kvfp8": (None, ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]), "int8": (INT8_CONFIG, [])}
+
+
+def run_w1(tags: list[str], out: str) -> None:
+    """`pagedllm bench throughput --dataset w1` on the Llama-3.1-8B shape (dummy weights), one fresh
+    process per tag (~35-45 s each on the H200: ~20 s to engine ready, ~11-13 s of W1)."""
+    base = json.load(open(os.path.join(ROOT, "pagedllm/model_configs/llama3-8b/config.json")))
+    results = []
+    for tag in tags:
+        qc, extra = W1_RUNS[tag]
+        model = os.path.join(ROOT, "pagedllm/model_configs/llama3-8b")
+        if qc is not None:
+            model = os.path.join(out, f"llama3-8b-{tag}")
+            os.makedirs(model, exist_ok=True)
+            json.dump({**base, "quantization_config": qc}, open(os.path.join(model, "config.json"), "w"))
+        js = os.path.join(out, f"w1_{tag}.json")
+        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model, "--load-format", "dummy",
+               "--skip-tokenizer-init", "--dataset", "w1", "--max-model-len", "4096", "--output-json", js, *extra]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+        ok = r.returncode == 0 and os.path.exists(js)
+        results.append((tag, f"{json.load(open(js))['output_tokens_per_second']:.1f}" if ok else
+                        "failed: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])))
+        log(f"W1 {tag}: {results[-1][1]}")
+    print("\n| pagedllm W1, Llama-3.1-8B shape | output tok/s |\n|---|---|")
+    for tag, res in results:
+        print(f"| {tag} | {res} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="w8a8_sweep_"))
     ap.add_argument("--budget", type=float, default=200.0, help="seconds after which config variants stop")
     ap.add_argument("--hard", type=float, default=320.0, help="seconds after which GEMM cells are skipped")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--w1", default="", help=f"only these W1 runs, comma-separated, of {sorted(W1_RUNS)}")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.w1:
+        run_w1(a.w1.split(","), a.out)
+        return
     attn = attention_rows()
     rows = sweep(T0 + a.budget, T0 + a.hard)
     # The pytest files last, and only inside the time budget (the in-process check above covers the
