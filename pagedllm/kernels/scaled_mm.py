@@ -199,8 +199,8 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
     """x (M, K) float -> (M, N) in x's dtype through the fastest path for the device:
 
     CPU              quantize_activation + scaled_mm_ref (torch)
-    CUDA "w8a16"     w8a16_linear: no activation quantization (input_scale unused: a static scale
-                     would only clip), one launch
+    CUDA "w8a16"     w8a16_linear: no activation quantization (input_scale unused: the activations
+                     keep their 16 bits), one launch
     CUDA "triton"    quantize_activation_triton + w8a8_gemm (scales and bias in its epilogue)
     CUDA "cublas"    FP8: quantize_activation_triton + torch._scaled_mm; INT8: the quant kernel (rows
                      padded to >= 32: _int_mm needs M > 16) + torch._int_mm + scale_epilogue
@@ -217,8 +217,10 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
     if not x.is_cuda:
         xq, x_scale = quantize_activation(x2, wq.dtype, input_scale)
         return scaled_mm_ref(xq, wq, x_scale, w_scale, bias, x.dtype).reshape(*lead, n)
+    if m == 0:
+        return x.new_empty(*lead, n)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    aligned = k % 16 == 0 and n % 16 == 0 and m > 0
+    aligned = k % 16 == 0 and n % 16 == 0
     is_int = wq.dtype == torch.int8
     path = path or choose_path(m, n, k, wq.dtype)
     if aligned and path == "w8a16" and m <= KERNEL_MAX_M:  # (the kernel's limit; dispatch stops at 16)
