@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.wna16_unpack import unpack_q
+from pagedllm.kernels.wna16_unpack import unpack_scaled
 
 __all__ = ["GGUF_BLOCK", "GPU_GGUF_TYPES", "GGUFPacked", "dequantize_gguf_rows", "dequantize_packed",
            "dequantize_packed_ref", "repack_gguf_rows"]
@@ -239,30 +239,47 @@ def load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N
 
 
 @triton.jit
-def q_j(words, hi, hq, J: tl.constexpr, QTYPE: tl.constexpr):
-    """The unsigned integer q of value J of every word of the step, as exact fp32 (Q6_K: low 4 + high
-    2 bits); no int -> float conversion (kernels/wna16_unpack.py's LOP3 trick)."""
+def q_j(words, hi, hq, J: tl.constexpr, QTYPE: tl.constexpr, Z: tl.constexpr):
+    """q - Z of value J of every word of the step as exact fp32 (q unsigned; Q6_K: low 4 + high 2 bits),
+    without int -> float conversions: the value's bits are or-ed, in place (q * 2^(b*s), s = J % (16 /
+    b)), into the float 2^23 (kernels/wna16_unpack.py), so one FFMA, u * 2^-(b*s) - (2^23 * 2^-(b*s) + Z),
+    undoes scale and offset and subtracts Z exactly (every term is exact in fp32). Q6_K moves its two
+    high bits next to the nibble first (one shift), so q = lo | hi << 4 costs one or more, not a second
+    conversion."""
     BITS: tl.constexpr = 8 if QTYPE == 2 else 4
-    q = unpack_q(words, hi, J, BITS)
+    HALF: tl.constexpr = 16 // BITS
+    S: tl.constexpr = J % HALF
+    INV: tl.constexpr = 1.0 / (1 << (BITS * S))
     if QTYPE == 4:
-        h = (((hq >> (2 * J)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        q = q + h * 16.0
-    return q
+        # high bits of value J sit at bits 2J of hq; the nibble at 4S of its half-word
+        SH: tl.constexpr = 4 * S + 4 - 2 * J
+        if SH >= 0:
+            hb = hq << SH
+        else:
+            hb = hq >> (-SH)
+        if J < HALF:
+            half = words
+        else:
+            half = hi
+        bits = (half & (0xF << (4 * S))) | (hb & (0x30 << (4 * S))) | 0x4B000000
+        u = bits.to(tl.float32, bitcast=True)
+    else:
+        u = unpack_scaled(words, hi, J, BITS)
+    return u * INV - (8388608.0 * INV + Z)
 
 
 @triton.jit
 def value_j(words, hi, hq, s, o, J: tl.constexpr, QTYPE: tl.constexpr):
     """fp32 weights of value J of every word of the step (rows k = k0 + kp * PF + J), gguf.quants' fp32
     operations (the fused multiply-adds round once, as its separate ones do: the products are exact)."""
-    q = q_j(words, hi, hq, J, QTYPE)
     if QTYPE == 0:
-        w = (q - 8.0) * s
+        w = q_j(words, hi, hq, J, QTYPE, 8.0) * s
     elif QTYPE == 2:
-        w = (q - 128.0) * s
+        w = q_j(words, hi, hq, J, QTYPE, 128.0) * s
     elif QTYPE == 4:
-        w = (q - 32.0) * s
+        w = q_j(words, hi, hq, J, QTYPE, 32.0) * s
     else:  # Q4_1: d q + m; Q4_K: (d sc) q - dmin mn
-        w = q * s + o
+        w = q_j(words, hi, hq, J, QTYPE, 0.0) * s + o
     return w
 
 

@@ -116,7 +116,7 @@ def _gguf_gemv_kernel(
             for j in tl.static_range(PF):
                 k = k0 + offs_kp * PF + j
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                part += x[:, None] * q_j(words, hi, hq, j, QTYPE)
+                part += x[:, None] * q_j(words, hi, hq, j, QTYPE, 0.0)
                 xs += x
             if QTYPE == 0:
                 acc += s * (part - 8.0 * xs[:, None])
