@@ -6,7 +6,7 @@ the device into the layout of kernels/gguf_dequant.py and frees the raw bytes. N
 weight is kept. The config (quantization/gguf.py) gives this method to the linears and to an untied
 LM head (ParallelLMHead calls create_weights / apply the same way); the embedding table stays dense.
 
-Decode batches (<= 16 rows) run the GEMV on the blocks; larger steps dequantize into a scratch for
+Decode batches of <= 4 rows run the GEMV on the blocks; larger steps dequantize into a scratch for
 cuBLAS (kernels/gguf_gemv.py). Off CUDA (tests forcing this method on the CPU) `apply` is the fp32
 torch reference; the kernels' own interpreter tests call them directly (tests/kernels/test_gguf_kernels.py).
 """
