@@ -37,8 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
 from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_tc import tc_supported, wna16_tc_linear
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
 __all__ = ["dequantize_wna16", "dequantize_wna16_triton", "pack_along_k", "unpack_along_k", "wna16_linear",
@@ -178,6 +180,9 @@ def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tupl
 # (qkv / o / gate_up / down) against the tile kernel's 90 / 59 / 342 / 174 at its best config; at M = 64
 # the two were within 30% either way.
 DEQUANT_MIN_M = 128
+# Int4 with groups of 128 (or multiples) and 16-bit activations: up to this many rows go to the
+# tensor-core kernel (kernels/wna16_tc.py) instead of the FMA GEMV / the tile kernel above.
+TC_MAX_M = 64 if environment_variables["PAGEDLLM_WNA16_TC"]() else 0
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -197,6 +202,9 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     pf = 32 // bits
     if qweight.shape[0] * pf != k:
         raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
+    if config is None and m <= TC_MAX_M and m < (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m) \
+            and tc_supported(x, bits, group_size, k):
+        return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm)
     if m <= MAX_GEMV_M and config is None:
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias, perm)
     if config is None and m >= (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m):
