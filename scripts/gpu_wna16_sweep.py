@@ -165,11 +165,13 @@ def kernel_rows(deadline: float) -> list[dict]:
 
 
 def _space(m: int):
+    """([(BLOCK_N, warps, stages, X_TILE)], splits) swept at M."""
     if m == 1:
-        return [(bn, w, s) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))], (2, 4, 8, 16)
+        return [(bn, w, s, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + [(256, 8, 3, True)], \
+            (2, 4, 8, 16)
     if m == 16:
-        return [(bn, w, s) for bn in (128, 256) for w, s in ((4, 3), (8, 3))], (1, 2, 4, 8)
-    return [(bn, w, s) for bn in (64, 128) for w, s in ((4, 3), (8, 3))], (1, 2, 4)
+        return [(bn, w, s, xt) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)], (1, 2, 4)
+    return [(bn, w, s, True) for bn in (64, 128) for w, s in ((4, 3), (8, 3))] + [(128, 8, 3, False)], (1, 2, 4)
 
 
 def sweep_rows(deadline: float) -> list[dict]:
@@ -190,19 +192,19 @@ def sweep_rows(deadline: float) -> list[dict]:
             ref = wna16_linear_ref(x.float(), *int4[0], 4, G)
             space, splits = _space(m)
             found = []
-            for (bn, nw, ns), split in itertools.product(space, splits):
+            for (bn, nw, ns, xt), split in itertools.product(space, splits):
                 if split > k // 128 or time.time() > deadline:
                     continue
-                cfg = TCConfig(bn, split, nw, ns)
+                cfg = TCConfig(bn, split, nw, ns, X_TILE=xt)
                 try:
                     err = rel_err(wna16_tc_linear(x, *int4[0], G, config=cfg), ref)
                     us, _ = graph_us(lambda i, x=x, cfg=cfg: wna16_tc_linear(x, *int4[i], G, config=cfg), len(int4), 20)
-                    found.append({"config": f"BN{bn} split{split} w{nw} s{ns}", "us": us, "err": err,
+                    found.append({"config": f"BN{bn} split{split} w{nw} s{ns}" + (" xtile" if xt else ""), "us": us, "err": err,
                                   "gbs": n * k / 2 / us / 1e3})
                 except Exception as e:  # noqa: BLE001
                     log(f"tc {cfg}: {type(e).__name__}: {str(e)[:100]}")
             d = tc_config(m, n, k)
-            dname = f"BN{d.BLOCK_N} split{d.SPLIT_K} w{d.num_warps} s{d.num_stages}"
+            dname = f"BN{d.BLOCK_N} split{d.SPLIT_K} w{d.num_warps} s{d.num_stages}" + (" xtile" if d.X_TILE else "")
             ok = sorted((r for r in found if r["err"] <= 2e-2), key=lambda r: r["us"])
             for r in ok[:4] + [dict(r, config="default " + r["config"]) for r in found if r["config"] == dname]:
                 rows.append(dict(r, shape=name, m=m))

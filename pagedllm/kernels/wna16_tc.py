@@ -85,6 +85,7 @@ class TCConfig(NamedTuple):
     num_stages: int
     BLOCK_KW: int = 16  # word rows per step (BLOCK_K = 8 * BLOCK_KW inputs)
     BLOCK_M: int = 0  # rows per program; 0: M padded to a power of two >= 16, at most 64
+    X_TILE: bool = False  # x as one (BLOCK_M, BLOCK_K) load split in registers, not 8 strided loads
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def _wna16_tc_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
     GROUP_SIZE: tl.constexpr, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, USE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, X_TILE: tl.constexpr, USE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
@@ -131,6 +132,7 @@ def _wna16_tc_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_kw = tl.arange(0, BLOCK_KW)
+    offs_k = tl.arange(0, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     k_start = pid_k * K_PER_SPLIT
@@ -146,14 +148,29 @@ def _wna16_tc_kernel(
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32) + OFF
         v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles(words, x_ptr, MAGIC, OFF, USE_ASM)
-        x0 = tl.load(x_rows + _cols(perm_ptr, x_cols + 0, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x1 = tl.load(x_rows + _cols(perm_ptr, x_cols + 1, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x2 = tl.load(x_rows + _cols(perm_ptr, x_cols + 2, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x3 = tl.load(x_rows + _cols(perm_ptr, x_cols + 3, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x4 = tl.load(x_rows + _cols(perm_ptr, x_cols + 4, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x5 = tl.load(x_rows + _cols(perm_ptr, x_cols + 5, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x6 = tl.load(x_rows + _cols(perm_ptr, x_cols + 6, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-        x7 = tl.load(x_rows + _cols(perm_ptr, x_cols + 7, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+        if X_TILE:
+            # one (BLOCK_M, BLOCK_K) load, then x_i[m, r] = x[m, 8r + i] by three in-register splits:
+            # column 8r + 4a + 2b + c is element (r, a, b, c) of the reshape, i = 4a + 2b + c
+            xt = tl.load(x_rows + _cols(perm_ptr, k0 + offs_k, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            xsum = tl.sum(xt.to(tl.float32), axis=1)
+            xa0, xa1 = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_KW, 2, 2, 2)))
+            xb0, xb1 = tl.split(xa0)
+            xb2, xb3 = tl.split(xa1)
+            x0, x4 = tl.split(xb0)
+            x2, x6 = tl.split(xb1)
+            x1, x5 = tl.split(xb2)
+            x3, x7 = tl.split(xb3)
+        else:
+            x0 = tl.load(x_rows + _cols(perm_ptr, x_cols + 0, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x1 = tl.load(x_rows + _cols(perm_ptr, x_cols + 1, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x2 = tl.load(x_rows + _cols(perm_ptr, x_cols + 2, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x3 = tl.load(x_rows + _cols(perm_ptr, x_cols + 3, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x4 = tl.load(x_rows + _cols(perm_ptr, x_cols + 4, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x5 = tl.load(x_rows + _cols(perm_ptr, x_cols + 5, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x6 = tl.load(x_rows + _cols(perm_ptr, x_cols + 6, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x7 = tl.load(x_rows + _cols(perm_ptr, x_cols + 7, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            xsum = tl.sum((x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32))
+                          + (x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)), axis=1)
         part = tl.dot(x0, v0, input_precision=DOT_PRECISION)
         part = tl.dot(x1, v1, part, input_precision=DOT_PRECISION)
         part = tl.dot(x2, v2, part, input_precision=DOT_PRECISION)
@@ -162,8 +179,6 @@ def _wna16_tc_kernel(
         part = tl.dot(x5, v5, part, input_precision=DOT_PRECISION)
         part = tl.dot(x6, v6, part, input_precision=DOT_PRECISION)
         part = tl.dot(x7, v7, part, input_precision=DOT_PRECISION)
-        xsum = tl.sum((x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32))
-                      + (x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)), axis=1)
         acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
         w_ptrs += BLOCK_KW * N
         x_cols += BLOCK_K
@@ -187,7 +202,7 @@ def tc_config(m: int, n: int, k: int) -> TCConfig:
     split = 1
     while n_blocks * split < 528 and split * 4 <= steps:
         split *= 2
-    return TCConfig(block_n, split, 4, 3)
+    return TCConfig(block_n, split, 4, 3, X_TILE=m > 16)
 
 
 def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -232,7 +247,7 @@ def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         out, ws[0], ws[1],
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,
         GROUP_SIZE=group_size, MAGIC=magic, OFF=off, USE_ASM=use_asm, HAS_BIAS=bias is not None,
-        HAS_PERM=perm is not None,
+        HAS_PERM=perm is not None, X_TILE=cfg.X_TILE,
         USE_SPLIT=split > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

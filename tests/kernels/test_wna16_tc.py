@@ -18,8 +18,9 @@ def _weights(k: int, n: int, group: int, device):
     return pack_along_k(q, 4), scales, zeros
 
 
-# (m, config): one program per N block; split-K over 2 steps; two M blocks of 16 rows with split-K.
-CASES = [(1, TCConfig(32, 1, 4, 2)), (3, TCConfig(32, 2, 4, 2)), (20, TCConfig(64, 2, 4, 2, 16, 16))]
+# (m, config): one program per N block; split-K over 2 steps (x as one tile split in registers);
+# two M blocks of 16 rows with split-K.
+CASES = [(1, TCConfig(32, 1, 4, 2)), (3, TCConfig(32, 2, 4, 2, X_TILE=True)), (20, TCConfig(64, 2, 4, 2, 16, 16))]
 
 
 @pytest.mark.parametrize(("m", "config"), CASES)
