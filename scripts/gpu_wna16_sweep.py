@@ -11,7 +11,7 @@ kernels  qkv / o / gate_up / down at M = 1 .. 2048: bf16 cuBLAS (the model's den
          kernel (its default config; also its shift + convert unpack at M = 1), dequantize + cuBLAS,
          the default dispatch; act-order (perm) at M = 1 / 16 / 256; GPTQ-sym zeros (all 8) at M = 1;
          each held to its torch reference (max |err| / max |ref| <= 2e-2)
-sweep    tensor-core configs (BLOCK_N, SPLIT_K, warps, stages) at M = 1, 16, 64, 128 per linear
+sweep    tensor-core configs (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages, X_TILE) at M = 1, 16, 64, 256
 Times: CUDA-graph replays of 20 calls (5 at M = 2048) rotating over >= 150 MB of weight copies (L2
 cannot serve repeats), microseconds per call; GB/s counts the packed int4 words only. Tables last.
 """
@@ -165,13 +165,14 @@ def kernel_rows(deadline: float) -> list[dict]:
 
 
 def _space(m: int):
-    """([(BLOCK_N, warps, stages, X_TILE)], splits) swept at M."""
+    """([(BLOCK_M, BLOCK_N, warps, stages, X_TILE)], splits) swept at M."""
     if m == 1:
-        return [(bn, w, s, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + [(256, 8, 3, True)], \
-            (2, 4, 8, 16)
+        return [(16, bn, w, s, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + \
+            [(16, 256, 8, 3, True)], (2, 4, 8, 16)
     if m == 16:
-        return [(bn, w, s, xt) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)], (1, 2, 4)
-    return [(bn, w, s, True) for bn in (64, 128) for w, s in ((4, 3), (8, 3))] + [(128, 8, 3, False)], (1, 2, 4)
+        return [(16, bn, w, s, xt) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)], (1, 2, 4)
+    big = [(128, 128, 8, 3, True), (128, 64, 8, 3, True)] if m >= 128 else [(64, 128, 8, 3, False)]
+    return [(64, bn, w, s, True) for bn in (64, 128) for w, s in ((4, 3), (8, 3))] + big, (1, 2, 4)
 
 
 def sweep_rows(deadline: float) -> list[dict]:
@@ -184,7 +185,7 @@ def sweep_rows(deadline: float) -> list[dict]:
     rows: list[dict] = []
     for name, n, k in [SHAPES[3], SHAPES[2], SHAPES[0], SHAPES[1]]:
         _, int4, _, _ = _weights(n, k)
-        for m in (1, 16, 64, 128):
+        for m in (1, 16, 64, 256):
             if time.time() > deadline:
                 log(f"sweep: {name} M={m} and later skipped (time budget)")
                 break
@@ -192,19 +193,20 @@ def sweep_rows(deadline: float) -> list[dict]:
             ref = wna16_linear_ref(x.float(), *int4[0], 4, G)
             space, splits = _space(m)
             found = []
-            for (bn, nw, ns, xt), split in itertools.product(space, splits):
+            for (bm, bn, nw, ns, xt), split in itertools.product(space, splits):
                 if split > k // 128 or time.time() > deadline:
                     continue
-                cfg = TCConfig(bn, split, nw, ns, X_TILE=xt)
+                cfg = TCConfig(bn, split, nw, ns, BLOCK_M=bm, X_TILE=xt)
                 try:
                     err = rel_err(wna16_tc_linear(x, *int4[0], G, config=cfg), ref)
                     us, _ = graph_us(lambda i, x=x, cfg=cfg: wna16_tc_linear(x, *int4[i], G, config=cfg), len(int4), 20)
-                    found.append({"config": f"BN{bn} split{split} w{nw} s{ns}" + (" xtile" if xt else ""), "us": us, "err": err,
+                    found.append({"config": f"BM{bm} BN{bn} split{split} w{nw} s{ns}" + (" xtile" if xt else ""), "us": us, "err": err,
                                   "gbs": n * k / 2 / us / 1e3})
                 except Exception as e:  # noqa: BLE001
                     log(f"tc {cfg}: {type(e).__name__}: {str(e)[:100]}")
             d = tc_config(m, n, k)
-            dname = f"BN{d.BLOCK_N} split{d.SPLIT_K} w{d.num_warps} s{d.num_stages}" + (" xtile" if d.X_TILE else "")
+            bm = d.BLOCK_M or min(64, max(16, 1 << (m - 1).bit_length()))
+            dname = f"BM{bm} BN{d.BLOCK_N} split{d.SPLIT_K} w{d.num_warps} s{d.num_stages}" + (" xtile" if d.X_TILE else "")
             ok = sorted((r for r in found if r["err"] <= 2e-2), key=lambda r: r["us"])
             for r in ok[:4] + [dict(r, config="default " + r["config"]) for r in found if r["config"] == dname]:
                 rows.append(dict(r, shape=name, m=m))

@@ -182,7 +182,7 @@ def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tupl
 DEQUANT_MIN_M = 128
 # Int4 with groups of 128 (or multiples) and 16-bit activations: up to this many rows go to the
 # tensor-core kernel (kernels/wna16_tc.py) instead of the FMA GEMV / the tile kernel above.
-TC_MAX_M = 64 if environment_variables["PAGEDLLM_WNA16_TC"]() else 0
+TC_MAX_M = DEQUANT_MIN_M - 1 if environment_variables["PAGEDLLM_WNA16_TC"]() else 0
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

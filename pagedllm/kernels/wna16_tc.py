@@ -84,7 +84,7 @@ class TCConfig(NamedTuple):
     num_warps: int
     num_stages: int
     BLOCK_KW: int = 16  # word rows per step (BLOCK_K = 8 * BLOCK_KW inputs)
-    BLOCK_M: int = 0  # rows per program; 0: M padded to a power of two >= 16, at most 64
+    BLOCK_M: int = 0  # rows per program; 0: M padded to a power of two >= 16, at most 64 (128 is allowed)
     X_TILE: bool = False  # x as one (BLOCK_M, BLOCK_K) load split in registers, not 8 strided loads
 
 
@@ -126,9 +126,10 @@ def _wna16_tc_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    # M blocks vary fastest: the programs sharing an N block's words run together (L2 serves the repeats)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_kw = tl.arange(0, BLOCK_KW)
@@ -184,7 +185,7 @@ def _wna16_tc_kernel(
         x_cols += BLOCK_K
     # one split-K counter per (M block, N block) tile
     store_split_k_output(acc, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
-                         M, N, pid_k, pid_n + pid_m * tl.num_programs(0), SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
+                         M, N, pid_k, pid_n * tl.num_programs(0) + pid_m, SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
 
 
 def tc_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
@@ -242,7 +243,7 @@ def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if ws is None or split * m * n > _WS_FLOATS or n_blocks * m_blocks > _WS_COUNTERS:
         split, k_per_split = 1, k
         ws = (out, out)  # never read: the split-K branch is compiled out
-    _wna16_tc_kernel[(n_blocks, split, m_blocks)](
+    _wna16_tc_kernel[(m_blocks, n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, perm if perm is not None else out,
         out, ws[0], ws[1],
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,
