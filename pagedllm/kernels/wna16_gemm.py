@@ -17,9 +17,12 @@ Every int-weight method repacks its checkpoint at load time into one layout this
 Worked example, bits 4, G 4, K 8, N 1: qweight [[0x00003A21]] holds q = [1, 2, 10, 3, 0, 0, 0, 0]
 for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5, -2, -2, -2, -2].
 
-Three CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
-    M <= 16        kernels/wna16_gemv.py: the words streamed once, unpacked in registers (split-K)
-    16 < M < 128   `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
+CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
+    M < 128, int4, G % 128 == 0, 16-bit x   kernels/wna16_tc.py: LOP3-unpacked words straight into
+                   tensor-core dots, split-K for skinny batches (act-order: x read through perm)
+    M <= 16        (other int4 groups, 8-bit) kernels/wna16_gemv.py: the words streamed once, unpacked
+                   in registers (split-K)
+    16 < M < 128   (same) `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
                    BLOCK_N) words once, unpacks them into a (BLOCK_K, BLOCK_N) tile in natural order
                    (kernels/wna16_unpack.py) and runs one tensor-core dot on the x tile (act-order:
                    x gathered once per call); split-K for M <= 64
@@ -191,9 +194,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  dequant_min_m: int | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm). Larger M: the
-    tensor-core kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
-    rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
+    Below `dequant_min_m` rows (default DEQUANT_MIN_M) and up to TC_MAX_M: int4 g128 with 16-bit x
+    goes to `wna16_tc_linear`; otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x
+    through perm), larger M: the tile kernel on the packed words (act-order: x gathered by perm
+    once); from `dequant_min_m` rows a dequantized scratch and cuBLAS.
     `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
     num_stages]).
     """

@@ -1,17 +1,21 @@
-"""Int4 weight x 16-bit activation GEMM on tensor cores for M = 1..64, the words unpacked by LOP3 only.
+"""Int4 weight x 16-bit activation GEMM on tensor cores for decode batches (M = 1 .. 127 by the
+dispatch, up to 256 per launch), the packed words unpacked by LOP3 only.
 
 Layout: kernels/wna16_gemm.py, untouched (qweight (K // 8, N) int32, nibble i of word r holds input
 8r + i; scales / zeros (K // G, N)), so no second copy and no load-time repack beyond act-order's.
 
 Why: the FMA GEMV (wna16_gemv.py) spends ~54 sm_90 instructions per packed word (sm_90 SASS of its
 loop, compiled on the CPU with Triton's ptxas: mask, convert and FMA for each of the 8 values plus x
-loads), so at M = 1 it is issue-bound near 1.5 TB/s. Here the multiply-accumulate goes to the tensor
+loads), so at M = 1 it is issue-bound (BENCHMARKS.md). Here the multiply-accumulate goes to the tensor
 cores and a value costs about one integer instruction:
 
-    bits(((word >> 4s) & 0x000F000F) | MAGIC2) = (OFF + q_s, OFF + q_(s+4))   as two 16-bit floats
+    bits(((pair >> 4s) & 0x000F000F) | MAGIC2) = (OFF + q_a, OFF + q_b)   as two 16-bit floats
 
-with MAGIC = 0x4300 (bf16 128.0, ULP 1 below 256) or 0x6400 (fp16 1024.0, ULP 1 below 2048): one
-LOP3 (plus a shift) gives two exact values OFF + q. The offset is not subtracted per value; it joins
+with MAGIC = 0x4300 (bf16 128.0, ULP 1 below 256) or 0x6400 (fp16 1024.0, ULP 1 below 2048) and
+`pair` one PRMT of two words a, b (rows k, k + 1 of one column, the two values one tensor-core
+operand register holds): one LOP3 (plus a shift) gives a finished register of two exact OFF + q.
+Triton loads the word tile from shared memory straight into the mma operand layout (cp.async
+pipelined) and runs the PTX there, so the values never pass through shared memory. The offset is not subtracted per value; it joins
 the zero point, since per group g and output n
 
     sum_k x[k] (q[k] - z) = sum_k x[k] (OFF + q[k]) - (OFF + z) sum_k x[k]
@@ -20,9 +24,14 @@ The left sum is a tensor-core dot accumulated in fp32 (products exact, |OFF + q|
 max for bf16, so the cancellation costs ~4 of fp32's 24 bits); the scale multiplies the group's sum
 once. The 8 nibbles of a (BLOCK_KW, BLOCK_N) word tile are 8 separate (BLOCK_KW, BLOCK_N) B tiles:
 nibble i pairs with the x columns k0 + 8r + i (a strided x load, L1 resident), so no join / reshape
-of values and each dot is K = BLOCK_KW (16 for a 128-input step). M is padded to 16 rows.
+of values and each dot is K = BLOCK_KW (16 for a 128-input step). M is padded to 16 rows (at M = 1
+the tensor cores do 16x the useful work, which they have to spare). X_TILE loads x as one (BLOCK_M,
+BLOCK_K) tile and splits it in registers instead (fewer, vectorised loads; better from M = 32).
+Worked example: the loop of BLOCK_M 16, BLOCK_N 256, 8 warps compiles (sm_90 SASS) to ~23
+instructions per packed word: ~8 unpacking, 2 HMMA, 3 for the group epilogue, the rest x and
+addresses.
 
-Program (pn, pk): output columns [pn * BLOCK_N, +BLOCK_N) of all M rows, K range [pk * K_PER_SPLIT,
+Program (pm, pn, pk): rows [pm * BLOCK_M, +BLOCK_M), output columns [pn * BLOCK_N, +BLOCK_N), K range [pk * K_PER_SPLIT,
 +K_PER_SPLIT) in steps of one group-aligned BLOCK_K = 8 * BLOCK_KW inputs (BLOCK_K divides G, so G
 must be a multiple of 128 for BLOCK_KW = 16: the dispatch sends other groups to wna16_gemv). Split-K
 epilogue: kernels/gemv.py `store_split_k_output` (one launch, deterministic, CUDA-graph safe).
