@@ -60,7 +60,7 @@ def run_decode(out_dir: str) -> list[tuple[str, str]]:
                "--max-model-len", "4096", "--num-iters", "3", "--output-json", js]
         t = time.time()
         try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=80,
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100,
                                env={**os.environ, "PYTHONPATH": ROOT, **env})
             if r.returncode == 0 and os.path.exists(js):
                 d = json.load(open(js))
@@ -69,7 +69,7 @@ def run_decode(out_dir: str) -> list[tuple[str, str]]:
             else:
                 rows.append((tag, "failed: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])))
         except subprocess.TimeoutExpired:
-            rows.append((tag, "timed out after 80 s"))
+            rows.append((tag, "timed out after 100 s"))
         log(f"decode {tag}: {rows[-1][1]}")
     return rows
 
