@@ -12,6 +12,7 @@ kernels  qkv / o / gate_up / down at M = 1 .. 2048: bf16 cuBLAS (the model's den
          the default dispatch; act-order (perm) at M = 1 / 16 / 256; GPTQ-sym zeros (all 8) at M = 1;
          each held to its torch reference (max |err| / max |ref| <= 2e-2)
 sweep    tensor-core configs (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages, X_TILE) at M = 1, 16, 64, 256
+tests    tests/kernels/test_wna16_tc.py and test_wna16_gemm.py on the GPU (subprocess, last)
 Times: CUDA-graph replays of 20 calls (5 at M = 2048) rotating over >= 150 MB of weight copies (L2
 cannot serve repeats), microseconds per call; GB/s counts the packed int4 words only. Tables last.
 """
@@ -30,7 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048]
+MS = [1, 16, 64, 128, 256, 2048, 2, 4, 8, 32]  # most telling first (the time budget cuts the tail)
 G = 128
 DEV = "cuda"  # a CPU smoke run of the flow (interpreter) sets "cpu"
 T0 = time.time()
@@ -72,6 +73,18 @@ def run_decode(out_dir: str) -> list[tuple[str, str]]:
             rows.append((tag, "timed out after 100 s"))
         log(f"decode {tag}: {rows[-1][1]}")
     return rows
+
+
+def run_tests() -> str:
+    """The int4 kernel test files on the GPU (the PTX unpack included), in a subprocess."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_wna16_tc.py",
+           "tests/kernels/test_wna16_gemm.py"]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=40)
+        lines = (r.stdout + r.stderr).strip().splitlines()
+        return "\n".join([ln for ln in lines if ln.startswith("FAILED")] + lines[-1:])
+    except subprocess.TimeoutExpired:
+        return "tests: timed out after 40 s"
 
 
 def _weights(n: int, k: int):
@@ -128,51 +141,42 @@ def kernel_rows(deadline: float) -> list[dict]:
     from pagedllm.quantization.base import _dense_linear
 
     rows: list[dict] = []
-    for name, n, k in SHAPES:
-        bf16, int4, sym, perm = _weights(n, k)
+    weights = {name: _weights(n, k) for name, n, k in SHAPES}  # ~1.4 GB in all
+    # M outer: a run cut by the time budget loses the large M of every linear, not whole linears
+    for m, (name, n, k) in itertools.product(MS, SHAPES):
+        bf16, int4, sym, perm = weights[name]
         words = n * k / 2
-        for m in MS:
-            if time.time() > deadline:
-                log(f"kernels: {name} M={m} and later skipped (time budget)")
-                break
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            ref = wna16_linear_ref(x.float(), *int4[0], 4, G)
-            cases = [("bf16", lambda i, x=x: _dense_linear(x, bf16[i], None), len(bf16), None, n * k * 2),
-                     ("old int4", lambda i, x=x: _old_path(x, *int4[i]), len(int4), ref, words)]
-            if m <= KERNEL_MAX_M:
-                cases.append(("tc", lambda i, x=x: wna16_tc_linear(x, *int4[i], G), len(int4), ref, words))
-            if m == 1:
-                cases.append(("tc no-asm", lambda i, x=x: wna16_tc_linear(x, *int4[i], G, use_asm=False),
-                              len(int4), ref, words))
-                ref_sym = wna16_linear_ref(x.float(), *sym, 4, G)
-                cases.append(("tc gptq-sym", lambda i, x=x: wna16_tc_linear(x, *sym, G), 1, ref_sym, words))
-            if m >= 16:
-                cases.append(("dequant+cuBLAS", lambda i, x=x: wna16_linear(x, *int4[i], 4, G, dequant_min_m=1),
-                              len(int4), ref, words))
-            cases.append(("dispatch", lambda i, x=x: wna16_linear(x, *int4[i], 4, G), len(int4), ref, words))
-            if m in (1, 16, 256):
-                ref_p = wna16_linear_ref(x.float(), *int4[0], 4, G, perm=perm)
-                cases.append(("old int4 perm", lambda i, x=x: _old_path(x, *int4[i], perm=perm), len(int4), ref_p, words))
-                cases.append(("tc perm", lambda i, x=x: wna16_tc_linear(x, *int4[i], G, perm=perm),
-                              len(int4), ref_p, words))
-            _time_cases(rows, name, m, cases, 20 if m <= 256 else 5)
-            log(f"kernels {name} M={m}: " + ", ".join(
-                f"{r['kernel']} {r['us']:.1f}" if "us" in r else f"{r['kernel']} {r.get('error')}"
-                for r in rows if r["shape"] == name and r["m"] == m))
-        bf16 = int4 = None  # noqa: F841 - free this shape's weights before the next
-        torch.cuda.empty_cache()
+        if time.time() > deadline:
+            log(f"kernels: M={m} {name} skipped (time budget)")
+            continue
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        ref = wna16_linear_ref(x.float(), *int4[0], 4, G)
+        cases = [("bf16", lambda i, x=x: _dense_linear(x, bf16[i], None), len(bf16), None, n * k * 2),
+                 ("old int4", lambda i, x=x: _old_path(x, *int4[i]), len(int4), ref, words)]
+        if m <= KERNEL_MAX_M:
+            cases.append(("tc", lambda i, x=x: wna16_tc_linear(x, *int4[i], G), len(int4), ref, words))
+        if m == 1:
+            cases.append(("tc no-asm", lambda i, x=x: wna16_tc_linear(x, *int4[i], G, use_asm=False),
+                          len(int4), ref, words))
+            ref_sym = wna16_linear_ref(x.float(), *sym, 4, G)
+            cases.append(("tc gptq-sym", lambda i, x=x: wna16_tc_linear(x, *sym, G), 1, ref_sym, words))
+        if m >= 16:
+            cases.append(("dequant+cuBLAS", lambda i, x=x: wna16_linear(x, *int4[i], 4, G, dequant_min_m=1),
+                          len(int4), ref, words))
+        cases.append(("dispatch", lambda i, x=x: wna16_linear(x, *int4[i], 4, G), len(int4), ref, words))
+        if m in (1, 16, 256):
+            ref_p = wna16_linear_ref(x.float(), *int4[0], 4, G, perm=perm)
+            cases.append(("old int4 perm", lambda i, x=x: _old_path(x, *int4[i], perm=perm), len(int4), ref_p, words))
+            cases.append(("tc perm", lambda i, x=x: wna16_tc_linear(x, *int4[i], G, perm=perm),
+                          len(int4), ref_p, words))
+        _time_cases(rows, name, m, cases, 20 if m <= 256 else 5)
+        log(f"kernels {name} M={m}: " + ", ".join(
+            f"{r['kernel']} {r['us']:.1f}" if "us" in r else f"{r['kernel']} {r.get('error')}"
+            for r in rows if r["shape"] == name and r["m"] == m))
+    weights = None  # noqa: F841 - freed before the sweep
+    torch.cuda.empty_cache()
+    rows.sort(key=lambda r: ([s[0] for s in SHAPES].index(r["shape"]), r["m"]))
     return rows
-
-
-def _space(m: int):
-    """([(BLOCK_M, BLOCK_N, warps, stages, X_TILE)], splits) swept at M."""
-    if m == 1:
-        return [(16, bn, w, s, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + \
-            [(16, 256, 8, 3, True)], (2, 4, 8, 16)
-    if m == 16:
-        return [(16, bn, w, s, xt) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)], (1, 2, 4)
-    big = [(128, 128, 8, 3, True), (128, 64, 8, 3, True)] if m >= 128 else [(64, 128, 8, 3, False)]
-    return [(64, bn, w, s, True) for bn in (64, 128) for w, s in ((4, 3), (8, 3))] + big, (1, 2, 4)
 
 
 def sweep_rows(deadline: float) -> list[dict]:
@@ -180,57 +184,86 @@ def sweep_rows(deadline: float) -> list[dict]:
     from gpu_quant_speed_kernels import graph_us, rel_err
 
     from pagedllm.kernels.wna16_gemm import wna16_linear_ref
-    from pagedllm.kernels.wna16_tc import TCConfig, tc_config, wna16_tc_linear
+    from pagedllm.kernels.wna16_tc import tc_config, wna16_tc_linear
 
     rows: list[dict] = []
-    for name, n, k in [SHAPES[3], SHAPES[2], SHAPES[0], SHAPES[1]]:
-        _, int4, _, _ = _weights(n, k)
-        for m in (1, 16, 64, 256):
+    order = [SHAPES[3], SHAPES[2], SHAPES[0], SHAPES[1]]
+    weights = {name: _weights(n, k)[1] for name, n, k in order}
+    for m, (name, n, k) in itertools.product((1, 16, 64, 256), order):  # M outer: see kernel_rows
+        if time.time() > deadline:
+            log(f"sweep: M={m} {name} skipped (time budget)")
+            continue
+        int4 = weights[name]
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        ref = wna16_linear_ref(x.float(), *int4[0], 4, G)
+        default = tc_config(m, n, k)
+        found = []
+        for cfg in dict.fromkeys([default, *_configs(m, k)]):
             if time.time() > deadline:
-                log(f"sweep: {name} M={m} and later skipped (time budget)")
                 break
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            ref = wna16_linear_ref(x.float(), *int4[0], 4, G)
-            space, splits = _space(m)
-            found = []
-            for (bm, bn, nw, ns, xt), split in itertools.product(space, splits):
-                if split > k // 128 or time.time() > deadline:
-                    continue
-                cfg = TCConfig(bn, split, nw, ns, BLOCK_M=bm, X_TILE=xt)
-                try:
-                    err = rel_err(wna16_tc_linear(x, *int4[0], G, config=cfg), ref)
-                    us, _ = graph_us(lambda i, x=x, cfg=cfg: wna16_tc_linear(x, *int4[i], G, config=cfg), len(int4), 20)
-                    found.append({"config": f"BM{bm} BN{bn} split{split} w{nw} s{ns}" + (" xtile" if xt else ""), "us": us, "err": err,
-                                  "gbs": n * k / 2 / us / 1e3})
-                except Exception as e:  # noqa: BLE001
-                    log(f"tc {cfg}: {type(e).__name__}: {str(e)[:100]}")
-            d = tc_config(m, n, k)
-            bm = d.BLOCK_M or min(64, max(16, 1 << (m - 1).bit_length()))
-            dname = f"BM{bm} BN{d.BLOCK_N} split{d.SPLIT_K} w{d.num_warps} s{d.num_stages}" + (" xtile" if d.X_TILE else "")
-            ok = sorted((r for r in found if r["err"] <= 2e-2), key=lambda r: r["us"])
-            for r in ok[:4] + [dict(r, config="default " + r["config"]) for r in found if r["config"] == dname]:
-                rows.append(dict(r, shape=name, m=m))
-            for r in [r for r in found if not r["err"] <= 2e-2][:2]:
-                rows.append(dict(r, shape=name, m=m, config=f"OFF err {r['err']:.2g} {r['config']}"))
-            log(f"sweep {name} M={m}: best {ok[0] if ok else None}; default {dname}")
-        int4 = None  # noqa: F841
-        torch.cuda.empty_cache()
+            cname = _cfg_name(cfg, m)
+            try:
+                err = rel_err(wna16_tc_linear(x, *int4[0], G, config=cfg), ref)
+                us, _ = graph_us(lambda i, x=x, cfg=cfg: wna16_tc_linear(x, *int4[i], G, config=cfg), len(int4), 20)
+                found.append({"config": cname, "us": us, "err": err, "gbs": n * k / 2 / us / 1e3})
+            except Exception as e:  # noqa: BLE001
+                log(f"tc {cname}: {type(e).__name__}: {str(e)[:100]}")
+        ok = sorted((r for r in found if r["err"] <= 2e-2), key=lambda r: r["us"])
+        dname = _cfg_name(default, m)
+        for r in ok[:4] + [dict(r, config="default " + r["config"]) for r in found if r["config"] == dname]:
+            rows.append(dict(r, shape=name, m=m))
+        for r in [r for r in found if not r["err"] <= 2e-2][:2]:
+            rows.append(dict(r, shape=name, m=m, config=f"OFF err {r['err']:.2g} {r['config']}"))
+        log(f"sweep {name} M={m}: best {ok[0] if ok else None}; default {dname}")
+    weights = None  # noqa: F841
+    torch.cuda.empty_cache()
+    rows.sort(key=lambda r: ([s[0] for s in order].index(r["shape"]), r["m"]))
     return rows
+
+
+def _cfg_name(cfg, m: int) -> str:
+    bm = cfg.BLOCK_M or min(64, max(16, 1 << (m - 1).bit_length()))
+    return f"BM{bm} BN{cfg.BLOCK_N} split{cfg.SPLIT_K} w{cfg.num_warps} s{cfg.num_stages}" + \
+        (" xtile" if cfg.X_TILE else "")
+
+
+def _configs(m: int, k: int) -> list:
+    """The TCConfigs swept at M (splits that leave >= 1 step per split)."""
+    from pagedllm.kernels.wna16_tc import TCConfig
+
+    if m == 1:
+        space = [(16, bn, w, s, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + \
+            [(16, 256, 8, 3, True)]
+        splits = (2, 4, 8, 16)
+    elif m == 16:
+        space = [(16, bn, w, s, xt) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)]
+        splits = (1, 2, 4)
+    else:
+        big = [(128, 128, 8, 3, True), (128, 64, 8, 3, True)] if m >= 128 else [(64, 128, 8, 3, False)]
+        space = [(64, bn, w, s, True) for bn in (64, 128) for w, s in ((4, 3), (8, 3))] + big
+        splits = (1, 2, 4)
+    return [TCConfig(bn, split, w, s, BLOCK_M=bm, X_TILE=xt)
+            for (bm, bn, w, s, xt), split in itertools.product(space, splits) if split <= k // 128]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="wna16_"))
-    ap.add_argument("--sections", default="decode,kernels,sweep")
-    ap.add_argument("--budget", type=float, default=230.0, help="seconds after which kernels / sweep stop")
+    ap.add_argument("--sections", default="decode,kernels,sweep,tests")
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds after which kernels / sweep stop")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     os.makedirs(a.out, exist_ok=True)
     decode = run_decode(a.out) if "decode" in sections else []
     sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-    kern = kernel_rows(T0 + a.budget - 60) if "kernels" in sections else []
+    kern = kernel_rows(T0 + a.budget - 75) if "kernels" in sections else []
     sweep = sweep_rows(T0 + a.budget) if "sweep" in sections else []
-    json.dump({"kernels": kern, "sweep": sweep, "decode": decode},
+    if "tests" in sections:
+        import torch
+
+        torch.cuda.empty_cache()
+    tests = run_tests() if "tests" in sections else "not run"
+    json.dump({"kernels": kern, "sweep": sweep, "decode": decode, "tests": tests},
               open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     print("\n## tensor-core sweep (us; best first per linear / M, then the default)")
@@ -267,6 +300,7 @@ def main() -> None:
     print("\n## batch-1 decode step, Llama-3.1-8B shape (dummy weights; target <= 2.2 ms)")
     for tag, res in decode:
         print(f"| {tag} | {res} |")
+    print(f"\n## GPU kernel tests (test_wna16_tc, test_wna16_gemm)\n{tests}")
     print(f"\ntotal {time.time() - T0:.0f} s; results in {a.out}/results.json")
 
 
