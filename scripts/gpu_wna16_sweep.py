@@ -11,7 +11,8 @@ kernels  qkv / o / gate_up / down at M = 1 .. 2048: bf16 cuBLAS (the model's den
          kernel (its default config; also its shift + convert unpack at M = 1), dequantize + cuBLAS,
          the default dispatch; act-order (perm) at M = 1 / 16 / 256; GPTQ-sym zeros (all 8) at M = 1;
          each held to its torch reference (max |err| / max |ref| <= 2e-2)
-sweep    tensor-core configs (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages, X_TILE) at M = 1, 16, 64, 256
+sweep    tensor-core configs (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages, X_TILE, PRESCALE) at M = 1, 16,
+         64, 256
 tests    tests/kernels/test_wna16_tc.py and test_wna16_gemm.py on the GPU (subprocess, last)
 Times: CUDA-graph replays of 20 calls (5 at M = 2048) rotating over >= 150 MB of weight copies (L2
 cannot serve repeats), microseconds per call; GB/s counts the packed int4 words only. Tables last.
@@ -224,26 +225,32 @@ def sweep_rows(deadline: float) -> list[dict]:
 def _cfg_name(cfg, m: int) -> str:
     bm = cfg.BLOCK_M or min(64, max(16, 1 << (m - 1).bit_length()))
     return f"BM{bm} BN{cfg.BLOCK_N} split{cfg.SPLIT_K} w{cfg.num_warps} s{cfg.num_stages}" + \
-        (" xtile" if cfg.X_TILE else "")
+        (" xtile" if cfg.X_TILE else "") + (" prescale" if cfg.PRESCALE else "")
 
 
 def _configs(m: int, k: int) -> list:
-    """The TCConfigs swept at M (splits that leave >= 1 step per split)."""
+    """The TCConfigs swept at M: (BLOCK_M, BLOCK_N, warps, stages, X_TILE, PRESCALE) x splits that leave
+    >= 1 step per split."""
     from pagedllm.kernels.wna16_tc import TCConfig
 
     if m == 1:
-        space = [(16, bn, w, s, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + \
-            [(16, 256, 8, 3, True)]
+        space = [(16, bn, w, s, False, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + \
+            [(16, 256, 8, 3, True, False), (16, 128, 4, 3, True, False)]
         splits = (2, 4, 8, 16)
     elif m == 16:
-        space = [(16, bn, w, s, xt) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)]
+        space = [(16, bn, w, s, xt, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)]
+        space += [(16, 128, 4, 3, True, True)]
+        splits = (1, 2, 4)
+    elif m == 64:
+        space = [(64, 64, 4, 3, True, True), (64, 128, 4, 3, True, True), (64, 128, 8, 3, True, True),
+                 (64, 64, 4, 4, True, True), (64, 128, 4, 3, True, False)]
         splits = (1, 2, 4)
     else:
-        big = [(128, 128, 8, 3, True), (128, 64, 8, 3, True)] if m >= 128 else [(64, 128, 8, 3, False)]
-        space = [(64, bn, w, s, True) for bn in (64, 128) for w, s in ((4, 3), (8, 3))] + big
-        splits = (1, 2, 4)
-    return [TCConfig(bn, split, w, s, BLOCK_M=bm, X_TILE=xt)
-            for (bm, bn, w, s, xt), split in itertools.product(space, splits) if split <= k // 128]
+        space = [(128, 128, 8, 3, True, True), (128, 64, 8, 3, True, True), (128, 256, 8, 3, True, True),
+                 (64, 128, 4, 3, True, True), (128, 128, 8, 4, True, True), (128, 128, 8, 3, True, False)]
+        splits = (1, 2)
+    return [TCConfig(bn, split, w, s, BLOCK_M=bm, X_TILE=xt, PRESCALE=ps)
+            for (bm, bn, w, s, xt, ps), split in itertools.product(space, splits) if split <= k // 128]
 
 
 def main() -> None:

@@ -87,6 +87,21 @@ lop3.b32 $7, s5, 0x000F000F, $10, 0xEA;
 
 
 
+
+
+def _scale_asm(dt: str, one: int) -> str:
+    """_UNPACK_ASM, then each register (OFF + q_a, OFF + q_b) -> ((q_a - z) * s, (q_b - z) * s) by two
+    packed FMAs: + $12 (-(OFF + z), exact) then * $13 (s), one rounding, as a dequantized weight."""
+    body = _UNPACK_ASM.value.strip()[1:-1].replace(".reg .b32 p<2>, s<6>;", ".reg .b32 p<2>, s<6>, one, zero;")
+    body = body.replace("prmt.b32 p0,", f"mov.b32 one, {one:#x};\nmov.b32 zero, 0;\nprmt.b32 p0,", 1)
+    fmas = "".join(f"fma.rn.{dt} ${i}, ${i}, one, $12;\nfma.rn.{dt} ${i}, ${i}, $13, zero;\n" for i in range(8))
+    return "{" + body + fmas + "}"
+
+
+_SCALE_ASM_BF16 = tl.constexpr(_scale_asm("bf16x2", 0x3F803F80))
+_SCALE_ASM_F16 = tl.constexpr(_scale_asm("f16x2", 0x3C003C00))
+
+
 class TCConfig(NamedTuple):
     BLOCK_N: int  # output columns per program
     SPLIT_K: int  # programs per N-block (asked; fewer when K has fewer steps)
@@ -95,6 +110,7 @@ class TCConfig(NamedTuple):
     BLOCK_KW: int = 16  # word rows per step (BLOCK_K = 8 * BLOCK_KW inputs)
     BLOCK_M: int = 0  # rows per program; 0: M padded to a power of two >= 16, at most 64 (128 is allowed)
     X_TILE: bool = False  # x as one (BLOCK_M, BLOCK_K) load split in registers, not 8 strided loads
+    PRESCALE: bool = False  # B = (q - z) * s in x's dtype (2 packed FMAs a register), no per-group epilogue
 
 
 @triton.jit
@@ -119,6 +135,36 @@ def _nibbles(words, x_ptr, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.c
 
 
 @triton.jit
+def _weights(words, x_ptr, z, s, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.constexpr):
+    """8 tiles (q_i - z) * s in x's dtype (z, s: (BLOCK_N,) fp32), rounded once as a dequantized weight."""
+    DTYPE = x_ptr.dtype.element_ty
+    if USE_ASM:
+        magic = tl.full(words.shape, MAGIC, tl.int32)
+        nz = tl.broadcast_to((-(z + OFF)).to(DTYPE)[None, :], words.shape)
+        sb = tl.broadcast_to(s.to(DTYPE)[None, :], words.shape)
+        if DTYPE == tl.bfloat16:
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                _SCALE_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, magic, nz, sb],
+                dtype=(DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE), is_pure=True, pack=2)
+        else:
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                _SCALE_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, magic, nz, sb],
+                dtype=(DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE), is_pure=True, pack=2)
+    else:  # s rounded to x's dtype first, as the PTX path sees it
+        sd = s.to(DTYPE).to(tl.float32)[None, :]
+        zd = z[None, :]
+        w0 = ((((words >> 0) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w1 = ((((words >> 4) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w2 = ((((words >> 8) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w3 = ((((words >> 12) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w4 = ((((words >> 16) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w5 = ((((words >> 20) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w6 = ((((words >> 24) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+        w7 = ((((words >> 28) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
 def _cols(perm_ptr, cols, HAS_PERM: tl.constexpr):
     """The x columns of weight rows `cols` (act-order: row k holds input perm[k])."""
     if HAS_PERM:
@@ -131,7 +177,8 @@ def _wna16_tc_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
     GROUP_SIZE: tl.constexpr, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, X_TILE: tl.constexpr, USE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, X_TILE: tl.constexpr, PRESCALE: tl.constexpr,
+    USE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
@@ -156,8 +203,12 @@ def _wna16_tc_kernel(
         words = tl.load(w_ptrs, mask=mask_n[None, :], other=0, eviction_policy="evict_first")
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32) + OFF
-        v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles(words, x_ptr, MAGIC, OFF, USE_ASM)
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        if PRESCALE:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _weights(words, x_ptr, z, s, MAGIC, OFF, USE_ASM)
+        else:
+            z = z + OFF
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles(words, x_ptr, MAGIC, OFF, USE_ASM)
         if X_TILE:
             # one (BLOCK_M, BLOCK_K) load, then x_i[m, r] = x[m, 8r + i] by three in-register splits:
             # column 8r + 4a + 2b + c is element (r, a, b, c) of the reshape, i = 4a + 2b + c
@@ -181,15 +232,25 @@ def _wna16_tc_kernel(
             x7 = tl.load(x_rows + _cols(perm_ptr, x_cols + 7, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
             xsum = tl.sum((x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32))
                           + (x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)), axis=1)
-        part = tl.dot(x0, v0, input_precision=DOT_PRECISION)
-        part = tl.dot(x1, v1, part, input_precision=DOT_PRECISION)
-        part = tl.dot(x2, v2, part, input_precision=DOT_PRECISION)
-        part = tl.dot(x3, v3, part, input_precision=DOT_PRECISION)
-        part = tl.dot(x4, v4, part, input_precision=DOT_PRECISION)
-        part = tl.dot(x5, v5, part, input_precision=DOT_PRECISION)
-        part = tl.dot(x6, v6, part, input_precision=DOT_PRECISION)
-        part = tl.dot(x7, v7, part, input_precision=DOT_PRECISION)
-        acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
+        if PRESCALE:  # the weights are final: accumulate straight into acc
+            acc = tl.dot(x0, v0, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x1, v1, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x2, v2, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x3, v3, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x4, v4, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x5, v5, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x6, v6, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x7, v7, acc, input_precision=DOT_PRECISION)
+        else:
+            part = tl.dot(x0, v0, input_precision=DOT_PRECISION)
+            part = tl.dot(x1, v1, part, input_precision=DOT_PRECISION)
+            part = tl.dot(x2, v2, part, input_precision=DOT_PRECISION)
+            part = tl.dot(x3, v3, part, input_precision=DOT_PRECISION)
+            part = tl.dot(x4, v4, part, input_precision=DOT_PRECISION)
+            part = tl.dot(x5, v5, part, input_precision=DOT_PRECISION)
+            part = tl.dot(x6, v6, part, input_precision=DOT_PRECISION)
+            part = tl.dot(x7, v7, part, input_precision=DOT_PRECISION)
+            acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
         w_ptrs += BLOCK_KW * N
         x_cols += BLOCK_K
     # one split-K counter per (M block, N block) tile
@@ -205,14 +266,22 @@ def tc_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
 
 
 def tc_config(m: int, n: int, k: int) -> TCConfig:
-    """Launch configuration; the defaults are the H200 sweep's picks (scripts/gpu_wna16_sweep.py)."""
-    block_n = 128 if m <= 16 else 64
-    n_blocks = triton.cdiv(n, block_n)
+    """Launch configuration; the defaults are the H200 sweep's picks (scripts/gpu_wna16_sweep.py).
+    Decode rows (M <= 16): 128-column programs, K split until ~4 programs an SM. Larger M: x as one
+    tile, prescaled weights (the per-group epilogue would cost more than the unpacking), 64- then
+    128-row blocks on wgmma."""
+    if m <= 16:
+        block_n, block_m, warps, target = 128, 0, 4, 528
+    elif m <= 64:
+        block_n, block_m, warps, target = 64, 0, 4, 264
+    else:
+        block_n, block_m, warps, target = 128, 128, 8, 132
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m or min(64, triton.next_power_of_2(m)))
     steps = k // 128
     split = 1
-    while n_blocks * split < 528 and split * 4 <= steps:
+    while tiles * split < target and split * 4 <= steps:
         split *= 2
-    return TCConfig(block_n, split, 4, 3, X_TILE=m > 16)
+    return TCConfig(block_n, split, warps, 3, BLOCK_M=block_m, X_TILE=m > 16, PRESCALE=m > 16)
 
 
 def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -257,7 +326,7 @@ def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         out, ws[0], ws[1],
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,
         GROUP_SIZE=group_size, MAGIC=magic, OFF=off, USE_ASM=use_asm, HAS_BIAS=bias is not None,
-        HAS_PERM=perm is not None, X_TILE=cfg.X_TILE,
+        HAS_PERM=perm is not None, X_TILE=cfg.X_TILE, PRESCALE=cfg.PRESCALE,
         USE_SPLIT=split > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

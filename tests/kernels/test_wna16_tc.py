@@ -19,8 +19,9 @@ def _weights(k: int, n: int, group: int, device):
 
 
 # (m, config): one program per N block; split-K over 2 steps (x as one tile split in registers);
-# two M blocks of 16 rows with split-K.
-CASES = [(1, TCConfig(32, 1, 4, 2)), (3, TCConfig(32, 2, 4, 2, X_TILE=True)), (20, TCConfig(64, 2, 4, 2, 16, 16))]
+# two M blocks of 16 rows with split-K, prescaled weights.
+CASES = [(1, TCConfig(32, 1, 4, 2)), (3, TCConfig(32, 2, 4, 2, X_TILE=True)),
+         (20, TCConfig(64, 2, 4, 2, 16, 16, PRESCALE=True))]
 
 
 @pytest.mark.parametrize(("m", "config"), CASES)
@@ -45,8 +46,10 @@ def test_tc_kernel_16bit(device):
     for dtype in dtypes:
         x = torch.randn(2, k, device=device).to(dtype)
         ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group).float()
-        out = wna16_tc_linear(x, qweight, scales, zeros, group, config=TCConfig(32, 2, 4, 2)).float()
-        assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
+        for prescale in (False, True):
+            cfg = TCConfig(32, 2, 4, 2, PRESCALE=prescale)
+            out = wna16_tc_linear(x, qweight, scales, zeros, group, config=cfg).float()
+            assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 def test_dispatch_and_config(device):
