@@ -1,5 +1,5 @@
-"""Int4 weight x 16-bit activation GEMM on tensor cores for decode batches (M = 1 .. 127 by the
-dispatch, up to 256 per launch), the packed words unpacked by LOP3 only.
+"""Int4 weight x 16-bit activation GEMM on tensor cores for decode batches (the dispatch's M range is
+wna16_gemm.TC_MAX_M; a launch takes up to 8192 rows), the packed words unpacked by LOP3 only.
 
 Layout: kernels/wna16_gemm.py, untouched (qweight (K // 8, N) int32, nibble i of word r holds input
 8r + i; scales / zeros (K // G, N)), so no second copy and no load-time repack beyond act-order's.
@@ -29,7 +29,10 @@ the tensor cores do 16x the useful work, which they have to spare). X_TILE loads
 BLOCK_K) tile and splits it in registers instead (fewer, vectorised loads; better from M = 32).
 Worked example: the loop of BLOCK_M 16, BLOCK_N 256, 8 warps compiles (sm_90 SASS) to ~23
 instructions per packed word: ~8 unpacking, 2 HMMA, 3 for the group epilogue, the rest x and
-addresses.
+addresses. PRESCALE (for larger M, where that epilogue grows with the rows) instead finishes each
+register as a dequantized weight, ((OFF + q) - (OFF + z)) * s by two packed FMAs (the first exact,
+the second the one rounding the dequantize + cuBLAS path also has), and the dots accumulate
+straight into acc: at BLOCK_M 128, ~44 instructions per word instead of ~105.
 
 Program (pm, pn, pk): rows [pm * BLOCK_M, +BLOCK_M), output columns [pn * BLOCK_N, +BLOCK_N), K range [pk * K_PER_SPLIT,
 +K_PER_SPLIT) in steps of one group-aligned BLOCK_K = 8 * BLOCK_KW inputs (BLOCK_K divides G, so G
@@ -53,7 +56,7 @@ from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
 
 __all__ = ["TCConfig", "tc_config", "tc_supported", "wna16_tc_linear"]
 
-KERNEL_MAX_M = 256  # rows one launch takes (M blocks of <= 64 rows each re-read the words)
+KERNEL_MAX_M = 8192  # rows one launch takes (each M block re-reads the words, mostly from L2)
 _WS_FLOATS = 1 << 23  # 32 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
