@@ -257,14 +257,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="wna16_"))
     ap.add_argument("--sections", default="decode,kernels,sweep,tests")
-    ap.add_argument("--budget", type=float, default=200.0, help="seconds after which kernels / sweep stop")
+    ap.add_argument("--budget", type=float, default=110.0,
+                    help="seconds for kernels + sweep after the decode runs (kernels get half)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     os.makedirs(a.out, exist_ok=True)
     decode = run_decode(a.out) if "decode" in sections else []
     sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-    kern = kernel_rows(T0 + a.budget - 75) if "kernels" in sections else []
-    sweep = sweep_rows(T0 + a.budget) if "sweep" in sections else []
+    t1 = time.time()
+    kern = kernel_rows(t1 + a.budget / 2) if "kernels" in sections else []
+    sweep = sweep_rows(t1 + a.budget) if "sweep" in sections else []
     if "tests" in sections:
         import torch
 
