@@ -180,7 +180,8 @@ def kernel_rows(deadline: float) -> list[dict]:
     return rows
 
 
-def sweep_rows(deadline: float) -> list[dict]:
+def sweep_rows(start: float, end: float) -> list[dict]:
+    """Each of the 4 Ms gets a quarter of [start, end)."""
     import torch
     from gpu_quant_speed_kernels import graph_us, rel_err
 
@@ -190,7 +191,9 @@ def sweep_rows(deadline: float) -> list[dict]:
     rows: list[dict] = []
     order = [SHAPES[3], SHAPES[2], SHAPES[0], SHAPES[1]]
     weights = {name: _weights(n, k)[1] for name, n, k in order}
-    for m, (name, n, k) in itertools.product((1, 16, 64, 256), order):  # M outer: see kernel_rows
+    ms = (1, 16, 64, 256)
+    for m, (name, n, k) in itertools.product(ms, order):  # M outer: see kernel_rows
+        deadline = start + (ms.index(m) + 1) * (end - start) / len(ms)
         if time.time() > deadline:
             log(f"sweep: M={m} {name} skipped (time budget)")
             continue
@@ -234,8 +237,8 @@ def _configs(m: int, k: int) -> list:
     from pagedllm.kernels.wna16_tc import TCConfig
 
     if m == 1:
-        space = [(16, bn, w, s, False, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3), (8, 4))] + \
-            [(16, 256, 8, 3, True, False), (16, 128, 4, 3, True, False)]
+        space = [(16, 128, 4, 3, False, False), (16, 128, 8, 3, False, False), (16, 256, 8, 3, False, False),
+                 (16, 256, 8, 4, False, False), (16, 128, 4, 3, True, False), (16, 256, 8, 3, True, False)]
         splits = (2, 4, 8, 16)
     elif m == 16:
         space = [(16, bn, w, s, xt, False) for bn in (128, 256) for w, s in ((4, 3), (8, 3)) for xt in (False, True)]
@@ -257,7 +260,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="wna16_"))
     ap.add_argument("--sections", default="decode,kernels,sweep,tests")
-    ap.add_argument("--budget", type=float, default=110.0,
+    ap.add_argument("--budget", type=float, default=120.0,
                     help="seconds for kernels + sweep after the decode runs (kernels get half)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -266,7 +269,7 @@ def main() -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
     t1 = time.time()
     kern = kernel_rows(t1 + a.budget / 2) if "kernels" in sections else []
-    sweep = sweep_rows(t1 + a.budget) if "sweep" in sections else []
+    sweep = sweep_rows(t1 + a.budget / 2, t1 + a.budget) if "sweep" in sections else []
     if "tests" in sections:
         import torch
 
