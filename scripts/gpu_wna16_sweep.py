@@ -261,14 +261,14 @@ def main() -> None:
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="wna16_"))
     ap.add_argument("--sections", default="decode,kernels,sweep,tests")
     ap.add_argument("--budget", type=float, default=120.0,
-                    help="seconds for kernels + sweep after the decode runs (kernels get half)")
+                    help="seconds for kernels + sweep after the decode runs (kernels get half, all without sweep)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     os.makedirs(a.out, exist_ok=True)
     decode = run_decode(a.out) if "decode" in sections else []
     sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
     t1 = time.time()
-    kern = kernel_rows(t1 + a.budget / 2) if "kernels" in sections else []
+    kern = kernel_rows(t1 + (a.budget / 2 if "sweep" in sections else a.budget)) if "kernels" in sections else []
     sweep = sweep_rows(t1 + a.budget / 2, t1 + a.budget) if "sweep" in sections else []
     if "tests" in sections:
         import torch

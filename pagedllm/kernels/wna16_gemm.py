@@ -183,9 +183,21 @@ def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tupl
 # (qkv / o / gate_up / down) against the tile kernel's 90 / 59 / 342 / 174 at its best config; at M = 64
 # the two were within 30% either way.
 DEQUANT_MIN_M = 128
-# Int4 with groups of 128 (or multiples) and 16-bit activations: up to this many rows go to the
-# tensor-core kernel (kernels/wna16_tc.py) instead of the FMA GEMV / the tile kernel above.
-TC_MAX_M = DEQUANT_MIN_M - 1 if environment_variables["PAGEDLLM_WNA16_TC"]() else 0
+# Int4 with groups of 128 (or multiples) and 16-bit activations go to the tensor-core kernel
+# (kernels/wna16_tc.py) up to TC_MAX_M rows, and up to TC_MAX_M_LARGE rows for weights of at least
+# TC_LARGE_WEIGHTS values; beyond that to the dequantized scratch (faster there than the tile kernel
+# above). Picked from the H200 sweep of the 8B linears: BENCHMARKS.md, issue 19, the h32 subsection.
+TC_ENABLED = environment_variables["PAGEDLLM_WNA16_TC"]()
+TC_MAX_M = 64
+TC_MAX_M_LARGE = 128
+TC_LARGE_WEIGHTS = 40 << 20  # gate_up (28672 x 4096) and down (4096 x 14336) of the 8B; not qkv / o
+
+
+def tc_max_m(n: int, k: int) -> int:
+    """The most rows the tensor-core kernel takes for an (N, K) int4 weight (0 when switched off)."""
+    if not TC_ENABLED:
+        return 0
+    return TC_MAX_M_LARGE if n * k >= TC_LARGE_WEIGHTS else TC_MAX_M
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -194,10 +206,11 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  dequant_min_m: int | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    Below `dequant_min_m` rows (default DEQUANT_MIN_M) and up to TC_MAX_M: int4 g128 with 16-bit x
-    goes to `wna16_tc_linear`; otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x
-    through perm), larger M: the tile kernel on the packed words (act-order: x gathered by perm
-    once); from `dequant_min_m` rows a dequantized scratch and cuBLAS.
+    Int4 g128 with 16-bit x: `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
+    act-order: x read through perm up to 16 rows, gathered once above), then the dequantized scratch.
+    Otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm), larger M:
+    the tile kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
+    rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
     `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
     num_stages]).
     """
@@ -206,12 +219,20 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     pf = 32 // bits
     if qweight.shape[0] * pf != k:
         raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
-    if config is None and m <= TC_MAX_M and m < (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m) \
-            and tc_supported(x, bits, group_size, k):
-        return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm)
+    dequant_from = DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m
+    if config is None and tc_supported(x, bits, group_size, k) and tc_max_m(n, k):
+        limit = tc_max_m(n, k)
+        if m <= limit and m < dequant_from:
+            # act-order: in-kernel reads through perm are cheap for a few rows; gathered x tiles of many
+            # rows are ~10x slower (BENCHMARKS.md), so larger batches gather x once
+            if perm is not None and m > MAX_GEMV_M:
+                x, perm = x.index_select(1, perm), None
+            return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm)
+        if dequant_min_m is None:
+            dequant_from = limit + 1  # past the tensor-core kernel: the scratch (the tile kernel is slower)
     if m <= MAX_GEMV_M and config is None:
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias, perm)
-    if config is None and m >= (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m):
+    if config is None and m >= dequant_from:
         w = dequantize_wna16_triton(qweight, scales, zeros, bits, group_size, x.dtype)
         xs = x if perm is None else x.index_select(1, perm)
         out = torch.matmul(xs, w)

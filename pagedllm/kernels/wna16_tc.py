@@ -269,22 +269,33 @@ def tc_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
 
 
 def tc_config(m: int, n: int, k: int) -> TCConfig:
-    """Launch configuration; the defaults are the H200 sweep's picks (scripts/gpu_wna16_sweep.py).
-    Decode rows (M <= 16): 128-column programs, K split until ~4 programs an SM. Larger M: x as one
-    tile, prescaled weights (the per-group epilogue would cost more than the unpacking), 64- then
-    128-row blocks on wgmma."""
-    if m <= 16:
-        block_n, block_m, warps, target = 128, 0, 4, 528
-    elif m <= 64:
-        block_n, block_m, warps, target = 64, 0, 4, 264
-    else:
-        block_n, block_m, warps, target = 128, 128, 8, 132
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m or min(64, triton.next_power_of_2(m)))
+    """Launch configuration, rules fitted to the H200 sweep (scripts/gpu_wna16_sweep.py, BENCHMARKS.md):
+
+    M <= 16   128 columns a program; split K while the programs stay <= 512, each split keeps >= 4
+              steps and the split-K partials (written and read, 8 bytes an output a split) stay under
+              1/8 of the weight bytes (at M = 16 they are what extra splits cost); 8 warps for short
+              splits (<= 4 steps) and for M > 1, x as one tile for M > 1 (the 8 strided x loads of 16
+              real rows are uncoalesced). Down 14336 -> 4096 at M = 1: 32 blocks x 16 splits, 4 warps.
+    M <= 64   64 x 64 tiles, prescaled weights, split 4 (2 from 200 column blocks).
+    larger    128 x 128 tiles on 8 warps (wgmma), prescaled, K split to >= 132 programs.
+    """
     steps = k // 128
+    if m <= 16:
+        n_blocks = triton.cdiv(n, 128)
+        split = 1
+        while (n_blocks * split * 2 <= 512 and steps // (split * 2) >= 4
+               and split * 2 * m * n * 8 <= n * k // 16):
+            split *= 2
+        warps = 8 if (m > 1 or steps // split <= 4) else 4
+        return TCConfig(128, split, warps, 3, X_TILE=m > 1)
+    if m <= 64:
+        split = min(4 if triton.cdiv(n, 64) < 200 else 2, max(1, steps // 4))
+        return TCConfig(64, split, 4, 3, X_TILE=True, PRESCALE=True)
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, 128)
     split = 1
-    while tiles * split < target and split * 4 <= steps:
+    while tiles * split < 132 and split * 4 <= steps:
         split *= 2
-    return TCConfig(block_n, split, warps, 3, BLOCK_M=block_m, X_TILE=m > 16, PRESCALE=m > 16)
+    return TCConfig(128, split, 8, 3, BLOCK_M=128, X_TILE=True, PRESCALE=True)
 
 
 def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

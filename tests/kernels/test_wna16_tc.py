@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
+from pagedllm.kernels.wna16_gemm import pack_along_k, tc_max_m, wna16_linear, wna16_linear_ref
 from pagedllm.kernels.wna16_tc import TCConfig, tc_config, wna16_tc_linear
 
 
@@ -61,5 +61,13 @@ def test_dispatch_and_config(device):
                                wna16_linear_ref(x, qweight, scales, zeros, 4, group), atol=1e-3, rtol=1e-3)
     with pytest.raises(ValueError, match="must divide the group size"):
         wna16_tc_linear(x, qweight, scales, zeros, 64)
-    cfg = tc_config(1, 4096, 14336)
-    assert cfg.SPLIT_K > 1 and (4096 // cfg.BLOCK_N) * cfg.SPLIT_K >= 132
+    # act-order above 16 rows: x gathered once, then the kernel without perm
+    perm = torch.randperm(k, device=device).to(torch.int32)
+    x20 = torch.randn(20, k, device=device)
+    torch.testing.assert_close(wna16_linear(x20, qweight, scales, zeros, 4, group, perm=perm),
+                               wna16_linear_ref(x20, qweight, scales, zeros, 4, group, perm=perm), atol=1e-3, rtol=1e-3)
+    # The sweep's picks: down (14336 -> 4096) at M = 1 in 32 blocks x 16 splits on 4 warps; the
+    # kernel up to 128 rows only for large weights (gate_up, down), 64 for qkv / o.
+    assert tc_config(1, 4096, 14336)[:4] == (128, 16, 4, 3)
+    assert tc_config(1, 28672, 4096).SPLIT_K == 2 and tc_config(16, 4096, 14336).SPLIT_K == 4
+    assert tc_max_m(28672, 4096) == 128 and tc_max_m(6144, 4096) == 64
