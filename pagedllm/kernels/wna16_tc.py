@@ -176,6 +176,21 @@ def _cols(perm_ptr, cols, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
+def _x_tiles(x_rows, perm_ptr, cols, mask_m, HAS_PERM: tl.constexpr):
+    """The 8 strided (BLOCK_M, BLOCK_KW) x tiles of a step: tile i holds x columns cols + i."""
+    m = mask_m[:, None]
+    x0 = tl.load(x_rows + _cols(perm_ptr, cols + 0, HAS_PERM)[None, :], mask=m, other=0.0)
+    x1 = tl.load(x_rows + _cols(perm_ptr, cols + 1, HAS_PERM)[None, :], mask=m, other=0.0)
+    x2 = tl.load(x_rows + _cols(perm_ptr, cols + 2, HAS_PERM)[None, :], mask=m, other=0.0)
+    x3 = tl.load(x_rows + _cols(perm_ptr, cols + 3, HAS_PERM)[None, :], mask=m, other=0.0)
+    x4 = tl.load(x_rows + _cols(perm_ptr, cols + 4, HAS_PERM)[None, :], mask=m, other=0.0)
+    x5 = tl.load(x_rows + _cols(perm_ptr, cols + 5, HAS_PERM)[None, :], mask=m, other=0.0)
+    x6 = tl.load(x_rows + _cols(perm_ptr, cols + 6, HAS_PERM)[None, :], mask=m, other=0.0)
+    x7 = tl.load(x_rows + _cols(perm_ptr, cols + 7, HAS_PERM)[None, :], mask=m, other=0.0)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _wna16_tc_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
@@ -202,11 +217,21 @@ def _wna16_tc_kernel(
     # x column k0 + 8r + i of nibble i, row r of the step's words
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     x_cols = k_start + offs_kw * 8
+    # Scales / zero points are loaded one step ahead, by hand: Triton's pipeliner streams only the
+    # words (cp.async) here, and a plain load of the step's own scales waits a DRAM round trip every
+    # step (in the H200 round the kernel barely sped up when L2 held the words: BENCHMARKS.md). The last step's
+    # prefetch reads a clamped, valid group, unused. (Prefetching the 8 strided x tiles as well
+    # costs 30 more registers, 3 instead of 4 programs an SM at M = 1.)
+    g0 = k_start // GROUP_SIZE
+    s_next = tl.load(s_ptr + g0 * N + offs_n, mask=mask_n, other=0.0)
+    z_next = tl.load(z_ptr + g0 * N + offs_n, mask=mask_n, other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
         words = tl.load(w_ptrs, mask=mask_n[None, :], other=0, eviction_policy="evict_first")
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        s = s_next.to(tl.float32)
+        z = z_next.to(tl.float32)
+        g_next = tl.minimum(k0 + BLOCK_K, K - 1) // GROUP_SIZE
+        s_next = tl.load(s_ptr + g_next * N + offs_n, mask=mask_n, other=0.0)
+        z_next = tl.load(z_ptr + g_next * N + offs_n, mask=mask_n, other=0)
         if PRESCALE:
             v0, v1, v2, v3, v4, v5, v6, v7 = _weights(words, x_ptr, z, s, MAGIC, OFF, USE_ASM)
         else:
@@ -225,14 +250,7 @@ def _wna16_tc_kernel(
             x1, x5 = tl.split(xb2)
             x3, x7 = tl.split(xb3)
         else:
-            x0 = tl.load(x_rows + _cols(perm_ptr, x_cols + 0, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x1 = tl.load(x_rows + _cols(perm_ptr, x_cols + 1, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x2 = tl.load(x_rows + _cols(perm_ptr, x_cols + 2, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x3 = tl.load(x_rows + _cols(perm_ptr, x_cols + 3, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x4 = tl.load(x_rows + _cols(perm_ptr, x_cols + 4, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x5 = tl.load(x_rows + _cols(perm_ptr, x_cols + 5, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x6 = tl.load(x_rows + _cols(perm_ptr, x_cols + 6, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
-            x7 = tl.load(x_rows + _cols(perm_ptr, x_cols + 7, HAS_PERM)[None, :], mask=mask_m[:, None], other=0.0)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_tiles(x_rows, perm_ptr, x_cols, mask_m, HAS_PERM)
             xsum = tl.sum((x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32))
                           + (x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)), axis=1)
         if PRESCALE:  # the weights are final: accumulate straight into acc
