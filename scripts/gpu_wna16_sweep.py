@@ -138,7 +138,7 @@ def kernel_rows(deadline: float) -> list[dict]:
     import torch
 
     from pagedllm.kernels.wna16_gemm import wna16_linear, wna16_linear_ref
-    from pagedllm.kernels.wna16_tc import KERNEL_MAX_M, wna16_tc_linear
+    from pagedllm.kernels.wna16_tc import KERNEL_MAX_M, tc_config, wna16_tc_linear
     from pagedllm.quantization.base import _dense_linear
 
     rows: list[dict] = []
@@ -158,6 +158,9 @@ def kernel_rows(deadline: float) -> list[dict]:
             cases.append(("tc", lambda i, x=x: wna16_tc_linear(x, *int4[i], G), len(int4), ref, words))
         if m == 1:
             cases.append(("tc no-asm", lambda i, x=x: wna16_tc_linear(x, *int4[i], G, use_asm=False),
+                          len(int4), ref, words))
+            xt = tc_config(1, n, k)._replace(X_TILE=True)
+            cases.append(("tc x-tile", lambda i, x=x, xt=xt: wna16_tc_linear(x, *int4[i], G, config=xt),
                           len(int4), ref, words))
             ref_sym = wna16_linear_ref(x.float(), *sym, 4, G)
             cases.append(("tc gptq-sym", lambda i, x=x: wna16_tc_linear(x, *sym, G), 1, ref_sym, words))
