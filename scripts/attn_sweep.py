@@ -1,14 +1,17 @@
 """Sweep the paged-attention kernel's tile configuration on the GPU for W1-like batches.
 
-Usage (GPU machine): python3 scripts/attn_sweep.py
+Usage (GPU machine): python3 scripts/attn_sweep.py [--kv-dtype fp8] [--cases decode256,decode64]
 For each case (a decode batch, a prefill-heavy mixed batch) and head layout (Qwen3-0.6B 16/8,
 Llama-3.1-8B 32/8, head_dim 128, bf16, block_size 16), every (BLOCK_M, TILE_N, num_warps,
 num_stages) candidate is checked against the default config's output and timed with CUDA
 events; the K/V bytes read give the bandwidth. Prints the best per case and a table.
+`--kv-dtype fp8`: the cache in float8_e4m3fn (`kv_cache_dtype="fp8"`), half the bytes per key; the
+default config is the one bf16 tuned, so the sweep shows whether fp8 wants other tiles.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import random
@@ -22,7 +25,7 @@ from pagedllm.benchmarks.roofline import _cuda_timed
 from pagedllm.kernels import paged_attention as pa
 
 
-def case(kind: str, heads: int, kv_heads: int, seed: int = 0):
+def case(kind: str, heads: int, kv_heads: int, seed: int = 0, kv_dtype: torch.dtype = torch.bfloat16):
     rng = random.Random(seed)
     bs, d = 16, 128
     if kind == "decode256":
@@ -49,9 +52,9 @@ def case(kind: str, heads: int, kv_heads: int, seed: int = 0):
         tables.append(perm[at: at + nb])
         at += nb
     md = build_metadata(q_lens, seq, tables, bs, device="cuda")
-    cache = torch.randn(2, blocks_needed, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, blocks_needed, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     q = torch.randn(sum(q_lens), heads, d, device="cuda", dtype=torch.bfloat16)
-    kv_bytes = sum(seq) * kv_heads * d * 2 * 2
+    kv_bytes = sum(seq) * kv_heads * d * 2 * cache.element_size()
     return q, cache, md, kv_bytes
 
 
@@ -65,18 +68,25 @@ def _fixed(cfg: tuple, *_args, **_kwargs) -> tuple:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--cases", default="decode256,decode64,mixed8192")
+    ap.add_argument("--quick", action="store_true", help="decode: 128/256-key tiles, 4/8 warps, 2/3 stages only")
+    args = ap.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     default = pa._tile_config
     rows = []
     t0 = time.time()
-    for kind in ("decode256", "decode64", "mixed8192"):
+    for kind in args.cases.split(","):
         decode = kind.startswith("decode")
         for heads, kvh in ((16, 8), (32, 8)):
-            q, cache, md, kv_bytes = case(kind, heads, kvh)
+            q, cache, md, kv_bytes = case(kind, heads, kvh, kv_dtype=kv_dtype)
             ref = pa.paged_attention(q, cache, md, 0.088)
             run = functools.partial(pa.paged_attention, q, cache, md, 0.088)
             base_us = timed(run)
             group = heads // kvh
-            cands = (itertools.product([16], [64, 128], [4, 8], [2, 3, 4]) if decode
+            cands = (itertools.product([16], [128, 256] if args.quick else [64, 128, 256], [4, 8],
+                                       [2, 3] if args.quick else [2, 3, 4]) if decode
                      else itertools.product([64, 128], [32, 64], [4, 8], [2, 3]))
             best = (base_us, "default")
             for bm, tn, w, st in cands:
@@ -98,6 +108,7 @@ def main() -> None:
                     best = (us, cfg)
             rows.append((kind, f"{heads}/{kvh}", base_us, kv_bytes / base_us / 1e6, best[1], best[0]))
     print(f"\nsweep took {time.time() - t0:.0f} s")
+    print(f"KV cache {args.kv_dtype}")
     print("| case | heads | default us | default TB/s | best config | best us |\n|---|---|---|---|---|---|")
     for k, h, b, bw, cfg, us in rows:
         print(f"| {k} | {h} | {b:.1f} | {bw:.2f} | {cfg} | {us:.1f} |")

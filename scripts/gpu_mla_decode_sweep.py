@@ -20,12 +20,14 @@ from pagedllm.kernels.paged_attention import paged_attention
 
 H, R, P, BS = 16, 512, 64, 16
 TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (16, 4, 2)]
+SPLITS = (None, 1, 8, "c512")  # None: choose_num_splits's pick; "cK": fixed partitions of K keys
+CASES = ((256, 800), (64, 1500), (8, 3000))  # (decode requests, mean context)
 
 
 def main() -> None:
     bw = copy_bandwidth()
     rows = []
-    for n, ctx in ((256, 800), (64, 1500), (8, 3000)):
+    for n, ctx in CASES:
         rng = random.Random(n)
         s_lens = [max(1, int(ctx * rng.uniform(0.5, 1.5))) for _ in range(n)]
         blocks = [-(-s // BS) for s in s_lens]
@@ -46,14 +48,19 @@ def main() -> None:
         us = graph_time_us(functools.partial(paged_attention, q, kv, md, 0.1))
         rows.append((n, ctx, "unified kernel (before)", "", us, floor, ""))
         for tile in TILES:
-            for splits in (None, 1, 8):
+            for splits in SPLITS:
+                # "c512": fixed partitions of 512 keys (mla_decode's split_chunk); else a split count.
+                kw = dict(split_chunk=int(splits[1:])) if isinstance(splits, str) else dict(num_splits=splits)
                 try:
-                    us = graph_time_us(functools.partial(mla_decode, q, cache, md, 0.1, R, num_splits=splits, tile=tile))
+                    run = functools.partial(mla_decode, q, cache, md, 0.1, R, tile=tile, **kw)
+                    if isinstance(splits, str):
+                        kw["err"] = ((run().float() - ref).norm() / ref.norm()).item()
+                    us = graph_time_us(run)
                 except Exception as exc:  # a variant out of shared memory must not hide the others
                     rows.append((n, ctx, f"tile {tile}", str(splits), float("nan"), floor, repr(exc)[:60]))
                     continue
-                rows.append((n, ctx, f"tile {tile}", "auto" if splits is None else str(splits), us, floor,
-                             f"rel err {err:.1e}" if tile == TILES[0] and splits is None else ""))
+                note = f"rel err {kw.get('err', err):.1e}" if (tile == TILES[0] and splits is None) or "err" in kw else ""
+                rows.append((n, ctx, f"tile {tile}", "auto" if splits is None else str(splits), us, floor, note))
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; DeepSeek-V2-Lite latent (16 heads, 512 + 64), bf16, per layer-step")
     print("| batch | mean ctx | kernel | splits | us | floor us | fraction | note |\n|---|---|---|---|---|---|---|---|")
     for n, ctx, name, splits, us, floor, note in rows:

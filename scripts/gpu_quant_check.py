@@ -16,11 +16,13 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.scaled_mm import (
     FP8_DTYPE,
+    choose_path,
     quantize_activation,
     scaled_gemm_triton,
     scaled_mm_ref,
     w8a8_linear,
 )
+from pagedllm.kernels.w8a16_gemv import w8a16_linear_ref
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
 
 # (name, N, K) of one Llama-3.1-8B decoder layer's linears.
@@ -45,6 +47,14 @@ def bench(fn, *args, iters: int = 20) -> float:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+def _w8a8_ref(x: torch.Tensor, xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The reference of the path `w8a8_linear` takes: weight-only ("w8a16": activations not quantized)
+    or W8A8."""
+    if choose_path(x.shape[0], wq.shape[0], wq.shape[1], wq.dtype) == "w8a16":
+        return w8a16_linear_ref(x, wq, ws)
+    return scaled_mm_ref(xq, wq, xs, ws, None, torch.bfloat16)
 
 
 def main() -> None:
@@ -75,19 +85,19 @@ def main() -> None:
             t = bench(wna16_linear, x, qweight, scales, zeros, 4, g)
             rows.append((name, m, "w4a16 triton", rel_err(out, ref), t, n * k / 2 / t / 1e3))
             xq, xs = quantize_activation(x, FP8_DTYPE)
-            ref = scaled_mm_ref(xq, w8, xs, s8, None, torch.bfloat16)
+            ref = _w8a8_ref(x, xq, w8, xs, s8)
             out = w8a8_linear(x, w8, s8, None, None)
             t = bench(w8a8_linear, x, w8, s8, None, None)
-            rows.append((name, m, "fp8 _scaled_mm+quant", rel_err(out, ref), t, n * k / t / 1e3))
+            rows.append((name, m, f"fp8 {choose_path(m, n, k, FP8_DTYPE)}", rel_err(out, ref), t, n * k / t / 1e3))
             if m <= 16:
                 out = scaled_gemm_triton(xq, w8, xs, s8, None, torch.bfloat16)
                 t = bench(scaled_gemm_triton, xq, w8, xs, s8, None, torch.bfloat16)
                 rows.append((name, m, "fp8 triton (no quant)", rel_err(out, ref), t, n * k / t / 1e3))
             xq, xs = quantize_activation(x, torch.int8)
-            ref = scaled_mm_ref(xq, wi, xs, si, None, torch.bfloat16)
+            ref = _w8a8_ref(x, xq, wi, xs, si)
             out = w8a8_linear(x, wi, si, None, None)
             t = bench(w8a8_linear, x, wi, si, None, None)
-            rows.append((name, m, "int8 w8a8+quant", rel_err(out, ref), t, n * k / t / 1e3))
+            rows.append((name, m, f"int8 {choose_path(m, n, k, torch.int8)}", rel_err(out, ref), t, n * k / t / 1e3))
     print("| linear | M | kernel | max rel err vs ref | us | weight GB/s |")
     print("|---|---|---|---|---|---|")
     for name, m, kern, err, t, bw in rows:

@@ -18,7 +18,8 @@ import torch
 
 from pagedllm.kernels import scaled_mm
 from pagedllm.kernels.quant_act import quantize_activation_triton
-from pagedllm.kernels.scaled_mm import FP8_DTYPE, quantize_activation, scaled_mm_ref, w8a8_linear
+from pagedllm.kernels.scaled_mm import FP8_DTYPE, choose_path, quantize_activation, scaled_mm_ref, w8a8_linear
+from pagedllm.kernels.w8a16_gemv import w8a16_linear_ref
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_config, wna16_linear, wna16_linear_ref
 from pagedllm.kernels.wna16_gemv import WNA16GemvConfig, wna16_gemv, wna16_gemv_config
 from pagedllm.quantization.base import _dense_linear
@@ -102,26 +103,32 @@ def kernel_rows(shapes, ms, log) -> list[dict]:
             xqi, xsi = quantize_activation(x, torch.int8)
             ref8 = scaled_mm_ref(xq8, wts.fp8[0][0], xs8, wts.fp8[0][1], None, torch.float32)
             refi = scaled_mm_ref(xqi, wts.int8[0][0], xsi, wts.int8[0][1], None, torch.float32)
+            # The default dispatch's reference: weight-only where it takes "w8a16" (no activation quant).
+            auto8, autoi = ref8, refi
+            if choose_path(m, n, k, FP8_DTYPE) == "w8a16":
+                auto8 = w8a16_linear_ref(x, *wts.fp8[0])
+            if choose_path(m, n, k, torch.int8) == "w8a16":
+                autoi = w8a16_linear_ref(x, *wts.int8[0])
             ref4 = wna16_linear_ref(x.float(), *wts.int4[0], 4, G)
 
             def fp8_accum(fast: bool):
                 def call(i, x=x):
                     before, scaled_mm.FAST_ACCUM = scaled_mm.FAST_ACCUM, fast
                     try:
-                        return w8a8_linear(x, *wts.fp8[i], None, None)
+                        return w8a8_linear(x, *wts.fp8[i], None, None, path="cublas")
                     finally:
                         scaled_mm.FAST_ACCUM = before
                 return call
 
             cases = [
                 ("bf16", lambda i, x=x: _dense_linear(x, wts.bf16[i], None), len(wts.bf16), None, n * k * 2),
-                ("fp8", lambda i, x=x: w8a8_linear(x, *wts.fp8[i], None, None), len(wts.fp8), ref8, n * k),
+                ("fp8", lambda i, x=x: w8a8_linear(x, *wts.fp8[i], None, None), len(wts.fp8), auto8, n * k),
                 ("fp8 exact-accum", fp8_accum(False), len(wts.fp8), ref8, n * k),
                 ("fp8 GEMM only", lambda i, xq8=xq8, xs8=xs8: torch._scaled_mm(
                     xq8, wts.fp8[i][0].t(), scale_a=xs8, scale_b=wts.fp8[i][1].view(1, -1), out_dtype=torch.bfloat16),
                  len(wts.fp8), ref8, n * k),
                 ("fp8 quant only", lambda i, x=x: quantize_activation_triton(x, FP8_DTYPE), 1, None, 0),
-                ("int8", lambda i, x=x: w8a8_linear(x, *wts.int8[i], None, None), len(wts.int8), refi, n * k),
+                ("int8", lambda i, x=x: w8a8_linear(x, *wts.int8[i], None, None), len(wts.int8), autoi, n * k),
                 ("w4a16", lambda i, x=x: wna16_linear(x, *wts.int4[i], 4, G), len(wts.int4), ref4, n * k / 2),
             ]
             if m >= 64:

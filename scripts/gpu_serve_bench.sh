@@ -9,6 +9,8 @@
 #   c256  W1 (256 requests, lengths in [100, 1024]) all at once, 256 concurrent
 #   c64   512 W1-like requests, 64 concurrent
 # Token-id prompts below 10,000, ignore_eos, temperature 0.6, streamed /v1/completions. ~1-2 min a server.
+# PYSPY_S=N: py-spy samples every process of the server (frontend and engine) for the first N seconds
+# of the first load, into OUT/pyspy_<server>.txt (raw collapsed stacks; scripts/pyspy_top.py reads them).
 set -u
 OUT=$1; MODEL=$2; shift 2
 mkdir -p "$OUT"
@@ -60,6 +62,11 @@ for server in "$@"; do
   pid=$!
   if ! wait_ready $pid; then echo "$server did not start:"; tail -5 "$OUT"/server_*.log; kill $pid; continue; fi
   echo "$server ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+  if [ -n "${PYSPY_S:-}" ]; then
+    spid=$(pgrep -f -o "serve.*--port $PORT")
+    py-spy record --pid "$spid" --subprocesses --nonblocking -r 100 -d "$PYSPY_S" --format raw \
+      -o "$OUT/pyspy_${server//[\/=]/_}.txt" > "$OUT/pyspy_${server//[\/=]/_}.log" 2>&1 &
+  fi
   bench "${server//[\/=]/_}"
   # The server leads its own session (setsid): stop the whole group, engine processes included.
   pgid=$(ps -o pgid= -p $pid | tr -d ' ')

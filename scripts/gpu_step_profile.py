@@ -4,7 +4,9 @@
         --num-prompts 128 [--max-num-seqs 64] [any engine flag of `bench throughput`]
 
 Runs the same offline schedule as `pagedllm bench throughput` (the engine in this process, CUDA graphs as
-configured) once untimed, then once under the profiler with only CUDA activity recorded, and prints:
+configured) once untimed, then once under the profiler with only CUDA activity recorded (the prefix cache
+reset in between, so the profiled run computes its prompts again rather than reading them from the
+cache), and prints:
 - wall time of the profiled run, the union of kernel intervals (device busy) and its fraction: a
   fraction well under 1 means the host (scheduler, sampling, Python) leaves the GPU idle between steps;
 - time by kernel family (GEMM, attention, MoE, norm, rotary, sampling, copies, other);
@@ -75,6 +77,8 @@ def main() -> int:
         print("gpu_step_profile.py profiles CUDA kernels: no CUDA device here")
         return 2
     sync = torch.cuda.synchronize
+    if not llm.reset_prefix_cache():
+        print("warning: the prefix cache could not be reset; the profiled run reuses cached prompt blocks")
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()

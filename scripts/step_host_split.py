@@ -9,6 +9,11 @@ runs against an older tree, whose core calls its ModelRunner directly:
 
 (one H200, ~1 minute a model; the table is printed last). On the CPU it runs the same way on any
 model path (`--device cpu`), where every step is synchronous and `wait` is ~0.
+
+`--w1 N --max-num-seqs S` runs N of W1's requests instead (all added at once, as `bench throughput`
+does) and splits decode-only steps from steps that carry a prefill chunk, e.g. the 64-concurrent load
+of the server benchmark: `--w1 256 --max-num-seqs 64`. A step whose `wait` is ~0 while the device is
+not saturated is host-bound: the host's schedule + launch + update + output exceed the device's step.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=257)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-iters", type=int, default=3)
+    ap.add_argument("--w1", type=int, default=0, help="run this many W1 requests at once instead of batch 1")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     args = ap.parse_args()
 
     from pagedllm import LLM
@@ -35,7 +42,7 @@ def main() -> None:
     from pagedllm.worker import model_runner
 
     llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=args.max_model_len,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs)
     engine = llm.llm_engine
     core = engine.engine_core
     spent: dict[str, float] = defaultdict(float)
@@ -56,6 +63,8 @@ def main() -> None:
     model_runner.PendingOutput.get = timed("wait", model_runner.PendingOutput.get)
     engine.output_processor.process_outputs = timed("output", engine.output_processor.process_outputs)
 
+    if args.w1:
+        return w1_split(engine, spent, args)
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
     rows: dict[str, list[float]] = defaultdict(list)
@@ -82,6 +91,59 @@ def main() -> None:
     for k in ("step", "schedule", "launch", "wait", "update", "output", "other"):
         v = rows[k]
         print(f"{k:<10}{statistics.fmean(v) * 1e6:>10.1f}{statistics.median(v) * 1e6:>10.1f}")
+
+
+PARTS = ("schedule", "launch", "wait", "update", "output")
+
+
+def w1_split(engine, spent: dict[str, float], args: argparse.Namespace) -> None:
+    """Every step of a W1 run, split into decode-only and prefill-carrying steps."""
+    from pagedllm.benchmarks.datasets import w1_requests
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+    core = engine.engine_core
+    last = {}
+    schedule = core.scheduler.schedule
+
+    def schedule_and_note():
+        so = schedule()
+        last["so"] = so
+        return so
+
+    core.scheduler.schedule = schedule_and_note
+    for it in range(2):  # the first run warms up (compiles, grows the allocator)
+        requests = w1_requests(args.w1 if it else 16, 0)
+        for i, r in enumerate(requests):
+            engine.add_request(f"w{it}-{i}", {"prompt_token_ids": r.prompt_token_ids},
+                               SamplingParams(temperature=0.6, max_tokens=r.expected_output_len, ignore_eos=True,
+                                              detokenize=False, output_kind=RequestOutputKind.DELTA))
+        rows: dict[str, dict[str, list[float]]] = {"decode": defaultdict(list), "prefill": defaultdict(list)}
+        t_run = time.perf_counter()
+        while engine.has_unfinished_requests():
+            spent.clear()
+            last.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t0
+            so = last.get("so")
+            if so is None or not so.num_scheduled_tokens:
+                continue
+            kind = "decode" if so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) else "prefill"
+            rows[kind]["step"].append(total)
+            rows[kind]["batch"].append(len(so.num_scheduled_tokens))
+            for k in PARTS:
+                rows[kind][k].append(spent[k])
+            rows[kind]["other"].append(total - sum(spent[k] for k in PARTS))
+        wall = time.perf_counter() - t_run
+    print(f"W1 x {args.w1}, max_num_seqs {args.max_num_seqs} ({args.model}): {wall:.2f} s, "
+          f"async_scheduling={engine.config.scheduler_config.async_scheduling}")
+    print(f"{'part':<10}" + "".join(f"{k + ' mean':>14}{k + ' sum s':>14}" for k in rows))
+    for k in ("step", *PARTS, "other"):
+        print(f"{k:<10}" + "".join(
+            f"{statistics.fmean(r[k]) * 1e6 if r[k] else 0:>12.1f}us{sum(r[k]):>13.2f}s" for r in rows.values()))
+    print("steps     " + "".join(f"{len(r['step']):>14}{'':>14}" for r in rows.values()))
+    print("mean batch" + "".join(f"{statistics.fmean(r['batch']) if r['batch'] else 0:>14.1f}{'':>14}"
+                                 for r in rows.values()))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ Absorbed weights. kv_b_proj maps c_kv to every head's k_nope (W_UK, (H, nope, r)
     o_lat = softmax(score) @ c_kv      (T, H, r)
     out   = o_lat @ W_UV^T             (T, H, v)
 so attention is MQA over the latent cache (one KV head of width W, values its first r features).
-Every step takes this path, decodes and prefill chunks alike (prefill with expanded heads, fewer
-FLOPs per key for long prompts, is not built). Every backend implements `forward_mla`: the torch
-and CPU ones with `mla_ref` (plain torch), the Triton one with the latent decode kernel for decode-only
-batches (kernels/mla_decode.py) and the unified attention kernel for batches with prefill chunks.
+Decode tokens take this path: every backend implements `forward_mla`, the torch and CPU ones with
+`mla_ref` (plain torch), the Triton one with the latent decode kernel (kernels/mla_decode.py).
+
+Prefill chunks (query_len > 1) instead expand the latents into per-head keys and values and run
+ordinary causal attention (attention/mla_prefill.py: far fewer FLOPs per (query, key) pair); a
+mixed step splits into the two. Without a cache (no KV bound yet) everything stays absorbed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.mla_prefill import mla_prefill_forward, plan_mla_step
 from pagedllm.attention.mla_ref import mla_attention_ref, write_latents
 
 __all__ = ["MLAAttention", "mla_attention_ref", "write_latents"]
@@ -51,15 +54,41 @@ class MLAAttention(Attention):
         q_pe: torch.Tensor,  # (T, H, rope), rotated
         kv_c: torch.Tensor,  # (T, r), normed
         k_pe: torch.Tensor,  # (T, rope), rotated
-        w_uk: torch.Tensor,  # (H, nope, r)
-        w_uv: torch.Tensor,  # (H, v, r)
+        w_kv: torch.Tensor,  # kv_b_proj's weight viewed (H, nope + v, r): W_UK rows, then W_UV rows
         md: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H * v)
-        t = q_nope.shape[0]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = torch.cat([q_lat, q_pe], dim=-1)  # (T, H, W)
+        nope = q_nope.shape[2]
+        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        if self.kv_cache is None or md.max_query_len <= 1:
+            return self._absorbed(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, md)
+        plan = plan_mla_step(md, self.kv_cache.shape[2])
+        t, h, v = q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]
+        n = md.num_actual_tokens
+        write_latents(torch.cat([kv_c[:n], k_pe[:n]], dim=-1), self.kv_cache, md.slot_mapping[:n])
+        out = torch.empty((t, h, v), dtype=q_nope.dtype, device=q_nope.device)
+        if t > n:
+            out[n:].zero_()
+        if plan.decode_md is not None:
+            rows = plan.decode_tokens
+            dec = self._absorbed(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], w_uk, w_uv, plan.decode_md)
+            out.index_copy_(0, rows, dec.view(-1, h, v).to(out.dtype))
+        mla_prefill_forward(out, q_nope, q_pe, self.kv_cache, w_kv.reshape(-1, w_kv.shape[2]), plan, self.scale,
+                            use_triton=self.backend.name == "triton")
+        return out.reshape(t, -1)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:  # (T, H * v)
+        """Attention in latent space (the module docstring): the decode path."""
+        t, h, r = q_nope.shape[0], q_nope.shape[1], self.kv_lora_rank
+        # Per-head GEMMs written straight into their destinations (heads as the batch: (H, T, .) views
+        # of (T, H, .) rows, which cuBLAS takes as strided matrices): q_lat into the query's first r
+        # features, so only q_pe is copied beside it; the output into the (T, H * v) rows o_proj reads.
+        query = torch.empty((t, h, r + q_pe.shape[2]), dtype=q_nope.dtype, device=q_nope.device)  # (T, H, W)
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., :r].transpose(0, 1))
+        query[..., r:] = q_pe
         latent = torch.cat([kv_c, k_pe], dim=-1)  # (T, W)
         # The backend writes the latents and attends (attention/backend.py: forward_mla).
-        o_lat = self.backend.forward_mla(query, latent, self.kv_cache, md, self.scale, self.kv_lora_rank)
-        out = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
-        return out.reshape(t, -1)
+        o_lat = self.backend.forward_mla(query, latent, self.kv_cache, md, self.scale, r)
+        out = torch.empty((t, h, w_uv.shape[1]), dtype=w_uv.dtype, device=o_lat.device)
+        torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(t, -1)

@@ -150,7 +150,8 @@ class TritonAttentionBackend:
         (kernels/mla_decode.py: one read of each latent tile serves scores and values of a block of
         heads). Batches with prefill chunks: the unified kernel, which reads the one cache as both K
         and V (a stride-0 view, no copy); value columns past v_width (the rope part) are dropped.
-        Without a cache (profiling pass) the torch reference runs."""
+        (MLAAttention sends prefill chunks to its expanded-heads path instead, attention/mla_prefill.py,
+        and only decode-only batches here.) Without a cache (profiling pass) the torch reference runs."""
         if kv_cache is None:
             return forward_mla_torch(query, latent, None, md, scale, v_width)
         n = md.num_actual_tokens

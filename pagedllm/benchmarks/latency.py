@@ -136,7 +136,7 @@ def run_latency(
         input_len,
         n_decode,
         dev,
-        roofline.dtype_bytes(mc.dtype),
+        *roofline.engine_bytes(mc, llm.llm_engine.config.cache_config),
     )
     step = statistics.fmean(steps)
     return LatencyResult(

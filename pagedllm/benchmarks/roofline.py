@@ -17,6 +17,12 @@ Conventions kept from the peers so that the figures line up with their table (W1
 Qwen3-0.6B, 12,818 for Llama-3.1-8B at 4.3 TB/s and 790 TFLOP/s): every weight, the input embedding
 included, is read once per step and counted in `params`; norms are left out (< 0.01% of the bytes);
 the prompt's forward pass yields no token, so each request takes `output_len` decode steps.
+
+Quantized runs (`linear_weight_bytes`): the linear layers' weights are counted at their stored size,
+scales and zero points included (fp8 / int8: 1 byte a weight; AWQ / GPTQ 4-bit, group 128 with zero
+points: 0.5 + 2.5 / 128), the embedding and LM head in the model dtype (they are not quantized), and
+the KV cache at its `kv_cache_dtype`. FLOPs stay at the measured bf16 matmul peak, so for fp8 / int8
+compute the floor of prefill-heavy steps is lenient (their tensor cores run twice as fast).
 """
 
 from __future__ import annotations
@@ -59,9 +65,23 @@ class ModelShape:
     @property
     def params(self) -> int:
         """q, k, v, o projections + gate/up/down MLP per layer, embedding (+ LM head when untied)."""
+        return self.linear_params + self.embedding_params
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder layers' q, k, v, o and gate/up/down weights: what a quantization method stores."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
-        return self.num_layers * layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size)
+
+    @property
+    def embedding_params(self) -> int:
+        """The token embedding, and the LM head when it is not tied to it."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def weight_bytes(self, dtype_bytes: int, linear_bytes: float | None = None) -> int:
+        """Bytes of weights a step reads: linear layers at `linear_bytes` a weight (default: the dtype)."""
+        per = dtype_bytes if linear_bytes is None else linear_bytes
+        return int(self.linear_params * per) + self.embedding_params * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -185,6 +205,8 @@ def throughput_floor(
     dtype_bytes: int = 2,
     max_num_batched_tokens: int = 16384,
     max_num_seqs: int | None = None,
+    linear_bytes: float | None = None,
+    kv_dtype_bytes: int | None = None,
 ) -> Floor:
     """Floor of an offline run: all requests queued at t=0, served in order.
 
@@ -199,8 +221,8 @@ def throughput_floor(
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}.")
     max_seqs = max_num_seqs or len(input_lens)
-    wbytes = shape.params * dtype_bytes
-    kv_tok = shape.kv_bytes_per_token(dtype_bytes)
+    wbytes = shape.weight_bytes(dtype_bytes, linear_bytes)
+    kv_tok = shape.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes)
     waiting = deque(range(len(input_lens)))
     prefilling: deque[int] = deque()  # resident, prompt not done (in arrival order)
     computed = [0] * len(input_lens)  # prompt tokens done
@@ -252,15 +274,16 @@ def throughput_floor(
 
 
 def decode_step_floor(
-    shape: ModelShape, context_lens: list[int], dev: DeviceSpec, dtype_bytes: int = 2
+    shape: ModelShape, context_lens: list[int], dev: DeviceSpec, dtype_bytes: int = 2,
+    linear_bytes: float | None = None, kv_dtype_bytes: int | None = None,
 ) -> float:
     """Floor of one decode step for a batch whose requests have `context_lens` tokens cached."""
     kv_read = sum(context_lens)
     return _step_cost(
         shape,
         dev,
-        shape.params * dtype_bytes,
-        shape.kv_bytes_per_token(dtype_bytes),
+        shape.weight_bytes(dtype_bytes, linear_bytes),
+        shape.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes),
         len(context_lens),
         kv_read,
         kv_read + len(context_lens),
@@ -274,12 +297,14 @@ def mean_decode_step_floor(
     num_decode_steps: int,
     dev: DeviceSpec,
     dtype_bytes: int = 2,
+    linear_bytes: float | None = None,
+    kv_dtype_bytes: int | None = None,
 ) -> float:
     """Mean floor over the decode steps of one batch: step k (k >= 1) has input_len + k - 1 tokens cached."""
     if num_decode_steps < 1:
         raise ValueError("need at least one decode step (output_len >= 2).")
     total = sum(
-        decode_step_floor(shape, [input_len + k - 1] * batch_size, dev, dtype_bytes)
+        decode_step_floor(shape, [input_len + k - 1] * batch_size, dev, dtype_bytes, linear_bytes, kv_dtype_bytes)
         for k in range(1, num_decode_steps + 1)
     )
     return total / num_decode_steps
@@ -287,3 +312,47 @@ def mean_decode_step_floor(
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def linear_weight_bytes(method: str | None, quant_cfg: dict[str, Any] | None, dtype_bytes: int) -> float:
+    """Stored bytes per weight of the quantized linear layers, scales and zero points included.
+
+    method: the canonical quantization name (None: dense). quant_cfg: config.json's quantization_config
+    (None: the method's defaults, as dummy weights use them: 4-bit group 128, W8A8). Example: AWQ 4-bit,
+    group 128, zero points -> 0.5 + (2 + 0.5) / 128 = 0.5195 bytes a weight. GGUF on the GPU is
+    dequantized to the dtype.
+    """
+    cfg = quant_cfg or {}
+    if method is None or method == "gguf":
+        return float(dtype_bytes)
+    if method == "fp8":
+        return 1.0
+    if method in ("awq", "gptq"):
+        bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
+        group = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
+        zeros = cfg.get("zero_point", True) if method == "awq" else not cfg.get("sym", True)
+        return _grouped_bytes(bits, group, 2, zeros)
+    if method == "compressed-tensors":
+        groups = list((cfg.get("config_groups") or {}).values())
+        weights = (groups[0].get("weights") if groups else None) or {"num_bits": 8}
+        bits = int(weights.get("num_bits", 8))
+        group = weights.get("group_size") if weights.get("strategy") == "group" else None
+        return _grouped_bytes(bits, int(group), 2, not weights.get("symmetric", True)) if group else bits / 8
+    raise ValueError(f"no weight-size rule for quantization method {method!r}")
+
+
+def _grouped_bytes(bits: int, group: int, scale_bytes: int, zeros: bool) -> float:
+    if group <= 0:  # one scale per output channel: negligible next to the weights
+        return bits / 8
+    return bits / 8 + (scale_bytes + (bits / 8 if zeros else 0)) / group
+
+
+def engine_bytes(model_config: Any, cache_config: Any) -> tuple[int, float, int]:
+    """(dtype bytes, linear weight bytes, KV bytes) of an engine's configs, for the floor functions."""
+    from pagedllm.config import KV_CACHE_DTYPES
+    from pagedllm.quantization.registry import checkpoint_quant_config
+
+    db = dtype_bytes(model_config.dtype)
+    lb = linear_weight_bytes(model_config.quantization, checkpoint_quant_config(model_config.hf_config), db)
+    kv = db if cache_config.cache_dtype == "auto" else dtype_bytes(KV_CACHE_DTYPES[cache_config.cache_dtype])
+    return db, lb, kv

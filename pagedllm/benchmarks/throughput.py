@@ -115,14 +115,17 @@ class ThroughputResult:
 def engine_floor(llm, requests: list[SampleRequest], dev: roofline.DeviceSpec) -> roofline.Floor:
     config = llm.llm_engine.config
     mc, sc = config.model_config, config.scheduler_config
+    db, lb, kv = roofline.engine_bytes(mc, config.cache_config)
     return roofline.throughput_floor(
         roofline.ModelShape.from_hf_config(mc.hf_config),
         [r.prompt_len for r in requests],
         [r.expected_output_len for r in requests],
         dev,
-        roofline.dtype_bytes(mc.dtype),
+        db,
         sc.max_num_batched_tokens,
         sc.max_num_seqs,
+        linear_bytes=lb,
+        kv_dtype_bytes=kv,
     )
 
 

@@ -210,7 +210,9 @@ def decode_attention_fused(
     if num_splits is None:
         num_splits = choose_num_splits(n, num_kv_heads, 1, md.max_seq_len)
     use_split = num_splits > 1
-    few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS
+    # An fp8 cache keeps the 128-key, 3-stage tiles: its 64-key tiles were the slower ones (H200, 64 requests
+    # x 900-1500 keys: 112 vs 93 us, BENCHMARKS.md issue 19).
+    few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS and kv_cache.element_size() > 1
     block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True, few_programs=few)
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)

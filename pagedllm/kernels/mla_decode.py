@@ -13,7 +13,8 @@ loads it twice, as K and as V; here c_kv (512) and k_pe (64) are two power-of-tw
 DeepSeek-V2-Lite: 16 heads -> one head block per request; V3: 128 heads -> 8.
 
 Split-K as the unified kernel (kernels/split_k.py: the same partition count for one kv head, the same
-partials and merge), so few long requests still fill the GPU. The grid depends only on host ints of
+partials), so few long requests still fill the GPU; the merge is this file's `_mla_merge_kernel`, which
+walks the partitions row by row (split_k's one-tile merge holds 64 x 512 fp32 per program here). The grid depends only on host ints of
 the metadata: CUDA-graph capturable. The step's latents are already written (attention/mla_ref.py:
 write_latents), so request r attends to keys 0 .. seq_lens[r] - 1; rows with seq_len 0 (graph
 padding) come back as zeros.
@@ -30,16 +31,17 @@ import triton.language as tl
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla_ref import mla_attention_ref
 from pagedllm.kernels.attention_tile import _LOG2E
-from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, merge_splits, split_key_range, store_partials
+from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, split_key_range, store_partials
 
 __all__ = ["mla_decode", "mla_decode_ref"]
 
 BLOCK_H = 16  # tl.dot's smallest M: heads past num_heads are masked rows
 TILE_N = 32  # keys per tile: a (32, 512) bf16 latent tile is 32 KB
 NUM_WARPS, NUM_STAGES = 4, 2  # not yet tuned on the GPU (scripts/gpu_mla_decode_sweep.py)
+MAX_FIXED_SPLITS = 16  # fixed-size partitions per request at most (partials: T x H x 16 x 512 fp32)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk", "stride_bt"])
 def _mla_decode_kernel(
     out_ptr,  # (num_tokens, num_heads, R) when not split
     part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, R_PAD); only when USE_SPLIT
@@ -52,6 +54,7 @@ def _mla_decode_kernel(
     num_reqs,
     num_heads,
     num_splits,
+    split_chunk,  # keys per partition when FIXED_CHUNK
     scale_log2,
     stride_q_t,
     stride_q_h,
@@ -69,6 +72,7 @@ def _mla_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FIXED_CHUNK: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     hb = tl.program_id(1)
@@ -86,7 +90,13 @@ def _mla_decode_kernel(
     q_lat = tl.load(q_rows + offs_r[None, :], mask=h_valid[:, None] & r_mask[None, :], other=0.0)  # (BLOCK_H, R_PAD)
     q_pe = tl.load(q_rows + R + offs_p[None, :], mask=h_valid[:, None] & p_mask[None, :], other=0.0)
 
-    kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
+    if FIXED_CHUNK:  # partition s holds keys [s * chunk, (s + 1) * chunk): the merge reads only those that exist
+        kv_lo = split * split_chunk
+        kv_hi = tl.minimum(seq_len, kv_lo + split_chunk)
+        if kv_lo >= seq_len:
+            return
+    else:
+        kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
@@ -117,6 +127,48 @@ def _mla_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & r_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk"])
+def _mla_merge_kernel(
+    out_ptr,  # (num_tokens, num_heads, R)
+    part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, R_PAD)
+    part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
+    part_l_ptr,
+    seq_lens_ptr,  # int32 (num_reqs,); read when FIXED_CHUNK
+    num_reqs,
+    num_heads,
+    num_splits,
+    split_chunk,
+    stride_o_t,
+    stride_o_h,
+    R: tl.constexpr,
+    R_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    FIXED_CHUNK: tl.constexpr = False,
+):
+    """The split partitions of one (request, head) merged. split_k's merge loads every split's
+    accumulator as one (SPLITS_PAD, width) tile: 64 x 512 fp32 here, far past the registers; this
+    one walks the splits, one 512-wide row at a time."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_heads + h) * num_splits
+    if FIXED_CHUNK:  # only the partitions that hold keys were written
+        num_splits = tl.cdiv(tl.load(seq_lens_ptr + t), split_chunk)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key at all (seq_len 0): weights 0
+    denom = tl.sum(tl.math.exp2(m - m_max) * l_s, 0)
+    offs_r = tl.arange(0, R_PAD)
+    acc = tl.zeros([R_PAD], tl.float32)
+    for s in range(num_splits):
+        w = tl.math.exp2(tl.load(part_m_ptr + base + s) - m_max)  # empty partition: m = -inf -> 0
+        acc += w * tl.load(part_acc_ptr + (base + s) * R_PAD + offs_r)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + offs_r, out.to(out_ptr.dtype.element_ty), mask=offs_r < R)
+
+
 def mla_decode(
     query: torch.Tensor,  # (num_tokens, num_heads, R + P): [q_lat | q_pe]
     kv_cache: torch.Tensor,  # (1, num_blocks, block_size, 1, R + P), this step's latents written
@@ -125,8 +177,14 @@ def mla_decode(
     kv_lora_rank: int,  # R
     num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None,  # (TILE_N, num_warps, num_stages); None: the defaults above
+    split_chunk: int | None = None,  # fixed-size key partitions (a multiple of TILE_N); overrides num_splits
 ) -> torch.Tensor:  # (num_tokens, num_heads, R)
-    """MQA over the latent cache for a decode-only batch (md.max_query_len == 1, one token a request)."""
+    """MQA over the latent cache for a decode-only batch (md.max_query_len == 1, one token a request).
+
+    Partitions: num_splits equal shares of each request's keys (split_key_range), or with split_chunk
+    fixed runs of that many keys, cdiv(max_seq_len, split_chunk) of them (at most MAX_FIXED_SPLITS:
+    the chunk grows for long contexts), so every program does at most one chunk's work whatever its
+    request's length and a batch of mixed lengths is not paced by its longest request."""
     if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs:
         raise ValueError(f"mla_decode takes decode-only batches, got max_query_len {md.max_query_len} and "
                          f"{md.num_actual_tokens} tokens for {md.num_reqs} requests")
@@ -142,25 +200,36 @@ def mla_decode(
         query = query.contiguous()
     cache = kv_cache[0, :, :, 0, :]  # (num_blocks, block_size, W), a view
     r_pad, p_pad = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
-    if num_splits is None:
+    tile_n, num_warps, num_stages = tile or (TILE_N, NUM_WARPS, NUM_STAGES)
+    fixed = split_chunk is not None
+    if fixed:
+        if split_chunk <= 0 or split_chunk % tile_n:
+            raise ValueError(f"split_chunk {split_chunk} must be a positive multiple of TILE_N {tile_n}")
+        split_chunk = max(split_chunk, triton.cdiv(triton.cdiv(md.max_seq_len, MAX_FIXED_SPLITS), tile_n) * tile_n)
+        num_splits = triton.cdiv(md.max_seq_len, split_chunk)
+    elif num_splits is None:
         num_splits = choose_num_splits(n, 1, 1, md.max_seq_len)
     use_split = num_splits > 1
+    fixed = fixed and use_split
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, r_pad, query.device)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
-    tile_n, num_warps, num_stages = tile or (TILE_N, NUM_WARPS, NUM_STAGES)
     _mla_decode_kernel[(n, triton.cdiv(num_heads, BLOCK_H), num_splits)](
         out, part_acc, part_m, part_l, query, cache, md.block_table, md.seq_lens,
-        n, num_heads, num_splits, scale * _LOG2E,
+        n, num_heads, num_splits, split_chunk or 0, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), md.block_table.stride(0),
         R=r, P=p, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=BLOCK_H, TILE_N=tile_n, BLOCK_SIZE=kv_cache.shape[2],
-        USE_SPLIT=use_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_SPLIT=use_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FIXED_CHUNK=fixed,
         num_warps=num_warps, num_stages=num_stages,
     )
     if use_split:
-        merge_splits(out, part_acc, part_m, part_l, md)
+        _mla_merge_kernel[(n, num_heads)](
+            out, part_acc, part_m, part_l, md.seq_lens, n, num_heads, num_splits, split_chunk or 0,
+            out.stride(0), out.stride(1), R=r, R_PAD=r_pad, SPLITS_PAD=max(64, triton.next_power_of_2(num_splits)),
+            FIXED_CHUNK=fixed, num_warps=4,
+        )
     return out
 
 

@@ -250,7 +250,9 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(md.num_reqs, num_kv_heads, md.max_query_len, md.max_seq_len)
     use_split = num_splits > 1
-    few = decode_only and not use_split and md.num_reqs * num_kv_heads <= FEW_DECODE_PROGRAMS
+    # fp8 caches keep 128-key tiles (decode_attention.py says why).
+    few = (decode_only and not use_split and md.num_reqs * num_kv_heads <= FEW_DECODE_PROGRAMS
+           and kv_cache.element_size() > 1)
     block_m, block_q, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, decode_only,
                                                                    few_programs=few)
     order = md.decode_order

@@ -7,13 +7,15 @@
 A per-tensor weight scale is the per-channel case with equal entries (fused q/k/v shards each keep
 their own scale as rows of w_scale, so nothing is requantized at load).
 
-Where each runs (`w8a8_linear`):
+Where each runs (`w8a8_linear`, `choose_path`):
     CPU                    `scaled_mm_ref`: the quantized values dequantized in fp32 and multiplied
                            (exact products; fp32 sums), which is also every kernel's reference
-    CUDA, FP8              torch._scaled_mm (FP8 tensor cores, row-wise scales, bf16 out)
-    CUDA, INT8             torch._int_mm (cuBLAS int8 -> int32; M padded to >= 32 rows), then the
-                           scales in one Triton epilogue (kernels/quant_act.py)
-    CUDA, K or N % 16      `_scaled_gemm_kernel` (Triton)
+    CUDA, small M          "w8a16": kernels/w8a16_gemv.py, the 8-bit weights dequantized in registers
+                           against the unquantized activations (no quant launch; weight streaming)
+    CUDA, FP8              "cublas": torch._scaled_mm (FP8 tensor cores, row-wise scales, bf16 out)
+    CUDA, INT8             "triton": kernels/w8a8_gemm.py (int8 wgmma, scales fused in the epilogue);
+                           "cublas" = torch._int_mm (M padded to >= 32 rows) + a scale epilogue
+    CUDA, K or N % 16      `_scaled_gemm_kernel` (Triton, any shape)
 Activations are quantized on CUDA by one Triton kernel (kernels/quant_act.py).
 
 The Triton kernel takes int8 or fp8 operands (int32 or fp32 accumulators) and applies both scales
@@ -27,8 +29,10 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
+from pagedllm.kernels.w8a8_gemm import w8a8_gemm
+from pagedllm.kernels.w8a16_gemv import KERNEL_MAX_M, w8a16_linear
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "quantize_activation", "rowwise_scaled_mm_supported",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "choose_path", "quantize_activation", "rowwise_scaled_mm_supported",
            "scaled_gemm_triton", "scaled_mm_ref", "w8a8_linear"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -46,7 +50,10 @@ def quantize_activation(x: torch.Tensor, qdtype: torch.dtype,
     xf = x.float()
     qmax = FP8_MAX if qdtype == FP8_DTYPE else INT8_MAX
     if static_scale is None:
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+        # Divided by a tensor, not a Python float: torch's CUDA division by a CPU scalar multiplies by
+        # its reciprocal (an ulp off IEEE now and then), and the Triton kernel divides (div_rn).
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        scale = (amax / torch.full_like(amax, qmax)).clamp(min=1e-12)
     else:
         scale = static_scale.float().reshape(1, 1).expand(xf.shape[0], 1)
     y = xf / scale
@@ -166,17 +173,43 @@ def _fp8_cuda(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
     return scale_epilogue(acc, x_scale, w_scale, bias, m, out_dtype)
 
 
+PATHS = ("w8a16", "triton", "cublas")
+# Dispatch thresholds, from the H200 sweep of scripts/gpu_w8a8_sweep.py (2026-12-01, Llama-3.1-8B
+# linears; one decoder layer's four linears summed, bf16 = 1.00x; BENCHMARKS.md, issue 19):
+#   M = 1       "w8a16": fp8 1.48x, int8 1.21x (cuBLAS W8A8 0.91x / 1.05x: one-row FP8 GEMMs + the quant launch)
+#   M = 2..16   "w8a16", fp8 1.18-1.21x, int8 1.40-1.45x; fp8 on the widest weights (N >= W8A16_MAX_N:
+#               gate_up) "triton" (35.6 us vs 43.1: e4m3 -> bf16 costs three conversions a value)
+#   M = 17..64  "triton": fp8 1.33x (cuBLAS 1.14x), int8 1.27x (cuBLAS 1.10x)
+#   M > 64      fp8 "cublas" (M = 256 / 2048 / 8192: 1.35 / 1.68 / 1.71x; Triton 1.19 / 1.55 / 1.55x);
+#               int8 "triton" (1.12 / 1.27 / 1.37x with the first tiles; cuBLAS _int_mm 0.76 / 0.95 / 1.00x)
+W8A16_MAX_M = 16
+W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
+TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
+
+
+def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
+    """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
+    if m == 1 or (m <= W8A16_MAX_M and n <= W8A16_MAX_N[qdtype]):
+        return "w8a16"
+    return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
+
+
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
     """x (M, K) float -> (M, N) in x's dtype through the fastest path for the device:
 
     CPU              quantize_activation + scaled_mm_ref (torch)
-    CUDA FP8         quantize_activation_triton + torch._scaled_mm (one quant kernel, one GEMM)
-    CUDA INT8        quantize_activation_triton (rows padded to >= 32: _int_mm needs M > 16) +
-                     torch._int_mm + scale_epilogue
+    CUDA "w8a16"     w8a16_linear: no activation quantization (input_scale unused: the activations
+                     keep their 16 bits), one launch
+    CUDA "triton"    quantize_activation_triton + w8a8_gemm (scales and bias in its epilogue)
+    CUDA "cublas"    FP8: quantize_activation_triton + torch._scaled_mm; INT8: the quant kernel (rows
+                     padded to >= 32: _int_mm needs M > 16) + torch._int_mm + scale_epilogue
     K or N not a multiple of 16: the Triton GEMM (`scaled_gemm_triton`) after the quant kernel.
+    `path` (one of PATHS) overrides `choose_path` (the sweep and the tests use it).
     No host syncs on CUDA (graph-capturable). w_scale (N,) fp32; input_scale (1,) or None (dynamic).
     """
+    if path is not None and path not in PATHS:
+        raise ValueError(f"w8a8_linear path must be one of {PATHS}, got {path!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
@@ -184,9 +217,17 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
     if not x.is_cuda:
         xq, x_scale = quantize_activation(x2, wq.dtype, input_scale)
         return scaled_mm_ref(xq, wq, x_scale, w_scale, bias, x.dtype).reshape(*lead, n)
+    if m == 0:
+        return x.new_empty(*lead, n)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    aligned = k % 16 == 0 and n % 16 == 0 and m > 0
+    aligned = k % 16 == 0 and n % 16 == 0
     is_int = wq.dtype == torch.int8
+    path = path or choose_path(m, n, k, wq.dtype)
+    if aligned and path == "w8a16" and m <= KERNEL_MAX_M:  # (the kernel's limit; dispatch stops at 16)
+        return w8a16_linear(x2, wq, w_scale, bias).reshape(*lead, n)
+    if aligned and path == "triton":
+        xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale)
+        return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype).reshape(*lead, n)
     pad = max(32, triton.cdiv(m, 8) * 8) if is_int and aligned else m
     xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale, rows=pad)
     if not aligned:

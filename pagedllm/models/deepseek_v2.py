@@ -4,13 +4,16 @@ Attention (MLA, see `pagedllm.attention.mla`):
     q = q_proj(x)  or  q_b_proj(RMSNorm(q_a_proj(x)))      (T, H, nope + rope)
     [c_kv | k_pe] = kv_a_proj_with_mqa(x); c_kv = kv_a_layernorm(c_kv)     one latent per token
     rope on q_pe and k_pe (interleaved pairs: transformers' complex / rope_interleave form), the cache
-    keeps [c_kv | k_pe]; attention runs in latent space with kv_b_proj absorbed; o_proj.
+    keeps [c_kv | k_pe]; decodes attend in latent space with kv_b_proj absorbed, prefill chunks over
+    the latents expanded through it (attention/mla_prefill.py); o_proj.
     scale = (nope + rope)^-0.5, times mscale^2 under YaRN with mscale_all_dim (as transformers).
 MLP: dense for the first first_k_dense_replace layers, then
     V2: softmax router (topk_method greedy | group_limited_greedy), renormalised when norm_topk_prob
     V3: sigmoid router + e_score_correction_bias, noaux_tc groups (top-2 sum), norm_topk_prob
     both: weights * routed_scaling_factor, + shared experts (n_shared_experts * moe_intermediate_size).
-The router runs in float32 (its weight is kept float32, as transformers computes it).
+The router's logits are float32, as transformers computes them; its weight is kept in the model dtype
+(DeepSeek's checkpoints store it in bf16, so that is exact there) and on CUDA one bf16 GEMM with fp32
+output computes x @ W^T: the same products as transformers' fp32 GEMM, without the fp32 copy of x.
 """
 
 from __future__ import annotations
@@ -83,13 +86,36 @@ class DeepseekV2MLAAttention(nn.Module):
         q = q.view(t, hh, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         latent = self.kv_a_proj_with_mqa(hidden_states)
-        kv_c = self.kv_a_layernorm(latent[:, : self.kv_lora_rank].contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
-                                     latent[:, self.kv_lora_rank :].contiguous())
-        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, self.kv_lora_rank)
-        out = self.attn.forward_mla(q_nope, q_pe.view(t, hh, self.rope), kv_c, k_pe, w[:, : self.nope],
-                                    w[:, self.nope :], attn_metadata)
+        r = self.kv_lora_rank
+        if latent.is_cuda and self.rotary_emb.is_neox_style:
+            # The Triton rotary kernel rotates the strided q_pe / k_pe views in place: no copies.
+            kv_c = self.kv_a_layernorm(latent[:, :r])
+            k_pe = latent[:, r:]
+            self.rotary_emb(positions, q_pe, k_pe)
+        else:
+            kv_c = self.kv_a_layernorm(latent[:, :r].contiguous())
+            q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
+                                         latent[:, r:].contiguous())
+            q_pe = q_pe.view(t, hh, self.rope)
+        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, r)
+        out = self.attn.forward_mla(q_nope, q_pe, kv_c, k_pe, w, attn_metadata)
         return self.o_proj(out)
+
+    def deinterleave_rope_rows(self) -> None:
+        """Reorder the rope features that q_proj (q_b_proj) and kv_a_proj_with_mqa produce from
+        interleaved pairs (x0 x1)(x2 x3)... to halves (x0 x2 ... | x1 x3 ...): neox rotary on the
+        new order is the interleaved rotary on the old one, features permuted alike for q_pe and
+        k_pe, so every score q_pe . k_pe is unchanged, and the fused Triton rotary kernel (neox
+        only) runs instead of ~18 torch ops. Worked example, rope 4: rows [a0 a1 a2 a3] -> [a0 a2 a1 a3];
+        pairs (a0, a1), (a2, a3) become (new0, new2), (new1, new3), neox's pairs."""
+        perm = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
+        q = self.q_b_proj if self.q_lora_rank else self.q_proj
+        w = q.weight.data.view(self.num_heads, self.nope + self.rope, -1)
+        w[:, self.nope :] = w[:, self.nope :][:, perm.to(w.device)].clone()
+        kv = self.kv_a_proj_with_mqa
+        for p in (kv.weight, kv.bias):
+            if p is not None:
+                p.data[self.kv_lora_rank :] = p.data[self.kv_lora_rank :][perm.to(p.device)].clone()
 
 
 class DeepseekV2MoE(nn.Module):
@@ -103,8 +129,7 @@ class DeepseekV2MoE(nn.Module):
             raise ValueError(f"{prefix}: topk_method {method!r} is not supported; supported: {list(_TOPK_METHODS)}")
         num_experts = config.n_routed_experts
         grouped = method in ("group_limited_greedy", "noaux_tc")
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, params_dtype=torch.float32,
-                                     prefix=f"{prefix}.gate")
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
             num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
             renormalize=bool(getattr(config, "norm_topk_prob", False)), scoring_func=scoring_func,
@@ -118,10 +143,24 @@ class DeepseekV2MoE(nn.Module):
                                         quant_config, prefix=f"{prefix}.shared_experts") if n_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x.float()))
+        out = self.experts(x, router_logits(x, self.gate.weight))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+_MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) usable here; set False on its first failure
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (T, E) float32
+    """x (T, hidden) @ weight (E, hidden)^T in float32. 16-bit inputs on CUDA: one tensor-core GEMM
+    with an fp32 output (exact products, fp32 sums); elsewhere both operands cast to fp32."""
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without mm's out_dtype: the fp32 GEMM from now on
+            _MM_OUT_DTYPE[0] = False
+    return torch.nn.functional.linear(x.float(), weight.float())
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
@@ -155,9 +194,12 @@ class DeepseekV2Model(LlamaModel):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")
         # Interleaved pairs (GPT-J style) on the rope part only; V3 with rope_interleave=False uses neox halves.
-        neox = getattr(config, "rope_interleave", True) is False
+        # Unquantized checkpoints get their rope rows reordered at load (deinterleave_rope_rows) and
+        # then rotate neox style; quantized weights keep their rows and the interleaved rotary.
+        interleaved = getattr(config, "rope_interleave", True) is not False
+        self.rope_deinterleaved = interleaved and quant_config is None
         rotary_emb = get_rope(config.qk_rope_head_dim, config.max_position_embeddings, get_rope_parameters(config),
-                              is_neox_style=neox)
+                              is_neox_style=not interleaved or self.rope_deinterleaved)
         self.layers = nn.ModuleList(decoder_layer_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -183,7 +225,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
         renamed = ((n.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"), t)
                    for n, t in weights)
-        return load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
+        loaded = load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
+        if self.model.rope_deinterleaved:
+            for layer in self.model.layers:
+                layer.self_attn.deinterleave_rope_rows()
+        return loaded
 
 
 class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):

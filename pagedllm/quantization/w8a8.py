@@ -13,7 +13,9 @@ Online FP8 (`quantization="fp8"` on a bf16/fp32 checkpoint): `weight` is created
 loaded as usual, and quantized per output channel in `process_weights_after_loading`
 (scale = amax(|row|) / 448), so an 8B model holds 8 GB of FP8 weights after load.
 
-Compute: kernels/scaled_mm.w8a8_linear (per-token dynamic activation scales unless static).
+Compute: kernels/scaled_mm.w8a8_linear (per-token dynamic activation scales unless static). On a GPU,
+batches of <= 16 rows run weight-only (kernels/w8a16_gemv.py: the activations are not quantized, so a
+static input_scale is not applied there either; the result is the dequantized weights' exact product).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from pagedllm.benchmarks.roofline import (
     ModelShape,
     decode_step_floor,
     device_spec,
+    linear_weight_bytes,
     mean_decode_step_floor,
     measure_device,
     throughput_floor,
@@ -46,6 +47,29 @@ def test_fewer_resident_requests_lower_the_floor() -> None:
     full = w1_floor("qwen3-0.6b", max_num_batched_tokens=8192)
     part = w1_floor("qwen3-0.6b", max_num_batched_tokens=8192, max_num_seqs=64)
     assert part.output_tok_per_s < 0.95 * full.output_tok_per_s and part.num_decode_steps > 2 * full.num_decode_steps
+
+
+def test_quantized_weights_and_kv_count_at_their_stored_size() -> None:
+    ll = shape("llama3-8b")
+    assert linear_weight_bytes(None, None, 2) == 2 and linear_weight_bytes("fp8", None, 2) == 1
+    assert linear_weight_bytes("awq", {"bits": 4, "group_size": 128, "zero_point": True}, 2) == 0.5 + 2.5 / 128
+    assert linear_weight_bytes("gptq", {"bits": 4, "group_size": 128, "sym": True}, 2) == 0.5 + 2 / 128
+    ct_int8 = {"config_groups": {"g": {"weights": {"num_bits": 8, "strategy": "channel", "symmetric": True}}}}
+    ct_w4 = {"config_groups": {"g": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 32,
+                                                 "symmetric": False}}}}
+    assert linear_weight_bytes("compressed-tensors", ct_int8, 2) == 1
+    assert linear_weight_bytes("compressed-tensors", ct_w4, 2) == 0.5 + 2.5 / 32
+    # fp8 halves the decoder's weights; the embedding and LM head (1.05 G parameters) stay bf16.
+    assert ll.weight_bytes(2, 1.0) == ll.linear_params + 2 * ll.embedding_params
+    assert ll.linear_params + ll.embedding_params == ll.params
+    bf16 = decode_step_floor(ll, [128], H200)
+    assert decode_step_floor(ll, [128], H200, linear_bytes=1.0) < 0.6 * bf16
+    # An fp8 KV cache halves the K/V bytes of a long-context W1-like run.
+    reqs = w1_requests()
+    lens = [r.prompt_len for r in reqs], [r.expected_output_len for r in reqs]
+    plain = throughput_floor(ll, *lens, H200, linear_bytes=1.0)
+    fp8_kv = throughput_floor(ll, *lens, H200, linear_bytes=1.0, kv_dtype_bytes=1)
+    assert fp8_kv.seconds < 0.95 * plain.seconds
 
 
 def test_shapes_of_the_presets() -> None:

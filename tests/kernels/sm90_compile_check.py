@@ -32,6 +32,7 @@ from pagedllm.kernels import (  # noqa: E402
     fused_moe,
     gemv,
     kv_cache_write,
+    mla_prefill,
     moe_router,
     paged_attention,
     qkv_prep,
@@ -128,6 +129,7 @@ def _record(launches: list) -> None:
         (quant_act, "_scale_epilogue_kernel"),
         (fused_moe, "_moe_align_kernel"),
         (moe_router, "_topk_softmax_kernel"),
+        (mla_prefill, "_mla_prefill_kernel"),
     ]:
         setattr(mod, name, _Recorder(getattr(mod, name), launches))
     _record_attention_and_layers()
@@ -172,6 +174,12 @@ def _record_model_families() -> None:
     for md in (mixed, decode):
         q = torch.zeros(md.num_actual_tokens, 16, 256, dtype=bf16)
         paged_attention.paged_attention(q, cache, md, 0.0625, num_splits=1, sliding_window=4096, logits_soft_cap=50.0)
+    # MLA's expanded prefill at DeepSeek-V2's heads (q/k 128 + 64, v 128): q from the q_proj rows, k_pe
+    # and the expanded k_nope / v as the views attention/mla_prefill.py hands in.
+    q, kv, lat = torch.zeros(64, 16, 192, dtype=bf16), torch.zeros(64, 16, 256, dtype=bf16), torch.zeros(64, 576, dtype=bf16)
+    mla_prefill.mla_prefill_attention(torch.zeros(64, 16, 128, dtype=bf16), torch.zeros(64, 16), q[..., :128],
+                                      q[..., 128:], kv[..., :128], lat[:, 512:], kv[..., 128:],
+                                      torch.zeros(1, 6, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32), 0.1)
     latent = torch.zeros(1, 8, 16, 1, 576, dtype=bf16).expand(2, 8, 16, 1, 576)
     for md in (mixed, decode):
         paged_attention.paged_attention(torch.zeros(md.num_actual_tokens, 16, 576, dtype=bf16), latent, md, 0.1,

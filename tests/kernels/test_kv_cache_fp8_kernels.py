@@ -65,6 +65,22 @@ def test_paged_attention_reads_fp8(make_batch, device, num_splits):
     torch.testing.assert_close(ref, wide, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_queries_on_an_fp8_cache_compute_in_fp16(make_batch, device):
+    # attention_tile: a bf16 q on an e4m3 cache runs its dots in fp16 (e4m3 -> fp16 is one cvt per two
+    # values on sm_90, -> bf16 three): same result as the fp32 reference to bf16 output rounding, and a
+    # q beyond fp16's range is clamped instead of turning the scores into inf / NaN.
+    md, kv_cache = make_batch([1, 1, 1], [100, 37, 130], 16, 2, 64, device, num_blocks=32)
+    kv_cache = kv_cache.to(FP8)
+    query = torch.randn(md.num_actual_tokens, 4, 64, device=device)
+    ref = paged_attention_ref(query, kv_cache, md, 0.125)
+    out = paged_attention(query.bfloat16(), kv_cache, md, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    huge = query.clone()
+    huge[0, 0, 0] = 1e6
+    assert torch.isfinite(paged_attention(huge.bfloat16(), kv_cache, md, 0.125)).all()
+
+
 def test_fused_decode_writes_and_reads_fp8(device):
     qkv, positions, cos_sin, kv_cache, md, (qw, kw) = _batch(8, 2, 64, 64, 16, True, device)
     kv_cache = kv_cache.to(FP8)

@@ -111,3 +111,17 @@ def test_mla_decode_kernel_zeroes_graph_padding_rows():
     out = mla_decode(padded, cache, md, 0.5, R)
     torch.testing.assert_close(out[:2], mla_decode_ref(query, cache, md, 0.5, R), atol=1e-4, rtol=1e-4)
     assert torch.count_nonzero(out[2:]) == 0
+
+
+def test_mla_decode_fixed_size_partitions_match_reference():
+    # Partitions of a fixed number of keys (split_chunk): requests shorter than the longest skip the
+    # programs past their keys and the merge reads only the written ones; a seq_len-0 row stays zero.
+    from pagedllm.kernels.mla_decode import mla_decode
+
+    md, cache, query = _batch([1, 1, 1, 1], [5, 40, 17, 33])
+    md.seq_lens[0], md.seq_lens_cpu[0], md.max_seq_len = 0, 0, 64  # a CUDA graph's padding row and bound
+    ref = mla_attention_ref(query, torch.zeros(4, R + ROPE, device=DEVICE), cache, md, 0.3, R)
+    for chunk in (16, 48):
+        out = mla_decode(query, cache, md, 0.3, R, tile=(16, 4, 1), split_chunk=chunk)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert not out[0].any()

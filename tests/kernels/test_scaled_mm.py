@@ -8,11 +8,14 @@ import torch
 
 from pagedllm.kernels.scaled_mm import (
     FP8_DTYPE,
+    PATHS,
+    choose_path,
     quantize_activation,
     scaled_gemm_triton,
     scaled_mm_ref,
     w8a8_linear,
 )
+from pagedllm.kernels.w8a16_gemv import w8a16_linear_ref
 
 
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
@@ -57,21 +60,26 @@ def test_w8a8_linear_cpu_path_keeps_leading_dims():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm / _int_mm need CUDA")
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
-@pytest.mark.parametrize("m", [1, 5, 40])
-def test_w8a8_linear_cuda_paths_and_graph_capture(qdtype, m):
+@pytest.mark.parametrize("m", [1, 5, 40, 300])
+@pytest.mark.parametrize("path", [None, *PATHS])
+def test_w8a8_linear_cuda_paths_and_graph_capture(qdtype, m, path):
     k, n = 256, 96  # multiples of 16: the cuBLAS paths (M padded for _int_mm)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     wq, ws = quantize_activation(torch.randn(n, k, device="cuda") * 0.05, qdtype)
     ws = ws.flatten()
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    xq, xs = quantize_activation(x, qdtype)
-    ref = scaled_mm_ref(xq, wq, xs, ws, bias, torch.float32)
-    out = w8a8_linear(x, wq, ws, None, bias)
+    taken = path or choose_path(m, n, k, qdtype)
+    if taken == "w8a16" and m <= 64:  # weight-only: the activations are not quantized
+        ref = w8a16_linear_ref(x.float(), wq, ws, bias.float())
+    else:
+        xq, xs = quantize_activation(x, qdtype)
+        ref = scaled_mm_ref(xq, wq, xs, ws, bias, torch.float32)
+    out = w8a8_linear(x, wq, ws, None, bias, path=path)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
     graph = torch.cuda.CUDAGraph()  # no host syncs: the same call captures and replays
     with torch.cuda.graph(graph):
-        captured = w8a8_linear(x, wq, ws, None, bias)
+        captured = w8a8_linear(x, wq, ws, None, bias, path=path)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    torch.testing.assert_close(captured, w8a8_linear(x, wq, ws, None, bias), atol=0, rtol=0)
+    torch.testing.assert_close(captured, w8a8_linear(x, wq, ws, None, bias, path=path), atol=0, rtol=0)

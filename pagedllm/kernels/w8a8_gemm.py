@@ -1,0 +1,232 @@
+"""The W8A8 tile GEMM for sm_90: int8 x int8 -> int32 (or fp8 x fp8 -> fp32) on tensor cores, scales fused.
+
+    out (M, N) = (xq (M, K) @ wq (N, K)^T) * x_scale (M, 1) * w_scale[None, :] (+ bias)   in out_dtype
+
+Why a Triton kernel: on the H200 cuBLAS's int8 GEMM (`torch._int_mm`) is slower than its bf16 GEMM from
+M = 256 up (BENCHMARKS.md, issue 19: gate_up M = 2048 721 us against bf16 619 and FP8 374), although
+Hopper's int8 tensor cores run at twice the bf16 rate, and it returns int32 that a second kernel
+scales. Triton's int8 `tl.dot` lowers to wgmma on sm_90; here the scales and the bias are applied to
+the accumulator in registers and only the bf16 product is written.
+
+Weight layout: none repacked. wq stays (N, K) row-major (nn.Linear's), which is "K-major" for the B
+operand: each (BLOCK_N, BLOCK_K) tile is BLOCK_N rows of BLOCK_K contiguous bytes (16-byte vector
+loads, coalesced), and 8-bit wgmma takes B only K-major, so `tl.dot(a, tl.trans(b))` feeds it
+without a shuffle. xq (M, K) row-major is K-major for A likewise.
+
+TMA variant (W8A8Config.TMA): the same kernel with its A / B tiles fetched by the Hopper TMA unit
+through host-built tensor descriptors (zero fill past the edges, no masks, no address math in the
+loop); the sweep decides per M bucket whether it pays.
+
+Program order: a 1-d grid walked in GROUP_M-tall column groups (Triton's matmul tutorial), so the
+programs running at once share weight tiles in L2 instead of each streaming its own column.
+
+Configs per M bucket and grid size (`w8a8_gemm_config`, from the H200 sweep of
+scripts/gpu_w8a8_sweep.py): 16-row tiles for M <= 16, 64-row for M <= 64, (128, 256, 128) TMA tiles
+above wherever they fill the SMs.
+
+Reference: `scaled_mm.scaled_mm_ref` (checked under TRITON_INTERPRET=1 in tests/kernels/test_w8a8_gemm.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+__all__ = ["W8A8Config", "w8a8_gemm", "w8a8_gemm_config"]
+
+
+class W8A8Config(NamedTuple):
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int  # rows of programs per column group (L2 reuse of the weight tiles)
+    num_warps: int
+    num_stages: int
+    TMA: bool = False  # operand tiles by the TMA copy engine (`_w8a8_gemm_tma_kernel`)
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_am, stride_bn, stride_om,
+    HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: program pid -> (pm, pn) walking GROUP_M row-blocks down one column, then the next.
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pm = first_m + (pid % per_group) % group_rows
+    pn = (pid % per_group) // group_rows
+
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Edge rows / columns read row 0 instead of being masked (their results are never stored), so
+    # the loop's loads carry no masks unless K itself is ragged.
+    rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]  # (BLOCK_N, BLOCK_K), K contiguous
+    if IS_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
+        if IS_INT:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
+    b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _w8a8_gemm_tma_kernel(
+    a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+    HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """`_w8a8_gemm_kernel` with the operand tiles fetched by the Hopper TMA unit (host-built tensor
+    descriptors; out-of-range rows, columns and K are zero-filled by the copy engine, so no masks and
+    no address arithmetic in the loop)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pm = first_m + (pid % per_group) % group_rows
+    pn = (pid % per_group) // group_rows
+    if IS_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pm * BLOCK_M, k0])
+        b = b_desc.load([pn * BLOCK_N, k0])  # (BLOCK_N, BLOCK_K): K-major, as 8-bit wgmma takes B
+        if IS_INT:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
+    b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+_SMS = 132  # an H200's SMs: a tile that gives fewer programs than this leaves SMs idle
+
+
+def w8a8_gemm_config(m: int, n: int, k: int) -> W8A8Config:
+    """The launch configuration (int8 and fp8 alike: both are 1-byte operands), from the H200 sweep
+    of scripts/gpu_w8a8_sweep.py (2026-12-01, Llama-3.1-8B linears, CUDA graphs; BENCHMARKS.md):
+
+        M <= 16        (16, 128, 128), 4 warps, 4 stages      gate_up M = 16: 34.5 us int8 / 35.6 fp8
+        16 < M <= 64   (64, 128, 128), 4 warps, 4 stages      gate_up M = 64: 36.3 / 36.1
+        M > 64         (128, 256, 128), 8 warps, 4 stages, TMA gate_up M = 256 / 2048 / 8192 int8:
+                                                              62.6 / 407.9 / 1614 (bf16 92 / 621 / 2767)
+    each the largest tile whose grid still fills the SMs; otherwise the next smaller one:
+    (64, 128, 128) TMA, then (64, 64, 256) (e.g. M = 256 on o / down: 256 programs, not 32), or at
+    M <= 16 (16, 64, 256).
+    """
+    def programs(bm: int, bn: int) -> int:
+        return triton.cdiv(m, bm) * triton.cdiv(n, bn)
+
+    if m <= 16:
+        cfg = W8A8Config(16, 128, 128, 8, 4, 4) if programs(16, 128) >= _SMS else W8A8Config(16, 64, 256, 8, 4, 4)
+    elif m <= 64 or programs(64, 128) < _SMS:
+        cfg = W8A8Config(64, 128, 128, 8, 4, 4) if programs(64, 128) >= _SMS else W8A8Config(64, 64, 256, 8, 4, 4)
+    elif programs(128, 256) >= _SMS:
+        cfg = W8A8Config(128, 256, 128, 8, 8, 4, True)
+    else:
+        cfg = W8A8Config(64, 128, 128, 8, 4, 4, True)
+    return _fit_k(cfg, k)
+
+
+def _fit_k(cfg: W8A8Config, k: int) -> W8A8Config:
+    """BLOCK_K no wider than K rounded up to a power of two (>= 32: int8 / fp8 dots take K >= 32)."""
+    return cfg._replace(BLOCK_K=max(32, min(cfg.BLOCK_K, triton.next_power_of_2(k))))
+
+
+def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, config: W8A8Config | None = None,
+              m: int | None = None) -> torch.Tensor:
+    """(xq @ wq^T) * x_scale * w_scale + bias -> (m, N) out_dtype; the contract of `scaled_mm_ref`.
+
+    xq (>= m, K) int8 or float8_e4m3fn, K contiguous; wq (N, K) the same dtype; x_scale (>= m, 1) and
+    w_scale (N,) fp32; bias (N,) any float dtype or None. `m` (default: all rows of xq) lets the
+    caller pass a quantized activation with padding rows. No host syncs (graph-capturable).
+    """
+    if xq.dtype != wq.dtype or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"w8a8_gemm takes int8 or float8_e4m3fn operands of one dtype, got {xq.dtype} and {wq.dtype}")
+    if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
+        raise ValueError(f"expected xq (M, K) and wq (N, K), got {tuple(xq.shape)} and {tuple(wq.shape)}")
+    if xq.stride(1) != 1 or wq.stride(1) != 1:
+        raise ValueError("w8a8_gemm needs K-contiguous operands")
+    m = xq.shape[0] if m is None else m
+    k = xq.shape[1]
+    n = wq.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = _fit_k(config, k) if config is not None else w8a8_gemm_config(m, n, k)
+    grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    if cfg.TMA and TensorDescriptor is None:
+        cfg = cfg._replace(TMA=False)
+    if cfg.TMA:
+        if k % 16 or xq.stride(0) % 16 or wq.stride(0) % 16:
+            raise ValueError("the TMA path needs 16-byte aligned rows (K and the row strides multiples of 16)")
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
+        b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
+        _w8a8_gemm_tma_kernel[grid](
+            a_desc, b_desc, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
+            m, n, k, out.stride(0),
+            HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
+    _w8a8_gemm_kernel[grid](
+        xq, wq, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
+        m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8, EVEN_K=k % cfg.BLOCK_K == 0,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
