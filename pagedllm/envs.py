@@ -76,6 +76,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_DECODE": _flag("PAGEDLLM_FUSED_DECODE", True),
     # 0: every linear layer goes to F.linear (cuBLAS), never the few-row gemv kernel (kernels/gemv.py).
     "PAGEDLLM_SKINNY_GEMV": _flag("PAGEDLLM_SKINNY_GEMV", True),
+    # 0: int4 decode batches go to the FMA GEMV / tile kernel instead of the tensor-core kernel
+    # (kernels/wna16_tc.py), the path before it; for comparisons.
+    "PAGEDLLM_WNA16_TC": _flag("PAGEDLLM_WNA16_TC", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

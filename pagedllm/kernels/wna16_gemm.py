@@ -17,9 +17,12 @@ Every int-weight method repacks its checkpoint at load time into one layout this
 Worked example, bits 4, G 4, K 8, N 1: qweight [[0x00003A21]] holds q = [1, 2, 10, 3, 0, 0, 0, 0]
 for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5, -2, -2, -2, -2].
 
-Three CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
-    M <= 16        kernels/wna16_gemv.py: the words streamed once, unpacked in registers (split-K)
-    16 < M < 128   `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
+CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
+    M < 128, int4, G % 128 == 0, 16-bit x   kernels/wna16_tc.py: LOP3-unpacked words straight into
+                   tensor-core dots, split-K for skinny batches (act-order: x read through perm)
+    M <= 16        (other int4 groups, 8-bit) kernels/wna16_gemv.py: the words streamed once, unpacked
+                   in registers (split-K)
+    16 < M < 128   (same) `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,
                    BLOCK_N) words once, unpacks them into a (BLOCK_K, BLOCK_N) tile in natural order
                    (kernels/wna16_unpack.py) and runs one tensor-core dot on the x tile (act-order:
                    x gathered once per call); split-K for M <= 64
@@ -37,8 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
 from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_tc import tc_supported, wna16_tc_linear
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
 __all__ = ["dequantize_wna16", "dequantize_wna16_triton", "pack_along_k", "unpack_along_k", "wna16_linear",
@@ -178,6 +183,21 @@ def wna16_config(m: int, n: int, k: int, group_size: int, bits: int = 4) -> tupl
 # (qkv / o / gate_up / down) against the tile kernel's 90 / 59 / 342 / 174 at its best config; at M = 64
 # the two were within 30% either way.
 DEQUANT_MIN_M = 128
+# Int4 with groups of 128 (or multiples) and 16-bit activations go to the tensor-core kernel
+# (kernels/wna16_tc.py) up to TC_MAX_M rows, and up to TC_MAX_M_LARGE rows for weights of at least
+# TC_LARGE_WEIGHTS values; beyond that to the dequantized scratch (faster there than the tile kernel
+# above). Picked from the H200 sweep of the 8B linears: BENCHMARKS.md, issue 19, the h32 subsection.
+TC_ENABLED = environment_variables["PAGEDLLM_WNA16_TC"]()
+TC_MAX_M = 64
+TC_MAX_M_LARGE = 128
+TC_LARGE_WEIGHTS = 40 << 20  # gate_up (28672 x 4096) and down (4096 x 14336) of the 8B; not qkv / o
+
+
+def tc_max_m(n: int, k: int) -> int:
+    """The most rows the tensor-core kernel takes for an (N, K) int4 weight (0 when switched off)."""
+    if not TC_ENABLED:
+        return 0
+    return TC_MAX_M_LARGE if n * k >= TC_LARGE_WEIGHTS else TC_MAX_M
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -186,8 +206,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  dequant_min_m: int | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm). Larger M: the
-    tensor-core kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
+    Int4 g128 with 16-bit x: `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
+    act-order: x read through perm up to 16 rows, gathered once above), then the dequantized scratch.
+    Otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm), larger M:
+    the tile kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
     rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
     `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
     num_stages]).
@@ -197,9 +219,20 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     pf = 32 // bits
     if qweight.shape[0] * pf != k:
         raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
+    dequant_from = DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m
+    if config is None and tc_supported(x, bits, group_size, k) and tc_max_m(n, k):
+        limit = tc_max_m(n, k)
+        if m <= limit and m < dequant_from:
+            # act-order: in-kernel reads through perm are cheap for a few rows; gathered x tiles of many
+            # rows are ~10x slower (BENCHMARKS.md), so larger batches gather x once
+            if perm is not None and m > MAX_GEMV_M:
+                x, perm = x.index_select(1, perm), None
+            return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm)
+        if dequant_min_m is None:
+            dequant_from = limit + 1  # past the tensor-core kernel: the scratch (the tile kernel is slower)
     if m <= MAX_GEMV_M and config is None:
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias, perm)
-    if config is None and m >= (DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m):
+    if config is None and m >= dequant_from:
         w = dequantize_wna16_triton(qweight, scales, zeros, bits, group_size, x.dtype)
         xs = x if perm is None else x.index_select(1, perm)
         out = torch.matmul(xs, w)
