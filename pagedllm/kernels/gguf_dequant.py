@@ -208,7 +208,8 @@ def load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N
     conversions later): word row kp holds k = k0 + kp * PF + j, j < PF, in sub-block (k0 + kp * PF) // G;
     s / o: that sub-block's scale and offset (w = q * s + o, or (q - Z) * s), gathered per row (rows
     repeat G / PF times: L1 hits). k0 is a multiple of BLOCK_KP * PF, which divides 256, so a step lies in
-    one K-quant super-block. Rows past K are masked (K need not be a multiple of the step)."""
+    one K-quant super-block. Rows past K are masked (K need not be a multiple of the step), and a step
+    at or past K loads nothing (a prefetch of the step after a split's last passes K = the split's end)."""
     BITS: tl.constexpr = 8 if QTYPE == 2 else 4
     PF: tl.constexpr = 32 // BITS
     G: tl.constexpr = 16 if QTYPE == 4 else 32
@@ -226,10 +227,11 @@ def load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N
         o = tl.load(m_ptr + g_off, mask=mask, other=0).to(tl.float32)
     if QTYPE >= 3:  # K-quants: the super-block's fp16 d (and dmin) times the sub-block's integer scale
         sup = (k0 // 256) * N + offs_n  # < K / 256 * N: no int32 overflow
-        d = tl.load(d_ptr + sup, mask=mask_n, other=0).to(tl.float32)
+        mask_sup = mask_n & (offs_n * 0 + k0 < K)
+        d = tl.load(d_ptr + sup, mask=mask_sup, other=0).to(tl.float32)
         s = d[None, :] * s  # exact in fp32, as gguf.quants computes it
         if QTYPE == 3:
-            dm = tl.load(dm_ptr + sup, mask=mask_n, other=0).to(tl.float32)
+            dm = tl.load(dm_ptr + sup, mask=mask_sup, other=0).to(tl.float32)
             o = -(dm[None, :] * tl.load(m_ptr + g_off, mask=mask, other=0).to(tl.float32))
         else:  # Q6_K high bits: word (k0 + kp * 8) // 16, value j at bits (kp % 2) * 16 + 2 j
             hw = tl.load(qh_ptr + (krow // 16)[:, None].to(tl.int64) * N + col, mask=mask, other=0,

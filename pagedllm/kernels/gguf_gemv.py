@@ -71,6 +71,11 @@ class GGUFGemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     FACTORED: bool = False  # M == 1 only: scales applied to each word row's partial sums (see the kernel)
+    # Next step's words and scales loaded before this step's math (loop-carried registers): Triton
+    # software-pipelines none of this loop's loads (no cp.async in its sm_90 SASS), so each step
+    # otherwise waits a DRAM round trip; costs registers (occupancy). On at M = 1 (`gguf_gemv_config`;
+    # chosen from SASS, not yet timed on the GPU: BENCHMARKS.md, issue 19).
+    PREFETCH: bool = False
 
 
 @triton.jit
@@ -79,7 +84,7 @@ def _gguf_gemv_kernel(
     M, N, K, stride_xm, stride_om, K_PER_SPLIT, SPLIT_K,
     QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-    FACTORED: tl.constexpr,
+    FACTORED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     PF: tl.constexpr = 4 if QTYPE == 2 else 8
     BLOCK_K: tl.constexpr = BLOCK_KP * PF
@@ -105,9 +110,18 @@ def _gguf_gemv_kernel(
     k_lim1 = tl.where(M > 1, K, 0)
     k_lim2 = tl.where(M > 2, K, 0)
     k_lim3 = tl.where(M > 3, K, 0)
+    if PREFETCH:  # the first step's tiles; in the loop, step i + 1's loads are issued before step i's math
+        n_words, _, n_hq, n_s, n_o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k_start, offs_n, mask_n,
+                                               N, k_end, QTYPE, BLOCK_KP)
     for k0 in range(k_start, k_end, BLOCK_K):
-        words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K,
-                                        QTYPE, BLOCK_KP)
+        if PREFETCH:
+            words, hq, s, o = n_words, n_hq, n_s, n_o
+            hi = words >> 16
+            n_words, _, n_hq, n_s, n_o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0 + BLOCK_K, offs_n,
+                                                   mask_n, N, k_end, QTYPE, BLOCK_KP)
+        else:
+            words, hi, hq, s, o = load_step(qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, k0, offs_n, mask_n, N, K,
+                                            QTYPE, BLOCK_KP)
         if FACTORED:
             # M == 1, scales out of the inner loop: a word row lies in one sub-block, so
             # sum_j x_j (q_j s + o) = s * sum_j x_j q_j + o * sum_j x_j (and (q - Z) s likewise).
@@ -177,7 +191,10 @@ def gguf_gemv_config(m: int, p: GGUFPacked) -> GGUFGemvConfig:
     split = 1
     while n_blocks * split < target and split * 8 <= steps:
         split *= 2
-    return GGUFGemvConfig(block_n, block_kp, split, warps, stages)
+    # M = 1 prefetches the next step: in the sm_90 SASS the next step's loads then sit among this step's
+    # math instead of stalling at the loop's top; registers Q4_0 48 -> 62, Q8_0 48 -> 58, Q4_1 / Q6_K
+    # +1-3 (all <= 64: still 4 programs of 8 warps an SM), Q4_K 61 -> 99 (2 programs an SM)
+    return GGUFGemvConfig(block_n, block_kp, split, warps, stages, PREFETCH=m == 1)
 
 
 def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
@@ -211,7 +228,7 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
         QTYPE=QTYPE_ID[p.qtype], HAS_BIAS=bias is not None, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
         USE_SPLIT=split > 1, BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m), BLOCK_N=cfg.BLOCK_N, BLOCK_KP=cfg.BLOCK_KP,
-        FACTORED=cfg.FACTORED and m == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FACTORED=cfg.FACTORED and m == 1, PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

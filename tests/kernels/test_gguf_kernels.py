@@ -48,14 +48,15 @@ def test_malformed_rows_are_refused():
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernels_match_reference(device, qtype):
     """The fp32 dequantization kernel (bit for bit), the FMA GEMV (M 1: the default config, and the
-    factored-scales variant split over K; M 3: rows padded to 4, split) and the tensor-core GEMV split
-    over K (M 6) on one weight (24 x 256: a ragged column block, two K steps)."""
+    factored-scales variant split over K with the next step prefetched; M 3: rows padded to 4, split,
+    prefetched) and the tensor-core GEMV split over K (M 6) on one weight (24 x 256: a ragged column
+    block, two K steps)."""
     n, k = 24, 256
     _, packed = _packed(qtype, n, k, device, seed=1)
     assert torch.equal(dequantize_packed(packed, torch.float32), dequantize_packed_ref(packed))
     bias = torch.randn(n, device=device)
-    for m, cfg in ((1, None), (1, GGUFGemvConfig(16, 8, 2, 4, 2, FACTORED=True)), (3, GGUFGemvConfig(16, 8, 2, 4, 2)),
-                   (6, GGUFGemvConfig(32, 16, 2, 4, 2))):
+    for m, cfg in ((1, None), (1, GGUFGemvConfig(16, 8, 2, 4, 2, FACTORED=True, PREFETCH=True)),
+                   (3, GGUFGemvConfig(16, 8, 2, 4, 2, PREFETCH=True)), (6, GGUFGemvConfig(32, 16, 2, 4, 2))):
         x = torch.randn(m, k, device=device)
         out = gguf_linear(x, packed, bias) if cfg is None else gguf_gemv(x, packed, bias, cfg)
         ref = gguf_linear_ref(x, packed, bias)
