@@ -8,8 +8,8 @@ kernels  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at (N, K) = (4096, 4096), (14336, 4096
          16, 256, 2048 (random valid blocks): the repack's dequantization equals gguf.quants.dequantize
          (first 64 rows, bit for bit), `gguf_linear` (bf16 x) within 2e-2 of max |ref| of the fp32
          reference, and its time vs bf16 F.linear (cuBLAS); GB/s of the blocks at M = 1
-sweep    GEMV configs (BLOCK_N, BLOCK_KP, split target, warps, stages; at M = 1 each also with the scales
-         factored out of the inner loop, "/f") at M = 1 and 16, Q4_K / Q6_K;
+sweep    GEMV configs (BLOCK_N, BLOCK_KP, split target, warps, stages; at M = 1 prefetching the next step,
+         "/p", and the default tile also factored, "/f", and unprefetched) at M = 1 and 16, Q4_K / Q6_K;
          at M = 32 and 64 the GEMV (default config) vs dequantize + cuBLAS (where the dispatch switches)
 model    a 2-layer GGUF with Llama-3.1-8B-sized layers (Q4_K; layer 0's down and layer 1's v Q6_K, as
          Q4_K_M files mix them), loaded in bf16 by
@@ -177,17 +177,20 @@ def run_sweep() -> None:
                 ref = gguf_linear_ref(x, p)
                 res = []
                 default = gguf_gemv_config(m, p)
-                # M = 1: each config also with the scales factored out of the inner loop ("f")
-                variants = [(c, f) for c in cfgs for f in ((False, True) if m == 1 else (False,))]
+                # M = 1: every config prefetching ("/p", the default's choice), the default tile also with
+                # the scales factored out of the inner loop ("/f") and without prefetch (round 2's kernel)
                 if m == 1:
-                    variants.append(((128, 16, 512, 8, 3), True))  # the default tile, factored
-                for (bn, bk, target, warps, stages), fac in variants:
+                    variants = [(c, False, True) for c in cfgs] + [((128, 16, 512, 8, 3), True, True),
+                                                                   ((128, 16, 512, 8, 3), False, False)]
+                else:
+                    variants = [(c, False, False) for c in cfgs]
+                for (bn, bk, target, warps, stages), fac, pre in variants:
                     steps = k // (bk * 8)  # Q4_K / Q6_K: 8 values a word
                     split = 1
                     while math.ceil(n / bn) * split < target and split * 8 <= steps:
                         split *= 2
-                    cfg = GGUFGemvConfig(bn, bk, split, warps, stages, fac)
-                    name = f"{bn}/{bk}/s{split}/w{warps}/st{stages}{'/f' if fac else ''}"
+                    cfg = GGUFGemvConfig(bn, bk, split, warps, stages, fac, pre)
+                    name = f"{bn}/{bk}/s{split}/w{warps}/st{stages}{'/f' if fac else ''}{'/p' if pre else ''}"
                     try:
                         err = rel_err(gguf_gemv(x, p, None, cfg), ref)
                         us = graph_us(lambda i, cfg=cfg, x=x, c=copies: gguf_gemv(x, c[i], None, cfg), len(copies))
