@@ -142,7 +142,7 @@ def time_bitmask_job(llm) -> dict:
     core = llm.llm_engine.engine_core
     manager = core.structured_output_manager
     stats = {"prepare_s": 0.0, "fill_s": 0.0, "wait_s": 0.0, "steps": 0, "jobs": 0}
-    prepare, fill, sample = manager._prepare, manager._fill, core._sample_deferred
+    prepare, sample = manager._prepare, core._sample_deferred
 
     def timed(fn, key):
         def run(*a):
@@ -155,6 +155,10 @@ def time_bitmask_job(llm) -> dict:
                 stats["loop_steps"] = stats.get("loop_steps", 0) + (key == "step_s")
         return run
 
+    def timed_prepare(so):  # (fill, output) | None; the fill (a call with no arguments) timed too
+        job = timed(prepare, "prepare_s")(so)
+        return None if job is None else (timed(job[0], "fill_s"), job[1])
+
     def timed_sample():
         fut = core.deferred_sample[1]
         t = time.perf_counter()
@@ -163,7 +167,7 @@ def time_bitmask_job(llm) -> dict:
         stats["jobs"] += 1
         sample()
 
-    manager._prepare, manager._fill = timed(prepare, "prepare_s"), timed(fill, "fill_s")
+    manager._prepare = timed_prepare
     core._sample_deferred = timed_sample
     # The step loop's parts, every run (plain too): where the host time of a step goes.
     ex, out = core.model_executor, llm.llm_engine.output_processor
