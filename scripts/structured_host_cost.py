@@ -51,6 +51,7 @@ class DocumentExecutor(NullExecutor):
     doc: list[int] = []
     refused = 0
     checked = 0
+    check = True
 
     def _init_executor(self) -> None:
         super()._init_executor()
@@ -75,7 +76,7 @@ class DocumentExecutor(NullExecutor):
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> _Done:
         output, self._deferred = self._deferred, None
         assert output is not None
-        if grammar_output is not None:
+        if grammar_output is not None and self.check:
             row_of = {rid: i for i, rid in enumerate(output.req_ids)}
             ids = grammar_output.structured_output_request_ids
             toks = np.array([output.sampled_token_ids[row_of[r]] for r in ids])
@@ -187,6 +188,8 @@ def main() -> None:
     ap.add_argument("--detokenize", action="store_true",
                     help="detokenize too (off: the two runs' different tokens would cost differently)")
     ap.add_argument("--inline", action="store_true", help="also run the schema with its fill in the step loop")
+    ap.add_argument("--no-fill", action="store_true",
+                    help="diagnostic: skip xgrammar's fill (all tokens allowed), to see what else a schema step costs")
     ap.add_argument("--no-calls", action="store_true", help="skip the sys.setprofile call count")
     args = ap.parse_args()
 
@@ -217,6 +220,10 @@ def main() -> None:
             return self.output
     if args.inline:
         kinds["schema, fill in the loop"] = kinds["schema"]
+    if args.no_fill:  # a diagnostic: everything but xgrammar's fill (the bitmask stays all ones)
+        backend = manager.backend()
+        backend.fill_job = lambda grammars, bitmask: (lambda: None)
+        DocumentExecutor.check = False
     for params in kinds.values():  # warm-up: compile the grammar, touch every path
         run_once(llm, prompts, params, spent)
     per_run: dict[str, list[dict[str, float]]] = defaultdict(list)

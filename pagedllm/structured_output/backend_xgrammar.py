@@ -175,9 +175,9 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor):
         # The C++ batch fill itself, its arguments bound here: on the bitmask thread no Python runs
-        # before the GIL is released (indices None: row i of the bitmask for matcher i).
-        if len(grammars) < _BATCH_FILL_MIN_ROWS:
-            return super().fill_job(grammars, bitmask)
+        # before the GIL is released (indices None: row i of the bitmask for matcher i). Any number
+        # of rows: a few rows' set-up cost is off the step loop, and one call per row would hold
+        # the GIL between rows.
         return functools.partial(self._batch._handle.batch_fill_next_token_bitmask,
                                  [g.handle for g in grammars], bitmask, None, False)
 

@@ -4,12 +4,16 @@
   core holds the request back from the scheduler until it is ready (a cached schema: at once).
 - `advance`: after each collected step, the tokens the scheduler accepted are queued for the
   grammars. Only these tokens ever reach a grammar, so a token the scheduler dropped (a request
-  finished or aborted while its step ran) never does.
+  finished or aborted while its step ran) never does. A decode row's one token (the common case)
+  is queued for a batch accept with no per-row call; the rest (reasoning text, a stop token)
+  advance one request at a time.
 - `grammar_bitmask`: before a step samples, one bitmask row per request whose next token is
-  constrained: the queued tokens advance the grammars (one batch call), then the rows are filled
-  (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the manager's bitmask thread
-  (xgrammar's C++ gives up the GIL), so with async scheduling the engine core schedules the next
-  step while it runs and samples only when the next forward is launched (engine_core.py).
+  constrained: the queued tokens advance the grammars (one xgrammar batch call), then the rows
+  are filled (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the bitmask thread
+  (fill_thread.py; xgrammar's C++ gives up the GIL), so with async scheduling the engine core
+  returns the step's outputs and schedules the next step while it runs, and samples only when
+  the next forward is launched (engine_core.py). The advance stays in the step loop: on the
+  thread it would need the GIL again between it and the fill, i.e. wait for the loop to block.
 
 Rows whose next token is free (the reasoning text, a grammar already ended) get no row: the mask
 is applied to constrained rows only. A step with none samples unmasked (GrammarOutput None).
