@@ -223,6 +223,7 @@ def main() -> None:
     if args.no_fill:  # a diagnostic: everything but xgrammar's fill (the bitmask stays all ones)
         backend = manager.backend()
         backend.fill_job = lambda grammars, bitmask: (lambda: None)
+        backend.fill_bitmasks = lambda grammars, bitmask, rows: None  # older trees call this one
         DocumentExecutor.check = False
     for params in kinds.values():  # warm-up: compile the grammar, touch every path
         run_once(llm, prompts, params, spent)

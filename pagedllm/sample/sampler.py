@@ -94,7 +94,7 @@ class Sampler(nn.Module):
         if grammar_bitmask is not None and (md.max_num_logprobs is not None or edits or not _fused(logits, md)):
             from pagedllm.kernels.grammar_bitmask import apply_bitmask_inplace
 
-            logits = apply_bitmask_inplace(logits, grammar_bitmask, None)
+            logits = apply_bitmask_inplace(logits if logits.stride(1) == 1 else logits.contiguous(), grammar_bitmask, None)
             grammar_bitmask = None
         raw_logprobs = None
         if md.max_num_logprobs is not None:
