@@ -18,6 +18,7 @@ of each kind. The table is printed last.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -180,6 +181,71 @@ def count_calls(llm, prompts, params) -> float:
     return calls / max(steps, 1)
 
 
+def manager_only(args) -> None:
+    """The grammar manager alone, 64 requests of SCHEMA fed the document's tokens one step at a time:
+    advance, prepare (the batch accept and the row pick) and the bitmask job's round trip with
+    xgrammar's fill made a no-op (the hand-off to the thread and back alone) or real; min and median
+    per step, so a loaded machine still gives a floor."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.core.sched_output import EngineCoreOutput
+    from pagedllm.loader import default_model_path
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedllm.structured_output.manager import StructuredOutputManager, make_backend
+
+    gguf = default_model_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    doc = tok.encode(schema_document(), add_special_tokens=False)
+    rids = [f"r{i}" for i in range(args.num_requests)]
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=len(rids)),
+                             device_config=SimpleNamespace(device="cpu"))
+    backend = make_backend(tok, 49152)
+    results = {}
+    for fill in ("no-op fill", "xgrammar fill"):
+        manager = StructuredOutputManager(config)
+        manager._backend = backend
+        if fill == "no-op fill":  # the same backend, its fill (both spellings: older trees) doing nothing
+            manager._backend = copy.copy(backend)
+            manager._backend.fill_job = lambda grammars, bitmask: (lambda: None)
+            manager._backend.fill_bitmasks = lambda grammars, bitmask, rows: None
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+        for r in rids:
+            manager.add_request(SimpleNamespace(request_id=r, sampling_params=params)).future.result()
+        so = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(rids, 1), sampling_req_ids=set(rids))
+        times: dict[str, list[float]] = defaultdict(list)
+        prepare = manager._prepare
+
+        def timed_prepare(step_so, prepare=prepare, times=times):
+            t = time.perf_counter()
+            try:
+                return prepare(step_so)
+            finally:
+                times["prepare"].append(time.perf_counter() - t)
+        manager._prepare = timed_prepare
+        manager.submit_grammar_bitmask(so).result()  # the first (prefill) step's rows
+        for j in range(min(args.max_tokens * 4, len(doc))):
+            outs = [EngineCoreOutput(r, [doc[j]]) for r in rids]
+            t0 = time.perf_counter()
+            manager.advance(outs)
+            t1 = time.perf_counter()
+            job = manager.submit_grammar_bitmask(so)
+            t2 = time.perf_counter()
+            job.result()
+            t3 = time.perf_counter()
+            times["advance"].append(t1 - t0)
+            times["submit"].append(t2 - t1)
+            times["result"].append(t3 - t2)
+        manager.shutdown()
+        results[fill] = {k: (min(v) * 1e3, statistics.median(v) * 1e3) for k, v in times.items()}
+    print(f"\nthe grammar manager alone, {len(rids)} requests, ms a step: min / median")
+    print("| part | " + " | ".join(results) + " |")
+    print("|---|" + "---|" * len(results))
+    for part in ("advance", "prepare", "submit", "result"):
+        print(f"| {part} | " + " | ".join(f"{r[part][0]:.3f} / {r[part][1]:.3f}" for r in results.values()) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=64)
@@ -190,8 +256,12 @@ def main() -> None:
     ap.add_argument("--inline", action="store_true", help="also run the schema with its fill in the step loop")
     ap.add_argument("--no-fill", action="store_true",
                     help="diagnostic: skip xgrammar's fill (all tokens allowed), to see what else a schema step costs")
+    ap.add_argument("--manager", action="store_true", help="time the grammar manager alone (no engine)")
     ap.add_argument("--no-calls", action="store_true", help="skip the sys.setprofile call count")
     args = ap.parse_args()
+    if args.manager:
+        manager_only(args)
+        return
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.sampling_params import StructuredOutputsParams
