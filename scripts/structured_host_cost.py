@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--detokenize", action="store_true",
                     help="detokenize too (off: the two runs' different tokens would cost differently)")
     ap.add_argument("--inline", action="store_true", help="also run the schema with its fill in the step loop")
+    ap.add_argument("--before-launch", action="store_true",
+                    help="also run the schema with its bitmask job submitted before the step's launch")
     ap.add_argument("--no-fill", action="store_true",
                     help="diagnostic: skip xgrammar's fill (all tokens allowed), to see what else a schema step costs")
     ap.add_argument("--manager", action="store_true", help="time the grammar manager alone (no engine)")
@@ -290,6 +292,8 @@ def main() -> None:
             return self.output
     if args.inline:
         kinds["schema, fill in the loop"] = kinds["schema"]
+    if args.before_launch:
+        kinds["schema, job before the launch"] = kinds["schema"]
     if args.no_fill:  # a diagnostic: everything but xgrammar's fill (the bitmask stays all ones)
         backend = manager.backend()
         backend.fill_job = lambda grammars, bitmask: (lambda: None)
@@ -301,6 +305,7 @@ def main() -> None:
     for r in range(args.rounds):
         for kind, params in kinds.items():
             manager.submit_grammar_bitmask = Inline if kind.endswith("loop") else threaded
+            llm.llm_engine.engine_core.submit_before_launch = kind.endswith("launch")
             rows = run_once(llm, prompts, params, spent)
             med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
             med["host"] = statistics.median([s - d for s, d in zip(rows["step"], rows["device_sample"], strict=True)]) * 1e3
