@@ -20,7 +20,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
-from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class EngineCore:
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutputHandle] | None = None
         # Async scheduling, constrained rows: a launched step whose bitmask is being filled on the
         # structured-output manager's thread; the next step() samples it first.
-        self.deferred_sample: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        self.deferred_sample: tuple[SchedulerOutput, BitmaskJob] | None = None
         # Async scheduling, constrained rows: submit the bitmask job before this step's launch (its
         # fill then overlaps the launch too; the step in flight is collected first) or after it.
         self.submit_before_launch = False
