@@ -29,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as scripts/gpu_structured_bench.py: pagedllm from this tree
 VLLM_SITE = "/tmp/site"  # where the GPU machine keeps vLLM 0.21 (PYTHONPATH for its child only)
-CHILD_TIMEOUT_S = {"pagedllm": 90, "vllm": 140}  # round 1: 33 s and 78 s (to its failure)
+CHILD_TIMEOUT_S = {"pagedllm": 120, "vllm": 140}  # this branch's round: 39 s for 3 variants x 2 rounds
 # An array of records: objects with a string, an integer, an enum and a list, as API outputs look.
 SCHEMA = {
     "type": "array",
@@ -141,8 +141,8 @@ def time_bitmask_job(llm) -> dict:
     long the step loop then waited for the fill."""
     core = llm.llm_engine.engine_core
     manager = core.structured_output_manager
-    stats = {"prepare_s": 0.0, "fill_s": 0.0, "wait_s": 0.0, "steps": 0, "jobs": 0}
-    prepare, fill, sample = manager._prepare, manager._fill, core._sample_deferred
+    stats = {"prepare_s": 0.0, "fill_s": 0.0, "wait_s": 0.0, "submit_s": 0.0, "accept_s": 0.0, "steps": 0, "jobs": 0}
+    prepare, sample = manager._prepare, core._sample_deferred
 
     def timed(fn, key):
         def run(*a):
@@ -155,6 +155,10 @@ def time_bitmask_job(llm) -> dict:
                 stats["loop_steps"] = stats.get("loop_steps", 0) + (key == "step_s")
         return run
 
+    def timed_prepare(so):  # (fill, output) | None; the fill (a call with no arguments) timed too
+        job = timed(prepare, "prepare_s")(so)
+        return None if job is None else (timed(job[0], "fill_s"), job[1])
+
     def timed_sample():
         fut = core.deferred_sample[1]
         t = time.perf_counter()
@@ -163,7 +167,9 @@ def time_bitmask_job(llm) -> dict:
         stats["jobs"] += 1
         sample()
 
-    manager._prepare, manager._fill = timed(prepare, "prepare_s"), timed(fill, "fill_s")
+    manager._prepare = timed_prepare
+    backend = manager.backend()  # the batch accept inside prepare (xgrammar's C++ and its list of handles)
+    backend.accept_tokens_batch = timed(backend.accept_tokens_batch, "accept_s")
     core._sample_deferred = timed_sample
     # The step loop's parts, every run (plain too): where the host time of a step goes.
     ex, out = core.model_executor, llm.llm_engine.output_processor
@@ -193,7 +199,14 @@ def run_pagedllm(args) -> list[dict]:
     checker = OutputChecker(llm.get_tokenizer(), model_vocab_size(args) or llm.llm_engine.config.model_config.vocab_size)
     stats = time_bitmask_job(llm)
     manager = llm.llm_engine.engine_core.structured_output_manager
-    threaded = manager.submit_grammar_bitmask
+    submit = manager.submit_grammar_bitmask
+
+    def threaded(so):  # prepare + the hand-off to the bitmask thread (until it is inside the fill)
+        t = time.perf_counter()
+        try:
+            return submit(so)
+        finally:
+            stats["submit_s"] += time.perf_counter() - t
 
     def inline(so):  # the A/B variant: the fill in the step loop, as before the bitmask thread
         from concurrent.futures import Future
@@ -203,7 +216,9 @@ def run_pagedllm(args) -> list[dict]:
         return done
 
     results = []
-    variants = ("plain", "schema", "schema, fill in the step loop")
+    variants = ("plain", "schema", "schema, job before the launch")
+    if args.ab_inline:  # round 2 on the H200: 0.718 / 0.801 against the thread's 0.744 / 0.830
+        variants += ("schema, fill in the step loop",)
     threads = os.environ.get("PAGEDLLM_XGRAMMAR_THREADS")
     engine = f"pagedllm, {threads} xgrammar threads" if threads else "pagedllm"
     if threads or not llm.llm_engine.engine_core.async_scheduling:
@@ -215,11 +230,13 @@ def run_pagedllm(args) -> list[dict]:
     for variant in variants * args.rounds:
         constrained = variant != "plain"
         manager.submit_grammar_bitmask = inline if variant.endswith("loop") else threaded
+        # The A/B of engine_core's order: the bitmask job submitted before this step's launch.
+        llm.llm_engine.engine_core.submit_before_launch = variant.endswith("launch")
         so = StructuredOutputsParams(json=SCHEMA) if constrained else None
         sp = SamplingParams(temperature=0.8, seed=None, max_tokens=args.max_tokens, ignore_eos=True,
                             structured_outputs=so)
         llm.generate(ps[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # compile, warm
-        stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, steps=0, jobs=0, loop_steps=0,
+        stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, submit_s=0.0, accept_s=0.0, steps=0, jobs=0, loop_steps=0,
                      **{p + "_s": 0.0 for p in LOOP_PARTS})
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
@@ -235,7 +252,7 @@ def run_pagedllm(args) -> list[dict]:
             results[-1]["valid_outputs"] = check_outputs(checker, outs)
             steps = max(stats["steps"], 1)  # constrained steps; deferred ones only under async scheduling
             results[-1].update({k.replace("_s", "_ms"): round(1e3 * stats[k] / steps, 3)
-                                for k in ("prepare_s", "fill_s", "wait_s")}, steps=stats["steps"],
+                                for k in ("prepare_s", "accept_s", "submit_s", "fill_s", "wait_s")}, steps=stats["steps"],
                                deferred_steps=stats["jobs"], step_ms=round(1e3 * dt / steps, 3))
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -315,6 +332,8 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[di
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds)]
     if args.async_scheduling:
         cmd.append("--async-scheduling")
+    if args.ab_inline:
+        cmd.append("--ab-inline")
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -349,6 +368,7 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also run vLLM (in a second process, after ours)")
     ap.add_argument("--xgrammar-threads", type=int, help="also run pagedllm with this many xgrammar threads")
     ap.add_argument("--async-scheduling", action="store_true", help="pagedllm: async scheduling on the CPU too")
+    ap.add_argument("--ab-inline", action="store_true", help="pagedllm: also the fill in the step loop (an A/B)")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:

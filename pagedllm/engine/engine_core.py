@@ -20,7 +20,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
-from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,10 @@ class EngineCore:
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutputHandle] | None = None
         # Async scheduling, constrained rows: a launched step whose bitmask is being filled on the
         # structured-output manager's thread; the next step() samples it first.
-        self.deferred_sample: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        self.deferred_sample: tuple[SchedulerOutput, BitmaskJob] | None = None
+        # Async scheduling, constrained rows: submit the bitmask job before this step's launch (its
+        # fill then overlaps the launch too; the step in flight is collected first) or after it.
+        self.submit_before_launch = False
         self.structured_output_manager = StructuredOutputManager(config)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -170,6 +173,13 @@ class EngineCore:
         if so is not None:
             manager = self.structured_output_manager
             so.has_structured_output_requests = bool(manager.sampling_request_ids(so))
+            job = None
+            if self.submit_before_launch and so.has_structured_output_requests and self.async_scheduling:
+                # The bitmask job first, so that its fill also runs beside this step's launch (the
+                # step in flight is read first: its last kernels were queued just above).
+                if self.inflight is not None:
+                    outputs += self._collect_inflight()
+                job = manager.submit_grammar_bitmask(so)
             pending = self.model_executor.execute_model(so)
             self.step_count += 1
             if self.inflight is not None:
@@ -179,8 +189,10 @@ class EngineCore:
             if pending is None and self.async_scheduling:
                 # The bitmask job runs on the manager's thread while this thread returns the
                 # outputs and schedules the next step; that step's start samples this one.
-                self.deferred_sample = (so, manager.submit_grammar_bitmask(so))
+                self.deferred_sample = (so, job if job is not None else manager.submit_grammar_bitmask(so))
                 return outputs
+            if job is not None:
+                job.result()  # an executor that sampled anyway: the job's grammars are free again
             if pending is None:
                 pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
             self.inflight = (so, pending)

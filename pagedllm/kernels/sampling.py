@@ -78,8 +78,11 @@ def _gumbel_argmax_split_kernel(
     stride_row,
     tiles_per_split,
     num_splits,
+    bitmask_ptr,  # int32 (R, ceil(V / 32)): bit j of word w allows column 32w + j; unread without HAS_MASK
+    stride_mask,
     BLOCK_V: tl.constexpr,
     FAST_LOG2: tl.constexpr,  # MUFU lg2.approx (NVIDIA only); libdevice's log2f is ~20 instructions
+    HAS_MASK: tl.constexpr,  # a grammar bitmask (structured outputs): forbidden columns score -inf
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -97,6 +100,9 @@ def _gumbel_argmax_split_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            words = tl.load(bitmask_ptr + row.to(tl.int64) * stride_mask + cols // 32, mask=mask, other=0)
+            x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
         if greedy:
             score = x
         else:
@@ -173,11 +179,14 @@ def split_plan(num_rows: int, vocab_size: int, num_splits: int | None, device: t
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: int, num_splits: int | None = None
+    logits: torch.Tensor, temperature: torch.Tensor, seed: int, num_splits: int | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits (R, V) float32/bf16/fp16, temperature (R,) float32 -> sampled ids (R,) int64 on
     logits' device. `num_splits` (programs per row) defaults to filling the GPU; the ids do not
-    depend on it."""
+    depend on it. `bitmask` int32 (R, ceil(V / 32)) on the device: row r samples only the columns
+    its row allows (a grammar's bitmask, structured_output/bitmask.py; the same ids as masking the
+    logits first, one launch fewer)."""
     if logits.dim() != 2 or temperature.shape != (logits.shape[0],):
         raise ValueError(f"expected logits (R, V) and temperature (R,), got {tuple(logits.shape)} and "
                          f"{tuple(temperature.shape)}")
@@ -195,9 +204,14 @@ def gumbel_argmax(
     splits, tiles_per_split = split_plan(num_rows, vocab, num_splits, logits.device)
     part_score = torch.empty((num_rows, splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((num_rows, splits), dtype=torch.int32, device=logits.device)
+    if bitmask is not None:
+        assert bitmask.dtype == torch.int32 and bitmask.shape[0] == num_rows and bitmask.stride(1) == 1
+        assert bitmask.shape[1] * 32 >= vocab and bitmask.device == logits.device, (bitmask.shape, vocab)
     _gumbel_argmax_split_kernel[(num_rows, splits)](
         logits, temperature.to(torch.float32), part_score, part_idx, seed, vocab, logits.stride(0),
-        tiles_per_split, splits, BLOCK_V=BLOCK_V, FAST_LOG2=_fast_log2(logits.device), num_warps=4,
+        tiles_per_split, splits, part_idx if bitmask is None else bitmask,
+        0 if bitmask is None else bitmask.stride(0), BLOCK_V=BLOCK_V, FAST_LOG2=_fast_log2(logits.device),
+        HAS_MASK=bitmask is not None, num_warps=4,
     )
     _argmax_partials_kernel[(num_rows,)](part_score, part_idx, out, splits, BLOCK_S=_BLOCK_S, num_warps=1)
     return out
@@ -251,9 +265,14 @@ def neg_log2_ref(u: torch.Tensor) -> torch.Tensor:
     return torch.where(w < 0.03125, near_1, -torch.log2(u))
 
 
-def gumbel_argmax_ref(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+def gumbel_argmax_ref(logits: torch.Tensor, temperature: torch.Tensor, seed: int,
+                      bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """gumbel_argmax in plain torch, with the kernel's draws (on the CPU, float32 math)."""
     x = logits.detach().cpu().float()
+    if bitmask is not None:
+        from pagedllm.structured_output.bitmask import unpack_bitmask
+
+        x = x.masked_fill(~unpack_bitmask(bitmask.cpu(), x.shape[1]), float("-inf"))
     t = temperature.detach().cpu().float()
     greedy = (t < _GREEDY_EPS).unsqueeze(1)
     u = gumbel_uniforms_ref(seed, *x.shape).clamp_min(1e-20)

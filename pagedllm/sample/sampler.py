@@ -69,22 +69,39 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _fused(logits: torch.Tensor, md: SamplingMetadata) -> bool:
+    """Whether `Sampler.sample` takes the fused Gumbel-max kernel: CUDA, some row sampled, rows
+    with neither top-k, top-p, min-p nor a per-request seed."""
+    return (logits.is_cuda and not md.all_greedy and not md.generators and md.min_p is None and md.top_k is None
+            and md.top_p is None)
+
+
 class Sampler(nn.Module):
     """Stateless; forward may overwrite `logits` in place (as vLLM's does) to save (R, V) copies."""
 
-    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                grammar_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """grammar_bitmask: int32 (R, ceil(V / 32)) on a CUDA device, one row per logits row
+        (structured outputs, every row constrained): applied before step 1, or by the fused sampling
+        kernel when nothing before it reads the logits (one launch fewer: BENCHMARKS.md, issue 22)."""
         md = sampling_metadata
         if logits.dim() != 2 or logits.shape[0] != md.num_reqs or logits.shape[1] != md.vocab_size:
             raise ValueError(
                 f"logits must be (num_reqs={md.num_reqs}, vocab_size={md.vocab_size}), "
                 f"got {tuple(logits.shape)}."
             )
+        edits = md.logit_bias is not None or md.min_tokens or not md.no_penalties or md.allowed_token_ids or md.bad_words
+        if grammar_bitmask is not None and (md.max_num_logprobs is not None or edits or not _fused(logits, md)):
+            from pagedllm.kernels.grammar_bitmask import apply_bitmask_inplace
+
+            logits = apply_bitmask_inplace(logits if logits.stride(1) == 1 else logits.contiguous(), grammar_bitmask, None)
+            grammar_bitmask = None
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             # One float32 copy, shared by the logprobs and whatever follows.
             logits = logits.to(torch.float32)
             raw_logprobs = self.compute_logprobs(logits)
-        if md.logit_bias is not None or md.min_tokens or not md.no_penalties or md.allowed_token_ids or md.bad_words:
+        if edits:
             # In float32: a bias of 0.3 or a penalty of 1.1 would be rounded to bf16's 8 bits.
             logits = logits.to(torch.float32)
             logits = apply_logit_bias(logits, md)
@@ -92,7 +109,7 @@ class Sampler(nn.Module):
             logits = apply_all_penalties(logits, md)
             logits = apply_allowed_token_ids(logits, md.allowed_token_ids)
             logits = apply_bad_words(logits, md.bad_words, md.output_token_ids)
-        sampled = self.sample(logits, md)
+        sampled = self.sample(logits, md, grammar_bitmask)
         logprobs_tensors = None
         if raw_logprobs is not None:
             assert md.max_num_logprobs is not None
@@ -104,16 +121,20 @@ class Sampler(nn.Module):
         return logits.log_softmax(dim=-1, dtype=torch.float32)
 
     @staticmethod
-    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """(R, V) logits in any float dtype -> int64 (R,). May overwrite float32 `logits`."""
+    def sample(logits: torch.Tensor, md: SamplingMetadata, grammar_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """(R, V) logits in any float dtype -> int64 (R,). May overwrite float32 `logits`.
+        grammar_bitmask: only where `_fused` holds (the fused kernel applies it)."""
         if md.all_greedy:
+            assert grammar_bitmask is None
             return greedy_argmax(logits)
-        if logits.is_cuda and not md.generators and md.min_p is None and md.top_k is None and md.top_p is None:
+        if _fused(logits, md):
             # Temperature only (plus greedy rows): one fused Gumbel-max pass over the logits, in
             # their own dtype. The seed comes from torch's CPU generator: no device sync.
             from pagedllm.kernels.sampling import gumbel_argmax
 
-            return gumbel_argmax(logits, md.temperature, int(torch.randint(2**31 - 1, (1,)).item()))
+            return gumbel_argmax(logits, md.temperature, int(torch.randint(2**31 - 1, (1,)).item()),
+                                 bitmask=grammar_bitmask)
+        assert grammar_bitmask is None
         logits = logits.to(torch.float32)
         greedy_sampled = None if md.all_random else greedy_argmax(logits)
         is_greedy = md.temperature < _SAMPLING_EPS  # (R,) bool, device-side

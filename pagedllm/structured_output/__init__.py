@@ -5,5 +5,6 @@ backend_types.py     the backend interface: compile a grammar, advance it, fill 
 backend_xgrammar.py  the xgrammar backend (JSON schema checks, error messages)
 request.py           one request's grammar: compiled off the engine loop, advanced by accepted tokens
 manager.py           the engine core's side: compile pool, per-step bitmask (GrammarOutput)
+fill_thread.py       the bitmask thread: a step's fill beside the step loop, handed over by raw locks
 bitmask.py           the one place the bitmask meets the logits (device side)
 """

@@ -7,7 +7,9 @@ j of word w of a row allows token 32 * w + j. Vocabulary 70 -> 3 words; token 33
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -16,6 +18,10 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 class StructuredOutputGrammar(ABC):
     """One request's matcher state."""
+
+    # The tokens whose acceptance can end the grammar (its stop tokens); None when unknown, and
+    # then the manager asks is_terminated after every token (the slow path).
+    stop_ids: frozenset[int] | None = None
 
     @abstractmethod
     def accept_tokens(self, tokens: list[int]) -> bool:
@@ -32,7 +38,7 @@ class StructuredOutputGrammar(ABC):
     def may_terminate(self, token: int) -> bool:
         """Whether accepting `token` can end the grammar (a stop token); True when unknown. Lets the
         caller skip asking is_terminated after every ordinary token."""
-        return True
+        return self.stop_ids is None or token in self.stop_ids
 
 
 class StructuredOutputBackend(ABC):
@@ -50,6 +56,12 @@ class StructuredOutputBackend(ABC):
         """Fill row rows[i] from grammars[i]; a backend may do it in parallel."""
         for grammar, row in zip(grammars, rows, strict=True):
             grammar.fill_bitmask(bitmask, row)
+
+    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor) -> Callable[[], None]:
+        """A call with no arguments that fills row i of `bitmask` from grammars[i], for the bitmask
+        thread: a backend returns one whose first Python line is its GIL-free fill
+        (structured_output/fill_thread.py says why)."""
+        return functools.partial(self.fill_bitmasks, grammars, bitmask, list(range(len(grammars))))
 
     def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
         """Advance grammars[i] by the one token tokens[i]; a backend may do it in one call. None when

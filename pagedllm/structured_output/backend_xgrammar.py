@@ -11,6 +11,7 @@ never gets output that looks constrained but is not.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -93,6 +94,7 @@ def choice_to_ebnf(choices: list[str]) -> str:
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self.matcher = matcher
+        self.handle = matcher._handle  # the C++ matcher, for the batch calls below
         # An xgrammar matcher ends only by accepting one of these (terminate_without_stop_token off);
         # None (a release without the property): ask after every token.
         stop_ids = getattr(matcher, "stop_token_ids", None)
@@ -106,9 +108,6 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
-
-    def may_terminate(self, token: int) -> bool:
-        return self.stop_ids is None or token in self.stop_ids
 
 
 class XgrammarBackend(StructuredOutputBackend):
@@ -174,15 +173,23 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             super().fill_bitmasks(grammars, bitmask, rows)
 
+    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor):
+        # The C++ batch fill itself, its arguments bound here: on the bitmask thread no Python runs
+        # before the GIL is released (indices None: row i of the bitmask for matcher i). Any number
+        # of rows: a few rows' set-up cost is off the step loop, and one call per row would hold
+        # the GIL between rows.
+        return functools.partial(self._batch._handle.batch_fill_next_token_bitmask,
+                                 [g.handle for g in grammars], bitmask, None, False)
+
     def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
         # One C++ call for the batch instead of one Python -> C++ call per row (64 a decode step).
         # xgrammar's wrapper turns the result into a Python list element by element, which costs
         # more than the accepts (BENCHMARKS.md, issue 22, h28); its core call's result answers
         # "any refused?" in one C call. Older releases lack either: the public paths.
-        matchers = [g.matcher for g in grammars]
         if _CORE_BATCH is not None:
-            result = _CORE_BATCH.batch_accept_token([m._handle for m in matchers], tokens, False)
+            result = _CORE_BATCH.batch_accept_token([g.handle for g in grammars], tokens, False)
             return [bool(ok) for ok in result] if 0 in result else None
+        matchers = [g.matcher for g in grammars]
         if hasattr(xgr.BatchGrammarMatcher, "batch_accept_token"):
             oks = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
             return None if all(oks) else oks

@@ -4,12 +4,16 @@
   core holds the request back from the scheduler until it is ready (a cached schema: at once).
 - `advance`: after each collected step, the tokens the scheduler accepted are queued for the
   grammars. Only these tokens ever reach a grammar, so a token the scheduler dropped (a request
-  finished or aborted while its step ran) never does.
+  finished or aborted while its step ran) never does. A decode row's one token (the common case)
+  is queued for a batch accept with no per-row call; the rest (reasoning text, a stop token)
+  advance one request at a time.
 - `grammar_bitmask`: before a step samples, one bitmask row per request whose next token is
-  constrained: the queued tokens advance the grammars (one batch call), then the rows are filled
-  (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the manager's bitmask thread
-  (xgrammar's C++ gives up the GIL), so with async scheduling the engine core schedules the next
-  step while it runs and samples only when the next forward is launched (engine_core.py).
+  constrained: the queued tokens advance the grammars (one xgrammar batch call), then the rows
+  are filled (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the bitmask thread
+  (fill_thread.py; xgrammar's C++ gives up the GIL), so with async scheduling the engine core
+  returns the step's outputs and schedules the next step while it runs, and samples only when
+  the next forward is launched (engine_core.py). The advance stays in the step loop: on the
+  thread it would need the GIL again between it and the fill, i.e. wait for the loop to block.
 
 Rows whose next token is free (the reasoning text, a grammar already ended) get no row: the mask
 is applied to constrained rows only. A step with none samples unmasked (GrammarOutput None).
@@ -20,7 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +33,7 @@ import torch
 from pagedllm import envs
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.structured_output.fill_thread import FillThread
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -54,12 +60,16 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.requests: dict[str, StructuredOutputRequest] = {}
-        # Accepted tokens not yet fed to their grammar, in order (the next bitmask job feeds them).
+        # Accepted tokens not yet fed to their grammar (the next bitmask job feeds them): one token
+        # of an active grammar (the batch accept), and the rest in order (one request at a time).
+        self._to_accept_one: dict[StructuredOutputRequest, int] = {}
         self._to_accept: dict[StructuredOutputRequest, list[int]] = {}
-        self._fill_thread: ThreadPoolExecutor | None = None
+        self._fill_thread: FillThread | None = None
+        self._rows_of: tuple[object, list[str]] = (None, [])  # the last step's sampling_request_ids
         # Pinned host bitmasks, reused in turn: a step's copy to the device is queued when it
         # samples and has run when that step is collected, before the buffer's next turn (2 steps on).
         self._bitmasks: list = []
+        self._bitmask_views: list[dict[int, torch.Tensor]] = []
         self._next_bitmask = 0
 
     def backend(self) -> StructuredOutputBackend:
@@ -90,55 +100,65 @@ class StructuredOutputManager:
             sor = self.requests.pop(rid, None)
             if sor is not None:
                 self._to_accept.pop(sor, None)
+                self._to_accept_one.pop(sor, None)
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
-        """Queue each constrained request's accepted tokens for its grammar; forget finished ones."""
+        """Queue each constrained request's accepted tokens for its grammar; forget finished ones.
+
+        The fast path (one token, the grammar active, not one of its stop tokens: every decode row
+        of a JSON answer) queues the token for the next job's one batch accept; anything else (a
+        reasoning row, a stop token, a request collected twice before a job) the slow path."""
         if not self.requests:
             return
-        requests, to_accept = self.requests, self._to_accept
-        for out in outputs:  # every constrained row, every step: attribute reads, no property calls
+        requests, one, many = self.requests, self._to_accept_one, self._to_accept
+        for out in outputs:  # every constrained row, every step: attribute reads, no calls
             sor = requests.get(out.request_id)
             if sor is None:
                 continue
             if out.finish_reason is not None:
                 del requests[out.request_id]
-                to_accept.pop(sor, None)
-            elif out.new_token_ids and (sor._grammar is not None or sor.ready):
-                to_accept.setdefault(sor, []).extend(out.new_token_ids)
-
-    def _accept_queued(self, queued: dict[StructuredOutputRequest, list[int]]) -> None:
-        """Feed queued tokens: one batch call for the requests with one token past the reasoning (a
-        decode step), one call each for the others (a request collected twice before a fill).
-        The batch's bookkeeping is inline: this loop runs over every constrained row every step."""
-        singles: list[StructuredOutputRequest] = []
-        tokens: list[int] = []
-        for sor, new in queued.items():
-            if len(new) == 1 and sor.reasoning_ended:
-                if not sor.ended:
-                    singles.append(sor)
-                    tokens.append(new[0])
+                many.pop(sor, None)
+                one.pop(sor, None)
                 continue
-            grammar_tokens = sor.grammar_tokens(new)
-            if grammar_tokens:
-                sor.accepted(grammar_tokens, sor.grammar.accept_tokens(grammar_tokens))
-        if not singles:
-            return
-        grammars = [sor.grammar for sor in singles]
-        refused = self.backend().accept_tokens_batch(grammars, tokens)
-        for sor, grammar, token in zip(singles, grammars, tokens, strict=True):
-            sor.num_accepted += 1
-            if grammar.may_terminate(token):
-                sor.ended = grammar.is_terminated()
-        if refused is not None:
-            for sor, token, ok in zip(singles, tokens, refused, strict=True):
-                if not ok:
-                    sor.accepted([], ok=False, refused=[token])
+            new = out.new_token_ids
+            if not new:
+                continue
+            g = sor.active_grammar
+            if (len(new) == 1 and g is not None and (stop := g.stop_ids) is not None and new[0] not in stop
+                    and sor not in one and sor not in many):
+                one[sor] = new[0]
+                continue
+            if sor in one:  # keep the order: its earlier token first
+                many[sor] = [one.pop(sor)]
+            if sor._grammar is not None or sor.ready:
+                many.setdefault(sor, []).extend(new)
+
+    def _accept_queued(self) -> None:
+        """Feed queued tokens: the fast path's in one batch call (no per-row bookkeeping after it:
+        none of them is a stop token), the others one request at a time."""
+        one, many = self._to_accept_one, self._to_accept
+        if one:
+            self._to_accept_one = {}
+            refused = self.backend().accept_tokens_batch([sor.active_grammar for sor in one], list(one.values()))
+            if refused is not None:
+                for (sor, token), ok in zip(one.items(), refused, strict=True):
+                    if not ok:
+                        sor.accepted([], ok=False, refused=[token])
+        if many:
+            self._to_accept = {}
+            for sor, new in many.items():
+                sor.advance(new)
 
     def sampling_request_ids(self, so: SchedulerOutput) -> list[str]:
         """Constrained requests that sample in this step, in batch order (the runner's row order)."""
         if not self.requests:
             return []
-        return [r for r in so.num_scheduled_tokens if r in so.sampling_req_ids and r in self.requests]
+        if so is self._rows_of[0]:
+            return self._rows_of[1]  # asked twice a step: by the engine core, then by _prepare
+        requests, sampling = self.requests, so.sampling_req_ids
+        ids = [r for r in so.num_scheduled_tokens if r in sampling and r in requests]
+        self._rows_of = (so, ids)
+        return ids
 
     def _take_bitmask(self, num_rows: int):
         backend = self.backend()
@@ -146,57 +166,76 @@ class StructuredOutputManager:
             rows = max(num_rows, self.config.scheduler_config.max_num_seqs)
             pin = self.config.device_config.device == "cuda"
             self._bitmasks = [backend.allocate_bitmask(rows, pin_memory=pin) for _ in range(2)]
+            self._bitmask_views = [{} for _ in range(2)]
         self._next_bitmask ^= 1
-        return self._bitmasks[self._next_bitmask][:num_rows]
+        views = self._bitmask_views[self._next_bitmask]  # the (num_rows, W) views, made once each
+        view = views.get(num_rows)
+        if view is None:
+            view = views[num_rows] = self._bitmasks[self._next_bitmask][:num_rows]
+        return view
 
-    def _prepare(self, so: SchedulerOutput) -> tuple[list, torch.Tensor, list[str]] | None:
-        """In the caller's thread: advance by the queued tokens (one xgrammar batch call),
-        pick the rows whose next token is constrained, take a bitmask. None when no row is."""
-        queued, self._to_accept = self._to_accept, {}
-        if queued:
-            self._accept_queued(queued)
-        sors = [sor for rid in self.sampling_request_ids(so) if (sor := self.requests[rid]).constrains_next]
-        if not sors:
+    def _prepare(self, so: SchedulerOutput) -> tuple[Callable[[], None], GrammarOutput] | None:
+        """In the caller's thread: advance by the queued tokens (one xgrammar batch call), pick the
+        rows whose next token is constrained, take a bitmask. Returns the fill (a call with no
+        arguments) and the output it fills; None when no row is constrained."""
+        if self._to_accept_one or self._to_accept:
+            self._accept_queued()
+        requests = self.requests
+        grammars, ids = [], []
+        for rid in self.sampling_request_ids(so):
+            sor = requests.get(rid)
+            if sor is None:
+                continue  # finished by the step just collected (async scheduling had scheduled it)
+            g = sor.active_grammar
+            if g is None:
+                g = sor.activate()
+                if g is None:
+                    continue
+            grammars.append(g)
+            ids.append(rid)
+        if not ids:
             return None
-        return [sor.grammar for sor in sors], self._take_bitmask(len(sors)), [sor.request_id for sor in sors]
-
-    def _fill(self, grammars: list, bitmask: torch.Tensor, ids: list[str]) -> GrammarOutput:
-        self.backend().fill_bitmasks(grammars, bitmask, list(range(len(ids))))
-        return GrammarOutput(ids, bitmask)
+        bitmask = self._take_bitmask(len(ids))
+        return self.backend().fill_job(grammars, bitmask), GrammarOutput(ids, bitmask)
 
     def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The step's bitmask, computed now (in the caller's thread)."""
         job = self._prepare(so)
-        return None if job is None else self._fill(*job)
-
-    def submit_grammar_bitmask(self, so: SchedulerOutput) -> Future[GrammarOutput | None]:
-        """The same, its fill on the bitmask thread. Until its result is taken, the caller must not
-        start another job (the grammars are the fill's); `advance`, `add_request`, `remove` are safe.
-
-        Why only the fill, and why the hand-shake: the thread needs the GIL to start and to finish.
-        While this thread runs Python (output processing, scheduling), a thread waiting for the GIL
-        gets it only after the switch interval (5 ms), so Python work on the bitmask thread would
-        run after the step loop blocks, not beside it. Here this thread waits (GIL released) until
-        the bitmask thread is inside xgrammar's fill, which runs without the GIL; its one Python
-        line after the fill runs when the step loop asks for the result."""
-        job = self._prepare(so)
-        done: Future[GrammarOutput | None] = Future()
         if job is None:
-            done.set_result(None)
-            return done
+            return None
+        job[0]()
+        return job[1]
+
+    def submit_grammar_bitmask(self, so: SchedulerOutput) -> BitmaskJob:
+        """The same, its fill on the bitmask thread (fill_thread.py); `result()` waits for it. Until
+        then the caller must not start another job (the grammars are the fill's); `advance`,
+        `add_request`, `remove` are safe (they only queue)."""
+        job = self._prepare(so)
+        if job is None:
+            return BitmaskJob(None, None)
         if self._fill_thread is None:
-            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
-        started = threading.Event()
-
-        def fill() -> GrammarOutput:
-            started.set()  # this thread keeps the GIL until the fill gives it up
-            return self._fill(*job)
-
-        future = self._fill_thread.submit(fill)
-        started.wait()
-        return future
+            self._fill_thread = FillThread()
+        self._fill_thread.submit(job[0])
+        return BitmaskJob(self._fill_thread, job[1])
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._fill_thread):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._fill_thread is not None:
+            self._fill_thread.close()
+            self._fill_thread = None
+
+
+class BitmaskJob:
+    """A submitted bitmask job; `result()` waits for its fill (none: the step has no constrained row)."""
+
+    __slots__ = ("_thread", "_output")
+
+    def __init__(self, thread: FillThread | None, output: GrammarOutput | None) -> None:
+        self._thread, self._output = thread, output
+
+    def result(self) -> GrammarOutput | None:
+        if self._thread is not None:
+            self._thread.wait()
+            self._thread = None
+        return self._output

@@ -24,9 +24,11 @@ class StructuredOutputRequest:
         self.future = future  # -> StructuredOutputGrammar
         self.reasoning_end_ids = frozenset(params._reasoning_end_token_ids)
         self.reasoning_ended = not self.reasoning_end_ids
-        self.num_accepted = 0  # output tokens the grammar has seen (after the reasoning)
         self.ended = False  # the grammar accepted a stop token (kept here: read per row per step)
         self._grammar: StructuredOutputGrammar | None = None
+        # The grammar while it constrains the next token (compiled, reasoning over, not ended), else
+        # None: the one attribute the manager's per-row loops read (set by `activate`).
+        self.active_grammar: StructuredOutputGrammar | None = None
 
     @property
     def ready(self) -> bool:
@@ -58,10 +60,11 @@ class StructuredOutputRequest:
     def accepted(self, tokens: list[int], ok: bool, refused: list[int] | None = None) -> bool:
         """Book `tokens` fed to the grammar (by `advance`; the manager's batch call books its own
         and reports a refused token here as `refused`)."""
-        self.num_accepted += len(tokens)
         grammar = self.grammar
         if any(grammar.may_terminate(t) for t in tokens):
             self.ended = grammar.is_terminated()
+            if self.ended:
+                self.active_grammar = None
         if not ok:
             logger.error("%s: the grammar refused sampled tokens %s", self.request_id, refused or tokens)
         return ok
@@ -78,3 +81,10 @@ class StructuredOutputRequest:
     def constrains_next(self) -> bool:
         """Whether the next token is constrained (reasoning over, grammar not yet ended)."""
         return self.reasoning_ended and not self.ended
+
+    def activate(self) -> StructuredOutputGrammar | None:
+        """`active_grammar`, set once the next token is constrained (the request is scheduled only
+        once its grammar compiled, so `grammar` does not block here)."""
+        if self.active_grammar is None and self.constrains_next:
+            self.active_grammar = self.grammar
+        return self.active_grammar

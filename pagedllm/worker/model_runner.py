@@ -166,10 +166,16 @@ class ModelRunner:
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        mask = None
         if grammar_output is not None:
-            row_of = {st.req_id: j for j, st in enumerate(states)}
-            rows = [row_of[r] for r in grammar_output.structured_output_request_ids]
-            logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, rows)
+            ids = grammar_output.structured_output_request_ids
+            if logits.is_cuda and ids == [st.req_id for st in states]:
+                # Every row constrained, in batch order (a batch of JSON answers): the sampler
+                # applies the mask, inside its sampling kernel where it can.
+                mask = to_device_async(grammar_output.grammar_bitmask, logits.device)
+            else:
+                row_of = {st.req_id: j for j, st in enumerate(states)}
+                logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, [row_of[r] for r in ids])
         # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
         # skip copying theirs (host time a step: BENCHMARKS.md, "Measurements behind code decisions").
         smd = SamplingMetadata.build(
@@ -186,7 +192,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
-        out = self.sampler(logits, smd)
+        out = self.sampler(logits, smd, mask)
         pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids, out.logprobs,
                                 [st.sampling_params.logprobs for st in states])
         if self.pp_group.world_size > 1:

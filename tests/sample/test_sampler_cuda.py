@@ -108,3 +108,23 @@ def test_bf16_fast_path_equals_float32_copy():
         if outs[0].logprobs is not None:
             for a, b in zip(outs[0].logprobs, outs[1].logprobs, strict=True):
                 assert torch.equal(a, b)
+
+
+def test_grammar_bitmask_in_the_kernel_equals_masking_first():
+    # Structured outputs, every row constrained: the fused kernel applies the bitmask itself; the ids
+    # are those of masking the logits first (same seed), every one allowed; with logprobs the
+    # sampler masks before step 1.
+    from pagedllm.kernels.grammar_bitmask import apply_bitmask_inplace
+
+    logits = (torch.randn(8, V, device="cuda") * 2).to(torch.bfloat16)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (8, (V + 31) // 32), dtype=torch.int32, device="cuda")
+    for params in ([SP(temperature=0.8), SP(temperature=0.0)] * 4, [SP(temperature=0.8, logprobs=1)] * 8):
+        outs = []
+        for fused in (True, False):
+            md = SamplingMetadata.build(_rows("cuda", params), V, "cuda")
+            torch.manual_seed(0)
+            x = logits.clone()
+            outs.append(Sampler()(x, md, bitmask) if fused else Sampler()(apply_bitmask_inplace(x, bitmask, None), md))
+        ids = outs[0].sampled_token_ids
+        assert torch.equal(ids, outs[1].sampled_token_ids)
+        assert bool(((bitmask[torch.arange(8, device="cuda"), ids // 32] >> (ids % 32)) & 1).all())

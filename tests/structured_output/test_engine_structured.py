@@ -60,6 +60,23 @@ def test_mixed_batch(llm):
     assert_pool_idle(llm)
 
 
+def test_the_bitmask_job_before_the_launch_gives_the_same_tokens(llm):
+    # EngineCore.submit_before_launch (the step order's A/B, off by default): the step in flight is
+    # collected and the job submitted before the launch; greedy outputs stay token for token.
+    prompts = chat_prompts(llm, QUESTIONS[:2])
+    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=12)]
+    core = llm.llm_engine.engine_core
+    before = llm.generate(prompts, params, use_tqdm=False)
+    core.submit_before_launch = True
+    try:
+        after = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.submit_before_launch = False
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+    assert_pool_idle(llm)
+
+
 def test_choice_always_matches(llm):
     choices = ["yes", "no", "it depends"]
     sp = SamplingParams(temperature=1.0, seed=7, max_tokens=8, n=6,

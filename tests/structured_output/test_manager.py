@@ -19,6 +19,8 @@ DIGITS, STOP, VOCAB = list(range(10)), 39, 40
 
 
 class ThreeDigits(StructuredOutputGrammar):
+    stop_ids = frozenset({STOP})  # known stop tokens: the manager's one-token fast path runs
+
     def __init__(self) -> None:
         self.seen: list[int] = []
 
@@ -87,7 +89,7 @@ def test_tokens_reach_grammars_only_through_a_job_in_order():
     manager.advance([EngineCoreOutput("a", [5]), EngineCoreOutput("b", [6])])
     go = manager.submit_grammar_bitmask(step("a", "b")).result()
     assert allowed_rows(go) == {"a": [STOP], "b": DIGITS}
-    assert manager.requests["a"].num_accepted == 3
+    assert manager.requests["a"].grammar.seen == [1, 4, 5]
 
 
 def test_dropped_tokens_never_reach_a_grammar_and_free_rows_get_none():
@@ -137,3 +139,39 @@ def test_reasoning_text_is_free_and_the_tokens_after_its_end_reach_the_grammar()
     manager.advance([EngineCoreOutput("r", [6])])  # from here the one-token fast path
     manager.grammar_bitmask(step("r"))
     assert grammar.seen == [5, 6]
+
+
+def test_one_token_steps_end_the_grammar_at_its_stop_token():
+    # Decode steps take the one-token batch path; the stop token takes the slow one, which ends it.
+    manager = make_manager("a")
+    assert allowed_rows(manager.grammar_bitmask(step("a"))) == {"a": DIGITS}  # the prefill's step
+    for t in (1, 2, 3):
+        manager.advance([EngineCoreOutput("a", [t])])
+        assert manager._to_accept_one and not manager._to_accept
+        go = manager.submit_grammar_bitmask(step("a")).result()
+    assert allowed_rows(go) == {"a": [STOP]}
+    manager.advance([EngineCoreOutput("a", [STOP])])
+    assert manager._to_accept and not manager._to_accept_one
+    assert manager.submit_grammar_bitmask(step("a")).result() is None  # ended: the next token is free
+    assert manager.requests["a"].grammar.is_terminated() and manager.requests["a"].active_grammar is None
+    manager.shutdown()
+
+
+def test_the_bitmask_thread_runs_jobs_in_turn_and_reports_their_errors():
+    import pytest
+
+    from pagedllm.structured_output.fill_thread import FillThread
+
+    thread, seen = FillThread(), []
+    for i in range(3):
+        thread.submit(lambda i=i: seen.append(i))
+        with pytest.raises(RuntimeError, match="busy"):
+            thread.submit(lambda: None)
+        thread.wait()
+    assert seen == [0, 1, 2]
+    thread.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        thread.wait()
+    thread.wait()  # nothing submitted: returns at once
+    thread.close()
+    assert not thread._thread.is_alive()
