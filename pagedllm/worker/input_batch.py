@@ -63,6 +63,9 @@ class InputBatch:
         # It lives here, on the sampling device, from a request's first step to its end: a
         # preempted request's state is rebuilt when it resumes, its generator carries on.
         self.generators: dict[str, torch.Generator] = {}
+        # Bumped whenever a request state is added or dropped: a state object seen under one
+        # value is the one the runner holds for that request (the runner's SamplingMetadata cache).
+        self.membership = 0
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -74,6 +77,9 @@ class InputBatch:
         return gen
 
     def update_states(self, so: SchedulerOutput) -> None:
+        if so.finished_req_ids or so.scheduled_new_reqs:
+            # Another set of request states: what was cached for the old one is stale.
+            self.membership += 1
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             if req_id not in so.preempted_req_ids:

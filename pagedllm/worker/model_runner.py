@@ -26,7 +26,7 @@ from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
-from pagedllm.worker.input_batch import InputBatch, StepInputs
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class ModelRunner:
         self._deferred: tuple[StepInputs, torch.Tensor] | None = None  # a step waiting for its bitmask
         # Launched steps that sampled, oldest first, until the input batch has taken their tokens.
         self._uncollected: list[PendingOutput] = []
+        # (membership, sampling req ids) -> the SamplingMetadata built for them (_sampling_metadata).
+        self._smd_cache: tuple[tuple[int, list[str]], SamplingMetadata] | None = None
 
     def make_graph_runner(self, tuning: bool = True) -> CudaGraphRunner | None:
         """The decode-graph runner, not captured yet; None where no graphs are captured (CPU,
@@ -164,12 +166,18 @@ class ModelRunner:
         (inp, logits), self._deferred = self._deferred, None
         return self._sample(inp, logits, grammar_output)
 
-    def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
-        states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
-        if grammar_output is not None:
-            row_of = {st.req_id: j for j, st in enumerate(states)}
-            rows = [row_of[r] for r in grammar_output.structured_output_request_ids]
-            logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, rows)
+    def _sampling_metadata(self, inp: StepInputs, states: list[CachedRequestState]) -> SamplingMetadata:
+        """The batch's SamplingMetadata, rebuilt only when the sampling rows change (vLLM caches it too).
+
+        Every field is a function of the rows' request states (the same objects while no request
+        joins or leaves the batch: InputBatch.membership) and their params, except min_tokens'
+        count of tokens still to generate: a batch with a min_tokens row is rebuilt every step.
+        The output token lists are the states' live lists, so a cached build still sees each step's
+        new tokens; the sampler only reads the metadata's tensors."""
+        key = (self.input_batch.membership, [inp.req_ids[r] for r in inp.sample_rows])
+        cached = self._smd_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
         # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
         # skip copying theirs (host time a step: BENCHMARKS.md, "Measurements behind code decisions").
         smd = SamplingMetadata.build(
@@ -186,7 +194,16 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
-        out = self.sampler(logits, smd)
+        self._smd_cache = None if smd.min_tokens else (key, smd)
+        return smd
+
+    def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
+        states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        if grammar_output is not None:
+            row_of = {st.req_id: j for j, st in enumerate(states)}
+            rows = [row_of[r] for r in grammar_output.structured_output_request_ids]
+            logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, rows)
+        out = self.sampler(logits, self._sampling_metadata(inp, states))
         pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids, out.logprobs,
                                 [st.sampling_params.logprobs for st in states])
         if self.pp_group.world_size > 1:
