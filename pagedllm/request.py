@@ -67,19 +67,22 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set at first scheduling
         self.num_preemptions = 0
+        # The part of needs_output_history that never changes (the params are fixed by now), read
+        # once per sampling step by the scheduler.
+        p = self.sampling_params
+        self.reads_output_history = (
+            p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+            or any(len(w) > 1 for w in p.bad_words_token_ids)  # a multi-token bad word reads the tail
+        )
 
     @property
     def needs_output_history(self) -> bool:
         """Sampling reads this request's past outputs (penalties, min_tokens): the runner must
         hold every sampled token, so the previous step is collected before this one runs."""
-        p = self.sampling_params
-        return (
-            p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-            or p.repetition_penalty != 1.0
-            or self.num_output_tokens + self.num_output_placeholders < p.min_tokens
-            or any(len(w) > 1 for w in p.bad_words_token_ids)  # a multi-token bad word reads the tail
-        )
+        return (self.reads_output_history
+                or len(self._output_token_ids) + self.num_output_placeholders < self.sampling_params.min_tokens)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
