@@ -169,7 +169,10 @@ def main() -> None:
     for kind, batch, nsteps, med, parts in results:
         other = med["step"] - sum(med.get(k, 0.0) for k in TOP)
         cols = "  ".join(f"{k} {med[k] * 1e6:.0f}" for k in parts)
-        print(f"{kind:<5} batch {batch:>4} ({nsteps} steps): step {med['step'] * 1e6:8.0f} | {cols}  other {other * 1e6:.0f}")
+        # What a GPU's host would still run: the step less the CPU's model and sampling math.
+        host = med["step"] - sum(med.get(k, 0.0) for k in ("forward", "logits", "sampler"))
+        print(f"{kind:<5} batch {batch:>4} ({nsteps} steps): step {med['step'] * 1e6:8.0f}  host {host * 1e6:7.0f} | "
+              f"{cols}  other {other * 1e6:.0f}")
 
 
 if __name__ == "__main__":

@@ -127,8 +127,7 @@ class ModelRunner:
             ids = pending.sampled_ids
             if ids is None:
                 break  # not read yet: its tokens stay in flight (read from last_sampled on the device)
-            for row, tok in zip(pending.sample_rows, ids):
-                self.input_batch.append_sampled(pending.req_ids[row], tok, pending.step_id)
+            self.input_batch.append_sampled_rows(pending.req_ids, pending.sample_rows, ids, pending.step_id)
             n += 1
         del self._uncollected[:n]
 
@@ -211,8 +210,9 @@ class ModelRunner:
             # next step for the request (CachedRequestData.new_token_ids); none is in flight.
             return pending
         self.last_sampled = out.sampled_token_ids
-        for j, st in enumerate(states):
-            self.input_batch.mark_pending(st.req_id, self.step_id, j)
+        step_id = self.step_id
+        for j, st in enumerate(states):  # InputBatch.mark_pending, on the states at hand
+            st.pending_step, st.pending_row = step_id, j
         self._uncollected.append(pending)
         return pending
 
