@@ -96,6 +96,12 @@ class ModelRunner:
         """Async scheduling: tokens the previous step sampled go from device to device."""
         if inp.pending_positions:
             assert self.last_sampled is not None
+            k = len(inp.pending_positions)
+            if inp.pending_positions == inp.pending_rows == list(range(k)):
+                # A steady decode batch: row i's token is the previous step's sample i. A slice
+                # copy on the device, nothing from the host.
+                input_ids[:k] = self.last_sampled[:k]
+                return
             # One pinned copy (a pageable one may wait for the step in flight: host_copy.py).
             pos, rows = host_tensor([inp.pending_positions, inp.pending_rows], torch.int64, self.device)
             input_ids[pos] = self.last_sampled[rows]
