@@ -160,6 +160,7 @@ class Scheduler:
         runner_knows = self._runner_knows
         use_pp = self.use_pp
         max_reqs = plan.max_reqs
+        max_model_len = self.config.max_model_len
         budget = plan.budget
         preempted_any = False
         i = 0
@@ -169,8 +170,11 @@ class Scheduler:
             if use_pp and placeholders:
                 i += 1  # its token is still in the pipeline: it comes back before the request runs
                 continue
-            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
-            if n == 0 or (placeholders and self._output_complete(req)):
+            total = req.num_tokens + placeholders
+            n = min(total - req.num_computed_tokens, budget)
+            # With a placeholder in flight, the request may already have all it may produce.
+            if n == 0 or (placeholders and (total >= max_model_len or (
+                    req.max_tokens is not None and req.num_output_tokens + placeholders >= req.max_tokens))):
                 i += 1  # its last token is still in flight and it may well be its last
                 continue
             while True:
@@ -334,15 +338,6 @@ class Scheduler:
                 self._free_request(req)
             outputs.append(out)
         return outputs
-
-    def _output_complete(self, req: Request) -> bool:
-        """With a placeholder in flight, the request may already have all it may produce."""
-        if req.num_output_placeholders == 0:
-            return False
-        total = req.num_tokens_with_placeholders
-        return (req.max_tokens is not None and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens) or (
-            total >= self.config.max_model_len
-        )
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.sampling_params
