@@ -25,12 +25,14 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 from collections import defaultdict
 
 # This thread's CPU time: on a loaded machine wall time also counts the waits for a core. (The real
 # harness's torch kernels run on intra-op threads too: its forward reads low, the Python around it not.)
 CLOCK = time.thread_time
+COUNT_CALLS = False
 TOP = ("schedule", "launch", "wait", "update", "output")  # disjoint calls of one step; the rest run inside launch
 PARTS_NULL = ("schedule", "launch", "update", "output")
 PARTS_REAL = ("schedule", "update_states", "prepare_inputs", "forward", "logits", "sampling_md", "sampler",
@@ -43,7 +45,8 @@ def build(kind: str, batch: int, output_len: int):
 
     path, _ = tiny_model("qwen3")
     kw = dict(device="cpu", max_model_len=1024, skip_tokenizer_init=True, max_num_seqs=batch,
-              max_num_batched_tokens=max(2048, 32 * batch), async_scheduling=True)
+              max_num_batched_tokens=max(2048, 32 * batch), async_scheduling=True,
+              cpu_threads=1)  # no intra-op threads spinning beside the Python being timed
     if kind == "null":
         kw["distributed_executor_backend"] = "pagedllm.benchmarks.null_executor.NullExecutor"
         kw["num_gpu_blocks_override"] = batch * (32 + output_len + 32) // 16 + 64
@@ -110,7 +113,18 @@ def run_once(llm, kind: str, batch: int, output_len: int, tag: str, profiler: cP
         t0 = CLOCK()
         if profiler is not None and n > 4:
             profiler.enable()
+        calls = [0, 0]
+        if COUNT_CALLS:
+            # Python and C function calls of the step: a cost measure the machine's load cannot move.
+            def count(frame, event, arg, calls=calls):
+                if event == "call":
+                    calls[0] += 1
+                elif event == "c_call":
+                    calls[1] += 1
+            sys.setprofile(count)
         engine.step()
+        if COUNT_CALLS:
+            sys.setprofile(None)
         if profiler is not None:
             profiler.disable()
         total = CLOCK() - t0
@@ -119,6 +133,8 @@ def run_once(llm, kind: str, batch: int, output_len: int, tag: str, profiler: cP
         if n <= 4 or so is None or len(so.num_scheduled_tokens) != batch or so.total_num_scheduled_tokens != batch:
             continue
         rows["step"].append(total)
+        rows["py_calls"].append(calls[0])
+        rows["c_calls"].append(calls[1])
         for k, v in spent.items():
             rows[k].append(v)
     assert core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == core.num_gpu_blocks
@@ -133,8 +149,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", default=None, help="kind:batch to run under cProfile (e.g. real:64)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="this thread's CPU time, or wall time")
+    ap.add_argument("--count-calls", action="store_true",
+                    help="count each step's Python / C function calls (sys.setprofile; slows the timing)")
     args = ap.parse_args()
-    global CLOCK
+    global CLOCK, COUNT_CALLS
+    COUNT_CALLS = args.count_calls
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     results = []
@@ -158,7 +177,8 @@ def main() -> None:
             reps = [run_once(llm, kind, batch, args.output_len, f"r{r}", prof) for r in range(args.repeats)]
             parts = PARTS_NULL if kind == "null" else PARTS_REAL
             # Per part, the median over every timed step of every repeat (robust to a loaded machine's spikes).
-            med = {k: statistics.median([x for r in reps for x in r[0].get(k, [])] or [0.0]) for k in ("step", *parts)}
+            med = {k: statistics.median([x for r in reps for x in r[0].get(k, [])] or [0.0])
+                   for k in ("step", "py_calls", "c_calls", *parts)}
             results.append((kind, batch, reps[0][1], med, parts))
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(r"pagedllm/(core|engine|worker|sample|request|host_copy|sampling_params|outputs)", 40)
@@ -171,8 +191,9 @@ def main() -> None:
         cols = "  ".join(f"{k} {med[k] * 1e6:.0f}" for k in parts)
         # What a GPU's host would still run: the step less the CPU's model and sampling math.
         host = med["step"] - sum(med.get(k, 0.0) for k in ("forward", "logits", "sampler"))
+        calls = f" | calls py {med['py_calls']:.0f} c {med['c_calls']:.0f}" if args.count_calls else ""
         print(f"{kind:<5} batch {batch:>4} ({nsteps} steps): step {med['step'] * 1e6:8.0f}  host {host * 1e6:7.0f} | "
-              f"{cols}  other {other * 1e6:.0f}")
+              f"{cols}  other {other * 1e6:.0f}{calls}")
 
 
 if __name__ == "__main__":

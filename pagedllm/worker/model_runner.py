@@ -262,13 +262,16 @@ class PendingOutput:
     def _read(self) -> ModelRunnerOutput:
         if self.event is not None:
             self.event.synchronize()
-        sampled = [0] * len(self.req_ids)
         logprobs: list | None = None
         if self.sampled is None:
-            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled)
+            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=[0] * len(self.req_ids))
         ids = self.sampled.tolist()
-        for row, tok in zip(self.sample_rows, ids):
-            sampled[row] = tok
+        if len(ids) == len(self.req_ids):  # every row sampled (sample_rows is 0..R-1): no scatter
+            sampled = list(ids)
+        else:
+            sampled = [0] * len(self.req_ids)
+            for row, tok in zip(self.sample_rows, ids):
+                sampled[row] = tok
         self.sampled_ids = ids
         if self.logprobs is not None:
             lp_ids, lps, ranks = self.logprobs.tolists()
