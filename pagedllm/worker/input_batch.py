@@ -159,7 +159,7 @@ class InputBatch:
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
         total = int(qsl[-1])
-        starts = np.fromiter((st.num_computed_tokens for st in states), dtype=np.int64, count=num_reqs)
+        starts = np.array([st.num_computed_tokens for st in states], dtype=np.int64)
         seq_lens = (starts + q_lens).astype(np.int32)
         # positions: per request arange(start, start + q_len), without a Python loop over tokens.
         # q_lens [3, 1], starts [0, 9] -> offsets [0, 1, 2, 0] -> positions [0, 1, 2, 9]
@@ -168,8 +168,8 @@ class InputBatch:
         positions = starts[req_of_token] + offsets
 
         # The rows of the persistent table, as wide as the longest one (zeros after each row's blocks).
-        max_blocks = max(max((st.num_table_blocks for st in states), default=1), 1)
-        table_rows = np.fromiter((st.table_row for st in states), dtype=np.int64, count=num_reqs)
+        max_blocks = max(max([st.num_table_blocks for st in states], default=1), 1)
+        table_rows = np.array([st.table_row for st in states], dtype=np.int64)
         block_table = self._table[table_rows, :max_blocks]  # a copy: later writes do not reach it
         input_ids = np.full(total, -1, dtype=np.int64)  # -1: a slot left unfilled fails loudly
         sample_rows: list[int] = []
