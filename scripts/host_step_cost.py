@@ -49,7 +49,7 @@ def build(kind: str, batch: int, output_len: int):
               cpu_threads=1)  # no intra-op threads spinning beside the Python being timed
     if kind == "null":
         kw["distributed_executor_backend"] = "pagedllm.benchmarks.null_executor.NullExecutor"
-        kw["num_gpu_blocks_override"] = batch * (32 + output_len + 32) // 16 + 64
+        kw["num_gpu_blocks_override"] = batch * (32 + output_len + 32) // 16 + 64  # the batch at once, not more
     return LLM(path, **kw)
 
 
@@ -93,7 +93,8 @@ def instrument(engine, kind: str, spent: dict[str, float]) -> None:
     metadata.SamplingMetadata.build = classmethod(build_timed)
 
 
-def run_once(llm, kind: str, batch: int, output_len: int, tag: str, profiler: cProfile.Profile | None):
+def run_once(llm, kind: str, batch: int, output_len: int, tag: str, profiler: cProfile.Profile | None,
+             waiting: int = 0):
     """Per-part seconds of each of this run's decode-only steps (the first 4 skipped)."""
     from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -103,7 +104,7 @@ def run_once(llm, kind: str, batch: int, output_len: int, tag: str, profiler: cP
     last = engine._h36_last
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
-    for i in range(batch):
+    for i in range(batch + waiting):  # the extra ones wait in the queue while the first `batch` decode
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": [1 + (i * 31 + j * 7) % 500 for j in range(32)]}, params)
     rows: dict[str, list[float]] = defaultdict(list)
     n = 0
@@ -149,6 +150,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", default=None, help="kind:batch to run under cProfile (e.g. real:64)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="this thread's CPU time, or wall time")
+    ap.add_argument("--waiting", type=int, default=0,
+                    help="requests queued beyond the batch (W1 x 256 at max_num_seqs 64 queues 192)")
     ap.add_argument("--count-calls", action="store_true",
                     help="count each step's Python / C function calls (sys.setprofile; slows the timing)")
     args = ap.parse_args()
@@ -174,7 +177,8 @@ def main() -> None:
             sched.schedule = noting
             prof = cProfile.Profile() if args.profile == f"{kind}:{batch}" else None
             run_once(llm, kind, batch, 8, "warm", None)
-            reps = [run_once(llm, kind, batch, args.output_len, f"r{r}", prof) for r in range(args.repeats)]
+            reps = [run_once(llm, kind, batch, args.output_len, f"r{r}", prof, args.waiting)
+                    for r in range(args.repeats)]
             parts = PARTS_NULL if kind == "null" else PARTS_REAL
             # Per part, the median over every timed step of every repeat (robust to a loaded machine's spikes).
             med = {k: statistics.median([x for r in reps for x in r[0].get(k, [])] or [0.0])
