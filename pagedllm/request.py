@@ -54,6 +54,11 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # len(all_token_ids) and len(output_token_ids), as plain attributes: the scheduler reads them
+        # for every running request every step. append_output_token_ids (the lists' one writer)
+        # keeps them in step.
+        self.num_tokens = self.num_prompt_tokens
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0
         # Tokens sampled by a step still running on the device (async scheduling): they count as
         # known for scheduling, and become real in update_from_output.
@@ -82,19 +87,11 @@ class Request:
         """Sampling reads this request's past outputs (penalties, min_tokens): the runner must
         hold every sampled token, so the previous step is collected before this one runs."""
         return (self.reads_output_history
-                or len(self._output_token_ids) + self.num_output_placeholders < self.sampling_params.min_tokens)
+                or self.num_output_tokens + self.num_output_placeholders < self.sampling_params.min_tokens)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return len(self._all_token_ids) + self.num_output_placeholders
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -107,6 +104,8 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         self._output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        self.num_tokens += 1
+        self.num_output_tokens += 1
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -263,7 +263,7 @@ class Scheduler:
         needs_history = False
         for req, n in scheduled:
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # all known ones
                 sampling.add(req.request_id)
                 needs_history = needs_history or req.needs_output_history
                 req.num_output_placeholders += 1
