@@ -54,6 +54,11 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # len(all_token_ids) and len(output_token_ids), as plain attributes: the scheduler reads them
+        # for every running request every step. append_output_token_ids (the lists' one writer)
+        # keeps them in step.
+        self.num_tokens = self.num_prompt_tokens
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0
         # Tokens sampled by a step still running on the device (async scheduling): they count as
         # known for scheduling, and become real in update_from_output.
@@ -67,31 +72,26 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set at first scheduling
         self.num_preemptions = 0
+        # The part of needs_output_history that never changes (the params are fixed by now), read
+        # once per sampling step by the scheduler.
+        p = self.sampling_params
+        self.reads_output_history = (
+            p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+            or any(len(w) > 1 for w in p.bad_words_token_ids)  # a multi-token bad word reads the tail
+        )
 
     @property
     def needs_output_history(self) -> bool:
         """Sampling reads this request's past outputs (penalties, min_tokens): the runner must
         hold every sampled token, so the previous step is collected before this one runs."""
-        p = self.sampling_params
-        return (
-            p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-            or p.repetition_penalty != 1.0
-            or self.num_output_tokens + self.num_output_placeholders < p.min_tokens
-            or any(len(w) > 1 for w in p.bad_words_token_ids)  # a multi-token bad word reads the tail
-        )
+        return (self.reads_output_history
+                or self.num_output_tokens + self.num_output_placeholders < self.sampling_params.min_tokens)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return len(self._all_token_ids) + self.num_output_placeholders
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -104,6 +104,8 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         self._output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        self.num_tokens += 1
+        self.num_output_tokens += 1
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

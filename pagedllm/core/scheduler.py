@@ -36,6 +36,7 @@ class _StepPlan:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # num_scheduled's requests, in order
 
 
 class Scheduler:
@@ -123,7 +124,7 @@ class Scheduler:
         preempted_any = self._schedule_running(plan)
         if not preempted_any:
             self._schedule_waiting(plan)
-        sampling, needs_history = self._advance_computed(plan.num_scheduled)
+        sampling, needs_history = self._advance_computed(plan.scheduled)
         swap_out, swap_in = self.preemption.take_block_copies()
         out = SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,
@@ -149,40 +150,58 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> bool:
         """Part 1. A token sampled by the step still in flight counts as known (a placeholder), so the
         next decode is scheduled before it arrives. Returns whether anything was preempted."""
-        kv = self.kv_cache_manager
+        # Once per running request per step: attributes are read into locals (host time per step,
+        # BENCHMARKS.md issue 16).
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        running = self.running
+        num_scheduled = plan.num_scheduled
+        cached_reqs = plan.cached_reqs
+        scheduled = plan.scheduled
+        runner_knows = self._runner_knows
+        use_pp = self.use_pp
+        max_reqs = plan.max_reqs
+        max_model_len = self.config.max_model_len
+        budget = plan.budget
         preempted_any = False
         i = 0
-        while i < len(self.running) and plan.budget > 0 and len(plan.num_scheduled) < plan.max_reqs:
-            req = self.running[i]
-            if self.use_pp and req.num_output_placeholders:
+        while i < len(running) and budget > 0 and len(num_scheduled) < max_reqs:
+            req = running[i]
+            placeholders = req.num_output_placeholders
+            if use_pp and placeholders:
                 i += 1  # its token is still in the pipeline: it comes back before the request runs
                 continue
-            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
-            if n == 0 or self._output_complete(req):
+            total = req.num_tokens + placeholders
+            n = min(total - req.num_computed_tokens, budget)
+            # With a placeholder in flight, the request may already have all it may produce.
+            if n == 0 or (placeholders and (total >= max_model_len or (
+                    req.max_tokens is not None and req.num_output_tokens + placeholders >= req.max_tokens))):
                 i += 1  # its last token is still in flight and it may well be its last
                 continue
             while True:
-                new_blocks = kv.allocate_slots(req, n)
+                new_blocks = allocate_slots(req, n)
                 if new_blocks is not None:
                     break
-                victim = self.running.pop()  # the newest
+                victim = running.pop()  # the newest
                 self._preempt(victim)
                 preempted_any = True
                 if victim is req:
                     break
             if new_blocks is None:
                 break  # req itself was preempted; everything after it too
-            plan.num_scheduled[req.request_id] = n
-            plan.budget -= n
-            if req.request_id in self._runner_knows:
+            rid = req.request_id
+            num_scheduled[rid] = n
+            scheduled.append((req, n))
+            budget -= n
+            if rid in runner_knows:
                 start = req.num_computed_tokens
-                sampled = req.all_token_ids[max(start, req.num_prompt_tokens): start + n] if self.use_pp else []
-                plan.cached_reqs.append(
-                    CachedRequestData(req.request_id, [b.block_id for b in new_blocks], start, sampled)
+                sampled = req.all_token_ids[max(start, req.num_prompt_tokens): start + n] if use_pp else []
+                cached_reqs.append(
+                    CachedRequestData(rid, [b.block_id for b in new_blocks] if new_blocks else [], start, sampled)
                 )
             else:
                 plan.new_reqs.append(self._new_request_data(req))
             i += 1
+        plan.budget = budget
         return preempted_any
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -201,6 +220,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan.num_scheduled[req.request_id] = n
+            plan.scheduled.append((req, n))
             plan.budget -= n
             plan.new_reqs.append(self._new_request_data(req))
 
@@ -237,16 +257,15 @@ class Scheduler:
             return None
         return num_hit_tokens, n
 
-    def _advance_computed(self, num_scheduled: dict[str, int]) -> tuple[set[str], bool]:
+    def _advance_computed(self, scheduled: list[tuple[Request, int]]) -> tuple[set[str], bool]:
         """Part 3: -> (requests that sample this step, whether any of them reads its past outputs)."""
         sampling: set[str] = set()
         needs_history = False
-        for req_id, n in num_scheduled.items():
-            req = self.requests[req_id]
+        for req, n in scheduled:
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens_with_placeholders:
-                sampling.add(req_id)
-                needs_history |= req.needs_output_history
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # all known ones
+                sampling.add(req.request_id)
+                needs_history = needs_history or req.needs_output_history
                 req.num_output_placeholders += 1
         return sampling, needs_history
 
@@ -288,11 +307,15 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         sampling = scheduler_output.sampling_req_ids
+        requests = self.requests
+        sampled_token_ids = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        finished_from = RequestStatus.FINISHED_STOPPED
         for row, req_id in enumerate(runner_output.req_ids):
             if req_id not in sampling:
                 continue  # mid-prefill: the sampled token belongs to no position yet
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished():
+            req = requests.get(req_id)
+            if req is None or req.status >= finished_from:
                 continue  # finished or aborted while the step ran
             # A request preempted after this step was scheduled keeps the token: it was
             # sampled from a complete context.
@@ -304,34 +327,26 @@ class Scheduler:
                                                 pooling_output=runner_output.pooler_output[row]))
                 self._free_request(req)
                 continue
-            token = runner_output.sampled_token_ids[row]
+            token = sampled_token_ids[row]
             req.append_output_token_ids(token)
             self._check_stop(req, token)
-            lp = [runner_output.logprobs[row]] if runner_output.logprobs is not None else None
-            out = EngineCoreOutput(req_id, [token], lp, num_cached_tokens=max(req.num_cached_tokens, 0))
-            if req.is_finished():
+            lp = [logprobs[row]] if logprobs is not None else None
+            out = EngineCoreOutput(req_id, [token], lp, None, None, max(req.num_cached_tokens, 0))
+            if req.status >= finished_from:
                 out.finish_reason = req.get_finished_reason()
                 out.stop_reason = req.stop_reason
                 self._free_request(req)
             outputs.append(out)
         return outputs
 
-    def _output_complete(self, req: Request) -> bool:
-        """With a placeholder in flight, the request may already have all it may produce."""
-        if req.num_output_placeholders == 0:
-            return False
-        total = req.num_tokens_with_placeholders
-        return (req.max_tokens is not None and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens) or (
-            total >= self.config.max_model_len
-        )
-
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+        num_output = req.num_output_tokens
+        if token in params.all_stop_token_ids and num_output >= params.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             # vLLM reports the stop token id for stop_token_ids, None for plain EOS.
             req.stop_reason = token if token in (params.stop_token_ids or []) else None
-        elif req.max_tokens is not None and req.num_output_tokens >= req.max_tokens:
+        elif req.max_tokens is not None and num_output >= req.max_tokens:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         elif req.num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED

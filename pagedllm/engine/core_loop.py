@@ -112,7 +112,8 @@ class EngineCoreLoop:
         step_start = time.time()
         outputs = self.core.step()
         queue_times = []
-        for rid, req in list(self.unscheduled.items()):
+        waiting = RequestStatus.WAITING
+        for rid, req in [(rid, req) for rid, req in self.unscheduled.items() if req.status != waiting]:
             if req.is_finished():
                 del self.unscheduled[rid]
             elif req.status != RequestStatus.WAITING:

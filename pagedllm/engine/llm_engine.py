@@ -86,9 +86,8 @@ class LLMEngine:
 
     def _mark_scheduled(self, step_start: float) -> None:
         states = self.output_processor.request_states
-        for rid, req in list(self._unscheduled.items()):
-            if req.status == RequestStatus.WAITING and not req.is_finished():
-                continue
+        waiting = RequestStatus.WAITING  # not a finished status: the requests still queued, skipped
+        for rid, req in [(rid, req) for rid, req in self._unscheduled.items() if req.status != waiting]:
             del self._unscheduled[rid]
             st = states.get(rid)
             if st is not None and st.metrics.first_scheduled_time is None and req.status != RequestStatus.FINISHED_ABORTED:

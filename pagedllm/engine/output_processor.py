@@ -48,6 +48,7 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.output_kind = params.output_kind
+        self._delta = params.output_kind == RequestOutputKind.DELTA
         self.detokenizer = (
             IncrementalDetokenizer(
                 tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output,
@@ -74,9 +75,10 @@ class RequestState:
     def add(self, out: EngineCoreOutput) -> str | None:
         """Apply one core output; returns a stop string if the text hit one."""
         now = time.time()
-        if self.metrics.first_token_time is None and out.new_token_ids:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
+        metrics = self.metrics
+        if metrics.first_token_time is None and out.new_token_ids:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         self.num_cached_tokens = out.num_cached_tokens
         self.token_ids.extend(out.new_token_ids)
         if self.logprobs is not None and out.new_logprobs:
@@ -87,12 +89,14 @@ class RequestState:
                         entry[t] = Logprob(lp, rank if j == 0 else j, self._decode_token(t))
                 self.logprobs.append(entry)
                 self.cumulative_logprob = (self.cumulative_logprob or 0.0) + lps[0]
-        text_ids = out.new_token_ids
-        if out.finish_reason == "stop" and text_ids and not self.params.include_stop_str_in_output:
-            # vLLM's rule: the EOS / stop token that ended the request is not part of the text (with
-            # skip_special_tokens=False it would otherwise end every answer with e.g. "<|im_end|>").
-            text_ids = text_ids[:-1]
-        stop_str = self.detokenizer.update(text_ids) if self.detokenizer else None
+        stop_str = None
+        if self.detokenizer is not None:  # detokenize=False (the server's token-id prompts) skips it all
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop" and text_ids and not self.params.include_stop_str_in_output:
+                # vLLM's rule: the EOS / stop token that ended the request is not part of the text (with
+                # skip_special_tokens=False it would otherwise end every answer with e.g. "<|im_end|>").
+                text_ids = text_ids[:-1]
+            stop_str = self.detokenizer.update(text_ids)
         if stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:
@@ -103,8 +107,8 @@ class RequestState:
 
     def completion(self) -> CompletionOutput:
         finished = self.finish_reason is not None
-        delta = self.output_kind == RequestOutputKind.DELTA
-        text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer else ""
+        delta = self._delta
+        text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer is not None else ""
         if delta:
             token_ids = self.token_ids[self.num_sent_tokens :]
             logprobs = self.logprobs[self.num_sent_logprobs :] if self.logprobs is not None else None
@@ -152,8 +156,9 @@ class OutputProcessor:
         """Returns the RequestOutputs to deliver and {core id: stop string} the core must stop."""
         results: list[RequestOutput] = []
         stops: dict[str, str] = {}
+        states = self.request_states
         for out in outputs:
-            st = self.request_states.get(out.request_id)
+            st = states.get(out.request_id)
             if st is None:
                 continue  # aborted by the frontend while the step ran
             stop_str = st.add(out)
@@ -161,7 +166,7 @@ class OutputProcessor:
                 stops[out.request_id] = stop_str
             finished = st.finish_reason is not None
             if finished:
-                del self.request_states[out.request_id]
+                del states[out.request_id]
             ro = self._make_output(st, finished)
             if ro is not None:
                 results.append(ro)

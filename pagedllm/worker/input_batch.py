@@ -36,6 +36,9 @@ class CachedRequestState:
     # been collected yet; it sits at row `pending_row` of that step's sampled-ids tensor.
     pending_step: int | None = None
     pending_row: int = 0
+    # Its row of InputBatch's persistent block table, and how many of block_ids are written there.
+    table_row: int = -1
+    num_table_blocks: int = 0
 
 
 @dataclass
@@ -63,6 +66,14 @@ class InputBatch:
         # It lives here, on the sampling device, from a request's first step to its end: a
         # preempted request's state is rebuilt when it resumes, its generator carries on.
         self.generators: dict[str, torch.Generator] = {}
+        # Bumped whenever a request state is added or dropped: a state object seen under one
+        # value is the one the runner holds for that request (the runner's SamplingMetadata cache).
+        self.membership = 0
+        # Every request's block ids, one row each, written as blocks arrive (vLLM's persistent block
+        # table): a step gathers its rows with one numpy index instead of a copy per request.
+        # Grows in both directions; a freed row is zeroed and reused.
+        self._table = np.zeros((16, 16), dtype=np.int32)
+        self._free_rows: list[int] = list(range(15, -1, -1))
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -74,12 +85,20 @@ class InputBatch:
         return gen
 
     def update_states(self, so: SchedulerOutput) -> None:
+        if so.finished_req_ids or so.scheduled_new_reqs:
+            # Another set of request states: what was cached for the old one is stale.
+            self.membership += 1
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            st = self.requests.pop(req_id, None)
+            if st is not None:
+                self._release_row(st)
             if req_id not in so.preempted_req_ids:
                 self.generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
+            old = self.requests.get(new.req_id)
+            if old is not None:  # rebuilt without a finish in between: its old row goes first
+                self._release_row(old)
+            st = self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
@@ -89,12 +108,36 @@ class InputBatch:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            self._write_blocks(st)
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
-            st.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                st.block_ids.extend(cached.new_block_ids)
+                self._write_blocks(st)
             st.num_computed_tokens = cached.num_computed_tokens
             if cached.new_token_ids:
                 self._take_sent_tokens(st, cached.num_computed_tokens, cached.new_token_ids)
+
+    def _write_blocks(self, st: CachedRequestState) -> None:
+        """Copy the block ids not yet in st's table row there (a row first, if it has none)."""
+        if st.table_row < 0:
+            if not self._free_rows:
+                rows = self._table.shape[0]
+                self._table = np.concatenate([self._table, np.zeros_like(self._table)])
+                self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+            st.table_row = self._free_rows.pop()
+        n = len(st.block_ids)
+        if n > self._table.shape[1]:
+            width = max(n, 2 * self._table.shape[1])
+            self._table = np.pad(self._table, ((0, 0), (0, width - self._table.shape[1])))
+        self._table[st.table_row, st.num_table_blocks:n] = st.block_ids[st.num_table_blocks:]
+        st.num_table_blocks = n
+
+    def _release_row(self, st: CachedRequestState) -> None:
+        if st.table_row >= 0:
+            self._table[st.table_row, : st.num_table_blocks] = 0
+            self._free_rows.append(st.table_row)
+            st.table_row, st.num_table_blocks = -1, 0
 
     @staticmethod
     def _take_sent_tokens(st: CachedRequestState, num_computed: int, tokens: list[int]) -> None:
@@ -111,13 +154,12 @@ class InputBatch:
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
-        q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=num_reqs)
+        states = [self.requests[r] for r in req_ids]
+        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=num_reqs)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
         total = int(qsl[-1])
-        starts = np.fromiter(
-            (self.requests[r].num_computed_tokens for r in req_ids), dtype=np.int64, count=num_reqs
-        )
+        starts = np.array([st.num_computed_tokens for st in states], dtype=np.int64)
         seq_lens = (starts + q_lens).astype(np.int32)
         # positions: per request arange(start, start + q_len), without a Python loop over tokens.
         # q_lens [3, 1], starts [0, 9] -> offsets [0, 1, 2, 0] -> positions [0, 1, 2, 9]
@@ -125,27 +167,31 @@ class InputBatch:
         offsets = np.arange(total, dtype=np.int64) - qsl[:-1].astype(np.int64)[req_of_token]
         positions = starts[req_of_token] + offsets
 
-        max_blocks = max((len(self.requests[r].block_ids) for r in req_ids), default=1)
-        block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
+        # The rows of the persistent table, as wide as the longest one (zeros after each row's blocks).
+        max_blocks = max(max([st.num_table_blocks for st in states], default=1), 1)
+        table_rows = np.array([st.table_row for st in states], dtype=np.int64)
+        block_table = self._table[table_rows, :max_blocks]  # a copy: later writes do not reach it
         input_ids = np.full(total, -1, dtype=np.int64)  # -1: a slot left unfilled fails loudly
         sample_rows: list[int] = []
         pending_positions: list[int] = []
         pending_rows: list[int] = []
-        for i, r in enumerate(req_ids):
-            st = self.requests[r]
-            block_table[i, : len(st.block_ids)] = st.block_ids
-            s, e = int(starts[i]), int(seq_lens[i])
-            known = len(st.token_ids)
-            q0 = int(qsl[i])
+        # Python ints: indexing numpy arrays element by element costs more than the loop itself.
+        for i, (st, s, e, q0) in enumerate(zip(states, starts.tolist(), seq_lens.tolist(), qsl.tolist())):
+            tokens = st.token_ids
+            known = len(tokens)
             if e > known:
                 # Only the newest token can be in flight: [s, known) from the host, then one.
-                assert st.pending_step is not None and e == known + 1, f"{r}: tokens missing"
-                input_ids[q0 : q0 + known - s] = st.token_ids[s:known]
+                assert st.pending_step is not None and e == known + 1, f"{st.req_id}: tokens missing"
+                if known > s:
+                    input_ids[q0 : q0 + known - s] = tokens[s:known]
                 pending_positions.append(q0 + known - s)
                 pending_rows.append(st.pending_row)
                 sample_rows.append(i)
             else:
-                input_ids[q0 : q0 + e - s] = st.token_ids[s:e]
+                if e - s == 1:
+                    input_ids[q0] = tokens[s]
+                else:
+                    input_ids[q0 : q0 + e - s] = tokens[s:e]
                 if e == known and st.pending_step is None:
                     sample_rows.append(i)
         bs = self.block_size
@@ -162,10 +208,16 @@ class InputBatch:
 
     def append_sampled(self, req_id: str, token_id: int, step_id: int) -> None:
         """The token sampled by step `step_id` is known now (a no-op for a dropped request)."""
-        st = self.requests.get(req_id)
-        if st is None:
-            return
-        st.token_ids.append(token_id)
-        st.output_token_ids.append(token_id)
-        if st.pending_step == step_id:
-            st.pending_step = None
+        self.append_sampled_rows([req_id], [0], [token_id], step_id)
+
+    def append_sampled_rows(self, req_ids: list[str], rows: list[int], token_ids: list[int], step_id: int) -> None:
+        """append_sampled for each (req_ids[row], token) of one step: the whole batch in one loop."""
+        requests = self.requests
+        for row, tok in zip(rows, token_ids):
+            st = requests.get(req_ids[row])
+            if st is None:
+                continue
+            st.token_ids.append(tok)
+            st.output_token_ids.append(tok)
+            if st.pending_step == step_id:
+                st.pending_step = None

@@ -26,7 +26,7 @@ from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
-from pagedllm.worker.input_batch import InputBatch, StepInputs
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class ModelRunner:
         self._deferred: tuple[StepInputs, torch.Tensor] | None = None  # a step waiting for its bitmask
         # Launched steps that sampled, oldest first, until the input batch has taken their tokens.
         self._uncollected: list[PendingOutput] = []
+        # (membership, sampling req ids) -> the SamplingMetadata built for them (_sampling_metadata).
+        self._smd_cache: tuple[tuple[int, list[str]], SamplingMetadata] | None = None
 
     def make_graph_runner(self, tuning: bool = True) -> CudaGraphRunner | None:
         """The decode-graph runner, not captured yet; None where no graphs are captured (CPU,
@@ -94,6 +96,12 @@ class ModelRunner:
         """Async scheduling: tokens the previous step sampled go from device to device."""
         if inp.pending_positions:
             assert self.last_sampled is not None
+            k = len(inp.pending_positions)
+            if inp.pending_positions == inp.pending_rows == list(range(k)):
+                # A steady decode batch: row i's token is the previous step's sample i. A slice
+                # copy on the device, nothing from the host.
+                input_ids[:k] = self.last_sampled[:k]
+                return
             # One pinned copy (a pageable one may wait for the step in flight: host_copy.py).
             pos, rows = host_tensor([inp.pending_positions, inp.pending_rows], torch.int64, self.device)
             input_ids[pos] = self.last_sampled[rows]
@@ -125,8 +133,7 @@ class ModelRunner:
             ids = pending.sampled_ids
             if ids is None:
                 break  # not read yet: its tokens stay in flight (read from last_sampled on the device)
-            for row, tok in zip(pending.sample_rows, ids):
-                self.input_batch.append_sampled(pending.req_ids[row], tok, pending.step_id)
+            self.input_batch.append_sampled_rows(pending.req_ids, pending.sample_rows, ids, pending.step_id)
             n += 1
         del self._uncollected[:n]
 
@@ -164,18 +171,18 @@ class ModelRunner:
         (inp, logits), self._deferred = self._deferred, None
         return self._sample(inp, logits, grammar_output)
 
-    def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
-        states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
-        mask = None
-        if grammar_output is not None:
-            ids = grammar_output.structured_output_request_ids
-            if logits.is_cuda and ids == [st.req_id for st in states]:
-                # Every row constrained, in batch order (a batch of JSON answers): the sampler
-                # applies the mask, inside its sampling kernel where it can.
-                mask = to_device_async(grammar_output.grammar_bitmask, logits.device)
-            else:
-                row_of = {st.req_id: j for j, st in enumerate(states)}
-                logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, [row_of[r] for r in ids])
+    def _sampling_metadata(self, inp: StepInputs, states: list[CachedRequestState]) -> SamplingMetadata:
+        """The batch's SamplingMetadata, rebuilt only when the sampling rows change (vLLM caches it too).
+
+        Every field is a function of the rows' request states (the same objects while no request
+        joins or leaves the batch: InputBatch.membership) and their params, except min_tokens'
+        count of tokens still to generate: a batch with a min_tokens row is rebuilt every step.
+        The output token lists are the states' live lists, so a cached build still sees each step's
+        new tokens; the sampler only reads the metadata's tensors."""
+        key = (self.input_batch.membership, [inp.req_ids[r] for r in inp.sample_rows])
+        cached = self._smd_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
         # Only the repetition penalty reads the prompt, and at 1.0 it changes nothing, so other rows
         # skip copying theirs (host time a step: BENCHMARKS.md, "Measurements behind code decisions").
         smd = SamplingMetadata.build(
@@ -192,7 +199,22 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
-        out = self.sampler(logits, smd, mask)
+        self._smd_cache = None if smd.min_tokens else (key, smd)
+        return smd
+
+    def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
+        states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        mask = None
+        if grammar_output is not None:
+            ids = grammar_output.structured_output_request_ids
+            if logits.is_cuda and ids == [st.req_id for st in states]:
+                # Every row constrained, in batch order (a batch of JSON answers): the sampler
+                # applies the mask, inside its sampling kernel where it can.
+                mask = to_device_async(grammar_output.grammar_bitmask, logits.device)
+            else:
+                row_of = {st.req_id: j for j, st in enumerate(states)}
+                logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, [row_of[r] for r in ids])
+        out = self.sampler(logits, self._sampling_metadata(inp, states), mask)
         pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids, out.logprobs,
                                 [st.sampling_params.logprobs for st in states])
         if self.pp_group.world_size > 1:
@@ -200,8 +222,9 @@ class ModelRunner:
             # next step for the request (CachedRequestData.new_token_ids); none is in flight.
             return pending
         self.last_sampled = out.sampled_token_ids
-        for j, st in enumerate(states):
-            self.input_batch.mark_pending(st.req_id, self.step_id, j)
+        step_id = self.step_id
+        for j, st in enumerate(states):  # InputBatch.mark_pending, on the states at hand
+            st.pending_step, st.pending_row = step_id, j
         self._uncollected.append(pending)
         return pending
 
@@ -245,13 +268,16 @@ class PendingOutput:
     def _read(self) -> ModelRunnerOutput:
         if self.event is not None:
             self.event.synchronize()
-        sampled = [0] * len(self.req_ids)
         logprobs: list | None = None
         if self.sampled is None:
-            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled)
+            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=[0] * len(self.req_ids))
         ids = self.sampled.tolist()
-        for row, tok in zip(self.sample_rows, ids):
-            sampled[row] = tok
+        if len(ids) == len(self.req_ids):  # every row sampled (sample_rows is 0..R-1): no scatter
+            sampled = list(ids)
+        else:
+            sampled = [0] * len(self.req_ids)
+            for row, tok in zip(self.sample_rows, ids):
+                sampled[row] = tok
         self.sampled_ids = ids
         if self.logprobs is not None:
             lp_ids, lps, ranks = self.logprobs.tolists()
