@@ -13,6 +13,7 @@
 #   w1          the targets in one call, ~6 min: pagedllm W1 bf16, fp8, fp8 + fp8 KV, int8, awq
 #               (+ its batch-1 step), then vLLM fp8 and awq (Marlin)
 #   short       pagedllm W1 fp8 and awq, awq's batch-1 step, then vLLM fp8 W1 (~3 min)
+#   lean        pagedllm only: W1 bf16, fp8, int8 and awq's batch-1 step (~2.5 min; INT8 >= bf16 in one call)
 # All runs use dummy weights in each method's quantized layout (--load-format dummy) and configs
 # written to OUT_DIR/cfg here (a bundled config + its quantization_config), the same for vLLM.
 # Prints a table last ("| run | tok/s | ...").
@@ -126,6 +127,12 @@ if want w1; then
   ours_lat awq "$OUT/cfg/llama3-8b-awq"
   vllm_w1 fp8 $L8 --quantization fp8
   vllm_w1 awq "$OUT/cfg/llama3-8b-awq"
+fi
+if want lean; then
+  ours_w1 bf16 $L8
+  ours_w1 fp8 $L8 --quantization fp8
+  ours_w1 int8 "$OUT/cfg/llama3-8b-w8a8"
+  ours_lat awq "$OUT/cfg/llama3-8b-awq"
 fi
 if want short; then
   ours_w1 fp8 $L8 --quantization fp8
