@@ -142,6 +142,13 @@ def w1_split(engine, spent: dict[str, float], args: argparse.Namespace) -> None:
         print(f"{k:<10}" + "".join(
             f"{statistics.fmean(r[k]) * 1e6 if r[k] else 0:>12.1f}us{sum(r[k]):>13.2f}s" for r in rows.values()))
     print("steps     " + "".join(f"{len(r['step']):>14}{'':>14}" for r in rows.values()))
+    # A mean can hide a few outliers (a kernel variant compiled mid-run): the median and the largest.
+    print("step p50  " + "".join(f"{statistics.median(r['step']) * 1e6 if r['step'] else 0:>12.1f}us{'':>14}"
+                                 for r in rows.values()))
+    print("launch p50" + "".join(f"{statistics.median(r['launch']) * 1e6 if r['launch'] else 0:>12.1f}us{'':>14}"
+                                 for r in rows.values()))
+    print("step max  " + "".join(f"{max(r['step']) * 1e3 if r['step'] else 0:>12.1f}ms{'':>14}"
+                                 for r in rows.values()))
     print("mean batch" + "".join(f"{statistics.fmean(r['batch']) if r['batch'] else 0:>14.1f}{'':>14}"
                                  for r in rows.values()))
 
