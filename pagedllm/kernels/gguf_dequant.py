@@ -44,13 +44,11 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.wna16_unpack import unpack_scaled
+from pagedllm.quantization.gguf_blocks import GGUF_BLOCK, GPU_GGUF_TYPES
 
 __all__ = ["GGUF_BLOCK", "GPU_GGUF_TYPES", "GGUFPacked", "dequantize_gguf_rows", "dequantize_packed",
            "dequantize_packed_ref", "repack_gguf_rows"]
 
-# type -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES
-GGUF_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
-GPU_GGUF_TYPES = frozenset(GGUF_BLOCK)
 QTYPE_ID = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}  # the kernels' QTYPE constexpr
 
 

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.cpu.gguf_gemm import BLOCK_BYTES, QK, SUPPORTED_TYPES, PackedGGUFWeight, gguf_matmul, pack_gguf_rows
-from pagedllm.kernels.gguf_dequant import GPU_GGUF_TYPES
 from pagedllm.layers.utils import set_weight_attrs
 from pagedllm.quantization.base import (
     LinearMethodBase,
@@ -37,7 +36,7 @@ from pagedllm.quantization.base import (
     QuantizeMethodBase,
     _create_dense_weight,
 )
-from pagedllm.quantization.gguf_gpu import GGUFGPULinearMethod
+from pagedllm.quantization.gguf_blocks import GPU_GGUF_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +104,8 @@ class GGUFConfig(QuantizationConfig):
             types = [self.tensor_types.get(name) for name in self._checkpoint_weight_names(prefix)]
             head = isinstance(layer, ParallelLMHead) and not self.tie_word_embeddings
             if (isinstance(layer, LinearBase) or head) and all(t in GPU_GGUF_TYPES for t in types):
+                from pagedllm.quantization.gguf_gpu import GGUFGPULinearMethod  # imports Triton: GPU only
+
                 return GGUFGPULinearMethod(types)
             return None
         qtype = self.block_type(prefix)
@@ -122,7 +123,7 @@ class GGUFConfig(QuantizationConfig):
         skip_dense: set[str] = set()
         for prefix, module in model.named_modules():
             method = getattr(module, "quant_method", None)
-            if isinstance(method, (_GGUFMethodMixin, GGUFGPULinearMethod)) and hasattr(module, "qweight"):
+            if getattr(method, "takes_gguf_blocks", False) and hasattr(module, "qweight"):
                 names = self._checkpoint_weight_names(prefix)
                 keep.update(names)
                 if not method.keeps_dense_weight:
@@ -133,6 +134,7 @@ class GGUFConfig(QuantizationConfig):
 class _GGUFMethodMixin:
     """Shared by the linear and embedding methods: the raw-block parameter and its repacking."""
 
+    takes_gguf_blocks = True  # quantized_weight_names: its layer takes the raw blocks
     keeps_dense_weight = False
 
     def __init__(self, qtype: str, max_packed_rows: int) -> None:

@@ -37,6 +37,8 @@ class GGUFGPULinearMethod(LinearMethodBase):
     multiplied separately, their outputs concatenated (uniform layers: one weight, one launch).
     """
 
+    takes_gguf_blocks = True  # GGUFConfig.quantized_weight_names: its layer takes the raw blocks
+
     keeps_dense_weight = False  # quantized_weight_names: the loader need not dequantize these tensors
 
     def __init__(self, qtypes: str | Sequence[str]) -> None:
