@@ -43,6 +43,7 @@ from pagedllm.kernels import (  # noqa: E402
     split_k,
     wna16_gemm,
     wna16_gemv,
+    wna16_tc,
 )
 
 _TYPES = {
@@ -125,6 +126,7 @@ def _record(launches: list) -> None:
         (wna16_gemv, "_wna16_gemv_kernel"),
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
+        (wna16_tc, "_wna16_tc_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
         (fused_moe, "_moe_align_kernel"),
@@ -141,9 +143,9 @@ def _record(launches: list) -> None:
 
 
 def _record_quant() -> None:
-    """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the W4A16 GEMV (FMA at M 1,
-    tensor cores at M 8), the tile kernel (M 64: 16 < M < DEQUANT_MIN_M) and the dequantization (M 256); W8A8's activation quantizer
-    (int8, fp8) and scale epilogue."""
+    """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the dispatch's tensor-core
+    kernel (wna16_tc: M 1, 8 and 64), the dequantization (M 256); 8-bit weights' GEMV and tile kernel;
+    W8A8's activation quantizer (int8, fp8) and scale epilogue."""
     bf16 = torch.bfloat16
     n, k = 4096, 14336
     qw = torch.zeros(k // 8, n, dtype=torch.int32)
@@ -151,6 +153,10 @@ def _record_quant() -> None:
     wna16_gemv._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
     for m in (1, 8, 64, 256):
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
+    # 8-bit weights keep the FMA GEMV (M 1) and the tile kernel (M 64): the tensor-core kernel is 4-bit.
+    qw8 = torch.zeros(k // 4, n, dtype=torch.int32)
+    for m in (1, 64):
+        wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw8, s, z, 8, 128)
     wna16_gemm.dequantize_wna16_triton(qw, s, z, 4, 128, bf16)
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         quant_act.quantize_activation_triton(torch.zeros(2, k, dtype=bf16), qdtype)
