@@ -109,7 +109,10 @@ def test_cancelling_the_consumer_aborts(h: Harness):
         await h.wait_idle()
         return h.engine.engine_core.num_steps - steps_at_cancel
 
-    assert h.run(run()) <= 1
+    # The step running when the consumer is cancelled, and at most one more that the engine loop began
+    # before the abort (sent once the cancellation has unwound the consumer) reached it; never the
+    # 400 tokens asked for. `<= 1` failed now and then on a loaded machine (ninth and tenth sessions).
+    assert h.run(run()) <= 2
     assert h.engine.get_num_unfinished_requests() == 0
 
 
