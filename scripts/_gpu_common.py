@@ -8,12 +8,15 @@ Import it from a script run as `python3 scripts/NAME.py` (its folder is then on 
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +37,26 @@ def print_results() -> None:
     print("\n| check | result |\n|---|---|")
     for name, value in RESULTS:
         print(f"| {name} | {value} |")
+
+
+def run_sections(sections: dict[str, Callable[[], None]]) -> None:
+    """`--only NAME ...` (default: all, in order): run each section, a failing one recorded as an error
+    without stopping the rest, GPU memory freed between them; the results table last."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for name in args.only:
+        t0 = time.monotonic()
+        try:
+            sections[name]()
+        except Exception:
+            traceback.print_exc()
+            record(name, "ERROR (traceback above)")
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
+    print_results()
 
 
 def copy_bandwidth() -> float:

@@ -23,15 +23,11 @@ w1       `pagedllm bench throughput --model deepseek-v2-lite --load-format dummy
 
 from __future__ import annotations
 
-import argparse
 import functools
-import gc
 import random
-import time
-import traceback
 
 import torch
-from _gpu_common import bench_w1, print_results, record
+from _gpu_common import bench_w1, record, run_sections
 
 from pagedllm.attention.metadata import build_metadata
 from pagedllm.attention.mla import MLAAttention
@@ -222,21 +218,7 @@ def w1() -> None:
 def main() -> None:
     # W1 and the greedy check first after the prefill kernel: a run cut short still has them.
     sections = {"kernel": kernel, "models": models, "w1": w1, "decode": decode, "moe": moe}
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
-    args = parser.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for name in args.only:
-        t0 = time.monotonic()
-        try:
-            sections[name]()
-        except Exception:
-            traceback.print_exc()
-            record(name, "ERROR (traceback above)")
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
-    print_results()
+    run_sections(sections)
 
 
 if __name__ == "__main__":

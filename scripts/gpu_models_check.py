@@ -17,12 +17,10 @@ Sections:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import random
 import tempfile
-import time
 import traceback
 
 import torch
@@ -33,8 +31,8 @@ from _gpu_common import (
     graph_time_us,
     moe_expert_weights,
     moe_floor_us,
-    print_results,
     record,
+    run_sections,
 )
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -142,21 +140,7 @@ def w1() -> None:
 
 def main() -> None:
     sections = {"correctness": correctness, "moe-kernel": moe_kernel, "w1": w1}
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
-    args = parser.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for name in args.only:
-        t0 = time.monotonic()
-        try:
-            sections[name]()
-        except Exception:
-            traceback.print_exc()
-            record(name, "ERROR (traceback above)")
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
-    print_results()
+    run_sections(sections)
 
 
 if __name__ == "__main__":
