@@ -289,18 +289,51 @@ def resolve_cudagraph_capture_sizes(
     return kept, dropped
 
 
+DEFAULT_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"  # vLLM's default
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY", "NONE")
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """vLLM's compilation config, the part this engine has: which decode batch sizes are captured
-    as CUDA graphs (resolved by `resolve_cudagraph_capture_sizes`). There is no torch.compile here:
-    the kernels are hand-written Triton, so vLLM's compilation levels have nothing to switch."""
+    as CUDA graphs (resolved by `resolve_cudagraph_capture_sizes`) and which steps replay graphs
+    (`cudagraph_mode`). There is no torch.compile here: the kernels are hand-written Triton, so
+    vLLM's compilation levels have nothing to switch.
+
+    cudagraph_mode, vLLM's names:
+        FULL_AND_PIECEWISE (default), FULL   decode-only steps replay the decode graphs, and steps
+                                             with prefill chunks replay full graphs captured per
+                                             token count (worker/mixed_graphs.py). vLLM captures
+                                             those piecewise around attention; here the attention
+                                             kernel takes fixed grids, so the whole forward is one
+                                             graph, for every size up to MAX_MIXED_GRAPH_TOKENS
+        FULL_DECODE_ONLY                     decode graphs only; other steps run eagerly
+        NONE                                 no CUDA graphs (as enforce_eager)
+    PIECEWISE (graphs of the pieces between attention calls, for every step) is not built.
+    """
 
     cudagraph_capture_sizes: tuple[int, ...]
+    cudagraph_mode: str = DEFAULT_CUDAGRAPH_MODE
 
     def __post_init__(self) -> None:
         sizes = self.cudagraph_capture_sizes
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"cudagraph_capture_sizes must be ascending, distinct and >= 1, got {sizes}.")
+        if self.cudagraph_mode == "PIECEWISE":
+            raise ValueError("cudagraph_mode PIECEWISE is not built: pagedllm captures full graphs (no torch.compile "
+                             "to split them); use FULL_AND_PIECEWISE (decode and mixed steps as full graphs), "
+                             "FULL_DECODE_ONLY or NONE.")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}.")
+
+    @property
+    def decode_graphs(self) -> bool:
+        return self.cudagraph_mode != "NONE"
+
+    @property
+    def mixed_graphs(self) -> bool:
+        """Steps with prefill chunks replay graphs too (worker/mixed_graphs.py)."""
+        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "FULL")
 
     @property
     def max_cudagraph_capture_size(self) -> int:

@@ -46,7 +46,8 @@ def add_engine_cli_args(parser: argparse.ArgumentParser, model_positional: bool 
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest CUDA graph; sizes follow vLLM's 1 2 4 8 ... 248 256 272 ... pattern")
     g.add_argument("--compilation-config", "-O", default=None,
-                   help="vLLM's compilation config as JSON (cudagraph_capture_sizes, max_cudagraph_capture_size) "
+                   help="vLLM's compilation config as JSON (cudagraph_capture_sizes, max_cudagraph_capture_size, "
+                        "cudagraph_mode: FULL_AND_PIECEWISE (default), FULL, FULL_DECODE_ONLY, NONE) "
                         "or a level (no effect: no torch.compile here)")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
     g.add_argument("--attention-backend", default=None,

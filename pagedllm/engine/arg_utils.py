@@ -14,6 +14,7 @@ import torch
 
 import pagedllm.envs as envs
 from pagedllm.config import (
+    DEFAULT_CUDAGRAPH_MODE,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # Keys of vLLM's compilation_config that mean something here; the compilation level ("mode", or
 # "level" in older vLLM) is accepted and has no effect (there is no torch.compile to switch).
-COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "mode", "level")
+COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode", "mode", "level")
 
 
 @dataclass
@@ -227,17 +228,15 @@ class EngineArgs:
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager, cpu_threads=self.cpu_threads),
-            compilation_config=CompilationConfig(capture_sizes),
+            compilation_config=CompilationConfig(capture_sizes, self._cudagraph_mode()),
             preemption_mode=self.preemption_mode or "recompute",
             max_logprobs=self.max_logprobs,
         )
 
-    def _cudagraph_size_args(self) -> tuple[list[int] | tuple[int, ...] | None, int | None]:
-        """(cudagraph_capture_sizes, max_cudagraph_capture_size) from wherever the user set them:
-        the two arguments, a `compilation_config` (dict, JSON string, level int, or a
-        CompilationConfig), or older vLLM's `cuda_graph_sizes` (one value: the largest size;
-        several: the list). Setting the same thing two ways is an error, as in vLLM."""
-        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+    def _compilation_dict(self) -> dict | None:
+        """The user's `compilation_config` as a dict of the keys it sets (None: none given or a
+        level int, which changes nothing here). A dict, a JSON string, a level int or a
+        CompilationConfig are accepted, as in vLLM; unknown keys are refused."""
         cc = self.compilation_config
         if isinstance(cc, str):
             text = cc.strip()
@@ -246,18 +245,38 @@ class EngineArgs:
             except json.JSONDecodeError as e:
                 raise ValueError(f"compilation_config must be a JSON object or a level int, got {text!r}: {e}.") from e
         if isinstance(cc, CompilationConfig):
-            cc = {"cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes)}
+            cc = {"cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes), "cudagraph_mode": cc.cudagraph_mode}
         if isinstance(cc, bool) or not (cc is None or isinstance(cc, (int, dict))):
             raise ValueError(f"compilation_config must be a dict, a JSON string or a level int, got {cc!r}.")
         if isinstance(cc, int):
             logger.info("compilation_config level %d has no effect: pagedllm runs no torch.compile.", cc)
-        elif isinstance(cc, dict):
+            return None
+        if cc is not None:
             unknown = sorted(set(cc) - set(COMPILATION_CONFIG_KEYS))
             if unknown:
                 raise ValueError(
                     f"compilation_config keys {unknown} are not supported; supported: {', '.join(COMPILATION_CONFIG_KEYS)} "
                     "(the level has no effect: there is no torch.compile here)."
                 )
+        return cc
+
+    def _cudagraph_mode(self) -> str:
+        """vLLM's `compilation_config.cudagraph_mode` (default FULL_AND_PIECEWISE), validated by
+        CompilationConfig; an enum member's name is taken as its string."""
+        cc = self._compilation_dict() or {}
+        mode = cc.get("cudagraph_mode")
+        if mode is None:
+            return DEFAULT_CUDAGRAPH_MODE
+        return str(getattr(mode, "name", mode)).upper()
+
+    def _cudagraph_size_args(self) -> tuple[list[int] | tuple[int, ...] | None, int | None]:
+        """(cudagraph_capture_sizes, max_cudagraph_capture_size) from wherever the user set them:
+        the two arguments, a `compilation_config` (dict, JSON string, level int, or a
+        CompilationConfig), or older vLLM's `cuda_graph_sizes` (one value: the largest size;
+        several: the list). Setting the same thing two ways is an error, as in vLLM."""
+        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        cc = self._compilation_dict()
+        if cc is not None:
             for key, top in (("cudagraph_capture_sizes", sizes), ("max_cudagraph_capture_size", max_size)):
                 if cc.get(key) is not None and top is not None:
                     raise ValueError(f"{key} and compilation_config.{key} are mutually exclusive.")

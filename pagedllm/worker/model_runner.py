@@ -27,6 +27,7 @@ from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+from pagedllm.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class ModelRunner:
         self.pp_group = get_pp_group()  # one stage of one rank unless pipeline parallel
         self.input_batch = InputBatch(self.block_size, device)
         self.graph_runner: CudaGraphRunner | None = None
+        self.mixed_graph_runner: MixedGraphRunner | None = None  # steps with prefill chunks
         self.step_id = 0
         self.last_sampled: torch.Tensor | None = None  # device ids of the newest step's samples
         self._deferred: tuple[StepInputs, torch.Tensor] | None = None  # a step waiting for its bitmask
@@ -53,7 +55,8 @@ class ModelRunner:
     def make_graph_runner(self, tuning: bool = True) -> CudaGraphRunner | None:
         """The decode-graph runner, not captured yet; None where no graphs are captured (CPU,
         enforce_eager). With pipeline parallelism each stage captures its own."""
-        if self.device.type != "cuda" or self.config.device_config.enforce_eager:
+        if (self.device.type != "cuda" or self.config.device_config.enforce_eager
+                or not self.config.compilation_config.decode_graphs):
             return None
         mc = self.config.model_config
         return CudaGraphRunner(
@@ -72,6 +75,25 @@ class ModelRunner:
         if runner is not None:
             runner.capture()
             self.graph_runner = runner
+        mixed = self.make_mixed_graph_runner(runner.pool if runner is not None else None)
+        if mixed is not None:
+            mixed.capture()
+            self.mixed_graph_runner = mixed
+
+    def make_mixed_graph_runner(self, pool: object = None, capture: bool = True) -> MixedGraphRunner | None:
+        """Graphs for steps with prefill chunks (worker/mixed_graphs.py), where they apply: CUDA,
+        cudagraph_mode FULL_AND_PIECEWISE / FULL, one pipeline stage, no MLA layers. capture=False:
+        the same padded path run eagerly (tests, any device)."""
+        if capture and (self.device.type != "cuda" or self.config.device_config.enforce_eager
+                        or not self.config.compilation_config.mixed_graphs):
+            return None
+        from pagedllm.attention.mla import MLAAttention
+
+        if self.pp_group.world_size > 1 or any(isinstance(m, MLAAttention) for m in self.model.modules()):
+            return None
+        sc, mc = self.config.scheduler_config, self.config.model_config
+        return MixedGraphRunner(self.model, self.device, mixed_capture_sizes(sc.max_num_batched_tokens),
+                                sc.max_num_seqs, mc.max_model_len, self.block_size, pool=pool, capture=capture)
 
     # -- one step ----------------------------------------------------------------------------------
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
@@ -114,14 +136,17 @@ class ModelRunner:
             if hidden is None or len(inp.sample_rows) == len(inp.req_ids):
                 return hidden
             return hidden[inp.sample_rows]
-        md = self._metadata(inp)
         dev = self.device
-        input_ids = to_device_async(torch.from_numpy(inp.input_ids), dev)
-        self._fill_pending(input_ids, inp)
-        positions = to_device_async(torch.from_numpy(inp.positions), dev)
-        hidden = forward_stage(self.model, input_ids, positions, md, self.pp_group)
-        if hidden is None:  # an earlier pipeline stage: its activations went to the next one
-            return None
+        if self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(inp):
+            hidden = self.mixed_graph_runner.run(inp, self._fill_pending)
+        else:
+            md = self._metadata(inp)
+            input_ids = to_device_async(torch.from_numpy(inp.input_ids), dev)
+            self._fill_pending(input_ids, inp)
+            positions = to_device_async(torch.from_numpy(inp.positions), dev)
+            hidden = forward_stage(self.model, input_ids, positions, md, self.pp_group)
+            if hidden is None:  # an earlier pipeline stage: its activations went to the next one
+                return None
         last = to_device_async(torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1), dev)
         return hidden[last]
 
