@@ -73,7 +73,8 @@ def test_every_way_of_setting_sizes_reaches_the_config():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(compilation_config={"cudagraph_mode": "FULL"}), "not supported; supported"),
+        (dict(compilation_config={"splitting_ops": []}), "not supported; supported"),
+        (dict(compilation_config={"cudagraph_mode": "PIECEWISE"}), "PIECEWISE is not built"),
         (dict(compilation_config="{not json"), "JSON object"),
         (dict(compilation_config=[1, 2]), "must be a dict"),
         (dict(cudagraph_capture_sizes=[1], compilation_config={"cudagraph_capture_sizes": [2]}), "mutually exclusive"),
