@@ -4,8 +4,8 @@ PP stage's activations pass through static buffers) and eager (enforce_eager) be
 
     PYTHONPATH=$PWD python scripts/gpu_parallel_check.py            # 2 GPUs: tp2, pp2; 4+: also tp2xpp2
 
-Needs at least 2 GPUs: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so one GPU
-cannot run a TP or PP rank pair. Needs msgspec and pyzmq (the mp executor's per-step messages)
+TP / PP layouts need at least 2 GPUs: NCCL refuses two ranks on one device ("Duplicate GPU
+detected"), so one GPU runs only the multiprocess executor's one-rank layouts against the in-process one. Needs msgspec and pyzmq (the mp executor's per-step messages)
 besides torch and transformers. Prints one table row per layout: tokens equal to TP=1, engine start
 seconds, decode tok/s (graphs against eager shows the captured graphs replaying on every rank).
 """
@@ -56,6 +56,10 @@ def main() -> None:
     path = tempfile.mkdtemp(prefix="pagedllm-gpu-tp-")
     tiny_llama(path)
     layouts = [dict(tensor_parallel_size=1)]
+    # One GPU (the lent kind here): the multiprocess executor's one-rank run, its worker process
+    # joining an NCCL world of one (init, broadcast of each step, output return), with graphs and eager.
+    layouts += [dict(tensor_parallel_size=1, distributed_executor_backend="mp"),
+                dict(tensor_parallel_size=1, distributed_executor_backend="mp", enforce_eager=True)]
     if n >= 2:
         layouts += [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enforce_eager=True),
                     dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, enforce_eager=True)]
