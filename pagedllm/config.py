@@ -306,7 +306,8 @@ class CompilationConfig:
                                              token count (worker/mixed_graphs.py). vLLM captures
                                              those piecewise around attention; here the attention
                                              kernel takes fixed grids, so the whole forward is one
-                                             graph, for every size up to MAX_MIXED_GRAPH_TOKENS
+                                             graph, up to 8192 tokens (fewer for large models:
+                                             mixed_graphs.mixed_graph_token_cap)
         FULL_DECODE_ONLY                     decode graphs only; other steps run eagerly
         NONE                                 no CUDA graphs (as enforce_eager)
     PIECEWISE (graphs of the pieces between attention calls, for every step) is not built.

@@ -18,7 +18,9 @@ covers any split of T tokens among up to R requests; the step's real layout live
         positions       [7 .. 11, 29, 8, 0]
 
 A padding token belongs to no request, so attention never reads or writes it; the GEMMs and norms
-compute its row, which is dropped. Steps larger than the largest size run eagerly.
+compute its row, which is dropped. Steps larger than the largest size run eagerly: that is the
+token budget up to 8192 for small models, less for large ones, whose kernels outlast their eager
+launches anyway (`mixed_graph_token_cap`).
 
 Not captured (the step runs eagerly as before): MLA layers (their prefill path plans on the host),
 pipeline parallelism (stage sends stay outside graphs; the decode graphs handle them).
@@ -43,23 +45,35 @@ logger = logging.getLogger(__name__)
 # Above this many tokens a step's kernels take long enough that the eager launches hide behind
 # them, and each larger graph would hold activations for that many tokens in the graph pool.
 MAX_MIXED_GRAPH_TOKENS = 8192
+# A graph only pays where the step's kernels are shorter than its eager launches (~20-25 ms: with
+# async scheduling, longer kernels hide the launches behind them). Sizes whose forward is above this
+# many FLOPs (2 x parameters x tokens; ~40 ms of an H200's tensor cores) are not captured:
+#     Qwen3-0.6B: every size up to 8192;  Llama-3.1-8B (8.0e9 parameters): up to 1536 tokens.
+MIXED_GRAPH_MAX_FLOPS = 2.5e13
+MIN_MIXED_GRAPH_TOKENS = 512
+
+
+def mixed_graph_token_cap(num_params: int) -> int:
+    """The largest step, in tokens, worth a graph for a model of num_params parameters (per rank)."""
+    return max(MIN_MIXED_GRAPH_TOKENS, min(MAX_MIXED_GRAPH_TOKENS, int(MIXED_GRAPH_MAX_FLOPS / (2 * max(num_params, 1)))))
 
 
 def mixed_capture_sizes(max_num_batched_tokens: int, max_tokens: int = MAX_MIXED_GRAPH_TOKENS) -> list[int]:
-    """Token counts to capture: steps of 64 up to 256, then about 4 sizes per doubling, so a step
-    pads by at most ~25% (of its GEMM rows; attention skips the padding), and the budget itself.
+    """Token counts to capture: steps of 64 up to 512, then 4 sizes per doubling, so a step pads by
+    at most ~25% (of its GEMM rows; attention skips the padding). They end at the token budget when
+    it is at most max_tokens, else at the largest such size up to max_tokens.
 
-        8192 -> [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
-                 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192]
-        300  -> [64, 128, 192, 256, 300]
+        8192        -> [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
+                        2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192]
+        300         -> [64, 128, 192, 256, 300]
+        8192, 1562  -> [64, ..., 1024, 1280, 1536]
     """
-    top = min(max_num_batched_tokens, max_tokens)
     sizes, size = [], 64
-    while size < top:
+    while size < min(max_num_batched_tokens, max_tokens + 1):
         sizes.append(size)
-        step = max(64, 1 << max(size.bit_length() - 3, 0))  # 64 below 512, then size / 8 .. size / 4
-        size += step
-    sizes.append(top)
+        size += max(64, 1 << max(size.bit_length() - 3, 0))  # 64 below 512, then size / 8 .. size / 4
+    if max_num_batched_tokens <= max_tokens:
+        sizes.append(max_num_batched_tokens)
     return sizes
 
 

@@ -13,7 +13,12 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CompilationConfig
-from pagedllm.worker.mixed_graphs import MAX_MIXED_GRAPH_TOKENS, mixed_capture_sizes
+from pagedllm.worker.mixed_graphs import (
+    MAX_MIXED_GRAPH_TOKENS,
+    MIN_MIXED_GRAPH_TOKENS,
+    mixed_capture_sizes,
+    mixed_graph_token_cap,
+)
 from tests.utils import assert_pool_idle, tiny_model
 
 
@@ -27,6 +32,10 @@ def test_capture_sizes_pad_a_step_by_at_most_a_quarter_and_end_at_the_budget():
     assert mixed_capture_sizes(300) == [64, 128, 192, 256, 300]
     assert mixed_capture_sizes(40) == [40]
     assert mixed_capture_sizes(32768)[-1] == MAX_MIXED_GRAPH_TOKENS
+    # Large models stop where their kernels outlast the eager launches: ~8B parameters -> 1536 tokens.
+    assert mixed_capture_sizes(8192, mixed_graph_token_cap(8_030_000_000))[-1] == 1536
+    assert mixed_graph_token_cap(600_000_000) == MAX_MIXED_GRAPH_TOKENS
+    assert mixed_graph_token_cap(10**12) == MIN_MIXED_GRAPH_TOKENS
 
 
 def test_cudagraph_mode_takes_vllms_names_and_refuses_piecewise():
