@@ -48,9 +48,24 @@ MAX_MIXED_GRAPH_TOKENS = 8192
 # A graph only pays where the step's kernels are shorter than its eager launches (~20-25 ms: with
 # async scheduling, longer kernels hide the launches behind them). Sizes whose forward is above this
 # many FLOPs (2 x parameters x tokens; ~40 ms of an H200's tensor cores) are not captured:
-#     Qwen3-0.6B: every size up to 8192;  Llama-3.1-8B (8.0e9 parameters): up to 1536 tokens.
+#     Qwen3-0.6B: every size up to 8192;  Llama-3.1-8B (8.0e9 parameters): up to 1536 tokens;
+#     Qwen3-30B-A3B (~3.3e9 active: `active_parameters`): up to 3584.
 MIXED_GRAPH_MAX_FLOPS = 2.5e13
 MIN_MIXED_GRAPH_TOKENS = 512
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters a token's forward multiplies by: all of them, except that a mixture-of-experts
+    layer counts top_k of its num_experts (Qwen3-30B-A3B: ~3.3e9 of 30.5e9)."""
+    from pagedllm.layers.fused_moe.layer import FusedMoE
+
+    total = 0.0
+    for module in model.modules():
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        if isinstance(module, FusedMoE) and module.num_experts:
+            own *= min(1.0, module.top_k / module.num_experts)
+        total += own
+    return int(total)
 
 
 def mixed_graph_token_cap(num_params: int) -> int:

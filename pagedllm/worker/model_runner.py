@@ -27,7 +27,12 @@ from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
-from pagedllm.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes, mixed_graph_token_cap
+from pagedllm.worker.mixed_graphs import (
+    MixedGraphRunner,
+    active_parameters,
+    mixed_capture_sizes,
+    mixed_graph_token_cap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ class ModelRunner:
         if self.pp_group.world_size > 1 or any(isinstance(m, MLAAttention) for m in self.model.modules()):
             return None
         sc, mc = self.config.scheduler_config, self.config.model_config
-        cap = mixed_graph_token_cap(sum(p.numel() for p in self.model.parameters()))
+        cap = mixed_graph_token_cap(active_parameters(self.model))
         return MixedGraphRunner(self.model, self.device, mixed_capture_sizes(sc.max_num_batched_tokens, cap),
                                 sc.max_num_seqs, mc.max_model_len, self.block_size, pool=pool, capture=capture)
 
