@@ -87,6 +87,18 @@ class DeepseekV2MLAAttention(nn.Module):
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         latent = self.kv_a_proj_with_mqa(hidden_states)
         r = self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, r)
+        if self.attn.uses_fused_prep(latent, self.rotary_emb):
+            # One kernel (kernels/mla_prep.py): the latent normed and rotated in place and written to
+            # the cache, the rotated q_pe written into the absorbed query's last features.
+            from pagedllm.kernels.mla_prep import mla_prep
+
+            query = torch.empty((t, hh, r + self.rope), dtype=q.dtype, device=q.device)  # (T, H, W)
+            n = attn_metadata.num_actual_tokens
+            mla_prep(positions, q_pe, query[..., r:], latent, self.kv_a_layernorm.weight,
+                     self.kv_a_layernorm.variance_epsilon, self.rotary_emb.cos_sin_cache, self.attn.kv_cache,
+                     attn_metadata.slot_mapping, n)
+            return self.o_proj(self.attn.forward_mla_prepared(q_nope, query, latent, w, attn_metadata))
         if latent.is_cuda and self.rotary_emb.is_neox_style:
             # The Triton rotary kernel rotates the strided q_pe / k_pe views in place: no copies.
             kv_c = self.kv_a_layernorm(latent[:, :r])
@@ -97,7 +109,6 @@ class DeepseekV2MLAAttention(nn.Module):
             q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
                                          latent[:, r:].contiguous())
             q_pe = q_pe.view(t, hh, self.rope)
-        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, r)
         out = self.attn.forward_mla(q_nope, q_pe, kv_c, k_pe, w, attn_metadata)
         return self.o_proj(out)
 
