@@ -140,6 +140,10 @@ class DeepseekV2MoE(nn.Module):
             raise ValueError(f"{prefix}: topk_method {method!r} is not supported; supported: {list(_TOPK_METHODS)}")
         num_experts = config.n_routed_experts
         grouped = method in ("group_limited_greedy", "noaux_tc")
+        n_shared = getattr(config, "n_shared_experts", None) or 0
+        # Unquantized: the shared experts run inside the fused MoE as experts E .. E + n_shared - 1
+        # (layers/fused_moe/layer.py), one launch sequence instead of the shared MLP's four.
+        self.fused_shared = n_shared if quant_config is None else 0
         self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
             num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
@@ -147,11 +151,11 @@ class DeepseekV2MoE(nn.Module):
             num_expert_group=config.n_group if grouped else None, topk_group=config.topk_group if grouped else None,
             e_score_correction_bias=method == "noaux_tc",
             routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
-            quant_config=quant_config, prefix=f"{prefix}.experts",
+            num_fused_shared_experts=self.fused_shared, quant_config=quant_config, prefix=f"{prefix}.experts",
         )
-        n_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (LlamaMLP(config.hidden_size, config.moe_intermediate_size * n_shared, config.hidden_act,
-                                        quant_config, prefix=f"{prefix}.shared_experts") if n_shared else None)
+                                        quant_config, prefix=f"{prefix}.shared_experts")
+                               if n_shared and not self.fused_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, router_logits(x, self.gate.weight))
@@ -234,6 +238,13 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             mtp = len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= num_layers
             return mtp or "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head."))
 
+        n_shared = getattr(self.config, "n_shared_experts", None) or 0
+        fused_shared = n_shared if self.quant_config is None and self.config.n_routed_experts else 0
+        if fused_shared:  # the shared MLP's tensors as experts E .. E + n_shared - 1 (DeepseekV2MoE)
+            mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj",
+                                                          self.config.n_routed_experts + fused_shared)
+            weights = (piece for n, t in weights for piece in FusedMoE.split_shared_expert_weights(
+                n, t, ".mlp.shared_experts.", ".mlp.experts.", self.config.n_routed_experts, fused_shared))
         renamed = ((n.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"), t)
                    for n, t in weights)
         loaded = load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
