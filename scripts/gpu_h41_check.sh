@@ -6,7 +6,7 @@
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 T0=$(date +%s)
 # 1. Kernel tests on the GPU (small tensors) beside the tiny-model check (small cache): in parallel.
-timeout 50 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_prep.py tests/kernels/test_moe_router.py \
+timeout 50 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_prep.py tests/kernels/test_moe_router.py tests/kernels/test_fused_moe_kernel.py \
     tests/kernels/test_mla_attention.py > /tmp/h41_pytest.log 2>&1 &
 PYTEST=$!
 timeout 55 python3 - > /tmp/h41_models.log 2>&1 <<'PY'
