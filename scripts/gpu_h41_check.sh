@@ -11,7 +11,8 @@ timeout 45 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_prep.
     tests/kernels/test_fused_moe_kernel.py tests/kernels/test_mla_attention.py > /tmp/h41_pytest.log 2>&1 &
 PYTEST=$!
 timeout 45 python3 - > /tmp/h41_models.log 2>&1 <<'PY'
-import random, sys
+import gc, random, sys
+import torch
 sys.path.insert(0, "scripts")
 import gpu_models_check as g
 from pagedllm import LLM, SamplingParams
@@ -28,6 +29,8 @@ for arch in ("deepseek_v2", "deepseek_v3"):
         runs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                     greedy, use_tqdm=False)]
         del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(runs["cpu"], runs["graphs"]))
     print(f"MODELS | {arch} fp32 CUDA graphs greedy == CPU torch ref (48 tok) | {same}/{len(prompts)} |", flush=True)
 PY
