@@ -10,7 +10,7 @@ T0=$(date +%s)
 timeout 45 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_prep.py tests/kernels/test_moe_router.py \
     tests/kernels/test_fused_moe_kernel.py tests/kernels/test_mla_attention.py > /tmp/h41_pytest.log 2>&1 &
 PYTEST=$!
-timeout 45 python3 - > /tmp/h41_models.log 2>&1 <<'PY'
+timeout 50 python3 - > /tmp/h41_models.log 2>&1 <<'PY'
 import gc, random, sys
 import torch
 sys.path.insert(0, "scripts")
@@ -20,8 +20,10 @@ rng = random.Random(0)
 prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 200))] for _ in range(12)]
 prompts += [prompts[0][:3] + p for p in prompts[1:4]]  # shared prefixes
 greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-for arch in ("deepseek_v2", "deepseek_v3"):
-    path = g.tiny_model_dir(*g.ARCHS[arch])
+# V2 with V2-Lite's plain softmax routing (the fused router with the shared experts appended), V3 grouped.
+greedy_v2 = dict(g.ARCHS["deepseek_v2"][1], topk_method="greedy", n_group=1, topk_group=1)
+for arch, (cls, extra) in (("deepseek_v2 greedy", ("DeepseekV2Config", greedy_v2)), ("deepseek_v3", g.ARCHS["deepseek_v3"])):
+    path = g.tiny_model_dir(cls, extra)
     runs = {}
     for name, kw in (("cpu", dict(device="cpu")), ("graphs", dict(device="cuda"))):
         llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=16,
