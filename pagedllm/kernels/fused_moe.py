@@ -268,7 +268,8 @@ def fused_experts(
     w2: torch.Tensor,  # (E, hidden, inter)
     topk_weights: torch.Tensor,  # (T, top_k) float32
     topk_ids: torch.Tensor,  # (T, top_k) int32
-    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's
+    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
+    # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above).
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
@@ -282,7 +283,7 @@ def fused_experts(
     cfg = config or _config(t * top_k, w13.dtype)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     weights = topk_weights.reshape(-1).float().contiguous()
-    if cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE:
+    if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):
         h = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w13, h, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg, fuse_silu=True)
     else:
