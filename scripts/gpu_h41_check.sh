@@ -43,7 +43,7 @@ PRC=$?
 echo "== pytest on the GPU: rc=$PRC ($(( $(date +%s) - T0 )) s)"; tail -4 /tmp/h41_pytest.log
 echo "== tiny DeepSeek fp32: rc=$MRC ($(( $(date +%s) - T0 )) s)"; grep -E "MODELS|Error" /tmp/h41_models.log | tail -6
 # 2. The kernels' A/B at DeepSeek-V2-Lite's shapes (alone on the GPU: timings).
-timeout 25 python3 scripts/gpu_h41_bench.py > /tmp/h41_bench.log 2>&1
+timeout 30 python3 scripts/gpu_h41_bench.py > /tmp/h41_bench.log 2>&1
 echo "== kernel A/B: rc=$? ($(( $(date +%s) - T0 )) s)"
 # 3. W1, 128 requests: plain tok/s, then the profiled run's kernel families (one engine start).
 LEFT=$(( 117 - ($(date +%s) - T0) ))
