@@ -1,16 +1,16 @@
 #!/bin/bash
 # Branch h41 (issue 24, DeepSeek-V2-Lite W1): GPU == reference for the fused MLA prep kernel, the shared
 # experts in the fused MoE and the SiLU in its first GEMM (kernel tests), the tiny fp32 DeepSeek-V2 greedy
-# check (CUDA graphs == CPU reference), the kernels' A/B (scripts/gpu_h41_bench.py), then W1 with 128
+# check (CUDA graphs == CPU reference), the kernels' A/B (scripts/gpu_h41_bench.py), then W1 with 64
 # requests under scripts/gpu_step_profile.py: plain tok/s and the kernel families, printed last. <= ~120 s on one H200 (each part under its own timeout).
 #   bash scripts/gpu_h41_check.sh      (from the worktree root)
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 T0=$(date +%s)
 # 1. Kernel tests (small tensors) beside the tiny-model check (a 512-block cache): in parallel.
-timeout 40 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_prep.py tests/kernels/test_moe_router.py \
+timeout 35 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_prep.py tests/kernels/test_moe_router.py \
     tests/kernels/test_fused_moe_kernel.py tests/kernels/test_mla_attention.py > /tmp/h41_pytest.log 2>&1 &
 PYTEST=$!
-timeout 40 python3 - > /tmp/h41_models.log 2>&1 <<'PY'
+timeout 35 python3 - > /tmp/h41_models.log 2>&1 <<'PY'
 import gc, random, sys
 import torch
 sys.path.insert(0, "scripts")
@@ -43,13 +43,13 @@ PRC=$?
 echo "== pytest on the GPU: rc=$PRC ($(( $(date +%s) - T0 )) s)"; tail -4 /tmp/h41_pytest.log
 echo "== tiny DeepSeek fp32: rc=$MRC ($(( $(date +%s) - T0 )) s)"; grep -E "MODELS|Error" /tmp/h41_models.log | tail -6
 # 2. The kernels' A/B at DeepSeek-V2-Lite's shapes (alone on the GPU: timings).
-timeout 30 python3 scripts/gpu_h41_bench.py > /tmp/h41_bench.log 2>&1
+timeout 22 python3 scripts/gpu_h41_bench.py > /tmp/h41_bench.log 2>&1
 echo "== kernel A/B: rc=$? ($(( $(date +%s) - T0 )) s)"
-# 3. W1, 128 requests: plain tok/s, then the profiled run's kernel families (one engine start).
+# 3. W1, 64 requests: plain tok/s, then the profiled run's kernel families (one engine start).
 LEFT=$(( 117 - ($(date +%s) - T0) ))
-echo "== W1 (128 requests) profile, ${LEFT} s left"
+echo "== W1 (64 requests) profile, ${LEFT} s left"
 timeout $LEFT python3 scripts/gpu_step_profile.py --model deepseek-v2-lite --load-format dummy --skip-tokenizer-init \
-    --dataset w1 --max-model-len 4096 --num-prompts 128 --top 24 > /tmp/h41_prof.log 2>&1
+    --dataset w1 --max-model-len 4096 --num-prompts 64 --top 24 > /tmp/h41_prof.log 2>&1
 echo "== profile rc=$? ($(( $(date +%s) - T0 )) s)"
 grep -iE "error|Traceback" /tmp/h41_prof.log | tail -3
 grep -E "^copy|^\|" /tmp/h41_bench.log; grep -iE "error|Traceback" /tmp/h41_bench.log | tail -3
