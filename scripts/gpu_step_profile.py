@@ -73,6 +73,9 @@ def main() -> int:
     llm = tp.make_llm(args)
     tp.warmup(llm, args.num_warmup)
     plain = tp.run_throughput(llm, requests, temperature, dev)
+    # Printed now as well: a run cut short while profiling still reports its plain throughput.
+    print(f"plain run {plain.output_tokens_per_second:.0f} output tok/s ({plain.elapsed_time:.2f} s, "
+          f"{len(requests)} requests)", flush=True)
     if not torch.cuda.is_available():
         print("gpu_step_profile.py profiles CUDA kernels: no CUDA device here")
         return 2

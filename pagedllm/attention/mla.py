@@ -76,6 +76,56 @@ class MLAAttention(Attention):
                             use_triton=self.backend.name == "triton")
         return out.reshape(t, -1)
 
+    def uses_fused_prep(self, latent: torch.Tensor, rotary_emb: torch.nn.Module) -> bool:
+        """Whether the layer's prep runs as kernels/mla_prep.py (then `forward_mla_prepared`): CUDA,
+        the Triton backend, neox rotary (the kernel's pairing), a cache bound (not the profiling
+        pass) in the latent's dtype (an fp8 cache keeps the separate write and its cast)."""
+        return (latent.is_cuda and self.backend.name == "triton" and getattr(rotary_emb, "is_neox_style", False)
+                and self.kv_cache is not None and self.kv_cache.dtype == latent.dtype)
+
+    def forward_mla_prepared(
+        self,
+        q_nope: torch.Tensor,  # (T, H, nope)
+        query: torch.Tensor,  # (T, H, W): [. | q_pe rotated]; its first r features are filled here
+        latent: torch.Tensor,  # (T, W): [kv_c normed | k_pe rotated], already written to the cache
+        w_kv: torch.Tensor,  # kv_b_proj's weight viewed (H, nope + v, r)
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H * v)
+        """`forward_mla` after kernels/mla_prep.py: no norm, rotary, cat, cache write or q_pe copy left."""
+        nope, r = q_nope.shape[2], self.kv_lora_rank
+        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        t, h, v = q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]
+        if md.max_query_len <= 1:
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., :r].transpose(0, 1))
+            if md.is_decode_only and md.num_actual_tokens == md.num_reqs:
+                from pagedllm.kernels.mla_decode import mla_decode
+
+                o_lat = mla_decode(query, self.kv_cache, md, self.scale, r, num_splits=self.backend.num_splits)
+            else:  # the backend writes the latents again (the same rows) and attends
+                o_lat = self.backend.forward_mla(query, latent, self.kv_cache, md, self.scale, r)
+            return self._up_project(o_lat, w_uv)
+        plan = plan_mla_step(md, self.kv_cache.shape[2])
+        n = md.num_actual_tokens
+        q_pe = query[..., r:]
+        out = torch.empty((t, h, v), dtype=q_nope.dtype, device=q_nope.device)
+        if t > n:
+            out[n:].zero_()
+        if plan.decode_md is not None:
+            rows = plan.decode_tokens
+            dec = self._absorbed(q_nope[rows], q_pe[rows], latent[rows, :r], latent[rows, r:], w_uk, w_uv,
+                                 plan.decode_md)
+            out.index_copy_(0, rows, dec.view(-1, h, v).to(out.dtype))
+        mla_prefill_forward(out, q_nope, q_pe, self.kv_cache, w_kv.reshape(-1, w_kv.shape[2]), plan, self.scale,
+                            use_triton=True)
+        return out.reshape(t, -1)
+
+    def _up_project(self, o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:  # (T, H * v)
+        """o_lat (T, H, r) @ W_UV^T per head, straight into the (T, H * v) rows o_proj reads."""
+        t, h = o_lat.shape[0], o_lat.shape[1]
+        out = torch.empty((t, h, w_uv.shape[1]), dtype=w_uv.dtype, device=o_lat.device)
+        torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(t, -1)
+
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                   w_uk: torch.Tensor, w_uv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:  # (T, H * v)
         """Attention in latent space (the module docstring): the decode path."""
@@ -89,6 +139,4 @@ class MLAAttention(Attention):
         latent = torch.cat([kv_c, k_pe], dim=-1)  # (T, W)
         # The backend writes the latents and attends (attention/backend.py: forward_mla).
         o_lat = self.backend.forward_mla(query, latent, self.kv_cache, md, self.scale, r)
-        out = torch.empty((t, h, w_uv.shape[1]), dtype=w_uv.dtype, device=o_lat.device)
-        torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return out.view(t, -1)
+        return self._up_project(o_lat, w_uv)

@@ -9,7 +9,7 @@
     2. _fused_moe_kernel (grouped GEMM): a program takes BLOCK_M sorted rows x BLOCK_N columns and
        multiplies the rows' inputs by its expert's weight; padding rows are masked out.
            GEMM 1: x[pair // top_k] @ W13[e]^T  -> (T * top_k, 2 * inter)   [gate | up]
-           SiLU-and-mul                          -> (T * top_k, inter)
+           SiLU-and-mul                          -> (T * top_k, inter)   (GEMM 1's epilogue for small tiles)
            GEMM 2: h[pair] @ W2[e]^T * weight    -> (T * top_k, hidden)
     3. combine: the top_k rows of each token summed -> (T, hidden).
 
@@ -157,6 +157,7 @@ def _fused_moe_kernel(
     N,
     K,
     num_valid_pairs,
+    num_m_blocks,
     num_n_blocks,
     stride_am,
     stride_be,
@@ -168,10 +169,19 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FUSE_SILU: tl.constexpr = False,  # GEMM 1 with SiLU-and-mul: c = silu(gate) * up, N = inter
+    GROUP_M: tl.constexpr = 8,
 ):
+    # Programs in groups of GROUP_M row blocks x every column block, column-major inside a group: the
+    # row blocks of one expert with many rows (DeepSeek's shared experts take every token) read each
+    # weight tile at about the same time, so it comes from DRAM once and from L2 after. Worked
+    # example, GROUP_M 2, 3 row x 2 column blocks: pids 0..5 -> (m, n) (0,0) (1,0) (0,1) (1,1) (2,0) (2,1).
     pid = tl.program_id(0)
-    pid_m = pid // num_n_blocks
-    pid_n = pid % num_n_blocks
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return  # beyond the last expert's padded run
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -184,6 +194,7 @@ def _fused_moe_kernel(
     a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only: the up rows' columns
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
@@ -192,8 +203,20 @@ def _fused_moe_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+        if FUSE_SILU:  # the same columns of the up half: weight rows N + offs_n
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE_FP32:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if FUSE_SILU:
+        # Rounded to the output dtype first, as the unfused path stores [gate | up] before
+        # silu_and_mul (kernels/activation.py): the same values, one launch and buffer fewer.
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
         acc = acc * w[:, None]
@@ -218,16 +241,24 @@ def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
-def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg) -> None:
-    n, k = w.shape[1], w.shape[2]
-    num_n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    grid = (triton.cdiv(sorted_ids.numel(), cfg["BLOCK_M"]) * num_n_blocks,)
+# GEMM 1 computes SiLU-and-mul in its epilogue (two accumulators, gate and up columns) when its tile
+# is at most this many elements: the decode / mid-size tiles (16 x 64, 64 x 64). The prefill tile
+# (128 x 256, 8 warps) would need 2 x 128 KB of fp32 accumulators and keeps the separate kernel.
+FUSED_SILU_MAX_TILE = 64 * 64
+
+
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg,
+                  fuse_silu: bool = False) -> None:
+    n, k = w.shape[1] // (2 if fuse_silu else 1), w.shape[2]
+    num_m_blocks, num_n_blocks = triton.cdiv(sorted_ids.numel(), cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
+    grid = (num_m_blocks * num_n_blocks,)
     _fused_moe_kernel[grid](
-        a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, out.shape[0], num_n_blocks,
+        a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, out.shape[0], num_m_blocks, num_n_blocks,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, IEEE_FP32=w.dtype == torch.float32,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 3),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], FUSE_SILU=fuse_silu,
+        GROUP_M=cfg.get("GROUP_M", 8),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
     )
 
 
@@ -237,7 +268,8 @@ def fused_experts(
     w2: torch.Tensor,  # (E, hidden, inter)
     topk_weights: torch.Tensor,  # (T, top_k) float32
     topk_ids: torch.Tensor,  # (T, top_k) int32
-    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's
+    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
+    # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above).
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
@@ -251,9 +283,13 @@ def fused_experts(
     cfg = config or _config(t * top_k, w13.dtype)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     weights = topk_weights.reshape(-1).float().contiguous()
-    gate_up = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg)
-    h = silu_and_mul(gate_up)  # (T * top_k, inter)
+    if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):
+        h = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, h, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg, fuse_silu=True)
+    else:
+        gate_up = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg)
+        h = silu_and_mul(gate_up)  # (T * top_k, inter)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, cfg)
     # One reduction kernel: torch accumulates half-precision sums in float32 and rounds once.

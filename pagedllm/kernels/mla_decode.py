@@ -39,6 +39,12 @@ BLOCK_H = 16  # tl.dot's smallest M: heads past num_heads are masked rows
 TILE_N = 32  # keys per tile: a (32, 512) bf16 latent tile is 32 KB
 NUM_WARPS, NUM_STAGES = 4, 2  # not yet tuned on the GPU (scripts/gpu_mla_decode_sweep.py)
 MAX_FIXED_SPLITS = 16  # fixed-size partitions per request at most (partials: T x H x 16 x 512 fp32)
+# Batches of at least AUTO_CHUNK_MIN_REQS requests take fixed partitions of AUTO_SPLIT_CHUNK keys by
+# default instead of choose_num_splits's equal shares: on the H200 at DeepSeek-V2-Lite's shape, W1-like
+# lengths, graph-captured bounds (scripts/gpu_h41_bench.py, BENCHMARKS.md issue 24 / h41) 256 keys took
+# 113 / 78 / 61 us against 140 / 89 / 65 at 256 / 128 / 64 requests (512 keys: 117 / 80 / 66).
+# Smaller batches (not measured) keep the equal shares.
+AUTO_CHUNK_MIN_REQS, AUTO_SPLIT_CHUNK = 64, 256
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk", "stride_bt"])
@@ -182,6 +188,7 @@ def mla_decode(
     """MQA over the latent cache for a decode-only batch (md.max_query_len == 1, one token a request).
 
     Partitions: num_splits equal shares of each request's keys (split_key_range), or with split_chunk
+    (by default AUTO_SPLIT_CHUNK from AUTO_CHUNK_MIN_REQS requests on, when neither is given)
     fixed runs of that many keys, cdiv(max_seq_len, split_chunk) of them (at most MAX_FIXED_SPLITS:
     the chunk grows for long contexts), so every program does at most one chunk's work whatever its
     request's length and a batch of mixed lengths is not paced by its longest request."""
@@ -201,6 +208,8 @@ def mla_decode(
     cache = kv_cache[0, :, :, 0, :]  # (num_blocks, block_size, W), a view
     r_pad, p_pad = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
     tile_n, num_warps, num_stages = tile or (TILE_N, NUM_WARPS, NUM_STAGES)
+    if split_chunk is None and num_splits is None and n >= AUTO_CHUNK_MIN_REQS and AUTO_SPLIT_CHUNK % tile_n == 0:
+        split_chunk = AUTO_SPLIT_CHUNK
     fixed = split_chunk is not None
     if fixed:
         if split_chunk <= 0 or split_chunk % tile_n:

@@ -5,6 +5,10 @@ optional renormalisation and scaling) as one launch instead of ~8 torch ops per 
     logits [2, 1, 0, 1], top_k 2, renormalize: p [.47, .17, .06, .17] -> ids [0, 1] (ties: the lower
     index, as torch.topk), weights [.47, .17] / .64 = [.73, .27]
 
+With num_shared > 0 (DeepSeek's shared experts stacked after the routed ones, layers/fused_moe/layer.py)
+each row gets num_shared more columns: ids num_experts .. num_experts + num_shared - 1, weight 1.0
+(neither renormalised nor scaled), so the fused MoE runs the shared experts with the routed ones.
+
 Grouped or sigmoid routing (DeepSeek-V2 / V3) stays on the torch path of
 `pagedllm.layers.fused_moe.router.select_experts`, which is also this kernel's reference.
 """
@@ -28,6 +32,7 @@ def _topk_softmax_kernel(
     TOP_K_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    NUM_SHARED: tl.constexpr = 0,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -47,23 +52,27 @@ def _topk_softmax_kernel(
         left = tl.where(offs == idx, -2.0, left)
     if RENORMALIZE:
         vals = vals / tl.sum(tl.where(slots < TOP_K, vals, 0.0), 0)
-    out = row * TOP_K + slots
+    out = row * (TOP_K + NUM_SHARED) + slots
     tl.store(weights_ptr + out, vals * scale, mask=slots < TOP_K)
     tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
+    for j in tl.static_range(NUM_SHARED):
+        tl.store(weights_ptr + row * (TOP_K + NUM_SHARED) + TOP_K + j, 1.0)
+        tl.store(ids_ptr + row * (TOP_K + NUM_SHARED) + TOP_K + j, num_experts + j)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, E) logits -> (weights float32 (T, top_k), ids int32 (T, top_k)), ids best first."""
+                 routed_scaling_factor: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) logits -> (weights float32 (T, top_k + num_shared), ids int32 (T, top_k + num_shared)),
+    routed ids best first, then the shared experts E .. E + num_shared - 1 at weight 1."""
     t, e = router_logits.shape
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty((t, top_k + num_shared), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k + num_shared), dtype=torch.int32, device=router_logits.device)
     if t:
         _topk_softmax_kernel[(t,)](
             router_logits, weights, ids, e, router_logits.stride(0), float(routed_scaling_factor),
             TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
-            RENORMALIZE=bool(renormalize and top_k > 1), num_warps=1 if e <= 128 else 2,
+            RENORMALIZE=bool(renormalize and top_k > 1), NUM_SHARED=num_shared, num_warps=1 if e <= 128 else 2,
         )
     return weights, ids

@@ -28,7 +28,12 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla import MLAAttention
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters, yarn_get_mscale
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
@@ -50,17 +55,28 @@ class DeepseekV2MLAAttention(nn.Module):
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         h, heads, qk = config.hidden_size, config.num_attention_heads, self.nope + self.rope
         bias = bool(getattr(config, "attention_bias", False))
+        # q_proj (or q_a_proj) and kv_a_proj_with_mqa read the same x: one GEMM of both (vLLM's
+        # fused_qkv_a_proj) on one rank, unquantized, without biases. Its rows: [q (q_a_out) | latent (r + rope)].
+        # The latent alone is 576 columns, a GEMM too narrow to fill the GPU at decode sizes.
+        self.q_a_out = self.q_lora_rank or heads * qk
+        self.fuse_qkv_a = tp == 1 and quant_config is None and not bias
+        if self.fuse_qkv_a:
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(h, [self.q_a_out, self.kv_lora_rank + self.rope],
+                                                               bias=False, prefix=f"{prefix}.fused_qkv_a_proj")
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias, quant_config=quant_config,
-                                             prefix=f"{prefix}.q_a_proj")
+            if not self.fuse_qkv_a:
+                self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias, quant_config=quant_config,
+                                                 prefix=f"{prefix}.q_a_proj")
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, bias=False, quant_config=quant_config,
                                                  prefix=f"{prefix}.q_b_proj")
-        else:
+        elif not self.fuse_qkv_a:
             self.q_proj = ColumnParallelLinear(h, heads * qk, bias=False, quant_config=quant_config,
                                                prefix=f"{prefix}.q_proj")
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias,
-                                                   quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        if not self.fuse_qkv_a:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias,
+                                                       quant_config=quant_config,
+                                                       prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
         # Absorbed into the attention (its weight is read as W_UK / W_UV), so it stays dense.
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim), bias=False,
@@ -79,14 +95,32 @@ class DeepseekV2MLAAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         t, hh = hidden_states.shape[0], self.num_heads
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        if self.fuse_qkv_a:
+            qkv_a = self.fused_qkv_a_proj(hidden_states)  # (T, q_a_out + r + rope): views below
+            q, latent = qkv_a[:, : self.q_a_out], qkv_a[:, self.q_a_out :]
+            if self.q_lora_rank:
+                q = self.q_b_proj(self.q_a_layernorm(q))
         else:
-            q = self.q_proj(hidden_states)
+            if self.q_lora_rank:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            else:
+                q = self.q_proj(hidden_states)
+            latent = self.kv_a_proj_with_mqa(hidden_states)
         q = q.view(t, hh, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        latent = self.kv_a_proj_with_mqa(hidden_states)
         r = self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, r)
+        if self.attn.uses_fused_prep(latent, self.rotary_emb):
+            # One kernel (kernels/mla_prep.py): the latent normed and rotated in place and written to
+            # the cache, the rotated q_pe written into the absorbed query's last features.
+            from pagedllm.kernels.mla_prep import mla_prep
+
+            query = torch.empty((t, hh, r + self.rope), dtype=q.dtype, device=q.device)  # (T, H, W)
+            n = attn_metadata.num_actual_tokens
+            mla_prep(positions, q_pe, query[..., r:], latent, self.kv_a_layernorm.weight,
+                     self.kv_a_layernorm.variance_epsilon, self.rotary_emb.cos_sin_cache, self.attn.kv_cache,
+                     attn_metadata.slot_mapping, n)
+            return self.o_proj(self.attn.forward_mla_prepared(q_nope, query, latent, w, attn_metadata))
         if latent.is_cuda and self.rotary_emb.is_neox_style:
             # The Triton rotary kernel rotates the strided q_pe / k_pe views in place: no copies.
             kv_c = self.kv_a_layernorm(latent[:, :r])
@@ -97,7 +131,6 @@ class DeepseekV2MLAAttention(nn.Module):
             q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, hh * self.rope).contiguous(),
                                          latent[:, r:].contiguous())
             q_pe = q_pe.view(t, hh, self.rope)
-        w = self.kv_b_proj.weight.view(hh, self.nope + self.v_head_dim, r)
         out = self.attn.forward_mla(q_nope, q_pe, kv_c, k_pe, w, attn_metadata)
         return self.o_proj(out)
 
@@ -109,13 +142,21 @@ class DeepseekV2MLAAttention(nn.Module):
         only) runs instead of ~18 torch ops. Worked example, rope 4: rows [a0 a1 a2 a3] -> [a0 a2 a1 a3];
         pairs (a0, a1), (a2, a3) become (new0, new2), (new1, new3), neox's pairs."""
         perm = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
-        q = self.q_b_proj if self.q_lora_rank else self.q_proj
-        w = q.weight.data.view(self.num_heads, self.nope + self.rope, -1)
+        if self.q_lora_rank:
+            q_rows = self.q_b_proj.weight.data
+        else:
+            q_rows = (self.fused_qkv_a_proj.weight.data[: self.q_a_out] if self.fuse_qkv_a
+                      else self.q_proj.weight.data)
+        w = q_rows.view(self.num_heads, self.nope + self.rope, -1)
         w[:, self.nope :] = w[:, self.nope :][:, perm.to(w.device)].clone()
-        kv = self.kv_a_proj_with_mqa
-        for p in (kv.weight, kv.bias):
-            if p is not None:
-                p.data[self.kv_lora_rank :] = p.data[self.kv_lora_rank :][perm.to(p.device)].clone()
+        if self.fuse_qkv_a:  # (tensor, first rope row): the latent's rows follow q's
+            kv_rows = [(self.fused_qkv_a_proj.weight.data, self.q_a_out + self.kv_lora_rank)]
+        else:
+            kv = self.kv_a_proj_with_mqa
+            kv_rows = [(p.data, self.kv_lora_rank) for p in (kv.weight, kv.bias) if p is not None]
+        for data, start in kv_rows:
+            rows = data[start : start + self.rope]
+            rows.copy_(rows[perm.to(data.device)].clone())
 
 
 class DeepseekV2MoE(nn.Module):
@@ -129,6 +170,10 @@ class DeepseekV2MoE(nn.Module):
             raise ValueError(f"{prefix}: topk_method {method!r} is not supported; supported: {list(_TOPK_METHODS)}")
         num_experts = config.n_routed_experts
         grouped = method in ("group_limited_greedy", "noaux_tc")
+        n_shared = getattr(config, "n_shared_experts", None) or 0
+        # Unquantized: the shared experts run inside the fused MoE as experts E .. E + n_shared - 1
+        # (layers/fused_moe/layer.py), one launch sequence instead of the shared MLP's four.
+        self.fused_shared = n_shared if quant_config is None else 0
         self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
             num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
@@ -136,11 +181,11 @@ class DeepseekV2MoE(nn.Module):
             num_expert_group=config.n_group if grouped else None, topk_group=config.topk_group if grouped else None,
             e_score_correction_bias=method == "noaux_tc",
             routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
-            quant_config=quant_config, prefix=f"{prefix}.experts",
+            num_fused_shared_experts=self.fused_shared, quant_config=quant_config, prefix=f"{prefix}.experts",
         )
-        n_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (LlamaMLP(config.hidden_size, config.moe_intermediate_size * n_shared, config.hidden_act,
-                                        quant_config, prefix=f"{prefix}.shared_experts") if n_shared else None)
+                                        quant_config, prefix=f"{prefix}.shared_experts")
+                               if n_shared and not self.fused_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, router_logits(x, self.gate.weight))
@@ -223,9 +268,20 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             mtp = len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= num_layers
             return mtp or "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head."))
 
+        n_shared = getattr(self.config, "n_shared_experts", None) or 0
+        fused_shared = n_shared if self.quant_config is None and self.config.n_routed_experts else 0
+        if fused_shared:  # the shared MLP's tensors as experts E .. E + n_shared - 1 (DeepseekV2MoE)
+            mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj",
+                                                          self.config.n_routed_experts + fused_shared)
+            weights = (piece for n, t in weights for piece in FusedMoE.split_shared_expert_weights(
+                n, t, ".mlp.shared_experts.", ".mlp.experts.", self.config.n_routed_experts, fused_shared))
         renamed = ((n.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"), t)
                    for n, t in weights)
-        loaded = load_weights_with_mapping(self, renamed, mapping + self.stacked_params_mapping, skip)
+        stacked = list(self.stacked_params_mapping)
+        if getattr(self.model.layers[0].self_attn, "fuse_qkv_a", False):  # DeepseekV2MLAAttention's one GEMM
+            q_name = ".q_a_proj" if getattr(self.config, "q_lora_rank", None) else ".q_proj"
+            stacked += [(".fused_qkv_a_proj", q_name, 0), (".fused_qkv_a_proj", ".kv_a_proj_with_mqa", 1)]
+        loaded = load_weights_with_mapping(self, renamed, mapping + stacked, skip)
         if self.model.rope_deinterleaved:
             for layer in self.model.layers:
                 layer.self_attn.deinterleave_rope_rows()

@@ -34,6 +34,7 @@ from pagedllm.kernels import (  # noqa: E402
     gemv,
     kv_cache_write,
     mla_prefill,
+    mla_prep,
     moe_router,
     paged_attention,
     qkv_prep,
@@ -133,6 +134,7 @@ def _record(launches: list) -> None:
         (fused_moe, "_moe_align_kernel"),
         (moe_router, "_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
+        (mla_prep, "_mla_prep_kernel"),
     ]:
         setattr(mod, name, _Recorder(getattr(mod, name), launches))
     _record_attention_and_layers()
@@ -177,6 +179,17 @@ def _record_model_families() -> None:
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's
+    moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False, num_shared=2)  # with its shared experts
+    # DeepSeek-V2-Lite's experts (64 routed + 2 shared, 2048 -> 1408), top 6 + 2, decode tiles.
+    w13, w2 = torch.zeros(66, 2 * 1408, 2048, dtype=bf16), torch.zeros(66, 2048, 1408, dtype=bf16)
+    for t in (4, 256):
+        ids = (torch.arange(t * 8, dtype=torch.int32) % 66).view(t, 8)
+        fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
+    # MLA's prep at DeepSeek-V2-Lite's widths: q_pe from the q_proj rows, the latent, the cache write.
+    q, lat = torch.zeros(4, 16, 192, dtype=bf16), torch.zeros(4, 576, dtype=bf16)
+    mla_prep.mla_prep(torch.arange(4), q[..., 128:], torch.zeros(4, 16, 576, dtype=bf16)[..., 512:], lat,
+                      torch.ones(512, dtype=bf16), 1e-6, rotary.build_cos_sin_cache(64, 16),
+                      torch.zeros(1, 8, 16, 1, 576, dtype=bf16), torch.arange(4), 4)
     mixed = build_metadata([5, 1], [20, 30], [[0, 1], [2, 3]], 16)
     decode = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
     cache = torch.zeros(2, 8, 16, 8, 256, dtype=bf16)

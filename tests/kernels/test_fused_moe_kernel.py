@@ -67,3 +67,24 @@ def test_fused_experts_rejects_mismatched_shapes():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="do not agree"):
         fused_experts(x, torch.zeros(2, 8, 8), torch.zeros(2, 8, 3), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("t, inter", [(5, 32), (37, 48)])
+def test_silu_in_the_first_gemm_equals_the_separate_kernel(t, inter):
+    # Small tiles compute SiLU-and-mul in GEMM 1's epilogue; a tile past FUSED_SILU_MAX_TILE runs GEMM 1
+    # into [gate | up] and kernels/activation.py's silu_and_mul after it. Same K tiles: the same sums.
+    from pagedllm.kernels.fused_moe import FUSED_SILU_MAX_TILE
+
+    g = torch.Generator().manual_seed(t)
+    e, top_k, hidden = 6, 2, 64
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    fused = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    separate = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=2)
+    assert fused["BLOCK_M"] * fused["BLOCK_N"] <= FUSED_SILU_MAX_TILE < separate["BLOCK_M"] * separate["BLOCK_N"]
+    a = fused_experts(x, w13, w2, weights, ids, config=fused)
+    b = fused_experts(x, w13, w2, weights, ids, config=separate)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a, fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)

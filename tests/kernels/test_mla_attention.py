@@ -125,3 +125,21 @@ def test_mla_decode_fixed_size_partitions_match_reference():
         out = mla_decode(query, cache, md, 0.3, R, tile=(16, 4, 1), split_chunk=chunk)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert not out[0].any()
+
+
+def test_mla_decode_large_batches_default_to_fixed_partitions(monkeypatch):
+    # From AUTO_CHUNK_MIN_REQS requests on, no num_splits / split_chunk means fixed partitions of
+    # AUTO_SPLIT_CHUNK keys (lowered here to keep the interpreter quick); the result equals the reference.
+    from pagedllm.kernels import mla_decode as mod
+
+    monkeypatch.setattr(mod, "AUTO_CHUNK_MIN_REQS", 4)
+    monkeypatch.setattr(mod, "AUTO_SPLIT_CHUNK", 16)
+    md, cache, query = _batch([1] * 5, [5, 40, 17, 33, 1])
+    md.max_seq_len = 64  # as a CUDA graph captures it
+    seen = []
+    real = mod._mla_merge_kernel
+    monkeypatch.setattr(mod, "_mla_merge_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (seen.append(kw["FIXED_CHUNK"]), real[grid](*a, **kw)))})())
+    ref = mla_attention_ref(query, torch.zeros(5, R + ROPE, device=DEVICE), cache, md, 0.3, R)
+    torch.testing.assert_close(mod.mla_decode(query, cache, md, 0.3, R, tile=(16, 4, 1)), ref, atol=1e-4, rtol=1e-4)
+    assert seen == [True]

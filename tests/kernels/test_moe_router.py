@@ -29,3 +29,17 @@ def test_ties_pick_the_lower_index():
     weights, ids = topk_softmax(torch.tensor([[2.0, 1.0, 0.0, 1.0]], device=DEVICE), 2, True)
     assert ids.tolist() == [[0, 1]]
     torch.testing.assert_close(weights.cpu(), torch.tensor([[0.7311, 0.2689]]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("renormalize, scale", [(False, 1.0), (True, 2.5)])
+def test_fused_shared_experts_are_appended_at_weight_one(renormalize, scale):
+    # DeepSeek's shared experts stacked after the 64 routed ones: ids 64, 65 at weight 1 (not scaled).
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    weights, ids = topk_softmax(logits, 6, renormalize, scale, num_shared=2)
+    ref_w, ref_ids = select_experts(logits.cpu(), 6, renormalize, routed_scaling_factor=scale,
+                                    num_fused_shared_experts=2)
+    plain_w, plain_ids = select_experts(logits.cpu(), 6, renormalize, routed_scaling_factor=scale)
+    assert ids.shape == (5, 8) and ids.cpu().equal(ref_ids)
+    assert ref_ids[:, :6].equal(plain_ids) and (ref_ids[:, 6:] == torch.tensor([64, 65], dtype=torch.int32)).all()
+    assert ref_w[:, :6].equal(plain_w) and (ref_w[:, 6:] == 1.0).all()
+    torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-6, rtol=1e-5)

@@ -91,3 +91,35 @@ def test_quant_hook_takes_a_moe_method_and_refuses_a_linear_one():
     torch.testing.assert_close(layer(torch.ones(1, 4), torch.zeros(1, 2)), 2 * torch.ones(1, 4))
     with pytest.raises(ValueError, match="test-quant.*no method for MoE experts"):
         FusedMoE(2, 1, 4, 4, quant_config=_Cfg(UnquantizedLinearMethod()), prefix="p")
+
+
+def test_fused_shared_experts_equal_the_shared_mlp():
+    # A shared MLP of 2 * inter loaded as experts E, E + 1 of the fused MoE: the same output as the
+    # routed experts plus the separate MLP (DeepSeek's shared experts, models/deepseek_v2.py).
+    from pagedllm.models.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(5)
+    e, hidden, inter, top_k = 4, 16, 8, 2
+    moe = FusedMoE(e, top_k, hidden, inter, renormalize=False, routed_scaling_factor=1.5)
+    fused = FusedMoE(e, top_k, hidden, inter, renormalize=False, routed_scaling_factor=1.5,
+                     num_fused_shared_experts=2)
+    mlp = LlamaMLP(hidden, 2 * inter, "silu")
+    ckpt = {f"experts.{i}.{p}.weight": torch.randn(shape, generator=g) for i in range(e)
+            for p, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))}
+    shared = {f"shared_experts.{p}.weight": torch.randn(shape, generator=g) for p, shape in
+              (("gate_proj", (2 * inter, hidden)), ("up_proj", (2 * inter, hidden)), ("down_proj", (hidden, 2 * inter)))}
+    mlp.gate_up_proj.weight.data.copy_(torch.cat([shared["shared_experts.gate_proj.weight"],
+                                                  shared["shared_experts.up_proj.weight"]]))
+    mlp.down_proj.weight.data.copy_(shared["shared_experts.down_proj.weight"])
+    pieces = [p for n, t in shared.items() for p in
+              FusedMoE.split_shared_expert_weights(n, t, "shared_experts.", "experts.", e, 2)]
+    assert sorted(n for n, _ in pieces) == sorted(f"experts.{i}.{p}.weight" for i in (4, 5)
+                                                  for p in ("gate_proj", "up_proj", "down_proj"))
+    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    for layer, tensors in ((moe, list(ckpt.items())), (fused, list(ckpt.items()) + pieces)):
+        for name, t in tensors:
+            _, i, p, _ = name.split(".")
+            param = layer.w2_weight if p == "down_proj" else layer.w13_weight
+            layer.weight_loader(param, t, (int(i), shard[p]))
+    x, logits = torch.randn(7, hidden, generator=g), torch.randn(7, e, generator=g)
+    torch.testing.assert_close(fused(x, logits), moe(x, logits) + mlp(x), atol=1e-5, rtol=1e-5)

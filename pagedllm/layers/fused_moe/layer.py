@@ -8,6 +8,12 @@ Checkpoints store one tensor per expert and projection (Mixtral `experts.3.w1.we
 each into its expert's slice, this rank's part of `inter` only (tensor parallel splits every expert's
 intermediate dimension; the partial outputs are all-reduced).
 
+Fused shared experts (DeepSeek, unquantized): `num_fused_shared_experts` S stacks the shared experts
+after the E routed ones (w13 / w2 of E + S experts) and the router appends them to every token at
+weight 1.0, so one fused MoE runs both instead of the shared MLP's GEMM, SiLU, GEMM and the add. A
+shared MLP of S * inter is exactly S experts of inter (its intermediate units split in S runs:
+down(silu(gate x) * up x) sums over the units); `split_shared_expert_weights` names the pieces.
+
 Quantization hook: the layer asks `quant_config.get_quant_method(self, prefix)` like a linear layer;
 the answer must be a `FusedMoEMethodBase` (it creates the weights and runs the experts), else the
 config does not support MoE experts and construction fails naming the layer.
@@ -45,6 +51,7 @@ class FusedMoE(nn.Module):
         topk_group: int | None = None,
         e_score_correction_bias: bool = False,
         routed_scaling_factor: float = 1.0,
+        num_fused_shared_experts: int = 0,
         reduce_results: bool = True,
         params_dtype: torch.dtype | None = None,
         quant_config: QuantizationConfig | None = None,
@@ -59,6 +66,7 @@ class FusedMoE(nn.Module):
         self.num_expert_group = num_expert_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.num_fused_shared_experts = num_fused_shared_experts
         self.reduce_results = reduce_results
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -70,8 +78,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{prefix}: quantization {quant_config.get_name()!r} has no method for MoE experts "
                              f"(got {type(method).__name__})")
         self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
+        if num_fused_shared_experts and method is not None:
+            raise ValueError(f"{prefix}: fused shared experts need unquantized experts")
         self.quant_method.create_weights(
-            self, num_experts, hidden_size, self.intermediate_size_per_partition,
+            self, num_experts + num_fused_shared_experts, hidden_size, self.intermediate_size_per_partition,
             params_dtype or torch.get_default_dtype(), weight_loader=self.weight_loader,
         )
         if e_score_correction_bias:
@@ -94,13 +104,28 @@ class FusedMoE(nn.Module):
                 mapping.append((f".experts.{param}", f".experts.{e}.{ckpt}.weight", (e, shard)))
         return mapping
 
+    @staticmethod
+    def split_shared_expert_weights(name: str, tensor: torch.Tensor, shared_prefix: str, experts_prefix: str,
+                                    num_experts: int, num_shared: int) -> list[tuple[str, torch.Tensor]]:
+        """A shared MLP's checkpoint tensor -> its num_shared expert tensors, named as routed experts
+        E, E + 1, ...: `mlp.shared_experts.gate_proj.weight` (S * inter, hidden) -> rows
+        [j * inter, (j + 1) * inter) as `mlp.experts.{E + j}.gate_proj.weight`; down_proj
+        (hidden, S * inter) -> its columns likewise. Other names come back unchanged."""
+        if shared_prefix not in name:
+            return [(name, tensor)]
+        proj = name.split(shared_prefix, 1)[1]  # "gate_proj.weight"
+        dim = 1 if proj.startswith("down_proj") else 0
+        return [(name.replace(shared_prefix, f"{experts_prefix}{num_experts + j}."), piece.contiguous())
+                for j, piece in enumerate(tensor.chunk(num_shared, dim=dim))]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """One expert's checkpoint tensor (gate/up (inter, hidden), down (hidden, inter)) -> its slice."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in _SHARDS):
             raise ValueError(f"{self.prefix}: expert shard id must be (expert_id, 'w1'|'w2'|'w3'), got {shard_id!r}")
         expert_id, shard = shard_id
-        if not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"{self.prefix}: expert {expert_id} out of range (num_experts {self.num_experts})")
+        total = self.num_experts + self.num_fused_shared_experts
+        if not 0 <= expert_id < total:
+            raise ValueError(f"{self.prefix}: expert {expert_id} out of range ({total} experts)")
         inter = self.intermediate_size_per_partition
         start = self.tp_rank * inter
         if shard == "w2":
@@ -117,7 +142,7 @@ class FusedMoE(nn.Module):
         """hidden_states (T, hidden), router_logits (T, E) -> (T, hidden), summed over ranks."""
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
-            self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor,
+            self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor, self.num_fused_shared_experts,
         )
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:

@@ -7,6 +7,8 @@
         groups; only the topk_group best groups (by their max score, or by the sum of their two best
         biased scores for sigmoid) may be picked from.
     routed_scaling_factor multiplies the final weights (DeepSeek).
+    num_fused_shared_experts S appends S columns to every row: experts E .. E + S - 1 (DeepSeek's
+        shared experts stacked after the routed ones) at weight 1.0, not renormalised nor scaled.
 
 Worked example, 4 experts, top_k 2, softmax, renormalize: logits [2, 1, 0, 1] -> p [.47, .17, .06, .17]
 -> ids [0, 1] (ties keep the lower index, as torch.topk), weights [.47, .17] / .64 = [.73, .27].
@@ -30,8 +32,9 @@ def select_experts(
     topk_group: int | None = None,
     e_score_correction_bias: torch.Tensor | None = None,  # (num_experts,), sigmoid routing only
     routed_scaling_factor: float = 1.0,
+    num_fused_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (topk_weights float32 (T, top_k), topk_ids int32 (T, top_k))."""
+    """-> (topk_weights float32 (T, top_k + S), topk_ids int32 (T, top_k + S)), S = num_fused_shared_experts."""
     num_experts = router_logits.shape[-1]
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
@@ -39,7 +42,7 @@ def select_experts(
     if plain and router_logits.is_cuda:  # one fused launch (kernels/moe_router.py); this function is its reference
         from pagedllm.kernels.moe_router import topk_softmax
 
-        return topk_softmax(router_logits, top_k, renormalize, routed_scaling_factor)
+        return topk_softmax(router_logits, top_k, renormalize, routed_scaling_factor, num_fused_shared_experts)
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = torch.softmax(logits, dim=-1)
@@ -59,7 +62,13 @@ def select_experts(
                                                                                   else 0.0))
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
-    return topk_weights, topk_ids.to(torch.int32)
+    topk_ids = topk_ids.to(torch.int32)
+    if num_fused_shared_experts:
+        t, s = topk_ids.shape[0], num_fused_shared_experts
+        shared = torch.arange(num_experts, num_experts + s, dtype=torch.int32, device=topk_ids.device)
+        topk_ids = torch.cat([topk_ids, shared.expand(t, s)], 1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(t, s)], 1)
+    return topk_weights, topk_ids
 
 
 def _mask_to_best_groups(choice: torch.Tensor, num_groups: int, topk_group: int, by_top2_sum: bool) -> torch.Tensor:
