@@ -309,18 +309,19 @@ class MPClient(EngineCoreClient):
         try:
             while True:
                 try:
-                    reply = self.core.recv()
+                    replies = self.core.recv_many()  # what has arrived: one read (and GIL wait) for all
                 except (EOFError, OSError):
                     if self._stopping.is_set():
                         return
                     raise RuntimeError(f"the engine process exited (exit code {self.core.process.exitcode})") from None
-                if isinstance(reply, EngineDead):
-                    if not self._stopping.is_set():
-                        logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
-                        self._report_dead(reply.error.to_exception())
-                    return
-                if not self._handle_reply(reply):
-                    return
+                for reply in replies:
+                    if isinstance(reply, EngineDead):
+                        if not self._stopping.is_set():
+                            logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
+                            self._report_dead(reply.error.to_exception())
+                        return
+                    if not self._handle_reply(reply):
+                        return
         except BaseException as e:  # noqa: BLE001 - anything that ends the engine ends the server
             if not self._stopping.is_set():
                 logger.error("engine process died: %s: %s", type(e).__name__, e)
