@@ -9,6 +9,8 @@
 #   c256  W1 (256 requests, lengths in [100, 1024]) all at once, 256 concurrent
 #   c64   512 W1-like requests, 64 concurrent
 # Token-id prompts below 10,000, ignore_eos, temperature 0.6, streamed /v1/completions. ~1-2 min a server.
+# Each load also prints the CPU seconds it cost the load generator, the server's frontend and its engine side
+# (scripts/proc_cpu.py), in all and per 1k output tokens.
 # PYSPY_S=N: py-spy samples every process of the server (frontend and engine) for the first N seconds
 # of the first load, into OUT/pyspy_<server>.txt (raw collapsed stacks; scripts/pyspy_top.py reads them).
 set -u
@@ -24,11 +26,30 @@ bench() {  # $1 label
       c64) a="--num-prompts 512 --max-concurrency 64" ;;
       tiny) a="--num-prompts 32 --max-concurrency 16" ;;
     esac
+    spid=$(pgrep -f -o "serve.*--port $PORT")
+    s0=$(python3 scripts/proc_cpu.py "$spid"); children_cpu; c0=$cpu
     PYTHONPATH=$PWD timeout 200 python3 -m pagedllm bench serve --base-url http://127.0.0.1:$PORT --model m \
       --dataset-name w1 $a --temperature 0.6 --seed 0 --disable-tqdm --output-json "$OUT/$1_$load.json" \
       > "$OUT/$1_$load.log" 2>&1
     echo "$1 $load: $(grep -E 'Output token throughput|Median \(P50\) TTFT|Median \(P50\) TPOT|P99 TPOT' "$OUT/$1_$load.log" | awk '{print $NF}' | tr '\n' ' ')"
+    # CPU seconds of this load: the load generator (one process), the server's frontend process, and
+    # what runs below it (ours: fork server + engine; vLLM: its engine core), per 1k output tokens too.
+    children_cpu; c1=$cpu; s1=$(python3 scripts/proc_cpu.py "$spid")
+    python3 - "$OUT/$1_$load.json" $c0 $c1 $s0 $s1 <<'PY'
+import json, sys
+c0, c1, f0, e0, f1, e1 = map(float, sys.argv[2:])
+try:
+    n = json.load(open(sys.argv[1]))["total_output_tokens"] / 1000
+except Exception:  # noqa: BLE001 - the load failed; its log says why
+    n = float("nan")
+print(f"  cpu s (per 1k output tokens): client {c1 - c0:.2f} ({(c1 - c0) / n:.4f}), frontend {f1 - f0:.2f} "
+      f"({(f1 - f0) / n:.4f}), engine side {e1 - e0:.2f} ({(e1 - e0) / n:.4f})")
+PY
   done
+}
+children_cpu() {  # user + system seconds of this shell's finished children (`times`' 2nd line) -> $cpu
+  times > "$OUT/.times"  # not in $(...): a subshell has no children of its own
+  cpu=$(tail -1 "$OUT/.times" | tr 'ms' '  ' | awk '{print $1 * 60 + $2 + $3 * 60 + $4}')
 }
 wait_ready() {  # $1 pid
   for _ in $(seq ${READY_WAIT_HALF_S:-400}); do

@@ -61,7 +61,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2) -> None:
         self.config = config
         self.model_config = config.model_config
-        self._outq = OutputPump(self._on_output_item)  # engine replies -> the event loop
+        self._outq = OutputPump(self._on_output_items)  # engine replies -> the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         # Started first, so that in an engine process the model loads there while the tokenizer
         # loads here.
@@ -273,24 +273,50 @@ class AsyncLLM:
             pass  # the loop closed under us (interpreter shutdown)
 
     # -- engine replies, on the event loop (output_pump.py) -----------------------------------------
-    def _on_output_item(self, item: StepOutputs | _EngineFailed) -> None:
-        if self.dead_error is not None:
+    def _on_output_items(self, items: list[StepOutputs | _EngineFailed]) -> None:
+        """What the pump held at this loop iteration, in order: the steps queued while the frontend
+        was behind are processed as one (one RequestOutput per request for all their tokens, so one
+        write per stream), then a failure after them."""
+        steps: list[StepOutputs] = []
+        for item in items:
+            match item:
+                case StepOutputs():
+                    steps.append(item)
+                case _EngineFailed(error=error):  # after the outputs queued before it
+                    self._on_steps(steps)
+                    steps = []
+                    self._on_engine_dead(error)
+                case _:
+                    raise AssertionError(f"unknown engine reply {item!r}")
+        self._on_steps(steps)
+
+    def _on_steps(self, steps: list[StepOutputs]) -> None:
+        if not steps:
             return
-        match item:
-            case StepOutputs(outputs=outputs, stats=stats, queue_times=queue_times):
-                try:
-                    request_outputs, it = self._process_outputs(outputs, queue_times)
-                except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
-                    logger.exception("output processing failed")
-                    self._on_engine_dead(e)
-                    return
-                finally:
-                    self.engine_core.batch_done()
-                self._deliver(request_outputs, stats, it)
-            case _EngineFailed(error=error):  # after the outputs queued before it
-                self._on_engine_dead(error)
-            case _:
-                raise AssertionError(f"unknown engine reply {item!r}")
+        if self.dead_error is not None:
+            for _ in steps:
+                self.engine_core.batch_done()
+            return
+        if len(steps) == 1:
+            outputs, queue_times = steps[0].outputs, steps[0].queue_times
+        else:  # one request may appear in several: process_outputs applies its outputs in step order
+            outputs = [o for s in steps for o in s.outputs]
+            queue_times = [t for s in steps for t in s.queue_times]
+        try:
+            request_outputs, it = self._process_outputs(outputs, queue_times)
+        except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
+            logger.exception("output processing failed")
+            self._on_engine_dead(e)
+            return
+        finally:
+            for _ in steps:
+                self.engine_core.batch_done()
+        # Every step's scheduler stats, in order (a KV map may ride on any one of them); the
+        # iteration's stats with the last.
+        for s in steps[:-1]:
+            for log in self.stat_loggers:
+                log(s.stats, None)
+        self._deliver(request_outputs, steps[-1].stats, it)
 
     def _count_aborted(self, core_ids: list[str], arrival_time: float) -> None:
         """The sequences an abort found unfinished finish with reason "abort" in the stats (vLLM's
@@ -310,26 +336,30 @@ class AsyncLLM:
         now = time.time()
         it = IterationStats(queue_times=queue_times)
         op = self.output_processor
-        touched: list[RequestState] = []
+        touched: dict[str, RequestState] = {}
+        with_tokens: set[str] = set()  # requests whose earlier output in `outputs` carried tokens
         for o in outputs:
             st = op.request_states.get(o.request_id)
             if st is None:
                 continue  # aborted, or stopped by a stop string while this step ran
-            touched.append(st)
+            touched.setdefault(o.request_id, st)
             n = len(o.new_token_ids)
             if not n:
                 continue
             it.num_generation_tokens += n
-            if st.metrics.first_token_time is None:
+            if o.request_id in with_tokens:  # a later step of merged ones: here at the same instant
+                it.inter_token_latencies.append(0.0)
+            elif st.metrics.first_token_time is None:
                 it.time_to_first_tokens.append(now - st.metrics.arrival_time)
                 if st.index == 0:  # once per prompt, not per choice
                     it.num_prompt_tokens += len(st.prompt_token_ids)
             elif st.metrics.last_token_time is not None:
                 it.inter_token_latencies.append(now - st.metrics.last_token_time)
+            with_tokens.add(o.request_id)
         request_outputs, stops = op.process_outputs(outputs)
         if stops:
             self.engine_core.send(StopRequests(stops))
-        for st in touched:
+        for st in touched.values():
             if st.finish_reason is not None:
                 it.finished_requests.append(
                     FinishedRequestStats.from_state(st, now)

@@ -98,7 +98,12 @@ class EngineCoreClient(ABC):
         self._outq = outq
         self._on_failed = on_failed
         self._on_dead = on_dead
-        self._pending_batches = threading.Semaphore(MAX_PENDING_BATCHES)
+        # A counting semaphore as a queue of MAX_PENDING_BATCHES permits: SimpleQueue's put and get are C
+        # (threading.Semaphore is a Condition in Python; its release, once per step on the event loop,
+        # was 5% of the frontend's samples at 256 streams, BENCHMARKS.md issue 16, h39).
+        self._pending_batches: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(MAX_PENDING_BATCHES):
+            self._pending_batches.put(None)
         self._stopping = threading.Event()
         self._num_steps = 0
         self._call_ids = itertools.count()
@@ -130,7 +135,7 @@ class EngineCoreClient(ABC):
 
     def batch_done(self) -> None:
         """The frontend has taken one published step off the queue."""
-        self._pending_batches.release()
+        self._pending_batches.put(None)
 
     def stop(self) -> None:
         """Stop stepping (the engine is dead or shutting down); threads end soon after."""
@@ -143,9 +148,13 @@ class EngineCoreClient(ABC):
             case StepOutputs():
                 self._num_steps = reply.num_steps
                 # Wait while the frontend is MAX_PENDING_BATCHES behind.
-                while not self._pending_batches.acquire(timeout=0.2):
-                    if self._stopping.is_set():
-                        return False
+                while True:
+                    try:
+                        self._pending_batches.get(timeout=0.2)
+                        break
+                    except queue.Empty:
+                        if self._stopping.is_set():
+                            return False
                 self._outq.put(reply)
             case RequestsFailed(failures=failures):
                 self._on_failed({f.request_id: f.error.to_exception() for f in failures})
@@ -300,18 +309,19 @@ class MPClient(EngineCoreClient):
         try:
             while True:
                 try:
-                    reply = self.core.recv()
+                    replies = self.core.recv_many()  # what has arrived: one read (and GIL wait) for all
                 except (EOFError, OSError):
                     if self._stopping.is_set():
                         return
                     raise RuntimeError(f"the engine process exited (exit code {self.core.process.exitcode})") from None
-                if isinstance(reply, EngineDead):
-                    if not self._stopping.is_set():
-                        logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
-                        self._report_dead(reply.error.to_exception())
-                    return
-                if not self._handle_reply(reply):
-                    return
+                for reply in replies:
+                    if isinstance(reply, EngineDead):
+                        if not self._stopping.is_set():
+                            logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
+                            self._report_dead(reply.error.to_exception())
+                        return
+                    if not self._handle_reply(reply):
+                        return
         except BaseException as e:  # noqa: BLE001 - anything that ends the engine ends the server
             if not self._stopping.is_set():
                 logger.error("engine process died: %s: %s", type(e).__name__, e)

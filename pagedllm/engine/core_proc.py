@@ -51,6 +51,7 @@ from pagedllm.engine.messages import (
     encode,
     reply_decoder,
 )
+from pagedllm.engine.pipe_frames import FrameReader
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +302,7 @@ class EngineCoreProc:
         self._inputs_recv.close()
         self._outputs_send.close()
         self.num_gpu_blocks: int | None = None
+        self._frames: FrameReader | None = None  # recv_many's, from the first call on
 
     def wait_ready(self) -> None:
         """Block until the engine process has loaded the model; raises what its EngineCore raised."""
@@ -325,8 +327,16 @@ class EngineCoreProc:
         self._inputs.send_bytes(encode(command))
 
     def recv(self) -> EngineCoreReply:
-        """The next message; EOFError when the engine process is gone."""
+        """The next message; EOFError when the engine process is gone. Not after recv_many."""
         return reply_decoder.decode(self._outputs.recv_bytes())
+
+    def recv_many(self) -> list[EngineCoreReply]:
+        """Every message that has arrived, in order, at least one (one read for all of them:
+        engine/pipe_frames.py); EOFError when the engine process is gone. The receiver thread's, after
+        wait_ready (recv and this one must not be mixed: this one reads ahead)."""
+        if self._frames is None:
+            self._frames = FrameReader(self._outputs.fileno())
+        return [reply_decoder.decode(frame) for frame in self._frames.read_frames()]
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask the process to stop (it finishes its step), then make sure it has."""

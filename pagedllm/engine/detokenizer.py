@@ -8,6 +8,11 @@ once it no longer ends in an incomplete character (U+FFFD):
     ids = [..., "▁The", "▁capital"], prefix window "▁The" -> "The"; with "▁capital" -> "The capital"
     new text = " capital"   (the space survives because "▁The" is in the window)
 
+Several tokens at once (the steps a lagging frontend merges: engine/output_pump.py) decode the two
+windows once for all of them when the tokenizer is byte-level BPE (its text is the UTF-8 of the tokens'
+bytes, so one window's difference is the per-token differences joined), and token by token when that
+window ends in an incomplete character (the per-token loop then emits what is complete, as before).
+
 `spaces_between_special_tokens=False` (with `skip_special_tokens=False`) is vLLM's rule: an added token
 right after another added token is emitted as its raw text, so "[CLS] [SEP]" (a WordPiece decode) reads
 "[CLS][SEP]". Tokenizers whose decode puts nothing between added tokens (byte-level BPE) are unchanged.
@@ -18,6 +23,13 @@ from __future__ import annotations
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
+
+
+def byte_level(tokenizer: Any) -> bool:
+    """Whether `tokenizer` is a fast tokenizer whose decoder is byte-level BPE's (GPT-2, Llama 3, Qwen,
+    SmolLM): decoding a window is decoding its tokens' bytes, with no per-token spacing rules."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
 
 
 def rust_decoder(tokenizer: Any) -> Any | None:
@@ -54,6 +66,8 @@ class IncrementalDetokenizer:
         self._added: dict[int, str] = {}
         if not (spaces_between_special_tokens or skip_special_tokens):
             self._added = {tid: tok.content for tid, tok in tokenizer.added_tokens_decoder.items()}
+        # Several new tokens may share one pair of decodes (byte-level BPE without the added-token rule).
+        self._batch_decode = not self._added and byte_level(tokenizer)
         self._last_added = False
         self.ids: list[int] = list(prompt_token_ids[-_WINDOW:])
         self.prefix_offset = 0
@@ -74,6 +88,8 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; returns the stop string if one appeared (output_text is then cut there)."""
         start_len = len(self.output_text)
+        if len(new_token_ids) > 1 and self._batch_decode and self._update_at_once(new_token_ids):
+            return self._check_stop_strings(start_len) if self.stop else None
         for tok in new_token_ids:
             self.ids.append(tok)
             raw = self._added.get(tok) if self._added else None
@@ -90,6 +106,22 @@ class IncrementalDetokenizer:
                 self.prefix_offset = max(self.read_offset, len(self.ids) - _WINDOW)
                 self.read_offset = len(self.ids)
         return self._check_stop_strings(start_len) if self.stop else None
+
+    def _update_at_once(self, new_token_ids: list[int]) -> bool:
+        """All of `new_token_ids` with one pair of decodes; False (nothing changed) when the text would
+        end in an incomplete character: the token-by-token loop then emits the complete part."""
+        n = len(self.ids)
+        self.ids.extend(new_token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if full_text.endswith(_REPLACEMENT):
+            del self.ids[n:]
+            return False
+        if len(full_text) > len(prefix_text):
+            self.output_text += full_text[len(prefix_text) :]
+            self.prefix_offset = max(self.read_offset, len(self.ids) - _WINDOW)
+            self.read_offset = len(self.ids)
+        return True
 
     def _check_stop_strings(self, start_len: int) -> str | None:
         for s in self.stop:

@@ -153,21 +153,29 @@ class OutputProcessor:
         return core_ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
-        """Returns the RequestOutputs to deliver and {core id: stop string} the core must stop."""
-        results: list[RequestOutput] = []
+        """Returns the RequestOutputs to deliver and {core id: stop string} the core must stop.
+
+        `outputs` may hold several steps' outputs of one request, in step order (AsyncLLM merges the
+        steps queued while the frontend was behind): each is applied in turn, and the request gets one
+        RequestOutput for all of them, built after the last. Outputs after the one that finished a
+        request (a stop string found in an earlier step's text) are dropped, as they would be had the
+        steps come one by one."""
         stops: dict[str, str] = {}
         states = self.request_states
+        touched: dict[str, RequestState] = {}  # first-seen order
         for out in outputs:
             st = states.get(out.request_id)
             if st is None:
-                continue  # aborted by the frontend while the step ran
+                continue  # aborted by the frontend while the step ran, or finished in an earlier step
             stop_str = st.add(out)
             if stop_str is not None and not out.finished:
                 stops[out.request_id] = stop_str
-            finished = st.finish_reason is not None
-            if finished:
+            if st.finish_reason is not None:
                 del states[out.request_id]
-            ro = self._make_output(st, finished)
+            touched[out.request_id] = st
+        results: list[RequestOutput] = []
+        for st in touched.values():
+            ro = self._make_output(st, st.finish_reason is not None)
             if ro is not None:
                 results.append(ro)
         return results, stops

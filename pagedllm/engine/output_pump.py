@@ -2,16 +2,19 @@
 
     engine client thread (receiver, or the in-process engine thread)      event loop
     ----------------------------------------------------------------      ----------
-    put(StepOutputs) ... put(StepOutputs) ... put(EngineFailed)  ------>  handle(item), one item
-                                                                          per loop iteration
+    put(StepOutputs) ... put(StepOutputs) ... put(EngineFailed)  ------>  handle([items]): what is
+                                                                          queued, in order, once per
+                                                                          loop iteration
 
 Why on the loop and not on an output thread of its own (vLLM's output_handler is a task on the loop
 too): detokenizing and building outputs is Python work that holds the GIL, so a second thread adds
 no CPU to the process; it only makes the loop wait for the GIL after every socket write (the thread
 holds it for up to the 5 ms switch interval each time). Measured with the model-less executor:
-BENCHMARKS.md, issue 16. One item per loop iteration keeps the loop's own work (HTTP writes, new
-requests) between steps; a consumer that lags sees the deltas of several steps merged in its
-mailbox (output_stream.py), so it never falls further behind than one message.
+BENCHMARKS.md, issue 16. One batch per loop iteration keeps the loop's own work (HTTP writes, new
+requests) between batches. A batch holds one step while the loop keeps up, and every step queued
+when it does not (at most MAX_PENDING_BATCHES, the engine's backpressure): the handler then builds
+one output per request for all of them, so each stream writes once for several tokens, and the
+frontend's cost per token falls exactly when it is the bottleneck (BENCHMARKS.md, issue 16, h39).
 
 `put` is safe from any thread and wakes the loop once per batch of items, not once per item.
 """
@@ -26,7 +29,7 @@ from typing import Any
 
 
 class OutputPump:
-    def __init__(self, handle: Callable[[Any], None]) -> None:
+    def __init__(self, handle: Callable[[list[Any]], None]) -> None:
         self._handle = handle
         self._items: deque[Any] = deque()
         self._lock = threading.Lock()
@@ -68,8 +71,9 @@ class OutputPump:
             if not self._items:
                 self._scheduled = False
                 return
-            item = self._items.popleft()
-        self._handle(item)
+            items = list(self._items)  # everything queued now, in order
+            self._items.clear()
+        self._handle(items)
         with self._lock:
             if not self._items:
                 self._scheduled = False

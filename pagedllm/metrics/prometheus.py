@@ -18,10 +18,34 @@ metric (`self.request_success[reason]`, `self.e2e_request_latency`, ...) for oth
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Sequence
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for each of `values`, with one update of the sum and of each bucket hit
+    instead of a locked update per value (the inter-token latencies are one value per stream per step:
+    ~5% of the frontend's samples at 256 streams, BENCHMARKS.md issue 16, h39). Reads prometheus_client's
+    histogram fields (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4); without them, observe()."""
+    if not values:
+        return
+    try:
+        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
+    except AttributeError:
+        for v in values:
+            histogram.observe(v)
+        return
+    # observe() counts a value in the first bucket whose upper bound is >= it; the last bound is +Inf.
+    for i, n in Tally(bisect_left(bounds, v) for v in values).items():
+        buckets[i].inc(n)
+    total.inc(sum(values))
+
 
 PREFIX = "vllm:"
 PROJECT_PREFIX = "pagedllm:"
@@ -185,13 +209,10 @@ class PrometheusStatLogger:
             self.generation_tokens.inc(it.num_generation_tokens)
         if it.num_prompt_tokens or it.num_generation_tokens:
             self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
-        for v in it.time_to_first_tokens:
-            self.time_to_first_token.observe(v)
-        for v in it.inter_token_latencies:
-            self.inter_token_latency.observe(v)
-            self.time_per_output_token.observe(v)
-        for v in it.queue_times:
-            self.request_queue_time.observe(v)
+        observe_many(self.time_to_first_token, it.time_to_first_tokens)
+        observe_many(self.inter_token_latency, it.inter_token_latencies)
+        observe_many(self.time_per_output_token, it.inter_token_latencies)
+        observe_many(self.request_queue_time, it.queue_times)
         for f in it.finished_requests:
             self.record_finished(f.finish_reason)
             self.e2e_request_latency.observe(f.e2e_latency)

@@ -95,3 +95,30 @@ def test_the_rust_decode_shortcut_decodes_as_the_tokenizer_does():
     wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, ".": 2}, unk_token="[UNK]"))
     cleaned = PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", clean_up_tokenization_spaces=True)
     assert rust_decoder(cleaned) is None
+
+
+def test_several_tokens_at_once_give_the_text_of_one_at_a_time():
+    """The merged steps of a lagging frontend (several tokens per update) decode once per update on a
+    byte-level tokenizer: the same text at every update boundary as token by token, for text, for
+    multibyte characters split across updates, and for random ids (invalid UTF-8 included)."""
+    import random
+
+    tok = smollm_tokenizer()
+    rng = random.Random(0)
+    cases = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(60)] for _ in range(20)]
+    # Byte tokens of multibyte characters (the 256 byte-level tokens come first in this vocabulary).
+    cases += [[rng.randrange(256) for _ in range(60)] for _ in range(20)]
+    prompt = tok.encode("Say something:")
+    for ids in cases:
+        one = IncrementalDetokenizer(tok, prompt)
+        many = IncrementalDetokenizer(tok, prompt)
+        assert many._batch_decode
+        i = 0
+        while i < len(ids):
+            k = rng.randrange(1, 6)
+            for t in ids[i : i + k]:
+                one.update([t])
+            many.update(ids[i : i + k])
+            i += k
+            assert many.output_text == one.output_text

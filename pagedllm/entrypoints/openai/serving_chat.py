@@ -7,6 +7,7 @@ content deltas, the last delta of each choice carrying its finish_reason; with
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +36,26 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # pydantic's JSON text
+
+
+def chat_chunk_head(request_id: str, created: int, model: str) -> str:
+    """The part of every chunk of one chat stream before its choices (ChatCompletionStreamResponse's)."""
+    return f'data: {{"id":{_dumps(request_id)},"object":"chat.completion.chunk","created":{int(created)},' \
+           f'"model":{_dumps(model)},"choices":['
+
+
+def chat_content_chunk(head: str, index: int, content: str) -> str:
+    """sse(ChatCompletionStreamResponse(choices=[ChatCompletionResponseStreamChoice(index=index,
+    delta=DeltaMessage(content=content))])) character for character, without the three models and the
+    delta's serializer (a stream writes one per step): the chunk of plain text, no role, reasoning, tool
+    call, logprobs, finish, token ids or usage."""
+    return f'{head}{{"index":{index},"delta":{{"role":null,"content":{_dumps(content)}}}{_CONTENT_TAIL}'
+
+
+_CONTENT_TAIL = ',"logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":null}],"usage":null,' \
+    '"system_fingerprint":null,"prompt_token_ids":null}\n\n'
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs: they would
 # change what rendering returns (token ids, tensors, dicts) instead of the template's variables.
@@ -324,6 +345,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
 
+        head = chat_chunk_head(request_id, created, model_name)
+
         try:
             for i in range(params.n):
                 yield chunk(
@@ -342,6 +365,11 @@ class OpenAIServingChat(OpenAIServing):
                     shown = reasoning or content or tool_deltas
                     if not shown and c.finish_reason is None and not c.logprobs and not return_token_ids:
                         continue  # nothing to show yet (half a multibyte character, a tool call in progress)
+                    finish_reason = parser.finish_reason(c.finish_reason)
+                    if (content and not reasoning and not tool_deltas and c.logprobs is None and finish_reason is None
+                            and c.stop_reason is None and not return_token_ids and not continuous_usage):
+                        yield chat_content_chunk(head, c.index, content)  # the common chunk: text only
+                        continue
                     logprobs = (
                         self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
                         if params.logprobs is not None and c.logprobs is not None
@@ -353,7 +381,7 @@ class OpenAIServingChat(OpenAIServing):
                             delta=DeltaMessage(content=content if content or not shown else None,
                                                reasoning_content=reasoning or None, tool_calls=tool_deltas or None),
                             logprobs=logprobs,
-                            finish_reason=parser.finish_reason(c.finish_reason),
+                            finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
                             token_ids=list(c.token_ids) if return_token_ids else None,
                         )

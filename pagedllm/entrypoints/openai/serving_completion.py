@@ -57,13 +57,26 @@ def stream_chunk_json(
     usage: UsageInfo | None,
 ) -> str:
     """sse(CompletionStreamResponse(choices=[CompletionResponseStreamChoice(...)], usage=usage)) for a
-    choice without logprobs, character for character, without building the models (~4x cheaper; a
-    16-stream server writes one per token per stream)."""
-    choice = _dumps({
-        "index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason,
-        "prompt_token_ids": prompt_token_ids, "token_ids": token_ids,
-    })
-    return f'{head}{choice}],"usage":{_dumps(usage.model_dump()) if usage is not None else "null"}}}\n\n'
+    choice without logprobs, character for character, without building the models (a stream writes one
+    per step or batch of steps). The fields' JSON is joined in the models' order; only the text and the
+    token ids need an encoder call, the rest are constants or ints (the common chunk, text only, is
+    `head {"index":N,"text":"..."` and a constant tail)."""
+    if finish_reason is None and stop_reason is None and prompt_token_ids is None and token_ids is None \
+            and usage is None:
+        return f'{head}{{"index":{index},"text":{_dumps(text)}{_PLAIN_TAIL}'
+    return (
+        f'{head}{{"index":{index},"text":{_dumps(text)},"logprobs":null,"finish_reason":{_dumps(finish_reason)},'
+        f'"stop_reason":{_dumps(stop_reason)},"prompt_token_ids":{_ids(prompt_token_ids)},'
+        f'"token_ids":{_ids(token_ids)}}}],"usage":{_dumps(usage.model_dump()) if usage is not None else "null"}}}\n\n'
+    )
+
+
+_PLAIN_TAIL = ',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}],' \
+    '"usage":null}\n\n'
+
+
+def _ids(ids: list[int] | None) -> str:
+    return "null" if ids is None else f"[{','.join(map(str, ids))}]"
 
 
 def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[TextOrTokens]:

@@ -31,3 +31,20 @@ def test_same_text_as_pydantic(text, finish, stop, prompt_ids, ids, usage):
     ))
     got = stream_chunk_json(stream_chunk_head(rid, created, model), 3, text, finish, stop, prompt_ids, ids, usage)
     assert got == expected
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if t])
+def test_chat_content_chunk_same_text_as_pydantic(text):
+    from pagedllm.entrypoints.openai.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+        DeltaMessage,
+    )
+    from pagedllm.entrypoints.openai.serving_chat import chat_chunk_head, chat_content_chunk
+
+    rid, created, model = "chatcmpl-abc\u00e9", 1700000000, 'm"odel/é'
+    expected = sse(ChatCompletionStreamResponse(
+        id=rid, created=created, model=model,
+        choices=[ChatCompletionResponseStreamChoice(index=2, delta=DeltaMessage(content=text))],
+    ))
+    assert chat_content_chunk(chat_chunk_head(rid, created, model), 2, text) == expected
