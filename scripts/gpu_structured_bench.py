@@ -157,7 +157,9 @@ def time_bitmask_job(llm) -> dict:
 
     def timed_prepare(so):  # (fill, output) | None; the fill (a call with no arguments) timed too
         job = timed(prepare, "prepare_s")(so)
-        return None if job is None else (timed(job[0], "fill_s"), job[1])
+        if job is None or hasattr(job[0], "send"):  # the grammar worker times its own job (worker_stats)
+            return job
+        return timed(job[0], "fill_s"), job[1]
 
     def timed_sample():
         fut = core.deferred_sample[1]
@@ -221,7 +223,11 @@ def run_pagedllm(args) -> list[dict]:
         variants += ("schema, fill in the step loop",)
     threads = os.environ.get("PAGEDLLM_XGRAMMAR_THREADS")
     engine = f"pagedllm, {threads} xgrammar threads" if threads else "pagedllm"
-    if threads or not llm.llm_engine.engine_core.async_scheduling:
+    if getattr(manager.backend(), "remote", False):
+        engine += " (grammar worker process)"
+    elif llm.llm_engine.engine_core.async_scheduling:
+        engine += " (bitmask thread)"
+    if threads or os.environ.get("PAGEDLLM_GRAMMAR_WORKER") == "0" or not llm.llm_engine.engine_core.async_scheduling:
         variants = variants[:2]  # the A/B once; without async scheduling the fill is in the loop anyway
     # One full-size run of each first: the first plain run after start was 25% slower on the H200.
     for so in (None, StructuredOutputsParams(json=SCHEMA)):
@@ -238,6 +244,9 @@ def run_pagedllm(args) -> list[dict]:
         llm.generate(ps[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # compile, warm
         stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, submit_s=0.0, accept_s=0.0, steps=0, jobs=0, loop_steps=0,
                      **{p + "_s": 0.0 for p in LOOP_PARTS})
+        worker = getattr(manager.backend(), "stats", None)  # the grammar worker process's own times
+        if worker is not None:
+            worker.update(steps=0, accept_s=0.0, fill_s=0.0)
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -254,6 +263,11 @@ def run_pagedllm(args) -> list[dict]:
             results[-1].update({k.replace("_s", "_ms"): round(1e3 * stats[k] / steps, 3)
                                 for k in ("prepare_s", "accept_s", "submit_s", "fill_s", "wait_s")}, steps=stats["steps"],
                                deferred_steps=stats["jobs"], step_ms=round(1e3 * dt / steps, 3))
+            if manager._bitmasks:
+                results[-1]["bitmask_pinned"] = manager._bitmasks[0].is_pinned()
+            if worker is not None and worker["steps"]:  # accept + fill inside the grammar worker
+                results[-1].update(worker_accept_ms=round(1e3 * worker["accept_s"] / worker["steps"], 3),
+                                   worker_fill_ms=round(1e3 * worker["fill_s"] / worker["steps"], 3))
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -323,7 +337,8 @@ def table(results: list[dict]) -> None:
                   f"| {median:.3f} | {valid} |")
 
 
-def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[dict]:
+def run_child(engine: str, args, xgrammar_threads: int | None = None, grammar_worker: str | None = None,
+              timeout: int | None = None) -> list[dict]:
     """One engine in its own process: each starts on a free device and gives all of it back.
     xgrammar_threads: pagedllm with PAGEDLLM_XGRAMMAR_THREADS set (a row of its own in the table)."""
     import subprocess
@@ -343,7 +358,11 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[di
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # as scripts/gpu_bench.sh runs vLLM there
     if xgrammar_threads:
         env["PAGEDLLM_XGRAMMAR_THREADS"] = str(xgrammar_threads)
+    if grammar_worker is not None:
+        env["PAGEDLLM_GRAMMAR_WORKER"] = grammar_worker
     limit = CHILD_TIMEOUT_S[engine] if args.device == "cuda" else None  # a loaded CPU takes what it takes
+    if timeout or args.child_timeout:
+        limit = timeout or args.child_timeout
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env, timeout=limit)
@@ -369,6 +388,10 @@ def main() -> None:
     ap.add_argument("--xgrammar-threads", type=int, help="also run pagedllm with this many xgrammar threads")
     ap.add_argument("--async-scheduling", action="store_true", help="pagedllm: async scheduling on the CPU too")
     ap.add_argument("--ab-inline", action="store_true", help="pagedllm: also the fill in the step loop (an A/B)")
+    ap.add_argument("--ab-thread", action="store_true",
+                    help="pagedllm: also a child with the bitmask thread instead of the grammar worker process")
+    ap.add_argument("--child-timeout", type=int, help="seconds each child may run (default: per engine)")
+    ap.add_argument("--ab-timeout", type=int, help="seconds the --ab-thread child may run (default: --child-timeout)")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
@@ -378,6 +401,8 @@ def main() -> None:
         (run_vllm if args.child == "vllm" else run_pagedllm)(args)
         return
     results = run_child("pagedllm", args)
+    if args.ab_thread:
+        results += run_child("pagedllm", args, grammar_worker="0", timeout=args.ab_timeout)
     if args.xgrammar_threads:
         results += run_child("pagedllm", args, args.xgrammar_threads)
     if args.vllm:

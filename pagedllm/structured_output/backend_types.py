@@ -43,6 +43,9 @@ class StructuredOutputGrammar(ABC):
 
 class StructuredOutputBackend(ABC):
     vocab_size: int
+    # True: the grammars live in another process (backend_process.py); the manager then sends the
+    # fill job instead of running it, and tells the backend which requests are done (`release`).
+    remote = False
 
     @abstractmethod
     def validate(self, params: StructuredOutputsParams) -> None:

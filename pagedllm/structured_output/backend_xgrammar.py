@@ -111,10 +111,14 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
 
 class XgrammarBackend(StructuredOutputBackend):
-    def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 2,
+                 tokenizer_info: xgr.TokenizerInfo | None = None) -> None:
         # vocab_size is the logits' width (may exceed the tokenizer's: padded embeddings).
+        # tokenizer_info: one already built (the grammar worker gets the engine's, serialized).
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        if tokenizer_info is None:
+            tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.tokenizer_info = tokenizer_info
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
 

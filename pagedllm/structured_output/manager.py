@@ -40,16 +40,32 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
     from pagedllm.request import Request
+    from pagedllm.structured_output.backend_process import WorkerJob
 
 logger = logging.getLogger(__name__)
 
 
-def make_backend(tokenizer, vocab_size: int) -> StructuredOutputBackend:
+def use_grammar_worker(async_scheduling: bool) -> bool:
+    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker process, 0 the bitmask thread, unset the worker
+    under async scheduling (where its job overlaps the step loop) and the thread otherwise."""
+    choice = envs.PAGEDLLM_GRAMMAR_WORKER
+    return async_scheduling if choice is None else choice
+
+
+def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
+                 pin_memory: bool = False) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
     # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS says.
     threads = envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, (os.cpu_count() or 2) // 2))
+    if worker:
+        from pagedllm.structured_output.backend_process import ProcessBackend
+
+        try:
+            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory)
+        except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
+            logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
     return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
 
 
@@ -71,6 +87,7 @@ class StructuredOutputManager:
         self._bitmasks: list = []
         self._bitmask_views: list[dict[int, torch.Tensor]] = []
         self._next_bitmask = 0
+        self._remote = False  # the backend is the grammar worker process (backend_process.py)
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -81,7 +98,12 @@ class StructuredOutputManager:
                 tokenizer = load_tokenizer(self.config)
                 if tokenizer is None:
                     raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init).")
-                self._backend = make_backend(tokenizer, self.config.model_config.vocab_size)
+                config = self.config
+                self._backend = make_backend(
+                    tokenizer, config.model_config.vocab_size,
+                    worker=use_grammar_worker(config.scheduler_config.async_scheduling),
+                    rows=config.scheduler_config.max_num_seqs, pin_memory=config.device_config.device == "cuda")
+                self._remote = getattr(self._backend, "remote", False)
             return self._backend
 
     def add_request(self, request: Request) -> StructuredOutputRequest:
@@ -101,6 +123,17 @@ class StructuredOutputManager:
             if sor is not None:
                 self._to_accept.pop(sor, None)
                 self._to_accept_one.pop(sor, None)
+                if self._remote:
+                    self._release(sor)
+
+    def _release(self, sor: StructuredOutputRequest) -> None:
+        """A finished request's grammar in the grammar worker is dropped (with the next job); one
+        still compiling, once it has."""
+        future = sor.future
+        if not future.done():
+            future.add_done_callback(lambda _: self._release(sor))
+        elif not future.cancelled() and future.exception() is None:
+            self.backend().release(future.result())
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
         """Queue each constrained request's accepted tokens for its grammar; forget finished ones.
@@ -119,6 +152,8 @@ class StructuredOutputManager:
                 del requests[out.request_id]
                 many.pop(sor, None)
                 one.pop(sor, None)
+                if self._remote:
+                    self._release(sor)
                 continue
             new = out.new_token_ids
             if not new:
@@ -213,9 +248,13 @@ class StructuredOutputManager:
         job = self._prepare(so)
         if job is None:
             return BitmaskJob(None, None)
+        fill = job[0]
+        if self._remote:  # the grammar worker (backend_process.WorkerJob): one message now, its reply in result()
+            fill.send()
+            return BitmaskJob(fill, job[1])
         if self._fill_thread is None:
             self._fill_thread = FillThread()
-        self._fill_thread.submit(job[0])
+        self._fill_thread.submit(fill)
         return BitmaskJob(self._fill_thread, job[1])
 
     def shutdown(self) -> None:
@@ -224,6 +263,9 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.close()
             self._fill_thread = None
+        if self._backend is not None and self._remote:
+            self._bitmasks, self._bitmask_views = [], []
+            self._backend.shutdown()
 
 
 class BitmaskJob:
@@ -231,7 +273,7 @@ class BitmaskJob:
 
     __slots__ = ("_thread", "_output")
 
-    def __init__(self, thread: FillThread | None, output: GrammarOutput | None) -> None:
+    def __init__(self, thread: FillThread | WorkerJob | None, output: GrammarOutput | None) -> None:
         self._thread, self._output = thread, output
 
     def result(self) -> GrammarOutput | None:

@@ -1,0 +1,305 @@
+"""The engine core's side of the grammar worker process (grammar_worker.py): a backend whose
+grammars are handles to matchers in that process, and whose bitmask job is one message there and
+one reply back, so that xgrammar's accept and fill run beside the step loop, not inside its GIL.
+
+    loop, step k:  collect k-1 -> manager queues tokens -> ProcessBackend: send STEP (the tokens,
+                   the rows to fill, the buffer) -> return, schedule k+1 -> wait for the reply
+                   (at once when the worker is done) -> sample k+1 from the shared buffer
+
+What stays in the engine: the request bookkeeping (manager.py, request.py: reasoning, a grammar's
+end at its stop token), one local compile per request (so that a bad grammar fails here, and the
+scheduler gets the request once it compiled; the worker compiles the same grammar beside it, from
+its own cache), and the bitmask buffers: two (max_num_seqs, ceil(V / 32)) int32 buffers in one
+POSIX shared-memory block, registered with CUDA as pinned memory on a GPU so that their copy to the
+device needs no staging. The block is unlinked at shutdown (or when the engine's process exits: the
+resource tracker), and the worker exits when the engine closes the socket or dies.
+
+The thread path (XgrammarBackend + fill_thread.py) stays: PAGEDLLM_GRAMMAR_WORKER=0 picks it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 120.0  # the worker imports torch and xgrammar: seconds on a loaded host
+NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask says why two)
+
+
+class ProcessGrammar(StructuredOutputGrammar):
+    """A request's grammar in the worker: its slot there, and what the engine must know locally
+    (its stop ids, whether it ended). Accepting only queues the tokens for the next job; the
+    worker reports a refused one (never expected: the bitmask allowed it) in its reply."""
+
+    def __init__(self, slot: int, stop_ids: frozenset[int], backend: ProcessBackend) -> None:
+        self.slot = slot
+        self.stop_ids = stop_ids
+        self._backend = backend
+        self._terminated = False
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        self._backend._more.append((self.slot, list(tokens)))
+        # An xgrammar matcher ends exactly when it accepts one of its stop tokens (and accepts one
+        # only where the grammar may end, which the bitmask the token was sampled under said).
+        if not self._terminated and not self.stop_ids.isdisjoint(tokens):
+            self._terminated = True
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._backend.fill_bitmasks([self], bitmask, [row])
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+class WorkerJob:
+    """One STEP message: `send()` starts it, `wait()` reads its reply; calling it does both (the
+    manager's synchronous path)."""
+
+    __slots__ = ("_backend", "_fill_slots", "_buffer", "_sent")
+
+    def __init__(self, backend: ProcessBackend, fill_slots: list[int], buffer: int) -> None:
+        self._backend, self._fill_slots, self._buffer, self._sent = backend, fill_slots, buffer, False
+
+    def send(self) -> None:
+        self._backend._send_step(self._fill_slots, self._buffer)
+        self._sent = True
+
+    def wait(self) -> None:
+        if self._sent:
+            self._sent = False
+            self._backend._wait_step()
+
+    def __call__(self) -> None:
+        self.send()
+        self.wait()
+
+
+class _Worker:
+    """The process, its socket and the shared block; `release` is also the weakref finalizer, so
+    nothing outlives the backend (shutdown, garbage collection, interpreter exit)."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection, shm: SharedMemory, registered: int | None) -> None:
+        self.proc, self.conn, self.shm, self.registered = proc, conn, shm, registered
+
+    def release(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            try:
+                conn.send(("close",))
+            except OSError:
+                pass
+            conn.close()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = None
+        if self.shm is not None:
+            shm, self.shm = self.shm, None
+            try:
+                shm.close()
+            except BufferError:
+                pass  # the manager's views still point into it; the mapping goes with them
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _pin(buffer: torch.Tensor) -> int | None:
+    """Register the shared block with CUDA as pinned memory (its copies then need no staging);
+    None when there is no GPU or the driver refuses (the copy then pins by copying, as before)."""
+    if not torch.cuda.is_available():
+        return None
+    ptr = buffer.data_ptr()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)
+        failed = int(getattr(err, "value", err)) != 0
+    except (AttributeError, RuntimeError, TypeError) as e:  # a torch without the binding
+        err, failed = e, True
+    if failed:
+        logger.warning("cudaHostRegister of the grammar bitmask buffer failed (%s); its copies pin by copying", err)
+        return None
+    return ptr
+
+
+class ProcessBackend(StructuredOutputBackend):
+    remote = True
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int, rows: int, pin_memory: bool) -> None:
+        self.vocab_size = vocab_size
+        self.local = XgrammarBackend(tokenizer, vocab_size, max_threads=max_threads)
+        self.rows, self.words = rows, (vocab_size + 31) // 32
+        size = NUM_BUFFERS * rows * self.words * 4
+        shm = SharedMemory(create=True, size=size)
+        try:
+            flat = np.ndarray((NUM_BUFFERS, rows, self.words), dtype=np.int32, buffer=shm.buf)
+            flat.fill(-1)
+            whole = torch.from_numpy(flat)
+            registered = _pin(whole) if pin_memory else None
+            self.buffers = [whole[i] for i in range(NUM_BUFFERS)]
+            proc, conn = self._start(max_threads, shm.name)
+        except BaseException:
+            self.buffers = []
+            shm.close()
+            shm.unlink()
+            raise
+        self._worker = _Worker(proc, conn, shm, registered)
+        self._finalizer = weakref.finalize(self, self._worker.release)
+        self._conn = conn
+        self._send_lock = threading.Lock()  # adds come from the compile pool, steps from the loop
+        self._next_slot = 0
+        self._slot_lock = threading.Lock()
+        self._next_buffer = 0
+        # Queued for the next STEP: slots to drop (appended from any thread), the batch accept's
+        # slots and tokens, and the other rows' token lists.
+        self._removed: collections.deque[int] = collections.deque()
+        self._one_slots: list[int] = []
+        self._one_tokens: list[int] = []
+        self._more: list[tuple[int, list[int]]] = []
+        # The worker's own times and its matchers after the last job (benchmarks, tests).
+        self.stats = {"steps": 0, "accept_s": 0.0, "fill_s": 0.0, "live": 0}
+
+    def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)  # the worker gets this process's environment, handed over whole
+        root = str(Path(__file__).resolve().parents[2])  # the worker imports this process's pagedllm
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.structured_output.grammar_worker", str(theirs.fileno()),
+                 str(logging.getLogger().getEffectiveLevel())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        try:
+            conn.send(("init", self.local.tokenizer_info.serialize_json(), self.vocab_size, max_threads, shm_name,
+                       NUM_BUFFERS, self.rows, self.words))
+            if not conn.poll(START_TIMEOUT_S):
+                raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:.0f} s")
+            reply = conn.recv()
+            if reply[0] != "ready":
+                raise RuntimeError(f"the grammar worker failed to start: {reply[1]}")
+        except BaseException:
+            conn.close()
+            proc.kill()
+            proc.wait()
+            raise
+        logger.info("grammar worker started (pid %d)", proc.pid)
+        return proc, conn
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate(self, params: StructuredOutputsParams) -> None:
+        self.local.validate(params)
+
+    def compile_grammar(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> ProcessGrammar:
+        with self._slot_lock:
+            slot = self._next_slot
+            self._next_slot += 1
+        # The worker compiles first (in its pool, from its cache) while this thread compiles the
+        # same grammar: the error (a 400 upstream) and the stop ids come from here.
+        self._send(pickle.dumps(("add", slot, params, list(stop_token_ids)), pickle.HIGHEST_PROTOCOL))
+        try:
+            local = self.local.compile_grammar(params, stop_token_ids)
+        except BaseException:
+            self._removed.append(slot)
+            raise
+        assert local.stop_ids is not None, "the grammar worker needs xgrammar's GrammarMatcher.stop_token_ids"
+        return ProcessGrammar(slot, local.stop_ids, self)
+
+    def release(self, grammar: StructuredOutputGrammar) -> None:
+        """The request is done: its matcher goes with the next job (any thread may call this)."""
+        self._removed.append(grammar.slot)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
+        # Queued for the next job; the manager passes no stop token here (its one-token fast path).
+        self._one_slots += [g.slot for g in grammars]
+        self._one_tokens += tokens
+        return None
+
+    def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
+        """The shared buffers in turn (the manager takes two); every token allowed."""
+        if num_rows > self.rows:
+            raise ValueError(f"{num_rows} bitmask rows asked of a grammar worker sized for {self.rows}")
+        buf = self.buffers[self._next_buffer % NUM_BUFFERS]
+        self._next_buffer += 1
+        buf.numpy().fill(-1)
+        return buf
+
+    def _buffer_of(self, bitmask: torch.Tensor) -> int:
+        ptr = bitmask.data_ptr()
+        for i, buf in enumerate(self.buffers):
+            if buf.data_ptr() == ptr:
+                return i
+        raise ValueError("a grammar worker fills only its own shared buffers (from allocate_bitmask), from row 0")
+
+    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor) -> WorkerJob:
+        return WorkerJob(self, [g.slot for g in grammars], self._buffer_of(bitmask))
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        # Not the manager's path (it sends fill_job's jobs): a one-off fill into `bitmask`, through
+        # the buffer that `bitmask` is not (the caller holds no job in flight, as for any fill).
+        buf = 1 if bitmask.data_ptr() == self.buffers[0].data_ptr() else 0
+        WorkerJob(self, [g.slot for g in grammars], buf)()
+        bitmask[rows] = self.buffers[buf][: len(rows)]
+
+    def _send_step(self, fill_slots: list[int], buffer: int) -> None:
+        removed = self._removed
+        gone = [removed.popleft() for _ in range(len(removed))] if removed else []
+        msg = ("step", gone, self._one_slots, self._one_tokens, self._more, fill_slots, buffer)
+        self._one_slots, self._one_tokens, self._more = [], [], []
+        self._send(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError:
+            raise RuntimeError(f"the grammar worker exited (code {self._worker.proc.poll()})") from None
+
+    def _wait_step(self) -> None:
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the grammar worker exited (code {self._worker.proc.poll()})") from None
+        if reply[0] != "ok":
+            raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
+        _, refused, accept_s, fill_s, live = reply
+        stats = self.stats
+        stats["steps"] += 1
+        stats["live"] = live
+        stats["accept_s"] += accept_s
+        stats["fill_s"] += fill_s
+        for slot in refused:
+            logger.error("grammar slot %d: the grammar worker refused a sampled token", slot)
+
+    def shutdown(self) -> None:
+        self.buffers = []
+        self._finalizer()
+
