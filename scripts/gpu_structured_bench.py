@@ -172,6 +172,7 @@ def time_bitmask_job(llm) -> dict:
     manager._prepare = timed_prepare
     backend = manager.backend()  # the batch accept inside prepare (xgrammar's C++ and its list of handles)
     backend.accept_tokens_batch = timed(backend.accept_tokens_batch, "accept_s")
+    stats["_time_accept"] = lambda fn: timed(fn, "accept_s")  # for the backends of the A/B variants
     core._sample_deferred = timed_sample
     # The step loop's parts, every run (plain too): where the host time of a step goes.
     ex, out = core.model_executor, llm.llm_engine.output_processor
@@ -221,6 +222,31 @@ def run_pagedllm(args) -> list[dict]:
     variants = ("plain", "schema", "schema, job before the launch")
     if args.ab_inline:  # round 2 on the H200: 0.718 / 0.801 against the thread's 0.744 / 0.830
         variants += ("schema, fill in the step loop",)
+    # Other backends in the same engine (swapped between runs, when no request is in flight).
+    default_backend = manager.backend()
+    cfg = llm.llm_engine.config
+    others = {}
+    if args.ab_thread and getattr(default_backend, "remote", False):
+        others["schema, bitmask thread"] = dict(worker=False)
+    if args.worker_threads:
+        others[f"schema, grammar worker with {args.worker_threads} xgrammar threads"] = dict(
+            worker=True, threads=args.worker_threads)
+    built = {}
+
+    def use_backend(variant):
+        from pagedllm.structured_output.manager import make_backend
+
+        if variant in others and variant not in built:
+            backend = make_backend(llm.get_tokenizer(), cfg.model_config.vocab_size,
+                                   rows=cfg.scheduler_config.max_num_seqs,
+                                   pin_memory=cfg.device_config.device == "cuda", **others[variant])
+            backend.accept_tokens_batch = time_accept(backend.accept_tokens_batch)
+            built[variant] = backend
+        backend = built.get(variant, default_backend)
+        if manager._backend is not backend:
+            manager._backend, manager._remote = backend, getattr(backend, "remote", False)
+            manager._bitmasks, manager._bitmask_views = [], []
+    time_accept = stats.pop("_time_accept")
     threads = os.environ.get("PAGEDLLM_XGRAMMAR_THREADS")
     engine = f"pagedllm, {threads} xgrammar threads" if threads else "pagedllm"
     if getattr(manager.backend(), "remote", False):
@@ -229,11 +255,14 @@ def run_pagedllm(args) -> list[dict]:
         engine += " (bitmask thread)"
     if threads or os.environ.get("PAGEDLLM_GRAMMAR_WORKER") == "0" or not llm.llm_engine.engine_core.async_scheduling:
         variants = variants[:2]  # the A/B once; without async scheduling the fill is in the loop anyway
+    variants += tuple(others)
     # One full-size run of each first: the first plain run after start was 25% slower on the H200.
     for so in (None, StructuredOutputsParams(json=SCHEMA)):
         llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True,
                                         structured_outputs=so), use_tqdm=False)
-    for variant in variants * args.rounds:
+
+    def run_variant(variant):
+        use_backend(variant)
         constrained = variant != "plain"
         manager.submit_grammar_bitmask = inline if variant.endswith("loop") else threaded
         # The A/B of engine_core's order: the bitmask job submitted before this step's launch.
@@ -269,6 +298,14 @@ def run_pagedllm(args) -> list[dict]:
                 results[-1].update(worker_accept_ms=round(1e3 * worker["accept_s"] / worker["steps"], 3),
                                    worker_fill_ms=round(1e3 * worker["fill_s"] / worker["steps"], 3))
         print(json.dumps(results[-1]), flush=True)
+
+    try:
+        for variant in variants * args.rounds:
+            run_variant(variant)
+    finally:
+        use_backend("plain")  # the engine's own backend again, which its shutdown ends
+        for backend in built.values():
+            backend.shutdown()
     return results
 
 
@@ -337,8 +374,7 @@ def table(results: list[dict]) -> None:
                   f"| {median:.3f} | {valid} |")
 
 
-def run_child(engine: str, args, xgrammar_threads: int | None = None, grammar_worker: str | None = None,
-              timeout: int | None = None) -> list[dict]:
+def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[dict]:
     """One engine in its own process: each starts on a free device and gives all of it back.
     xgrammar_threads: pagedllm with PAGEDLLM_XGRAMMAR_THREADS set (a row of its own in the table)."""
     import subprocess
@@ -349,6 +385,10 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None, grammar_wo
         cmd.append("--async-scheduling")
     if args.ab_inline:
         cmd.append("--ab-inline")
+    if args.ab_thread:
+        cmd.append("--ab-thread")
+    if args.worker_threads:
+        cmd += ["--worker-threads", str(args.worker_threads)]
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -358,11 +398,9 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None, grammar_wo
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # as scripts/gpu_bench.sh runs vLLM there
     if xgrammar_threads:
         env["PAGEDLLM_XGRAMMAR_THREADS"] = str(xgrammar_threads)
-    if grammar_worker is not None:
-        env["PAGEDLLM_GRAMMAR_WORKER"] = grammar_worker
     limit = CHILD_TIMEOUT_S[engine] if args.device == "cuda" else None  # a loaded CPU takes what it takes
-    if timeout or args.child_timeout:
-        limit = timeout or args.child_timeout
+    if args.child_timeout:
+        limit = args.child_timeout
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env, timeout=limit)
@@ -389,9 +427,10 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true", help="pagedllm: async scheduling on the CPU too")
     ap.add_argument("--ab-inline", action="store_true", help="pagedllm: also the fill in the step loop (an A/B)")
     ap.add_argument("--ab-thread", action="store_true",
-                    help="pagedllm: also a child with the bitmask thread instead of the grammar worker process")
+                    help="pagedllm: also the bitmask thread instead of the grammar worker process (same engine)")
+    ap.add_argument("--worker-threads", type=int,
+                    help="pagedllm: also a grammar worker with this many xgrammar threads (same engine)")
     ap.add_argument("--child-timeout", type=int, help="seconds each child may run (default: per engine)")
-    ap.add_argument("--ab-timeout", type=int, help="seconds the --ab-thread child may run (default: --child-timeout)")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
@@ -401,8 +440,6 @@ def main() -> None:
         (run_vllm if args.child == "vllm" else run_pagedllm)(args)
         return
     results = run_child("pagedllm", args)
-    if args.ab_thread:
-        results += run_child("pagedllm", args, grammar_worker="0", timeout=args.ab_timeout)
     if args.xgrammar_threads:
         results += run_child("pagedllm", args, args.xgrammar_threads)
     if args.vllm:

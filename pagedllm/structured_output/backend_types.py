@@ -72,6 +72,12 @@ class StructuredOutputBackend(ABC):
         oks = [grammar.accept_tokens([token]) for grammar, token in zip(grammars, tokens, strict=True)]
         return None if all(oks) else oks
 
+    def release(self, grammar: StructuredOutputGrammar) -> None:
+        """A remote backend drops a finished request's grammar (the manager calls it when `remote`)."""
+
+    def shutdown(self) -> None:
+        """Let go of what the backend holds outside this process (the grammar worker's); idempotent."""
+
     def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
         """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set);
         pinned when it is bound for a GPU (its copy then needs no staging).

@@ -53,12 +53,12 @@ def use_grammar_worker(async_scheduling: bool) -> bool:
 
 
 def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
-                 pin_memory: bool = False) -> StructuredOutputBackend:
+                 pin_memory: bool = False, threads: int | None = None) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
-    # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS says.
-    threads = envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, (os.cpu_count() or 2) // 2))
+    # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS (or the caller) says.
+    threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, (os.cpu_count() or 2) // 2))
     if worker:
         from pagedllm.structured_output.backend_process import ProcessBackend
 
@@ -263,7 +263,7 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.close()
             self._fill_thread = None
-        if self._backend is not None and self._remote:
+        if self._backend is not None:
             self._bitmasks, self._bitmask_views = [], []
             self._backend.shutdown()
 
