@@ -74,9 +74,11 @@ class StructuredOutputBackend(ABC):
 
     def release(self, grammar: StructuredOutputGrammar) -> None:
         """A remote backend drops a finished request's grammar (the manager calls it when `remote`)."""
+        return None  # an in-process grammar goes with its request
 
     def shutdown(self) -> None:
         """Let go of what the backend holds outside this process (the grammar worker's); idempotent."""
+        return None  # an in-process backend holds nothing outside
 
     def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
         """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set);
