@@ -79,13 +79,14 @@ class GrammarWorker:
         _, removed, one_slots, one_tokens, more, fill_slots, buf = msg
         t0 = time.perf_counter()
         refused: list[int] = []
+        get, slow = self.compiled.get, self._grammar
         if one_slots:
-            grammars = [self._grammar(s) for s in one_slots]
+            grammars = [get(s) or slow(s) for s in one_slots]
             oks = self.backend.accept_tokens_batch(grammars, one_tokens)
             if oks is not None:
                 refused += [s for s, ok in zip(one_slots, oks, strict=True) if not ok]
         for slot, tokens in more:
-            if not self._grammar(slot).accept_tokens(tokens):
+            if not slow(slot).accept_tokens(tokens):
                 refused.append(slot)
         for slot in removed:  # after the accepts: a request finishes after its last token
             self.matchers.pop(slot, None)
@@ -93,7 +94,7 @@ class GrammarWorker:
         t1 = time.perf_counter()
         if fill_slots:
             bitmask = self.buffers[buf][: len(fill_slots)]
-            self.backend.fill_job([self._grammar(s) for s in fill_slots], bitmask)()
+            self.backend.fill_job([get(s) or slow(s) for s in fill_slots], bitmask)()
         return refused, t1 - t0, time.perf_counter() - t1, len(self.matchers)
 
     def serve(self) -> None:
