@@ -115,8 +115,11 @@ class _Worker:
                 self.proc.kill()
                 self.proc.wait()
         if self.registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.registered)
-            self.registered = None
+            ptr, self.registered = self.registered, None
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except RuntimeError:
+                pass  # CUDA already torn down (interpreter exit): the mapping goes with the process
         if self.shm is not None:
             shm, self.shm = self.shm, None
             try:
