@@ -9,11 +9,13 @@
   advance one request at a time.
 - `grammar_bitmask`: before a step samples, one bitmask row per request whose next token is
   constrained: the queued tokens advance the grammars (one xgrammar batch call), then the rows
-  are filled (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the bitmask thread
-  (fill_thread.py; xgrammar's C++ gives up the GIL), so with async scheduling the engine core
-  returns the step's outputs and schedules the next step while it runs, and samples only when
-  the next forward is launched (engine_core.py). The advance stays in the step loop: on the
-  thread it would need the GIL again between it and the fill, i.e. wait for the loop to block.
+  are filled (xgrammar's threads). `submit_grammar_bitmask` hands the job off, so with async
+  scheduling the engine core returns the step's outputs and schedules the next step while it
+  runs, and samples only when the next forward is launched (engine_core.py). Two backends take
+  it: the grammar worker process (backend_process.py; the default under async scheduling: the
+  accept and the fill there, one message a step), or in this process the bitmask thread
+  (fill_thread.py; xgrammar's C++ gives up the GIL) with the accept in the step loop (on the
+  thread it would need the GIL again between it and the fill, i.e. wait for the loop to block).
 
 Rows whose next token is free (the reasoning text, a grammar already ended) get no row: the mask
 is applied to constrained rows only. A step with none samples unmasked (GrammarOutput None).
