@@ -275,7 +275,7 @@ def run_pagedllm(args) -> list[dict]:
                      **{p + "_s": 0.0 for p in LOOP_PARTS})
         worker = getattr(manager.backend(), "stats", None)  # the grammar worker process's own times
         if worker is not None:
-            worker.update(steps=0, accept_s=0.0, fill_s=0.0)
+            worker.update(steps=0, accept_s=0.0, fill_s=0.0, wake_s=0.0, back_s=0.0)
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -295,8 +295,8 @@ def run_pagedllm(args) -> list[dict]:
             if manager._bitmasks:
                 results[-1]["bitmask_pinned"] = manager._bitmasks[0].is_pinned()
             if worker is not None and worker["steps"]:  # accept + fill inside the grammar worker
-                results[-1].update(worker_accept_ms=round(1e3 * worker["accept_s"] / worker["steps"], 3),
-                                   worker_fill_ms=round(1e3 * worker["fill_s"] / worker["steps"], 3))
+                results[-1].update({f"worker_{k[:-2]}_ms": round(1e3 * worker[k] / worker["steps"], 3)
+                                    for k in ("wake_s", "accept_s", "fill_s", "back_s")})
         print(json.dumps(results[-1]), flush=True)
 
     try:

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -184,7 +185,8 @@ class ProcessBackend(StructuredOutputBackend):
         self._one_tokens: list[int] = []
         self._more: list[tuple[int, list[int]]] = []
         # The worker's own times and its matchers after the last job (benchmarks, tests).
-        self.stats = {"steps": 0, "accept_s": 0.0, "fill_s": 0.0, "live": 0}
+        self.stats = {"steps": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
+        self._t_sent = 0.0
 
     def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
         ours, theirs = socket.socketpair()
@@ -277,7 +279,9 @@ class ProcessBackend(StructuredOutputBackend):
         gone = [removed.popleft() for _ in range(len(removed))] if removed else []
         msg = ("step", gone, self._one_slots, self._one_tokens, self._more, fill_slots, buffer)
         self._one_slots, self._one_tokens, self._more = [], [], []
-        self._send(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        self._t_sent = time.perf_counter()
+        self._send(data)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -287,18 +291,24 @@ class ProcessBackend(StructuredOutputBackend):
             raise RuntimeError(f"the grammar worker exited (code {self._worker.proc.poll()})") from None
 
     def _wait_step(self) -> None:
+        t_wait = time.perf_counter()
         try:
             reply = self._conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(f"the grammar worker exited (code {self._worker.proc.poll()})") from None
         if reply[0] != "ok":
             raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
-        _, refused, accept_s, fill_s, live = reply
+        t_got = time.perf_counter()
+        _, refused, accept_s, fill_s, live, t_received, t_done = reply
         stats = self.stats
         stats["steps"] += 1
         stats["live"] = live
         stats["accept_s"] += accept_s
         stats["fill_s"] += fill_s
+        # The hand-overs (one clock for both processes): send -> the worker has it, and its reply
+        # -> this thread has it (from when it was both sent and waited for).
+        stats["wake_s"] += t_received - self._t_sent
+        stats["back_s"] += t_got - max(t_done, t_wait)
         for slot in refused:
             logger.error("grammar slot %d: the grammar worker refused a sampled token", slot)
 

@@ -17,7 +17,7 @@ Messages (multiprocessing Connection over a socket pair; fd in argv, the first m
     ("init", tokenizer_info_json, vocab_size, max_threads, shm_name, num_buffers, rows, words)
     ("add", slot, StructuredOutputsParams, stop_token_ids)      compiled on this process's pool
     ("step", removed_slots, one_slots, one_tokens, more, fill_slots, buffer)
-        -> ("ok", refused_slots, accept_s, fill_s, live_matchers) | ("error", message)
+        -> ("ok", refused_slots, accept_s, fill_s, live_matchers, t_received, t_done) | ("error", message)
     ("close",)
 A slot is the engine's number for one request's grammar (never reused). The worker ends on
 "close" or when the engine's end of the socket closes (EOF): it never outlives the engine.
@@ -102,12 +102,13 @@ class GrammarWorker:
         while True:
             try:
                 msg = conn.recv()
+                t_recv = time.perf_counter()  # CLOCK_MONOTONIC: the engine's clock too (its hand-over times)
             except (EOFError, OSError):
                 return  # the engine is gone
             kind = msg[0]
             if kind == "step":
                 try:
-                    reply = ("ok", *self.step(msg))
+                    reply = ("ok", *self.step(msg), t_recv, time.perf_counter())
                 except Exception as e:  # noqa: BLE001 - the engine raises it in its step loop
                     logger.exception("grammar worker: step failed")
                     reply = ("error", f"{type(e).__name__}: {e}")
