@@ -159,6 +159,7 @@ def test_cuda_shared_buffers_are_pinned_and_copy_exactly(tokenizer):
     from pagedllm.host_copy import to_device_async
 
     backend = make_backend(tokenizer, VOCAB, worker=True, rows=4, pin_memory=True)
+    assert backend.remote, "the grammar worker did not start"
     try:
         local = manager_with(make_backend(tokenizer, VOCAB))
         remote = manager_with(backend)
