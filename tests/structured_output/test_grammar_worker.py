@@ -196,7 +196,11 @@ def test_engine_outputs_equal_the_thread_path(monkeypatch):
         manager = llm.llm_engine.engine_core.structured_output_manager
         assert manager._remote == (worker == "1")
         assert_pool_idle(llm)
+        proc = manager.backend()._worker.proc if manager._remote else None
+        name = manager.backend()._worker.shm.name if manager._remote else None
         llm.llm_engine.shutdown()
+        if proc is not None:  # the engine's shutdown ends the worker and unlinks its memory
+            assert proc.poll() is not None and not os.path.exists("/dev/shm/" + name)
         return [o.outputs[0].token_ids for o in outs]
 
     assert run("1") == run("0")
