@@ -142,6 +142,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (structured_output/backend_process.py), 0 a thread of the engine core (fill_thread.py); unset,
     # the process under async scheduling (the GPU default) and the thread otherwise.
     "PAGEDLLM_GRAMMAR_WORKER": lambda: _optional_flag("PAGEDLLM_GRAMMAR_WORKER"),
+    # How many grammar worker processes share the constrained rows (a request's grammar lives in
+    # one); unset: 1. Each runs PAGEDLLM_XGRAMMAR_THREADS fill threads.
+    "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

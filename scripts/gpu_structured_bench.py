@@ -231,6 +231,9 @@ def run_pagedllm(args) -> list[dict]:
     if args.worker_threads:
         others[f"schema, grammar worker with {args.worker_threads} xgrammar threads"] = dict(
             worker=True, threads=args.worker_threads)
+    if args.workers:
+        n, t = args.workers
+        others[f"schema, {n} grammar workers x {t} xgrammar threads"] = dict(worker=True, num_workers=n, threads=t)
     built = {}
 
     def use_backend(variant):
@@ -275,7 +278,7 @@ def run_pagedllm(args) -> list[dict]:
                      **{p + "_s": 0.0 for p in LOOP_PARTS})
         worker = getattr(manager.backend(), "stats", None)  # the grammar worker process's own times
         if worker is not None:
-            worker.update(steps=0, accept_s=0.0, fill_s=0.0, wake_s=0.0, back_s=0.0)
+            worker.update(steps=0, jobs=0, accept_s=0.0, fill_s=0.0, wake_s=0.0, back_s=0.0)
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -294,8 +297,8 @@ def run_pagedllm(args) -> list[dict]:
                                deferred_steps=stats["jobs"], step_ms=round(1e3 * dt / steps, 3))
             if manager._bitmasks:
                 results[-1]["bitmask_pinned"] = manager._bitmasks[0].is_pinned()
-            if worker is not None and worker["steps"]:  # accept + fill inside the grammar worker
-                results[-1].update({f"worker_{k[:-2]}_ms": round(1e3 * worker[k] / worker["steps"], 3)
+            if worker is not None and worker["jobs"]:  # accept + fill inside the grammar worker(s), a job each
+                results[-1].update({f"worker_{k[:-2]}_ms": round(1e3 * worker[k] / worker["jobs"], 3)
                                     for k in ("wake_s", "accept_s", "fill_s", "back_s")})
         print(json.dumps(results[-1]), flush=True)
 
@@ -389,6 +392,8 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[di
         cmd.append("--ab-thread")
     if args.worker_threads:
         cmd += ["--worker-threads", str(args.worker_threads)]
+    if args.workers:
+        cmd += ["--workers", *map(str, args.workers)]
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -430,6 +435,8 @@ def main() -> None:
                     help="pagedllm: also the bitmask thread instead of the grammar worker process (same engine)")
     ap.add_argument("--worker-threads", type=int,
                     help="pagedllm: also a grammar worker with this many xgrammar threads (same engine)")
+    ap.add_argument("--workers", type=int, nargs=2, metavar=("N", "THREADS"),
+                    help="pagedllm: also N grammar workers of THREADS xgrammar threads each (same engine)")
     ap.add_argument("--child-timeout", type=int, help="seconds each child may run (default: per engine)")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()

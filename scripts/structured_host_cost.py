@@ -341,9 +341,9 @@ def main() -> None:
           f"({DocumentExecutor.refused} refused) |")
     assert DocumentExecutor.refused == 0, "a token the grammar allows was refused by its bitmask"
     stats = getattr(manager.backend(), "stats", None)  # the grammar worker's own times, all runs
-    if stats and stats["steps"]:
+    if stats and stats["jobs"]:
         print("| grammar worker, ms a job: hand-over there / accept / fill / reply back | | "
-              + " / ".join(f"{1e3 * stats[k] / stats['steps']:.3f}" for k in ("wake_s", "accept_s", "fill_s", "back_s"))
+              + " / ".join(f"{1e3 * stats[k] / stats['jobs']:.3f}" for k in ("wake_s", "accept_s", "fill_s", "back_s"))
               + " |")
     if calls:
         print(f"| Python calls a step | {calls['plain']:.0f} | {calls['schema']:.0f} | "

@@ -46,18 +46,18 @@ NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask s
 
 
 class ProcessGrammar(StructuredOutputGrammar):
-    """A request's grammar in the worker: its slot there, and what the engine must know locally
+    """A request's grammar in a worker: its slot there, and what the engine must know locally
     (its stop ids, whether it ended). Accepting only queues the tokens for the next job; the
     worker reports a refused one (never expected: the bitmask allowed it) in its reply."""
 
-    def __init__(self, slot: int, stop_ids: frozenset[int], backend: ProcessBackend) -> None:
+    def __init__(self, slot: int, stop_ids: frozenset[int], lane: _Lane) -> None:
         self.slot = slot
         self.stop_ids = stop_ids
-        self._backend = backend
+        self._lane = lane
         self._terminated = False
 
     def accept_tokens(self, tokens: list[int]) -> bool:
-        self._backend._more.append((self.slot, list(tokens)))
+        self._lane.more.append((self.slot, list(tokens)))
         # An xgrammar matcher ends exactly when it accepts one of its stop tokens (and accepts one
         # only where the grammar may end, which the bitmask the token was sampled under said).
         if not self._terminated and not self.stop_ids.isdisjoint(tokens):
@@ -65,56 +65,112 @@ class ProcessGrammar(StructuredOutputGrammar):
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._backend.fill_bitmasks([self], bitmask, [row])
+        self._lane.backend.fill_bitmasks([self], bitmask, [row])
 
     def is_terminated(self) -> bool:
         return self._terminated
 
 
 class WorkerJob:
-    """One STEP message: `send()` starts it, `wait()` reads its reply; calling it does both (the
+    """One step's job: `send()` starts it, `wait()` reads the replies; calling it does both (the
     manager's synchronous path)."""
 
     __slots__ = ("_backend", "_fill_slots", "_buffer", "_sent")
 
     def __init__(self, backend: ProcessBackend, fill_slots: list[int], buffer: int) -> None:
-        self._backend, self._fill_slots, self._buffer, self._sent = backend, fill_slots, buffer, False
+        self._backend, self._fill_slots, self._buffer, self._sent = backend, fill_slots, buffer, []
 
     def send(self) -> None:
-        self._backend._send_step(self._fill_slots, self._buffer)
-        self._sent = True
+        self._sent = self._backend._send_step(self._fill_slots, self._buffer)
 
     def wait(self) -> None:
-        if self._sent:
-            self._sent = False
-            self._backend._wait_step()
+        sent, self._sent = self._sent, []
+        for lane in sent:
+            lane.wait_step()
 
     def __call__(self) -> None:
         self.send()
         self.wait()
 
 
-class _Worker:
-    """The process, its socket and the shared block; `release` is also the weakref finalizer, so
-    nothing outlives the backend (shutdown, garbage collection, interpreter exit)."""
+class _Lane:
+    """One worker process, its socket, and what is queued for its next job: slots to drop
+    (appended from any thread), the batch accept's slots and tokens, the other rows' tokens."""
 
-    def __init__(self, proc: subprocess.Popen, conn: Connection, shm: SharedMemory, registered: int | None) -> None:
-        self.proc, self.conn, self.shm, self.registered = proc, conn, shm, registered
+    def __init__(self, backend: ProcessBackend, proc: subprocess.Popen, conn: Connection) -> None:
+        self.backend, self.proc, self.conn = backend, proc, conn
+        self.send_lock = threading.Lock()  # adds come from the compile pool, steps from the loop
+        self.removed: collections.deque[int] = collections.deque()
+        self.one_slots: list[int] = []
+        self.one_tokens: list[int] = []
+        self.more: list[tuple[int, list[int]]] = []
+        self.t_sent = 0.0
+        self.live = 0  # matchers in the worker after its last job
+
+    def send(self, msg: tuple) -> None:
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        self.t_sent = time.perf_counter()
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(data)
+        except OSError:
+            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+
+    def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int) -> None:
+        removed = self.removed
+        gone = [removed.popleft() for _ in range(len(removed))] if removed else []
+        msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer)
+        self.one_slots, self.one_tokens, self.more = [], [], []
+        self.send(msg)
+
+    def wait_step(self) -> None:
+        t_wait = time.perf_counter()
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+        if reply[0] != "ok":
+            raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
+        t_got = time.perf_counter()
+        _, refused, accept_s, fill_s, live, t_received, t_done = reply
+        stats = self.backend.stats
+        stats["jobs"] += 1
+        self.live = live
+        stats["live"] = sum(lane.live for lane in self.backend._lanes)
+        stats["accept_s"] += accept_s
+        stats["fill_s"] += fill_s
+        # The hand-overs (one clock for both processes): send -> the worker has it, and its reply
+        # -> this thread has it (from when it was both sent and waited for).
+        stats["wake_s"] += t_received - self.t_sent
+        stats["back_s"] += t_got - max(t_done, t_wait)
+        for slot in refused:
+            logger.error("grammar slot %d: the grammar worker refused a sampled token", slot)
+
+
+class _Workers:
+    """The processes, their sockets and the shared block; `release` is also the weakref
+    finalizer, so nothing outlives the backend (shutdown, garbage collection, interpreter exit)."""
+
+    def __init__(self, shm: SharedMemory, registered: int | None) -> None:
+        self.shm, self.registered = shm, registered
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
 
     def release(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
+        conns, self.conns = self.conns, []
+        for conn in conns:
             try:
                 conn.send(("close",))
             except OSError:
                 pass
             conn.close()
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         if self.registered is not None:
             ptr, self.registered = self.registered, None
             try:
@@ -153,42 +209,44 @@ def _pin(buffer: torch.Tensor) -> int | None:
 class ProcessBackend(StructuredOutputBackend):
     remote = True
 
-    def __init__(self, tokenizer, vocab_size: int, max_threads: int, rows: int, pin_memory: bool) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int, rows: int, pin_memory: bool,
+                 num_workers: int = 1) -> None:
         self.vocab_size = vocab_size
         self.local = XgrammarBackend(tokenizer, vocab_size, max_threads=max_threads)
         self.rows, self.words = rows, (vocab_size + 31) // 32
-        size = NUM_BUFFERS * rows * self.words * 4
-        shm = SharedMemory(create=True, size=size)
+        # The workers' own times (summed over their jobs) and matchers after the last jobs.
+        self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
+        shm = SharedMemory(create=True, size=NUM_BUFFERS * rows * self.words * 4)
+        self.buffers: list[torch.Tensor] = []
+        workers = None
         try:
             flat = np.ndarray((NUM_BUFFERS, rows, self.words), dtype=np.int32, buffer=shm.buf)
             flat.fill(-1)
             whole = torch.from_numpy(flat)
-            registered = _pin(whole) if pin_memory else None
+            workers = _Workers(shm, _pin(whole) if pin_memory else None)
             self.buffers = [whole[i] for i in range(NUM_BUFFERS)]
-            proc, conn = self._start(max_threads, shm.name)
+            self._lanes: list[_Lane] = []
+            for _ in range(num_workers):
+                proc, conn = self._start(max_threads, shm.name)
+                workers.procs.append(proc)
+                workers.conns.append(conn)
+                self._lanes.append(_Lane(self, proc, conn))
         except BaseException:
             self.buffers = []
-            shm.close()
-            shm.unlink()
+            if workers is not None:
+                workers.release()
+            else:
+                shm.close()
+                shm.unlink()
             raise
-        self._worker = _Worker(proc, conn, shm, registered)
-        self._finalizer = weakref.finalize(self, self._worker.release)
-        self._conn = conn
-        self._send_lock = threading.Lock()  # adds come from the compile pool, steps from the loop
+        self._workers = workers
+        self._finalizer = weakref.finalize(self, workers.release)
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._next_buffer = 0
-        # Queued for the next STEP: slots to drop (appended from any thread), the batch accept's
-        # slots and tokens, and the other rows' token lists.
-        self._removed: collections.deque[int] = collections.deque()
-        self._one_slots: list[int] = []
-        self._one_tokens: list[int] = []
-        self._more: list[tuple[int, list[int]]] = []
-        # The worker's own times and its matchers after the last job (benchmarks, tests).
-        self.stats = {"steps": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
-        self._t_sent = 0.0
 
     def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
+        """One worker process, started and initialized (its "ready" read)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)  # the worker gets this process's environment, handed over whole
         root = str(Path(__file__).resolve().parents[2])  # the worker imports this process's pagedllm
@@ -222,30 +280,42 @@ class ProcessBackend(StructuredOutputBackend):
     def validate(self, params: StructuredOutputsParams) -> None:
         self.local.validate(params)
 
+    def _lane_of(self, slot: int) -> _Lane:
+        lanes = self._lanes
+        return lanes[slot % len(lanes)]
+
     def compile_grammar(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> ProcessGrammar:
         with self._slot_lock:
             slot = self._next_slot
             self._next_slot += 1
         # The worker compiles first (in its pool, from its cache) while this thread compiles the
         # same grammar: the error (a 400 upstream) and the stop ids come from here.
-        self._send(pickle.dumps(("add", slot, params, list(stop_token_ids)), pickle.HIGHEST_PROTOCOL))
+        lane = self._lane_of(slot)
+        lane.send(("add", slot, params, list(stop_token_ids)))
         try:
             local = self.local.compile_grammar(params, stop_token_ids)
         except BaseException:
-            self._removed.append(slot)
+            lane.removed.append(slot)
             raise
         assert local.stop_ids is not None, "the grammar worker needs xgrammar's GrammarMatcher.stop_token_ids"
-        return ProcessGrammar(slot, local.stop_ids, self)
+        return ProcessGrammar(slot, local.stop_ids, lane)
 
     def release(self, grammar: StructuredOutputGrammar) -> None:
         """The request is done: its matcher goes with the next job (any thread may call this)."""
-        self._removed.append(grammar.slot)
+        grammar._lane.removed.append(grammar.slot)
 
     # -- steps ----------------------------------------------------------------------------------
     def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
         # Queued for the next job; the manager passes no stop token here (its one-token fast path).
-        self._one_slots += [g.slot for g in grammars]
-        self._one_tokens += tokens
+        if len(self._lanes) == 1:
+            lane = self._lanes[0]
+            lane.one_slots += [g.slot for g in grammars]
+            lane.one_tokens += tokens
+            return None
+        for g, token in zip(grammars, tokens, strict=True):
+            lane = g._lane
+            lane.one_slots.append(g.slot)
+            lane.one_tokens.append(token)
         return None
 
     def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
@@ -274,45 +344,23 @@ class ProcessBackend(StructuredOutputBackend):
         WorkerJob(self, [g.slot for g in grammars], buf)()
         bitmask[rows] = self.buffers[buf][: len(rows)]
 
-    def _send_step(self, fill_slots: list[int], buffer: int) -> None:
-        removed = self._removed
-        gone = [removed.popleft() for _ in range(len(removed))] if removed else []
-        msg = ("step", gone, self._one_slots, self._one_tokens, self._more, fill_slots, buffer)
-        self._one_slots, self._one_tokens, self._more = [], [], []
-        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
-        self._t_sent = time.perf_counter()
-        self._send(data)
-
-    def _send(self, data: bytes) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send_bytes(data)
-        except OSError:
-            raise RuntimeError(f"the grammar worker exited (code {self._worker.proc.poll()})") from None
-
-    def _wait_step(self) -> None:
-        t_wait = time.perf_counter()
-        try:
-            reply = self._conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"the grammar worker exited (code {self._worker.proc.poll()})") from None
-        if reply[0] != "ok":
-            raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
-        t_got = time.perf_counter()
-        _, refused, accept_s, fill_s, live, t_received, t_done = reply
-        stats = self.stats
-        stats["steps"] += 1
-        stats["live"] = live
-        stats["accept_s"] += accept_s
-        stats["fill_s"] += fill_s
-        # The hand-overs (one clock for both processes): send -> the worker has it, and its reply
-        # -> this thread has it (from when it was both sent and waited for).
-        stats["wake_s"] += t_received - self._t_sent
-        stats["back_s"] += t_got - max(t_done, t_wait)
-        for slot in refused:
-            logger.error("grammar slot %d: the grammar worker refused a sampled token", slot)
+    def _send_step(self, fill_slots: list[int], buffer: int) -> list[_Lane]:
+        """Send each worker its part of the job; the lanes whose replies the job waits for."""
+        self.stats["steps"] += 1
+        lanes = self._lanes
+        if len(lanes) == 1:
+            lanes[0].send_step(fill_slots, None, buffer)
+            return lanes
+        n = len(lanes)
+        slots: list[list[int]] = [[] for _ in range(n)]
+        rows: list[list[int]] = [[] for _ in range(n)]
+        for row, slot in enumerate(fill_slots):  # slot s lives in worker s % n
+            slots[slot % n].append(slot)
+            rows[slot % n].append(row)
+        for i, lane in enumerate(lanes):
+            lane.send_step(slots[i], rows[i], buffer)
+        return lanes
 
     def shutdown(self) -> None:
         self.buffers = []
         self._finalizer()
-

@@ -177,13 +177,13 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             super().fill_bitmasks(grammars, bitmask, rows)
 
-    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor):
+    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int] | None = None):
         # The C++ batch fill itself, its arguments bound here: on the bitmask thread no Python runs
-        # before the GIL is released (indices None: row i of the bitmask for matcher i). Any number
-        # of rows: a few rows' set-up cost is off the step loop, and one call per row would hold
-        # the GIL between rows.
+        # before the GIL is released (rows None: row i of the bitmask for matcher i; the grammar
+        # worker's share of a batch names its rows). Any number of rows: a few rows' set-up cost is
+        # off the step loop, and one call per row would hold the GIL between rows.
         return functools.partial(self._batch._handle.batch_fill_next_token_bitmask,
-                                 [g.handle for g in grammars], bitmask, None, False)
+                                 [g.handle for g in grammars], bitmask, rows, False)
 
     def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
         # One C++ call for the batch instead of one Python -> C++ call per row (64 a decode step).

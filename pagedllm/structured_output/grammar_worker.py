@@ -16,10 +16,12 @@ the whole job runs beside the loop, which only pickles one small message a step 
 Messages (multiprocessing Connection over a socket pair; fd in argv, the first message pickled):
     ("init", tokenizer_info_json, vocab_size, max_threads, shm_name, num_buffers, rows, words)
     ("add", slot, StructuredOutputsParams, stop_token_ids)      compiled on this process's pool
-    ("step", removed_slots, one_slots, one_tokens, more, fill_slots, buffer)
+    ("step", removed_slots, one_slots, one_tokens, more, fill_slots, fill_rows | None, buffer)
         -> ("ok", refused_slots, accept_s, fill_s, live_matchers, t_received, t_done) | ("error", message)
     ("close",)
-A slot is the engine's number for one request's grammar (never reused). The worker ends on
+A slot is the engine's number for one request's grammar (never reused). With several workers
+(PAGEDLLM_GRAMMAR_WORKERS) slot s lives in worker s % n, which fills its rows of the shared buffer
+(fill_rows); with one, fill_rows is None (rows 0..n-1). The worker ends on
 "close" or when the engine's end of the socket closes (EOF): it never outlives the engine.
 """
 
@@ -76,7 +78,7 @@ class GrammarWorker:
         return g
 
     def step(self, msg: tuple) -> tuple[list[int], float, float, int]:
-        _, removed, one_slots, one_tokens, more, fill_slots, buf = msg
+        _, removed, one_slots, one_tokens, more, fill_slots, fill_rows, buf = msg
         t0 = time.perf_counter()
         refused: list[int] = []
         get, slow = self.compiled.get, self._grammar
@@ -93,8 +95,9 @@ class GrammarWorker:
             self.compiled.pop(slot, None)
         t1 = time.perf_counter()
         if fill_slots:
-            bitmask = self.buffers[buf][: len(fill_slots)]
-            self.backend.fill_job([get(s) or slow(s) for s in fill_slots], bitmask)()
+            # rows None: rows 0..n-1 (the only worker); else this worker's rows of the batch.
+            bitmask = self.buffers[buf] if fill_rows is not None else self.buffers[buf][: len(fill_slots)]
+            self.backend.fill_job([get(s) or slow(s) for s in fill_slots], bitmask, fill_rows)()
         return refused, t1 - t0, time.perf_counter() - t1, len(self.matchers)
 
     def serve(self) -> None:

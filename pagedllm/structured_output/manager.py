@@ -55,7 +55,8 @@ def use_grammar_worker(async_scheduling: bool) -> bool:
 
 
 def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
-                 pin_memory: bool = False, threads: int | None = None) -> StructuredOutputBackend:
+                 pin_memory: bool = False, threads: int | None = None,
+                 num_workers: int | None = None) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
@@ -65,7 +66,8 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
         from pagedllm.structured_output.backend_process import ProcessBackend
 
         try:
-            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory)
+            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory,
+                                  num_workers=num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or 1)
         except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
             logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
     return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)

@@ -67,19 +67,29 @@ def worker_backend(tokenizer):
     backend.shutdown()
 
 
-def test_the_worker_fills_the_same_bitmasks_as_the_thread_path(tokenizer, worker_backend):
+@pytest.fixture(scope="module")
+def two_workers(tokenizer):
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=4, num_workers=2)
+    assert backend.remote and len(backend._lanes) == 2
+    yield backend
+    backend.shutdown()
+
+
+@pytest.mark.parametrize("workers", ["one worker", "two workers"])
+def test_the_worker_fills_the_same_bitmasks_as_the_thread_path(tokenizer, worker_backend, two_workers, workers):
     doc = tokenizer.encode(DOC, add_special_tokens=False)
     local = manager_with(make_backend(tokenizer, VOCAB))
-    remote = manager_with(worker_backend)
+    remote = manager_with(worker_backend if workers == "one worker" else two_workers)
     for m in (local, remote):
-        for rid in ("a", "b"):
+        for rid in ("a", "b", "c"):
             add(m, rid).future.result()
     for j in range(len(doc) + 1):
-        if j:  # "a" follows the document; "b" stops after two tokens (its row then stays free)
-            outs = [EngineCoreOutput("a", [doc[j - 1]])] + ([EngineCoreOutput("b", [doc[j - 1]])] if j <= 2 else [])
+        if j:  # "a" follows the document; "b" and "c" stop after two tokens (their rows then stay free)
+            outs = [EngineCoreOutput("a", [doc[j - 1]])]
+            outs += [EngineCoreOutput(r, [doc[j - 1]]) for r in ("b", "c") if j <= 2]
             local.advance(outs)
             remote.advance(outs)
-        so = step("a", "b") if j <= 2 else step("a")
+        so = step("c", "a", "b") if j <= 2 else step("a")
         want = local.submit_grammar_bitmask(so).result()
         got = remote.submit_grammar_bitmask(so).result()
         assert got.structured_output_request_ids == want.structured_output_request_ids
@@ -119,7 +129,7 @@ def test_a_bad_grammar_fails_in_the_engine_and_its_slot_is_dropped(worker_backen
         worker_backend.validate(StructuredOutputsParams(regex="(abc"))
     with pytest.raises(ValueError, match="parenthesis"):
         worker_backend.compile_grammar(StructuredOutputsParams(regex="(abc"), [2])
-    assert worker_backend._removed  # sent with the next job
+    assert worker_backend._lanes[0].removed  # sent with the next job
 
 
 def test_a_refused_token_is_reported(worker_backend, caplog):
@@ -138,7 +148,7 @@ def test_shutdown_ends_the_worker_and_unlinks_its_memory_and_a_dead_worker_is_an
     manager = manager_with(backend, rows=2)
     add(manager, "a").future.result()
     manager.submit_grammar_bitmask(step("a")).result()
-    proc, name = backend._worker.proc, backend._worker.shm.name
+    proc, name = backend._workers.procs[0], backend._workers.shm.name
     assert os.path.exists("/dev/shm/" + name)
     proc.kill()
     proc.wait()
@@ -149,7 +159,7 @@ def test_shutdown_ends_the_worker_and_unlinks_its_memory_and_a_dead_worker_is_an
     assert not os.path.exists("/dev/shm/" + name)
 
     backend = make_backend(tokenizer, VOCAB, worker=True, rows=2)
-    proc, name = backend._worker.proc, backend._worker.shm.name
+    proc, name = backend._workers.procs[0], backend._workers.shm.name
     manager_with(backend, rows=2).shutdown()
     assert proc.poll() is not None and not os.path.exists("/dev/shm/" + name)
 
@@ -196,8 +206,8 @@ def test_engine_outputs_equal_the_thread_path(monkeypatch):
         manager = llm.llm_engine.engine_core.structured_output_manager
         assert manager._remote == (worker == "1")
         assert_pool_idle(llm)
-        proc = manager.backend()._worker.proc if manager._remote else None
-        name = manager.backend()._worker.shm.name if manager._remote else None
+        proc = manager.backend()._workers.procs[0] if manager._remote else None
+        name = manager.backend()._workers.shm.name if manager._remote else None
         llm.llm_engine.shutdown()
         if proc is not None:  # the engine's shutdown ends the worker and unlinks its memory
             assert proc.poll() is not None and not os.path.exists("/dev/shm/" + name)
