@@ -243,6 +243,8 @@ def run_pagedllm(args) -> list[dict]:
             backend = make_backend(llm.get_tokenizer(), cfg.model_config.vocab_size,
                                    rows=cfg.scheduler_config.max_num_seqs,
                                    pin_memory=cfg.device_config.device == "cuda", **others[variant])
+            if others[variant]["worker"] and not getattr(backend, "remote", False):
+                raise RuntimeError(f"{variant}: the grammar worker did not start (see the warning above)")
             backend.accept_tokens_batch = time_accept(backend.accept_tokens_batch)
             built[variant] = backend
         backend = built.get(variant, default_backend)
