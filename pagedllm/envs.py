@@ -143,7 +143,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the process under async scheduling (the GPU default) and the thread otherwise.
     "PAGEDLLM_GRAMMAR_WORKER": lambda: _optional_flag("PAGEDLLM_GRAMMAR_WORKER"),
     # How many grammar worker processes share the constrained rows (a request's grammar lives in
-    # one); unset: 1. Each runs PAGEDLLM_XGRAMMAR_THREADS fill threads.
+    # one); unset: 2 on a host of 12 or more cores (6 xgrammar threads each unless
+    # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).

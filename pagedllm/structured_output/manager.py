@@ -61,15 +61,21 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
     # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS (or the caller) says.
-    threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, (os.cpu_count() or 2) // 2))
+    cores = os.cpu_count() or 2
     if worker:
         from pagedllm.structured_output.backend_process import ProcessBackend
 
+        # Two worker processes of 6 threads on a host of 12+ cores: on the H200's 16-core host each
+        # one's accept + fill of its ~32 of 64 rows took 0.80 ms a step, against one worker's 1.10-1.17
+        # for all 64 (8 threads; 12 threads: 1.20-1.25), BENCHMARKS.md, issue 22, h38. Else one.
+        num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
+        threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
+            6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
         try:
-            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory,
-                                  num_workers=num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or 1)
+            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers)
         except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
             logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
+    threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, cores // 2))
     return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
 
 
