@@ -47,6 +47,16 @@ def _multiprocessing() -> bool | None:
     return v == "1"
 
 
+def _optional_flag(name: str) -> bool | None:
+    """"1" on, "0" off, unset or empty None (the caller's default); anything else is refused by name."""
+    v = os.environ.get(name)
+    if v in (None, ""):
+        return None
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}.")
+    return v == "1"
+
+
 def _positive_int(name: str) -> int | None:
     """An optional count: unset or empty -> None; anything but a positive integer is refused by name."""
     value = os.environ.get(name)
@@ -128,6 +138,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Threads of xgrammar's grammar compiler and batch bitmask fill (structured_output/manager.py);
     # unset: half the host's cores, 2 to 8.
     "PAGEDLLM_XGRAMMAR_THREADS": lambda: _positive_int("PAGEDLLM_XGRAMMAR_THREADS"),
+    # Where xgrammar advances the grammars and fills the bitmasks: 1 a grammar worker process
+    # (structured_output/backend_process.py), 0 a thread of the engine core (fill_thread.py); unset,
+    # the process under async scheduling (the GPU default) and the thread otherwise.
+    "PAGEDLLM_GRAMMAR_WORKER": lambda: _optional_flag("PAGEDLLM_GRAMMAR_WORKER"),
+    # How many grammar worker processes share the constrained rows (a request's grammar lives in
+    # one); unset: 2 on a host of 12 or more cores (6 xgrammar threads each unless
+    # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
+    "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

@@ -157,7 +157,9 @@ def time_bitmask_job(llm) -> dict:
 
     def timed_prepare(so):  # (fill, output) | None; the fill (a call with no arguments) timed too
         job = timed(prepare, "prepare_s")(so)
-        return None if job is None else (timed(job[0], "fill_s"), job[1])
+        if job is None or hasattr(job[0], "send"):  # the grammar worker times its own job (worker_stats)
+            return job
+        return timed(job[0], "fill_s"), job[1]
 
     def timed_sample():
         fut = core.deferred_sample[1]
@@ -170,6 +172,7 @@ def time_bitmask_job(llm) -> dict:
     manager._prepare = timed_prepare
     backend = manager.backend()  # the batch accept inside prepare (xgrammar's C++ and its list of handles)
     backend.accept_tokens_batch = timed(backend.accept_tokens_batch, "accept_s")
+    stats["_time_accept"] = lambda fn: timed(fn, "accept_s")  # for the backends of the A/B variants
     core._sample_deferred = timed_sample
     # The step loop's parts, every run (plain too): where the host time of a step goes.
     ex, out = core.model_executor, llm.llm_engine.output_processor
@@ -219,15 +222,60 @@ def run_pagedllm(args) -> list[dict]:
     variants = ("plain", "schema", "schema, job before the launch")
     if args.ab_inline:  # round 2 on the H200: 0.718 / 0.801 against the thread's 0.744 / 0.830
         variants += ("schema, fill in the step loop",)
+    # Other backends in the same engine (swapped between runs, when no request is in flight).
+    default_backend = manager.backend()
+    cfg = llm.llm_engine.config
+    others = {}
+    if args.ab_thread and getattr(default_backend, "remote", False):
+        others["schema, bitmask thread"] = dict(worker=False)
+    if args.worker_threads:
+        others[f"schema, grammar worker with {args.worker_threads} xgrammar threads"] = dict(
+            worker=True, threads=args.worker_threads)
+    if args.workers:
+        n, t = args.workers
+        others[f"schema, {n} grammar workers x {t} xgrammar threads"] = dict(worker=True, num_workers=n, threads=t)
+    built = {}
+    built_failed: set[str] = set()
+
+    def use_backend(variant):
+        from pagedllm.structured_output.manager import make_backend
+
+        if variant in others and variant not in built:
+            backend = make_backend(llm.get_tokenizer(), cfg.model_config.vocab_size,
+                                   rows=cfg.scheduler_config.max_num_seqs,
+                                   pin_memory=cfg.device_config.device == "cuda", **others[variant])
+            if others[variant]["worker"] and not getattr(backend, "remote", False):
+                print(f"# {variant}: the grammar worker did not start (the warning above); variant skipped", flush=True)
+                others.pop(variant)
+                return False
+            backend.accept_tokens_batch = time_accept(backend.accept_tokens_batch)
+            built[variant] = backend
+        backend = built.get(variant, default_backend)
+        if manager._backend is not backend:
+            manager._backend, manager._remote = backend, getattr(backend, "remote", False)
+            manager._bitmasks, manager._bitmask_views = [], []
+        return True
+    time_accept = stats.pop("_time_accept")
     threads = os.environ.get("PAGEDLLM_XGRAMMAR_THREADS")
     engine = f"pagedllm, {threads} xgrammar threads" if threads else "pagedllm"
-    if threads or not llm.llm_engine.engine_core.async_scheduling:
+    if getattr(manager.backend(), "remote", False):
+        engine += " (grammar worker process)"
+    elif llm.llm_engine.engine_core.async_scheduling:
+        engine += " (bitmask thread)"
+    if threads or os.environ.get("PAGEDLLM_GRAMMAR_WORKER") == "0" or not llm.llm_engine.engine_core.async_scheduling:
         variants = variants[:2]  # the A/B once; without async scheduling the fill is in the loop anyway
+    variants += tuple(others)
     # One full-size run of each first: the first plain run after start was 25% slower on the H200.
     for so in (None, StructuredOutputsParams(json=SCHEMA)):
         llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True,
                                         structured_outputs=so), use_tqdm=False)
-    for variant in variants * args.rounds:
+
+    def run_variant(variant):
+        if variant in built_failed:  # a worker that did not start: not measured again
+            return
+        if not use_backend(variant):
+            built_failed.add(variant)
+            return
         constrained = variant != "plain"
         manager.submit_grammar_bitmask = inline if variant.endswith("loop") else threaded
         # The A/B of engine_core's order: the bitmask job submitted before this step's launch.
@@ -238,6 +286,9 @@ def run_pagedllm(args) -> list[dict]:
         llm.generate(ps[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # compile, warm
         stats.update(prepare_s=0.0, fill_s=0.0, wait_s=0.0, submit_s=0.0, accept_s=0.0, steps=0, jobs=0, loop_steps=0,
                      **{p + "_s": 0.0 for p in LOOP_PARTS})
+        worker = getattr(manager.backend(), "stats", None)  # the grammar worker process's own times
+        if worker is not None:
+            worker.update(steps=0, jobs=0, accept_s=0.0, fill_s=0.0, wake_s=0.0, back_s=0.0)
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -254,7 +305,20 @@ def run_pagedllm(args) -> list[dict]:
             results[-1].update({k.replace("_s", "_ms"): round(1e3 * stats[k] / steps, 3)
                                 for k in ("prepare_s", "accept_s", "submit_s", "fill_s", "wait_s")}, steps=stats["steps"],
                                deferred_steps=stats["jobs"], step_ms=round(1e3 * dt / steps, 3))
+            if manager._bitmasks:
+                results[-1]["bitmask_pinned"] = manager._bitmasks[0].is_pinned()
+            if worker is not None and worker["jobs"]:  # accept + fill inside the grammar worker(s), a job each
+                results[-1].update({f"worker_{k[:-2]}_ms": round(1e3 * worker[k] / worker["jobs"], 3)
+                                    for k in ("wake_s", "accept_s", "fill_s", "back_s")})
         print(json.dumps(results[-1]), flush=True)
+
+    try:
+        for variant in variants * args.rounds:
+            run_variant(variant)
+    finally:
+        use_backend("plain")  # the engine's own backend again, which its shutdown ends
+        for backend in built.values():
+            backend.shutdown()
     return results
 
 
@@ -334,6 +398,12 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[di
         cmd.append("--async-scheduling")
     if args.ab_inline:
         cmd.append("--ab-inline")
+    if args.ab_thread:
+        cmd.append("--ab-thread")
+    if args.worker_threads:
+        cmd += ["--worker-threads", str(args.worker_threads)]
+    if args.workers:
+        cmd += ["--workers", *map(str, args.workers)]
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -344,6 +414,8 @@ def run_child(engine: str, args, xgrammar_threads: int | None = None) -> list[di
     if xgrammar_threads:
         env["PAGEDLLM_XGRAMMAR_THREADS"] = str(xgrammar_threads)
     limit = CHILD_TIMEOUT_S[engine] if args.device == "cuda" else None  # a loaded CPU takes what it takes
+    if args.child_timeout:
+        limit = args.child_timeout
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env, timeout=limit)
@@ -369,6 +441,13 @@ def main() -> None:
     ap.add_argument("--xgrammar-threads", type=int, help="also run pagedllm with this many xgrammar threads")
     ap.add_argument("--async-scheduling", action="store_true", help="pagedllm: async scheduling on the CPU too")
     ap.add_argument("--ab-inline", action="store_true", help="pagedllm: also the fill in the step loop (an A/B)")
+    ap.add_argument("--ab-thread", action="store_true",
+                    help="pagedllm: also the bitmask thread instead of the grammar worker process (same engine)")
+    ap.add_argument("--worker-threads", type=int,
+                    help="pagedllm: also a grammar worker with this many xgrammar threads (same engine)")
+    ap.add_argument("--workers", type=int, nargs=2, metavar=("N", "THREADS"),
+                    help="pagedllm: also N grammar workers of THREADS xgrammar threads each (same engine)")
+    ap.add_argument("--child-timeout", type=int, help="seconds each child may run (default: per engine)")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:

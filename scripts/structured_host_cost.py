@@ -340,6 +340,11 @@ def main() -> None:
     print(f"| constrained tokens checked against their bitmask row | | {DocumentExecutor.checked} "
           f"({DocumentExecutor.refused} refused) |")
     assert DocumentExecutor.refused == 0, "a token the grammar allows was refused by its bitmask"
+    stats = getattr(manager.backend(), "stats", None)  # the grammar worker's own times, all runs
+    if stats and stats["jobs"]:
+        print("| grammar worker, ms a job: hand-over there / accept / fill / reply back | | "
+              + " / ".join(f"{1e3 * stats[k] / stats['jobs']:.3f}" for k in ("wake_s", "accept_s", "fill_s", "back_s"))
+              + " |")
     if calls:
         print(f"| Python calls a step | {calls['plain']:.0f} | {calls['schema']:.0f} | "
               f"{calls['schema'] - calls['plain']:+.0f} |")

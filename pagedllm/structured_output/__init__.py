@@ -6,5 +6,7 @@ backend_xgrammar.py  the xgrammar backend (JSON schema checks, error messages)
 request.py           one request's grammar: compiled off the engine loop, advanced by accepted tokens
 manager.py           the engine core's side: compile pool, per-step bitmask (GrammarOutput)
 fill_thread.py       the bitmask thread: a step's fill beside the step loop, handed over by raw locks
+backend_process.py   the grammar worker's engine side: grammars as slots, one message a step, shared bitmasks
+grammar_worker.py    the grammar worker process: the matchers, accept + fill beside the step loop
 bitmask.py           the one place the bitmask meets the logits (device side)
 """

@@ -43,6 +43,9 @@ class StructuredOutputGrammar(ABC):
 
 class StructuredOutputBackend(ABC):
     vocab_size: int
+    # True: the grammars live in another process (backend_process.py); the manager then sends the
+    # fill job instead of running it, and tells the backend which requests are done (`release`).
+    remote = False
 
     @abstractmethod
     def validate(self, params: StructuredOutputsParams) -> None:
@@ -68,6 +71,14 @@ class StructuredOutputBackend(ABC):
         every token was accepted, else one bool per grammar."""
         oks = [grammar.accept_tokens([token]) for grammar, token in zip(grammars, tokens, strict=True)]
         return None if all(oks) else oks
+
+    def release(self, grammar: StructuredOutputGrammar) -> None:
+        """A remote backend drops a finished request's grammar (the manager calls it when `remote`)."""
+        return None  # an in-process grammar goes with its request
+
+    def shutdown(self) -> None:
+        """Let go of what the backend holds outside this process (the grammar worker's); idempotent."""
+        return None  # an in-process backend holds nothing outside
 
     def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
         """Host int32 (num_rows, ceil(vocab_size / 32)), every token allowed (-1 is all bits set);

@@ -111,10 +111,14 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
 
 class XgrammarBackend(StructuredOutputBackend):
-    def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 2,
+                 tokenizer_info: xgr.TokenizerInfo | None = None) -> None:
         # vocab_size is the logits' width (may exceed the tokenizer's: padded embeddings).
+        # tokenizer_info: one already built (the grammar worker gets the engine's, serialized).
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        if tokenizer_info is None:
+            tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.tokenizer_info = tokenizer_info
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
 
@@ -173,13 +177,13 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             super().fill_bitmasks(grammars, bitmask, rows)
 
-    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor):
+    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int] | None = None):
         # The C++ batch fill itself, its arguments bound here: on the bitmask thread no Python runs
-        # before the GIL is released (indices None: row i of the bitmask for matcher i). Any number
-        # of rows: a few rows' set-up cost is off the step loop, and one call per row would hold
-        # the GIL between rows.
+        # before the GIL is released (rows None: row i of the bitmask for matcher i; the grammar
+        # worker's share of a batch names its rows). Any number of rows: a few rows' set-up cost is
+        # off the step loop, and one call per row would hold the GIL between rows.
         return functools.partial(self._batch._handle.batch_fill_next_token_bitmask,
-                                 [g.handle for g in grammars], bitmask, None, False)
+                                 [g.handle for g in grammars], bitmask, rows, False)
 
     def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
         # One C++ call for the batch instead of one Python -> C++ call per row (64 a decode step).

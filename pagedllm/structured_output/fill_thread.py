@@ -81,5 +81,7 @@ class FillThread:
             self._closed = True
             self._job = None
             self._go.release()
-            self._started.acquire()
-            self._thread.join(timeout=1.0)
+            # Bounded: at interpreter exit (an LLM dropped by __del__) daemon threads no longer
+            # run, and an unbounded acquire here never returned.
+            if self._started.acquire(timeout=1.0):
+                self._thread.join(timeout=1.0)

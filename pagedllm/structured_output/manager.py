@@ -9,11 +9,13 @@
   advance one request at a time.
 - `grammar_bitmask`: before a step samples, one bitmask row per request whose next token is
   constrained: the queued tokens advance the grammars (one xgrammar batch call), then the rows
-  are filled (xgrammar's threads). `submit_grammar_bitmask` runs the fill on the bitmask thread
-  (fill_thread.py; xgrammar's C++ gives up the GIL), so with async scheduling the engine core
-  returns the step's outputs and schedules the next step while it runs, and samples only when
-  the next forward is launched (engine_core.py). The advance stays in the step loop: on the
-  thread it would need the GIL again between it and the fill, i.e. wait for the loop to block.
+  are filled (xgrammar's threads). `submit_grammar_bitmask` hands the job off, so with async
+  scheduling the engine core returns the step's outputs and schedules the next step while it
+  runs, and samples only when the next forward is launched (engine_core.py). Two backends take
+  it: the grammar worker process (backend_process.py; the default under async scheduling: the
+  accept and the fill there, one message a step), or in this process the bitmask thread
+  (fill_thread.py; xgrammar's C++ gives up the GIL) with the accept in the step loop (on the
+  thread it would need the GIL again between it and the fill, i.e. wait for the loop to block).
 
 Rows whose next token is free (the reasoning text, a grammar already ended) get no row: the mask
 is applied to constrained rows only. A step with none samples unmasked (GrammarOutput None).
@@ -40,16 +42,40 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
     from pagedllm.request import Request
+    from pagedllm.structured_output.backend_process import WorkerJob
 
 logger = logging.getLogger(__name__)
 
 
-def make_backend(tokenizer, vocab_size: int) -> StructuredOutputBackend:
+def use_grammar_worker(async_scheduling: bool) -> bool:
+    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker process, 0 the bitmask thread, unset the worker
+    under async scheduling (where its job overlaps the step loop) and the thread otherwise."""
+    choice = envs.PAGEDLLM_GRAMMAR_WORKER
+    return async_scheduling if choice is None else choice
+
+
+def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
+                 pin_memory: bool = False, threads: int | None = None,
+                 num_workers: int | None = None) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
-    # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS says.
-    threads = envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, (os.cpu_count() or 2) // 2))
+    # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS (or the caller) says.
+    cores = os.cpu_count() or 2
+    if worker:
+        from pagedllm.structured_output.backend_process import ProcessBackend
+
+        # Two worker processes of 6 threads on a host of 12+ cores: on the H200's 16-core host each
+        # one's accept + fill of its ~32 of 64 rows took 0.80 ms a step, against one worker's 1.10-1.17
+        # for all 64 (8 threads; 12 threads: 1.20-1.25), BENCHMARKS.md, issue 22, h38. Else one.
+        num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
+        threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
+            6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
+        try:
+            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers)
+        except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
+            logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
+    threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, cores // 2))
     return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
 
 
@@ -71,6 +97,7 @@ class StructuredOutputManager:
         self._bitmasks: list = []
         self._bitmask_views: list[dict[int, torch.Tensor]] = []
         self._next_bitmask = 0
+        self._remote = False  # the backend is the grammar worker process (backend_process.py)
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -81,7 +108,12 @@ class StructuredOutputManager:
                 tokenizer = load_tokenizer(self.config)
                 if tokenizer is None:
                     raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init).")
-                self._backend = make_backend(tokenizer, self.config.model_config.vocab_size)
+                config = self.config
+                self._backend = make_backend(
+                    tokenizer, config.model_config.vocab_size,
+                    worker=use_grammar_worker(config.scheduler_config.async_scheduling),
+                    rows=config.scheduler_config.max_num_seqs, pin_memory=config.device_config.device == "cuda")
+                self._remote = getattr(self._backend, "remote", False)
             return self._backend
 
     def add_request(self, request: Request) -> StructuredOutputRequest:
@@ -101,6 +133,17 @@ class StructuredOutputManager:
             if sor is not None:
                 self._to_accept.pop(sor, None)
                 self._to_accept_one.pop(sor, None)
+                if self._remote:
+                    self._release(sor)
+
+    def _release(self, sor: StructuredOutputRequest) -> None:
+        """A finished request's grammar in the grammar worker is dropped (with the next job); one
+        still compiling, once it has."""
+        future = sor.future
+        if not future.done():
+            future.add_done_callback(lambda _: self._release(sor))
+        elif not future.cancelled() and future.exception() is None:
+            self.backend().release(future.result())
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
         """Queue each constrained request's accepted tokens for its grammar; forget finished ones.
@@ -119,6 +162,8 @@ class StructuredOutputManager:
                 del requests[out.request_id]
                 many.pop(sor, None)
                 one.pop(sor, None)
+                if self._remote:
+                    self._release(sor)
                 continue
             new = out.new_token_ids
             if not new:
@@ -213,9 +258,13 @@ class StructuredOutputManager:
         job = self._prepare(so)
         if job is None:
             return BitmaskJob(None, None)
+        fill = job[0]
+        if self._remote:  # the grammar worker (backend_process.WorkerJob): one message now, its reply in result()
+            fill.send()
+            return BitmaskJob(fill, job[1])
         if self._fill_thread is None:
             self._fill_thread = FillThread()
-        self._fill_thread.submit(job[0])
+        self._fill_thread.submit(fill)
         return BitmaskJob(self._fill_thread, job[1])
 
     def shutdown(self) -> None:
@@ -224,6 +273,9 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.close()
             self._fill_thread = None
+        if self._backend is not None:
+            self._bitmasks, self._bitmask_views = [], []
+            self._backend.shutdown()
 
 
 class BitmaskJob:
@@ -231,7 +283,7 @@ class BitmaskJob:
 
     __slots__ = ("_thread", "_output")
 
-    def __init__(self, thread: FillThread | None, output: GrammarOutput | None) -> None:
+    def __init__(self, thread: FillThread | WorkerJob | None, output: GrammarOutput | None) -> None:
         self._thread, self._output = thread, output
 
     def result(self) -> GrammarOutput | None:

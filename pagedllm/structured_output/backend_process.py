@@ -1,0 +1,366 @@
+"""The engine core's side of the grammar worker process (grammar_worker.py): a backend whose
+grammars are handles to matchers in that process, and whose bitmask job is one message there and
+one reply back, so that xgrammar's accept and fill run beside the step loop, not inside its GIL.
+
+    loop, step k:  collect k-1 -> manager queues tokens -> ProcessBackend: send STEP (the tokens,
+                   the rows to fill, the buffer) -> return, schedule k+1 -> wait for the reply
+                   (at once when the worker is done) -> sample k+1 from the shared buffer
+
+What stays in the engine: the request bookkeeping (manager.py, request.py: reasoning, a grammar's
+end at its stop token), one local compile per request (so that a bad grammar fails here, and the
+scheduler gets the request once it compiled; the worker compiles the same grammar beside it, from
+its own cache), and the bitmask buffers: two (max_num_seqs, ceil(V / 32)) int32 buffers in one
+POSIX shared-memory block, registered with CUDA as pinned memory on a GPU so that their copy to the
+device needs no staging. The block is unlinked at shutdown (or when the engine's process exits: the
+resource tracker), and the worker exits when the engine closes the socket or dies.
+
+The thread path (XgrammarBackend + fill_thread.py) stays: PAGEDLLM_GRAMMAR_WORKER=0 picks it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 120.0  # the worker imports torch and xgrammar: seconds on a loaded host
+NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask says why two)
+
+
+class ProcessGrammar(StructuredOutputGrammar):
+    """A request's grammar in a worker: its slot there, and what the engine must know locally
+    (its stop ids, whether it ended). Accepting only queues the tokens for the next job; the
+    worker reports a refused one (never expected: the bitmask allowed it) in its reply."""
+
+    def __init__(self, slot: int, stop_ids: frozenset[int], lane: _Lane) -> None:
+        self.slot = slot
+        self.stop_ids = stop_ids
+        self._lane = lane
+        self._terminated = False
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        self._lane.more.append((self.slot, list(tokens)))
+        # An xgrammar matcher ends exactly when it accepts one of its stop tokens (and accepts one
+        # only where the grammar may end, which the bitmask the token was sampled under said).
+        if not self._terminated and not self.stop_ids.isdisjoint(tokens):
+            self._terminated = True
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._lane.backend.fill_bitmasks([self], bitmask, [row])
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+class WorkerJob:
+    """One step's job: `send()` starts it, `wait()` reads the replies; calling it does both (the
+    manager's synchronous path)."""
+
+    __slots__ = ("_backend", "_fill_slots", "_buffer", "_sent")
+
+    def __init__(self, backend: ProcessBackend, fill_slots: list[int], buffer: int) -> None:
+        self._backend, self._fill_slots, self._buffer, self._sent = backend, fill_slots, buffer, []
+
+    def send(self) -> None:
+        self._sent = self._backend._send_step(self._fill_slots, self._buffer)
+
+    def wait(self) -> None:
+        sent, self._sent = self._sent, []
+        for lane in sent:
+            lane.wait_step()
+
+    def __call__(self) -> None:
+        self.send()
+        self.wait()
+
+
+class _Lane:
+    """One worker process, its socket, and what is queued for its next job: slots to drop
+    (appended from any thread), the batch accept's slots and tokens, the other rows' tokens."""
+
+    def __init__(self, backend: ProcessBackend, proc: subprocess.Popen, conn: Connection) -> None:
+        self.backend, self.proc, self.conn = backend, proc, conn
+        self.send_lock = threading.Lock()  # adds come from the compile pool, steps from the loop
+        self.removed: collections.deque[int] = collections.deque()
+        self.one_slots: list[int] = []
+        self.one_tokens: list[int] = []
+        self.more: list[tuple[int, list[int]]] = []
+        self.t_sent = 0.0
+        self.live = 0  # matchers in the worker after its last job
+
+    def send(self, msg: tuple) -> None:
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        self.t_sent = time.perf_counter()
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(data)
+        except OSError:
+            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+
+    def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int) -> None:
+        removed = self.removed
+        gone = [removed.popleft() for _ in range(len(removed))] if removed else []
+        msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer)
+        self.one_slots, self.one_tokens, self.more = [], [], []
+        self.send(msg)
+
+    def wait_step(self) -> None:
+        t_wait = time.perf_counter()
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+        if reply[0] != "ok":
+            raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
+        t_got = time.perf_counter()
+        _, refused, accept_s, fill_s, live, t_received, t_done = reply
+        stats = self.backend.stats
+        stats["jobs"] += 1
+        self.live = live
+        stats["live"] = sum(lane.live for lane in self.backend._lanes)
+        stats["accept_s"] += accept_s
+        stats["fill_s"] += fill_s
+        # The hand-overs (one clock for both processes): send -> the worker has it, and its reply
+        # -> this thread has it (from when it was both sent and waited for).
+        stats["wake_s"] += t_received - self.t_sent
+        stats["back_s"] += t_got - max(t_done, t_wait)
+        for slot in refused:
+            logger.error("grammar slot %d: the grammar worker refused a sampled token", slot)
+
+
+class _Workers:
+    """The processes, their sockets and the shared block; `release` is also the weakref
+    finalizer, so nothing outlives the backend (shutdown, garbage collection, interpreter exit)."""
+
+    def __init__(self, shm: SharedMemory, registered: int | None) -> None:
+        self.shm, self.registered = shm, registered
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+
+    def release(self) -> None:
+        conns, self.conns = self.conns, []
+        for conn in conns:
+            try:
+                conn.send(("close",))
+            except OSError:
+                pass
+            conn.close()
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if self.registered is not None:
+            ptr, self.registered = self.registered, None
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except RuntimeError:
+                pass  # CUDA already torn down (interpreter exit): the mapping goes with the process
+        if self.shm is not None:
+            shm, self.shm = self.shm, None
+            try:
+                shm.close()
+            except BufferError:
+                pass  # the manager's views still point into it; the mapping goes with them
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _pin(buffer: torch.Tensor) -> int | None:
+    """Register the shared block with CUDA as pinned memory (its copies then need no staging);
+    None when there is no GPU or the driver refuses (the copy then pins by copying, as before)."""
+    if not torch.cuda.is_available():
+        return None
+    ptr = buffer.data_ptr()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)
+        failed = int(getattr(err, "value", err)) != 0
+    except (AttributeError, RuntimeError, TypeError) as e:  # a torch without the binding
+        err, failed = e, True
+    if failed:
+        logger.warning("cudaHostRegister of the grammar bitmask buffer failed (%s); its copies pin by copying", err)
+        return None
+    return ptr
+
+
+class ProcessBackend(StructuredOutputBackend):
+    remote = True
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int, rows: int, pin_memory: bool,
+                 num_workers: int = 1) -> None:
+        self.vocab_size = vocab_size
+        self.local = XgrammarBackend(tokenizer, vocab_size, max_threads=max_threads)
+        self.rows, self.words = rows, (vocab_size + 31) // 32
+        # The workers' own times (summed over their jobs) and matchers after the last jobs.
+        self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
+        shm = SharedMemory(create=True, size=NUM_BUFFERS * rows * self.words * 4)
+        self.buffers: list[torch.Tensor] = []
+        workers = None
+        try:
+            flat = np.ndarray((NUM_BUFFERS, rows, self.words), dtype=np.int32, buffer=shm.buf)
+            flat.fill(-1)
+            whole = torch.from_numpy(flat)
+            workers = _Workers(shm, _pin(whole) if pin_memory else None)
+            self.buffers = [whole[i] for i in range(NUM_BUFFERS)]
+            self._lanes: list[_Lane] = []
+            for _ in range(num_workers):
+                proc, conn = self._start(max_threads, shm.name)
+                workers.procs.append(proc)
+                workers.conns.append(conn)
+                self._lanes.append(_Lane(self, proc, conn))
+        except BaseException:
+            self.buffers = []
+            if workers is not None:
+                workers.release()
+            else:
+                shm.close()
+                shm.unlink()
+            raise
+        self._workers = workers
+        self._finalizer = weakref.finalize(self, workers.release)
+        self._next_slot = 0
+        self._slot_lock = threading.Lock()
+        self._next_buffer = 0
+
+    def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
+        """One worker process, started and initialized (its "ready" read)."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)  # the worker gets this process's environment, handed over whole
+        root = str(Path(__file__).resolve().parents[2])  # the worker imports this process's pagedllm
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.structured_output.grammar_worker", str(theirs.fileno()),
+                 str(logging.getLogger().getEffectiveLevel())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        try:
+            conn.send(("init", self.local.tokenizer_info.serialize_json(), self.vocab_size, max_threads, shm_name,
+                       NUM_BUFFERS, self.rows, self.words))
+            if not conn.poll(START_TIMEOUT_S):
+                raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:.0f} s")
+            reply = conn.recv()
+            if reply[0] != "ready":
+                raise RuntimeError(f"the grammar worker failed to start: {reply[1]}")
+        except BaseException:
+            conn.close()
+            proc.kill()
+            proc.wait()
+            raise
+        logger.info("grammar worker started (pid %d)", proc.pid)
+        return proc, conn
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate(self, params: StructuredOutputsParams) -> None:
+        self.local.validate(params)
+
+    def _lane_of(self, slot: int) -> _Lane:
+        lanes = self._lanes
+        return lanes[slot % len(lanes)]
+
+    def compile_grammar(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> ProcessGrammar:
+        with self._slot_lock:
+            slot = self._next_slot
+            self._next_slot += 1
+        # The worker compiles first (in its pool, from its cache) while this thread compiles the
+        # same grammar: the error (a 400 upstream) and the stop ids come from here.
+        lane = self._lane_of(slot)
+        lane.send(("add", slot, params, list(stop_token_ids)))
+        try:
+            local = self.local.compile_grammar(params, stop_token_ids)
+        except BaseException:
+            lane.removed.append(slot)
+            raise
+        assert local.stop_ids is not None, "the grammar worker needs xgrammar's GrammarMatcher.stop_token_ids"
+        return ProcessGrammar(slot, local.stop_ids, lane)
+
+    def release(self, grammar: StructuredOutputGrammar) -> None:
+        """The request is done: its matcher goes with the next job (any thread may call this)."""
+        grammar._lane.removed.append(grammar.slot)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def accept_tokens_batch(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[bool] | None:
+        # Queued for the next job; the manager passes no stop token here (its one-token fast path).
+        if len(self._lanes) == 1:
+            lane = self._lanes[0]
+            lane.one_slots += [g.slot for g in grammars]
+            lane.one_tokens += tokens
+            return None
+        for g, token in zip(grammars, tokens, strict=True):
+            lane = g._lane
+            lane.one_slots.append(g.slot)
+            lane.one_tokens.append(token)
+        return None
+
+    def allocate_bitmask(self, num_rows: int, pin_memory: bool = False) -> torch.Tensor:
+        """The shared buffers in turn (the manager takes two); every token allowed."""
+        if num_rows > self.rows:
+            raise ValueError(f"{num_rows} bitmask rows asked of a grammar worker sized for {self.rows}")
+        buf = self.buffers[self._next_buffer % NUM_BUFFERS]
+        self._next_buffer += 1
+        buf.numpy().fill(-1)
+        return buf
+
+    def _buffer_of(self, bitmask: torch.Tensor) -> int:
+        ptr = bitmask.data_ptr()
+        for i, buf in enumerate(self.buffers):
+            if buf.data_ptr() == ptr:
+                return i
+        raise ValueError("a grammar worker fills only its own shared buffers (from allocate_bitmask), from row 0")
+
+    def fill_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor) -> WorkerJob:
+        return WorkerJob(self, [g.slot for g in grammars], self._buffer_of(bitmask))
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        # Not the manager's path (it sends fill_job's jobs): a one-off fill into `bitmask`, through
+        # the buffer that `bitmask` is not (the caller holds no job in flight, as for any fill).
+        buf = 1 if bitmask.data_ptr() == self.buffers[0].data_ptr() else 0
+        WorkerJob(self, [g.slot for g in grammars], buf)()
+        bitmask[rows] = self.buffers[buf][: len(rows)]
+
+    def _send_step(self, fill_slots: list[int], buffer: int) -> list[_Lane]:
+        """Send each worker its part of the job; the lanes whose replies the job waits for."""
+        self.stats["steps"] += 1
+        lanes = self._lanes
+        if len(lanes) == 1:
+            lanes[0].send_step(fill_slots, None, buffer)
+            return lanes
+        n = len(lanes)
+        slots: list[list[int]] = [[] for _ in range(n)]
+        rows: list[list[int]] = [[] for _ in range(n)]
+        for row, slot in enumerate(fill_slots):  # slot s lives in worker s % n
+            slots[slot % n].append(slot)
+            rows[slot % n].append(row)
+        for i, lane in enumerate(lanes):
+            lane.send_step(slots[i], rows[i], buffer)
+        return lanes
+
+    def shutdown(self) -> None:
+        self.buffers = []
+        self._finalizer()

@@ -1,0 +1,216 @@
+"""The grammar worker process (structured_output/backend_process.py, grammar_worker.py) against the
+bitmask thread's in-process backend: the same bitmasks step by step for the same tokens, refused
+tokens reported, finished / aborted / never-compiled requests dropped in the worker, the process
+gone and its shared memory unlinked at shutdown, a dead worker a clear error; and in the engine,
+greedy outputs of constrained and unconstrained rows in one batch equal to the thread path's."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.manager import StructuredOutputManager, make_backend
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+DOC = '{"name": "Ann", "age": 42}'
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from pagedllm.loader import default_model_path
+
+    folder = os.environ.get("PAGEDLLM_TEST_TOKENIZER")  # a tokenizer folder (the GPU machine has no GGUF)
+    if folder:
+        return AutoTokenizer.from_pretrained(folder)
+    gguf = default_model_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def manager_with(backend, rows: int = 4) -> StructuredOutputManager:
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=rows),
+                             device_config=SimpleNamespace(device="cpu"))
+    manager = StructuredOutputManager(config)
+    manager._backend = backend
+    manager._remote = getattr(backend, "remote", False)
+    return manager
+
+
+def add(manager, rid: str, so: StructuredOutputsParams | None = None):
+    params = SamplingParams(structured_outputs=so or StructuredOutputsParams(json=SCHEMA))
+    return manager.add_request(SimpleNamespace(request_id=rid, sampling_params=params))
+
+
+def step(*rids: str):
+    return SimpleNamespace(num_scheduled_tokens=dict.fromkeys(rids, 1), sampling_req_ids=set(rids))
+
+
+@pytest.fixture(scope="module")
+def worker_backend(tokenizer):
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=4)
+    assert backend.remote
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_workers(tokenizer):
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=4, num_workers=2)
+    assert backend.remote and len(backend._lanes) == 2
+    yield backend
+    backend.shutdown()
+
+
+@pytest.mark.parametrize("workers", ["one worker", "two workers"])
+def test_the_worker_fills_the_same_bitmasks_as_the_thread_path(tokenizer, worker_backend, two_workers, workers):
+    doc = tokenizer.encode(DOC, add_special_tokens=False)
+    local = manager_with(make_backend(tokenizer, VOCAB))
+    remote = manager_with(worker_backend if workers == "one worker" else two_workers)
+    for m in (local, remote):
+        for rid in ("a", "b", "c"):
+            add(m, rid).future.result()
+    for j in range(len(doc) + 1):
+        if j:  # "a" follows the document; "b" and "c" stop after two tokens (their rows then stay free)
+            outs = [EngineCoreOutput("a", [doc[j - 1]])]
+            outs += [EngineCoreOutput(r, [doc[j - 1]]) for r in ("b", "c") if j <= 2]
+            local.advance(outs)
+            remote.advance(outs)
+        so = step("c", "a", "b") if j <= 2 else step("a")
+        want = local.submit_grammar_bitmask(so).result()
+        got = remote.submit_grammar_bitmask(so).result()
+        assert got.structured_output_request_ids == want.structured_output_request_ids
+        assert torch.equal(got.grammar_bitmask, want.grammar_bitmask), f"step {j}"
+    # The document is complete: EOS (the stop token) is now allowed, and ends the grammar.
+    eos = tokenizer.eos_token_id
+    assert (got.grammar_bitmask[0, eos // 32] >> (eos % 32)) & 1
+    remote.advance([EngineCoreOutput("a", [eos])])
+    assert remote.submit_grammar_bitmask(step("a")).result() is None  # the job's accept ends it: no row
+    assert remote.requests["a"].ended
+    local.shutdown()
+
+
+def test_finished_aborted_and_compiling_requests_leave_the_worker(worker_backend):
+    manager = manager_with(worker_backend)
+    before = worker_backend.stats.get("live", 0)
+    for rid in ("x", "y", "z"):
+        add(manager, rid).future.result()
+    manager.submit_grammar_bitmask(step("x", "y", "z")).result()
+    assert worker_backend.stats["live"] == before + 3
+    manager.advance([EngineCoreOutput("x", [123], finish_reason="length")])  # finished by the scheduler
+    manager.remove(["y"])  # aborted mid-grammar
+    manager.submit_grammar_bitmask(step("z")).result()
+    assert worker_backend.stats["live"] == before + 1
+    sor = add(manager, "w", StructuredOutputsParams(regex="[a-z]{3,9}"))
+    manager.remove(["w", "z"])  # aborted while (possibly) still compiling
+    sor.future.result()
+    assert manager.submit_grammar_bitmask(step()).result() is None  # no row: no job was sent
+    add(manager, "v").future.result()
+    manager.submit_grammar_bitmask(step("v")).result()
+    assert worker_backend.stats["live"] == before + 1  # only "v"
+    manager.remove(["v"])
+
+
+def test_a_bad_grammar_fails_in_the_engine_and_its_slot_is_dropped(worker_backend):
+    with pytest.raises(ValueError, match="parenthesis"):
+        worker_backend.validate(StructuredOutputsParams(regex="(abc"))
+    with pytest.raises(ValueError, match="parenthesis"):
+        worker_backend.compile_grammar(StructuredOutputsParams(regex="(abc"), [2])
+    assert worker_backend._lanes[0].removed  # sent with the next job
+
+
+def test_a_refused_token_is_reported(worker_backend, caplog):
+    manager = manager_with(worker_backend)
+    add(manager, "r", StructuredOutputsParams(regex="[0-9]{3}")).future.result()
+    manager.submit_grammar_bitmask(step("r")).result()
+    manager.advance([EngineCoreOutput("r", [ord("a") % 100 + 1000])])  # not a digit token
+    with caplog.at_level(logging.ERROR, logger="pagedllm.structured_output.backend_process"):
+        manager.submit_grammar_bitmask(step("r")).result()
+    assert "refused" in caplog.text
+    manager.remove(["r"])
+
+
+def test_shutdown_ends_the_worker_and_unlinks_its_memory_and_a_dead_worker_is_an_error(tokenizer):
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2)
+    manager = manager_with(backend, rows=2)
+    add(manager, "a").future.result()
+    manager.submit_grammar_bitmask(step("a")).result()
+    proc, name = backend._workers.procs[0], backend._workers.shm.name
+    assert os.path.exists("/dev/shm/" + name)
+    proc.kill()
+    proc.wait()
+    manager.advance([EngineCoreOutput("a", [tokenizer.encode("{", add_special_tokens=False)[0]])])
+    with pytest.raises(RuntimeError, match="grammar worker"):
+        manager.submit_grammar_bitmask(step("a")).result()
+    manager.shutdown()
+    assert not os.path.exists("/dev/shm/" + name)
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2)
+    proc, name = backend._workers.procs[0], backend._workers.shm.name
+    manager_with(backend, rows=2).shutdown()
+    assert proc.poll() is not None and not os.path.exists("/dev/shm/" + name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_shared_buffers_are_pinned_and_copy_exactly(tokenizer):
+    from pagedllm.host_copy import to_device_async
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=4, pin_memory=True)
+    assert backend.remote, "the grammar worker did not start"
+    try:
+        local = manager_with(make_backend(tokenizer, VOCAB))
+        remote = manager_with(backend)
+        for m in (local, remote):
+            add(m, "a").future.result()
+        want = local.submit_grammar_bitmask(step("a")).result().grammar_bitmask
+        got = remote.submit_grammar_bitmask(step("a")).result().grammar_bitmask
+        assert got.is_pinned()
+        on_device = to_device_async(got, torch.device("cuda"))
+        torch.cuda.synchronize()
+        assert torch.equal(on_device.cpu(), want)
+        local.shutdown()
+    finally:
+        backend.shutdown()
+
+
+def test_engine_outputs_equal_the_thread_path(monkeypatch):
+    from pagedllm import LLM
+    from tests.utils import assert_pool_idle
+
+    questions = ["Describe a person.", "What is the capital of France?", "Name a color."]
+
+    def run(worker: str):
+        monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", worker)
+        llm = LLM(max_model_len=512, num_gpu_blocks_override=128, async_scheduling=True)
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+        params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+                  SamplingParams(temperature=0, max_tokens=16),
+                  SamplingParams(temperature=0, max_tokens=12,
+                                 structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"))]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        manager = llm.llm_engine.engine_core.structured_output_manager
+        assert manager._remote == (worker == "1")
+        assert_pool_idle(llm)
+        proc = manager.backend()._workers.procs[0] if manager._remote else None
+        name = manager.backend()._workers.shm.name if manager._remote else None
+        llm.llm_engine.shutdown()
+        if proc is not None:  # the engine's shutdown ends the worker and unlinks its memory
+            assert proc.poll() is not None and not os.path.exists("/dev/shm/" + name)
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert run("1") == run("0")
