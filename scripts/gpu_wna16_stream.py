@@ -40,10 +40,13 @@ from pagedllm.kernels.wna16_tc import tc_config, wna16_tc_linear  # noqa: E402
 T0 = time.monotonic()
 G = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-STREAM = {  # name -> config (BLOCK_N, STEPS, num_warps[, BLOCK_KW])
+STREAM = {  # name -> config (BLOCK_N, STEPS, num_warps[, BLOCK_KW, STEP_SUMS])
     "s128x2w4": StreamConfig(128, 2, 4), "s128x4w4": StreamConfig(128, 4, 4), "s128x8w4": StreamConfig(128, 8, 4),
     "s128x4w8": StreamConfig(128, 4, 8), "s256x2w4": StreamConfig(256, 2, 4), "s256x4w8": StreamConfig(256, 4, 8),
     "s64x4w4": StreamConfig(64, 4, 4), "s64x8w2": StreamConfig(64, 8, 2), "s128x1w4": StreamConfig(128, 1, 4),
+    # offsets / zero points from whole-step x sums
+    "t128x4w4": StreamConfig(128, 4, 4, STEP_SUMS=True), "t128x8w4": StreamConfig(128, 8, 4, STEP_SUMS=True),
+    "t256x4w8": StreamConfig(256, 4, 8, STEP_SUMS=True), "t128x2w4": StreamConfig(128, 2, 4, STEP_SUMS=True),
 }
 
 
@@ -198,7 +201,7 @@ def time_kernels() -> None:
            f"{best_layer:.1f} / {sum(TABLE[s]['dispatch'] for s in SHAPES):.1f} / "
            f"{sum(TABLE[s]['tc'] for s in SHAPES):.1f} us (x 32 layers)")
     for shape, (n, k) in SHAPES.items():
-        sname = min((v, nm) for nm, v in TABLE[shape].items() if nm.startswith("s"))[1]
+        sname = min((v, nm) for nm, v in TABLE[shape].items() if nm in STREAM)[1]
         print(f"  {shape} ({n}, {k}): best stream {sname} = {STREAM[sname]}, default {stream_config(n, k)}", flush=True)
 
 

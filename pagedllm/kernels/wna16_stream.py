@@ -27,7 +27,10 @@ not subtracted per value; with OFF_i = 256 (even i) or 16 (odd i), for one group
 
 so a value costs one FFMA into the step's (BLOCK_KW, BLOCK_N) partial, and each row r of word rows
 carries xo[r] = sum_i OFF_i x[8r + i] and xs[r] = sum_i x[8r + i] (shared by the BLOCK_N columns);
-acc += s * (part - xo - z * xs) once a step. The cancellation costs ~5-8 of fp32's 24 bits (|OFF +
+acc += s * (part - xo - z * xs) once a step. STEP_SUMS instead takes the offsets and zero points
+out of the per-word work altogether: acc += s * part, and per column corr += s * (XO + z * XS) with
+XO, XS the whole step's sums of OFF * x and x (one (BLOCK_K,) x load, two block reductions),
+subtracted once at the end (sm_90 SASS: ~34-37 instructions a word against ~36-38). The cancellation costs ~5-8 of fp32's 24 bits (|OFF +
 q| <= 271 against |q - z| ~ 8), far below the bf16 output's rounding. Accumulation is fp32.
 
 Split-K epilogue (SPLIT = cdiv(K, STEPS * BLOCK_K) programs per N block): each program stores its
@@ -66,6 +69,7 @@ class StreamConfig(NamedTuple):
     STEPS: int  # group-aligned BLOCK_K steps per program (the loop is unrolled); fewer when K has fewer
     num_warps: int
     BLOCK_KW: int = 16  # word rows a step (BLOCK_K = 8 * BLOCK_KW inputs, dividing the group size)
+    STEP_SUMS: bool = False  # offsets / zero points from whole-step x sums (block reductions), not per word row
     num_stages: int = 1  # no loop-carried pipeline: the programs in flight hide the latency
 
 
@@ -104,6 +108,7 @@ def _wna16_stream_kernel(
     N, SPLIT, magic_even, magic_odd,
     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    STEP_SUMS: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -113,6 +118,9 @@ def _wna16_stream_kernel(
     offs_kw = tl.arange(0, BLOCK_KW)
     k_start = pid_k * (STEPS * BLOCK_K)
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    corr = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    off_k = tl.where(offs_k % 2 == 0, 256.0, 16.0)  # OFF of input k0 + kk: nibble kk % 8, even or odd
     for i in tl.static_range(STEPS):
         k0 = k_start + i * BLOCK_K
         # K is a whole number of programs' ranges (the host picks STEPS so), so only N is masked.
@@ -142,12 +150,19 @@ def _wna16_stream_kernel(
         part += x5[:, None] * _nibble(w_a, w_b, w_c, w_d, magic_even, magic_odd, 5)
         part += x6[:, None] * _nibble(w_a, w_b, w_c, w_d, magic_even, magic_odd, 6)
         part += x7[:, None] * _nibble(w_a, w_b, w_c, w_d, magic_even, magic_odd, 7)
-        x_even = (x0 + x2) + (x4 + x6)
-        x_odd = (x1 + x3) + (x5 + x7)
-        xs = x_even + x_odd
-        xo = x_even * 256.0 + x_odd * 16.0
-        acc += s[None, :] * (part - (xo[:, None] + z[None, :] * xs[:, None]))
-    res = tl.sum(acc, axis=0)  # (BLOCK_N,)
+        if STEP_SUMS:
+            # the offsets and zero points once a step and column: sum_k x (OFF + z) from the step's
+            # x as one vector (two block reductions), subtracted from the program's sum at the end
+            xv = _x_col(x_ptr, perm_ptr, k0 + offs_k, HAS_PERM)
+            corr += s * (tl.sum(xv * off_k, axis=0) + z * tl.sum(xv, axis=0))
+            acc += s[None, :] * part
+        else:
+            x_even = (x0 + x2) + (x4 + x6)
+            x_odd = (x1 + x3) + (x5 + x7)
+            xs = x_even + x_odd
+            xo = x_even * 256.0 + x_odd * 16.0
+            acc += s[None, :] * (part - (xo[:, None] + z[None, :] * xs[:, None]))
+    res = tl.sum(acc, axis=0) - corr  # (BLOCK_N,)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -228,6 +243,6 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         out, ws[0], ws[1], n, split, MAGIC_EVEN, MAGIC_ODD,
         GROUP_SIZE=group_size, STEPS=steps, HAS_BIAS=bias is not None, HAS_PERM=perm is not None,
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
-        BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
