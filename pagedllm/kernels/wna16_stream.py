@@ -30,7 +30,8 @@ carries xo[r] = sum_i OFF_i x[8r + i] and xs[r] = sum_i x[8r + i] (shared by the
 acc += s * (part - xo - z * xs) once a step. STEP_SUMS instead takes the offsets and zero points
 out of the per-word work altogether: acc += s * part, and per column corr += s * (XO + z * XS) with
 XO, XS the whole step's sums of OFF * x and x (one (BLOCK_K,) x load, two block reductions),
-subtracted once at the end (sm_90 SASS: ~34-37 instructions a word against ~36-38). The cancellation costs ~5-8 of fp32's 24 bits (|OFF +
+subtracted once at the end (sm_90 SASS: ~34-37 instructions a word against ~36-38). PREFETCH loads
+step i + 1's words before step i's arithmetic (ptxas alone issues them after it). The cancellation costs ~5-8 of fp32's 24 bits (|OFF +
 q| <= 271 against |q - z| ~ 8), far below the bf16 output's rounding. Accumulation is fp32.
 
 Split-K epilogue (SPLIT = cdiv(K, STEPS * BLOCK_K) programs per N block): each program stores its
@@ -70,6 +71,7 @@ class StreamConfig(NamedTuple):
     num_warps: int
     BLOCK_KW: int = 16  # word rows a step (BLOCK_K = 8 * BLOCK_KW inputs, dividing the group size)
     STEP_SUMS: bool = False  # offsets / zero points from whole-step x sums (block reductions), not per word row
+    PREFETCH: bool = False  # issue step i + 1's word / scale loads before step i's arithmetic
     num_stages: int = 1  # no loop-carried pipeline: the programs in flight hide the latency
 
 
@@ -103,32 +105,43 @@ def _x_col(x_ptr, perm_ptr, cols, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _wna16_stream_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
-    N, SPLIT, magic_even, magic_odd,
-    GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
-    USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    STEP_SUMS: tl.constexpr,
-):
+def _step_loads(qw_ptr, s_ptr, z_ptr, N, offs_n, mask_n, offs_kw, k0, GROUP_SIZE: tl.constexpr):
+    """One step's (BLOCK_KW, BLOCK_N) words and its group's scales and zero points (as stored). K is a
+    whole number of programs' ranges (the host picks STEPS so), so only N is masked."""
+    words = tl.load(qw_ptr + ((k0 // 8) + offs_kw)[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=mask_n[None, :], other=0, eviction_policy="evict_first")
+    g = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+    z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0)
+    return words, s, z
+
+
+@triton.jit
+def _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw, k_start,
+              GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_KW: tl.constexpr, STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr):
+    """The program's (BLOCK_N,) fp32 partial, one (BLOCK_KW, BLOCK_N) word tile a step (unrolled).
+    PREFETCH: step i + 1's words, scales and zero points are loaded before step i's arithmetic (by
+    hand: in the unrolled code ptxas otherwise issues each step's loads after the previous step's work,
+    sm_90 SASS)."""
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_kw = tl.arange(0, BLOCK_KW)
-    k_start = pid_k * (STEPS * BLOCK_K)
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     corr = tl.zeros((BLOCK_N,), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     off_k = tl.where(offs_k % 2 == 0, 256.0, 16.0)  # OFF of input k0 + kk: nibble kk % 8, even or odd
+    if PREFETCH:
+        words_n, s_n, z_n = _step_loads(qw_ptr, s_ptr, z_ptr, N, offs_n, mask_n, offs_kw, k_start, GROUP_SIZE)
     for i in tl.static_range(STEPS):
         k0 = k_start + i * BLOCK_K
-        # K is a whole number of programs' ranges (the host picks STEPS so), so only N is masked.
-        words = tl.load(qw_ptr + ((k0 // 8) + offs_kw)[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=mask_n[None, :], other=0, eviction_policy="evict_first")
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        if PREFETCH:
+            words, s, z = words_n, s_n, z_n
+            if i + 1 < STEPS:
+                words_n, s_n, z_n = _step_loads(qw_ptr, s_ptr, z_ptr, N, offs_n, mask_n, offs_kw, k0 + BLOCK_K,
+                                                GROUP_SIZE)
+        else:
+            words, s, z = _step_loads(qw_ptr, s_ptr, z_ptr, N, offs_n, mask_n, offs_kw, k0, GROUP_SIZE)
+        s = s.to(tl.float32)
+        z = z.to(tl.float32)
         cols = k0 + offs_kw * 8
         w_a = words << 15
         w_b = words << 7
@@ -162,7 +175,26 @@ def _wna16_stream_kernel(
             xs = x_even + x_odd
             xo = x_even * 256.0 + x_odd * 16.0
             acc += s[None, :] * (part - (xo[:, None] + z[None, :] * xs[:, None]))
-    res = tl.sum(acc, axis=0) - corr  # (BLOCK_N,)
+    return tl.sum(acc, axis=0) - corr  # (BLOCK_N,)
+
+
+@triton.jit
+def _wna16_stream_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
+    N, SPLIT, magic_even, magic_odd,
+    GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
+    USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = BLOCK_KW * 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_kw = tl.arange(0, BLOCK_KW)
+    k_start = pid_k * (STEPS * BLOCK_K)
+    res = _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw,
+                    k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -226,8 +258,8 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         x = x.contiguous()
     steps_total = k // block_k
     steps = max(1, min(cfg.STEPS, steps_total))
-    while steps_total % steps:  # whole programs: no masked K tail
-        steps -= 1
+    while steps_total % steps:  # whole programs: no masked K tail (and a power of two stays one)
+        steps //= 2
     split = steps_total // steps
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -243,6 +275,6 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         out, ws[0], ws[1], n, split, MAGIC_EVEN, MAGIC_ODD,
         GROUP_SIZE=group_size, STEPS=steps, HAS_BIAS=bias is not None, HAS_PERM=perm is not None,
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
-        BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -34,10 +34,12 @@ def test_every_nibble_position(device):
 
 
 # one program per N block (no split); 2 splits of 2 steps; 8 splits of 32-input steps (group 128 =
-# 4 steps); 32 splits (two RED-row chunks of the reduce); whole-step x sums, split and not
+# 4 steps); 32 splits (two RED-row chunks of the reduce); whole-step x sums, split and not; the next
+# step's loads first (split, and one program per N block with whole-step sums)
 CASES = [(256, StreamConfig(32, 4, 4)), (512, StreamConfig(64, 2, 4)), (512, StreamConfig(32, 2, 4, BLOCK_KW=4)),
          (1024, StreamConfig(16, 1, 2, BLOCK_KW=4)), (512, StreamConfig(32, 2, 4, STEP_SUMS=True)),
-         (256, StreamConfig(64, 2, 4, BLOCK_KW=8, STEP_SUMS=True))]
+         (256, StreamConfig(64, 2, 4, BLOCK_KW=8, STEP_SUMS=True)), (512, StreamConfig(32, 2, 4, PREFETCH=True)),
+         (512, StreamConfig(32, 8, 4, BLOCK_KW=8, STEP_SUMS=True, PREFETCH=True))]
 
 
 @pytest.mark.parametrize(("k", "config"), CASES)
