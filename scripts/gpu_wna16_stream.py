@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gpu_common import record, run_sections  # noqa: E402
 
+from pagedllm.envs import use_triton_cache_dir  # noqa: E402
 from pagedllm.kernels.gemv import skinny_linear  # noqa: E402
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref  # noqa: E402
 from pagedllm.kernels.wna16_gemv import wna16_gemv  # noqa: E402
@@ -39,6 +40,7 @@ from pagedllm.kernels.wna16_stream import StreamConfig, stream_config, wna16_str
 from pagedllm.kernels.wna16_tc import tc_config, wna16_tc_linear  # noqa: E402
 
 T0 = time.monotonic()
+use_triton_cache_dir()  # the engine's cache directory, here and in the workers: the step finds these kernels
 G = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 STREAM = {  # name -> config; s: per-row offsets, t: whole-step sums, p / q: the same with the next step prefetched
