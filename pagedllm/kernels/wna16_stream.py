@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.gemv import split_k_workspace
-from pagedllm.kernels.wna16_tc import wna16_tc_linear
+from pagedllm.kernels.wna16_tc import TCConfig, wna16_tc_linear
 
 __all__ = ["StreamConfig", "stream_config", "stream_supported", "wna16_stream_linear"]
 
@@ -70,6 +70,7 @@ class StreamConfig(NamedTuple):
     STEPS: int  # group-aligned BLOCK_K steps per program (the loop is unrolled); fewer when K has fewer
     num_warps: int
     BLOCK_KW: int = 16  # word rows a step (BLOCK_K = 8 * BLOCK_KW inputs, dividing the group size)
+    # Both measured slower on the H200 at every 8B shape (BENCHMARKS.md, h40); kept for sweeps elsewhere.
     STEP_SUMS: bool = False  # offsets / zero points from whole-step x sums (block reductions), not per word row
     PREFETCH: bool = False  # issue step i + 1's word / scale loads before step i's arithmetic
     num_stages: int = 1  # no loop-carried pipeline: the programs in flight hide the latency
@@ -226,24 +227,34 @@ def stream_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> boo
     return x.shape[0] == 1 and bits == 4 and dtype_ok and group_size % 128 == 0 and k % 128 == 0
 
 
-def stream_config(n: int, k: int) -> StreamConfig:
-    """Launch configuration keyed by (N, K). Before this kernel's H200 sweep (scripts/gpu_wna16_stream.py):
-    128 columns on 4 warps, 8 steps a program (32 KB of words), halved (to 2 at least) while the grid
-    has fewer than 768 programs (~6 an SM): at the 8B shapes qkv 2 (768 programs), o 2 (512), gate_up
-    8 (896), down 4 (896)."""
-    n_blocks = triton.cdiv(n, 128)
-    steps_total = max(1, k // 128)
-    steps = 8
-    while steps > 2 and n_blocks * triton.cdiv(steps_total, steps) < 768:
-        steps //= 2
-    return StreamConfig(128, steps, 4)
+# One-row launch table keyed by (N, K), from the H200 sweep of scripts/gpu_wna16_stream.py (2026-12-01,
+# BENCHMARKS.md, issue 19, the h40 subsection; CUDA-graph replays over rotating weight copies):
+#   qkv  6144 x 4096    64 columns, 2 warps, 8 steps   11.2 us (128 x 2 x 4: 11.7; tensor-core kernel 14.8)
+#   o    4096 x 4096    128 columns, 4 warps, 2 steps   8.2 us (tensor-core kernel 10.1)
+#   down 4096 x 14336   64 columns, 2 warps, 8 steps   19.5 us (tensor-core kernel 19.8)
+#   gate_up 28672 x 4096: the tensor-core kernel with K split 4 ways, 33.1 us (here 128 x 2 x 4: 34.2)
+# Other shapes: 128 columns, 4 warps, 2 steps, the best over the four shapes together (76.4 us a layer).
+_TABLE: dict[tuple[int, int], StreamConfig | TCConfig] = {
+    (6144, 4096): StreamConfig(64, 8, 2),
+    (4096, 4096): StreamConfig(128, 2, 4),
+    (4096, 14336): StreamConfig(64, 8, 2),
+    (28672, 4096): TCConfig(128, 4, 4, 3),
+}
+_DEFAULT = StreamConfig(128, 2, 4)
+
+
+def stream_config(n: int, k: int) -> StreamConfig | TCConfig:
+    """The one-row launch for an (N, K) int4 weight: a StreamConfig for this kernel, or a TCConfig
+    where the tensor-core kernel (wna16_tc.py) measured faster."""
+    return _TABLE.get((n, k), _DEFAULT)
 
 
 def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         group_size: int, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                        config: StreamConfig | None = None) -> torch.Tensor:
+                        config: StreamConfig | TCConfig | None = None) -> torch.Tensor:
     """x (1, K) -> (1, N), int4 weights in the layout above. perm (K,) int32 / int64 (act-order):
-    weight row k holds input perm[k]; the kernel reads x through it (no gather launch)."""
+    weight row k holds input perm[k]; the kernel reads x through it (no gather launch). The launch
+    is `stream_config(N, K)` unless given; a TCConfig sends the row to the tensor-core kernel."""
     m, k = x.shape
     n = qweight.shape[1]
     if m != 1:
@@ -251,6 +262,8 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     if qweight.shape[0] * 8 != k:
         raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * 8}")
     cfg = config or stream_config(n, k)
+    if isinstance(cfg, TCConfig):
+        return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm, config=cfg)
     block_k = cfg.BLOCK_KW * 8
     if group_size % block_k or k % block_k:
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size} and K {k}")

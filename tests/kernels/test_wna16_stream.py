@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
 from pagedllm.kernels.wna16_stream import RED, StreamConfig, stream_config, stream_supported, wna16_stream_linear
+from pagedllm.kernels.wna16_tc import TCConfig
 
 
 def _weights(k: int, n: int, group: int, device):
@@ -76,5 +77,12 @@ def test_16bit_and_dispatch(device):
         wna16_stream_linear(x, qweight, scales, zeros, 64)
     with pytest.raises(ValueError, match="one row"):
         wna16_stream_linear(torch.randn(2, k, device=device), qweight, scales, zeros, group)
-    # the picks (docstring): 8 steps a program, halved while the grid is under 768 programs
-    assert [stream_config(n, k).STEPS for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [2, 2, 8, 4]
+    # the sweep's table: qkv / o / down here, gate_up on the tensor-core kernel (K split 4 ways)
+    assert [stream_config(n, k) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336))] == [
+        StreamConfig(64, 8, 2), StreamConfig(128, 2, 4), StreamConfig(64, 8, 2)]
+    assert isinstance(stream_config(28672, 4096), TCConfig) and stream_config(28672, 4096).SPLIT_K == 4
+    assert stream_config(1024, 2048) == StreamConfig(128, 2, 4)
+    # a TCConfig routes the row to the tensor-core kernel: same result
+    ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group)
+    torch.testing.assert_close(wna16_stream_linear(x, qweight, scales, zeros, group, config=TCConfig(32, 2, 4, 2)),
+                               ref, atol=1e-3, rtol=1e-3)
