@@ -89,6 +89,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: int4 decode batches go to the FMA GEMV / tile kernel instead of the tensor-core kernel
     # (kernels/wna16_tc.py), the path before it; for comparisons.
     "PAGEDLLM_WNA16_TC": _flag("PAGEDLLM_WNA16_TC", True),
+    # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
+    # (kernels/wna16_stream.py); for comparisons.
+    "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

@@ -18,6 +18,9 @@ Worked example, bits 4, G 4, K 8, N 1: qweight [[0x00003A21]] holds q = [1, 2, 1
 for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5, -2, -2, -2, -2].
 
 CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
+    M == 1, int4, G % 128 == 0              kernels/wna16_stream.py: short unrolled programs, many in
+                   flight (split-K with an ordered one-launch reduce), fp32 magic-number unpack; its
+                   (N, K) table sends shapes where the tensor-core kernel measured faster there
     M < 128, int4, G % 128 == 0, 16-bit x   kernels/wna16_tc.py: LOP3-unpacked words straight into
                    tensor-core dots, split-K for skinny batches (act-order: x read through perm)
     M <= 16        (other int4 groups, 8-bit) kernels/wna16_gemv.py: the words streamed once, unpacked
@@ -43,6 +46,7 @@ import triton.language as tl
 from pagedllm.envs import environment_variables
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
 from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_stream import stream_supported, wna16_stream_linear
 from pagedllm.kernels.wna16_tc import tc_supported, wna16_tc_linear
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
@@ -188,6 +192,7 @@ DEQUANT_MIN_M = 128
 # TC_LARGE_WEIGHTS values; beyond that to the dequantized scratch (faster there than the tile kernel
 # above). Picked from the H200 sweep of the 8B linears: BENCHMARKS.md, issue 19, the h32 subsection.
 TC_ENABLED = environment_variables["PAGEDLLM_WNA16_TC"]()
+STREAM_ENABLED = environment_variables["PAGEDLLM_WNA16_STREAM"]()
 TC_MAX_M = 64
 TC_MAX_M_LARGE = 128
 TC_LARGE_WEIGHTS = 40 << 20  # gate_up (28672 x 4096) and down (4096 x 14336) of the 8B; not qkv / o
@@ -206,7 +211,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  dequant_min_m: int | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    Int4 g128 with 16-bit x: `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
+    One row, int4 g128: `wna16_stream_linear`. Int4 g128 with 16-bit x: `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
     act-order: x read through perm up to 16 rows, gathered once above), then the dequantized scratch.
     Otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm), larger M:
     the tile kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
@@ -220,6 +225,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if qweight.shape[0] * pf != k:
         raise ValueError(f"x has {k} inputs, the packed weight {qweight.shape[0] * pf}")
     dequant_from = DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m
+    if config is None and STREAM_ENABLED and stream_supported(x, bits, group_size, k):
+        return wna16_stream_linear(x, qweight, scales, zeros, group_size, bias, perm)
     if config is None and tc_supported(x, bits, group_size, k) and tc_max_m(n, k):
         limit = tc_max_m(n, k)
         if m <= limit and m < dequant_from:

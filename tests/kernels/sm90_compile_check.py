@@ -45,6 +45,7 @@ from pagedllm.kernels import (  # noqa: E402
     split_k,
     wna16_gemm,
     wna16_gemv,
+    wna16_stream,
     wna16_tc,
 )
 
@@ -129,6 +130,7 @@ def _record(launches: list) -> None:
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
         (wna16_tc, "_wna16_tc_kernel"),
+        (wna16_stream, "_wna16_stream_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
         (fused_moe, "_moe_align_kernel"),
@@ -147,17 +149,21 @@ def _record(launches: list) -> None:
 
 def _record_quant() -> None:
     """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the dispatch's tensor-core
-    kernel (wna16_tc: M 1, 8 and 64), the dequantization (larger M); 8-bit weights' GEMV and tile kernel;
+    kernel (wna16_tc: M 8 and 64; one row: wna16_stream, also at gate_up's 28672 x 4096), the
+    dequantization (larger M); 8-bit weights' GEMV and tile kernel;
     W8A8's activation quantizer (int8, fp8) and scale epilogue."""
     bf16 = torch.bfloat16
     n, k = 4096, 14336
     qw = torch.zeros(k // 8, n, dtype=torch.int32)
     s, z = torch.zeros(k // 128, n, dtype=bf16), torch.zeros(k // 128, n, dtype=torch.uint8)
     wna16_gemv._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
+    wna16_stream._workspaces[torch.device("cpu")] = (torch.zeros(1 << 22), torch.zeros(1 << 15, dtype=torch.int32))
     # M >= 128 dequantizes and multiplies with torch: the dequant kernel is recorded by the call below; a
     # wna16_linear call there would run a (256 x 14336) @ (14336 x 4096) bf16 matmul on the CPU (~70 s).
     for m in (1, 8, 64):
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
+    wna16_gemm.wna16_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, 28672, dtype=torch.int32),
+                            torch.zeros(32, 28672, dtype=bf16), torch.zeros(32, 28672, dtype=torch.uint8), 4, 128)
     # 8-bit weights keep the FMA GEMV (M 1) and the tile kernel (M 64): the tensor-core kernel is 4-bit.
     qw8 = torch.zeros(k // 4, n, dtype=torch.int32)
     for m in (1, 64):
