@@ -285,17 +285,3 @@ def smollm2_server(server_pool: ServerPool) -> RemoteOpenAIServer:
     package (test_openai_smollm2, the TP=1 reference of test_serve_tensor_parallel, test_web_ui):
     it is the slowest server to start."""
     return server_pool.take("smollm2")
-
-
-@pytest.fixture
-def remote_server():
-    """Start extra servers with their own flags: `remote_server([...], env=...)`; all stopped at the end."""
-    started: list[RemoteOpenAIServer] = []
-
-    def start(args: list[str], **kwargs: Any) -> RemoteOpenAIServer:
-        started.append(RemoteOpenAIServer(args, **kwargs))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()

@@ -139,11 +139,14 @@ def stream_status(url: str) -> int:
         return r.status_code
 
 
-# Started together by the package's server pool (conftest.ServerPool).
+# Started together by the package's server pool (conftest.ServerPool). 256 KV blocks: the default
+# 4 GiB is 524,288 blocks of the tiny model, each a Python object built at start and walked by the
+# suite's block-pool check and the console's block map.
+SMALL_POOL = ["--max-model-len", "512", "--num-gpu-blocks-override", "256"]
 SERVERS = {
-    "capped": (["--model", MODEL_DIR, "--web-ui-max-streams", "1", "--max-model-len", "512"], {}),
+    "capped": (["--model", MODEL_DIR, "--web-ui-max-streams", "1", *SMALL_POOL], {}),
     # --host 0.0.0.0 (after the pool's 127.0.0.1, so it wins): not loopback, so no console.
-    "public": (["--model", MODEL_DIR, "--host", "0.0.0.0", "--max-model-len", "512"], {}),
+    "public": (["--model", MODEL_DIR, "--host", "0.0.0.0", *SMALL_POOL], {}),
 }
 
 
