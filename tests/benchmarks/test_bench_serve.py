@@ -33,8 +33,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
            "--model", model, "--served-model-name", "tiny", "--max-num-seqs", "8"]
+    # vLLM's CPU KV-cache size variable, as its CPU users set it: the default 4 GiB is 262,144 blocks of
+    # this tiny model, and the suite's per-step block-pool check (PAGEDLLM_DEBUG_BLOCKS) walks them all.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "0.01"}
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.entrypoints.conftest import make_tiny_model
-from tests.entrypoints.openai.conftest import RemoteOpenAIServer
+from tests.entrypoints.openai.conftest import (  # noqa: F401 - _module_servers_stopped: the module autouse
+    RemoteOpenAIServer,
+    ServerPool,
+    _module_servers_stopped,
+)
 
 MODEL = "tiny"
 # Flags every reliability server shares: the tiny model, one torch thread, quiet access log.
@@ -43,33 +46,31 @@ HARDENED = ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--tru
 
 
 @pytest.fixture(scope="package")
-def hardened_server(tiny_model_dir: Path):
-    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *HARDENED])
-    yield s
-    s.stop()
+def server_pool(request: pytest.FixtureRequest, tiny_model_dir: Path):
+    """This package's servers, started two at a time ahead of need (ServerPool): hardened_server's,
+    low_limits_server's and the modules' SERVERS, whose flags follow `--model <tiny> *BASE_FLAGS`."""
+    specs, order = ServerPool.collect(request.session, Path(__file__).parent,
+                                      {"hardened_server": "hardened", "low_limits_server": "low_limits"},
+                                      tiny_model_dir)
+    specs = {name: (["--model", str(tiny_model_dir), *BASE_FLAGS, *args], kwargs)
+             for name, (args, kwargs) in specs.items()}
+    specs["hardened"] = (["--model", str(tiny_model_dir), *BASE_FLAGS, *HARDENED], {})
+    specs["low_limits"] = (["--model", str(tiny_model_dir), *BASE_FLAGS, *LOW_LIMITS], {})
+    pool = ServerPool(specs, order)
+    ServerPool.live.append(pool)
+    yield pool
+    pool.stop_all()
+    ServerPool.live.remove(pool)
 
 
 @pytest.fixture(scope="package")
-def low_limits_server(tiny_model_dir: Path):
-    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *LOW_LIMITS])
-    yield s
-    s.stop()
+def hardened_server(server_pool: ServerPool) -> RemoteOpenAIServer:
+    return server_pool.take("hardened")
 
 
-@pytest.fixture
-def start_server(tiny_model_dir: Path):
-    """`start_server([...flags], env=..., api_key=...)`; every server started is stopped at the end."""
-    started: list[RemoteOpenAIServer] = []
-
-    def start(flags: list[str], **kwargs: Any) -> RemoteOpenAIServer:
-        started.append(RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *flags], **kwargs))
-        return started[-1]
-
-    yield start
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait(10)
+@pytest.fixture(scope="package")
+def low_limits_server(server_pool: ServerPool) -> RemoteOpenAIServer:
+    return server_pool.take("low_limits")
 
 
 def assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:

@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteOpenAIServer
-from tests.reliability.conftest import BASE_FLAGS, MODEL, assert_idle, assert_openai_error
+from tests.reliability.conftest import MODEL, assert_idle, assert_openai_error
 
 API_KEY = "sk-reliability"
 MAX_MODEL_LEN = 512
@@ -175,15 +174,14 @@ CASES = [
 ]
 
 
+# Started by the package's server pool beside the next server it needs.
+SERVERS = {"catalogue": (["--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256",
+                          "--max-num-seqs", "8", "--max-request-body-bytes", str(MAX_BODY)], {"api_key": API_KEY})}
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = RemoteOpenAIServer(
-        ["--model", str(tiny_model_dir), *BASE_FLAGS, "--max-model-len", str(MAX_MODEL_LEN),
-         "--num-gpu-blocks-override", "256", "--max-num-seqs", "8", "--max-request-body-bytes", str(MAX_BODY)],
-        api_key=API_KEY,
-    )
-    yield s
-    s.stop()
+def server(server_pool):
+    return server_pool.take("catalogue", __name__)
 
 
 @pytest.fixture(scope="module")

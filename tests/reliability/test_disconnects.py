@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteOpenAIServer
-from tests.reliability.conftest import BASE_FLAGS, MODEL, assert_idle
+from tests.reliability.conftest import MODEL, assert_idle
 
 LONG = 1500  # max_tokens no dropped request may reach
 FLAGS = ["--max-model-len", "2048", "--num-gpu-blocks-override", "1024", "--max-num-seqs", "5",
@@ -59,11 +58,13 @@ def aborts(m: dict) -> float:
     return m.get((_success_name(m), (("finished_reason", "abort"),)), 0.0)
 
 
+# Started by the package's server pool beside the next server it needs.
+SERVERS = {"disconnects": (FLAGS, {})}
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = RemoteOpenAIServer(["--model", str(tiny_model_dir), *BASE_FLAGS, *FLAGS])
-    yield s
-    s.stop()
+def server(server_pool):
+    return server_pool.take("disconnects", __name__)
 
 
 def test_disconnect_storm_frees_everything(server):

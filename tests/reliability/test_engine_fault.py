@@ -15,11 +15,13 @@ from tests.reliability.conftest import MODEL, assert_openai_error, parse_sse
 FAIL_AT_STEP = 100
 
 
-def test_model_step_exception_fails_everything_and_exits_nonzero(start_server):
-    server = start_server(
-        ["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--max-num-seqs", "2"],
-        env={FAULT_INJECT_ENV: str(FAIL_AT_STEP)},
-    )
+# Started by the package's server pool beside the next server it needs.
+SERVERS = {"fault": (["--max-model-len", "512", "--num-gpu-blocks-override", "256", "--max-num-seqs", "2"],
+                     {"env": {FAULT_INJECT_ENV: str(FAIL_AT_STEP)}})}
+
+
+def test_model_step_exception_fails_everything_and_exits_nonzero(server_pool):
+    server = server_pool.take("fault", __name__)
     assert httpx.get(server.url("/health")).status_code == 200
     long = {"max_tokens": 300, "ignore_eos": True}
 

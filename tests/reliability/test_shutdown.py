@@ -13,6 +13,13 @@ import httpx
 from tests.reliability.conftest import MODEL, assert_openai_error, parse_sse
 
 FLAGS = ["--max-model-len", "2048", "--num-gpu-blocks-override", "1024", "--max-num-seqs", "8"]
+# One server per test (each ends its own), started two at a time by the package's server pool.
+SERVERS = {
+    "drain": ([*FLAGS, "--shutdown-timeout", "30"], {}),
+    "timeout": ([*FLAGS, "--shutdown-timeout", "1"], {}),
+    "sighup": ([*FLAGS, "--shutdown-timeout", "30"], {}),
+    "second-sigterm": ([*FLAGS, "--shutdown-timeout", "30"], {}),
+}
 
 
 async def wait_until(pred, timeout: float = 20.0) -> bool:
@@ -71,8 +78,8 @@ def run_with_sigterm(server, max_tokens: int) -> dict:
     return out
 
 
-def test_sigterm_lets_running_requests_finish_then_exits_0(start_server):
-    server = start_server([*FLAGS, "--shutdown-timeout", "30"])
+def test_sigterm_lets_running_requests_finish_then_exits_0(server_pool):
+    server = server_pool.take("drain", __name__)
     out = run_with_sigterm(server, max_tokens=150)
     assert assert_openai_error(out["health"], 503, "shutting down")["code"] == "server_shutting_down"
     assert assert_openai_error(out["late"], 503, "shutting down")["code"] == "server_shutting_down"
@@ -95,8 +102,8 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(start_server):
     assert "drained: every request finished" in server.log()
 
 
-def test_sigterm_past_the_timeout_ends_the_rest_with_an_error_and_exits_0(start_server):
-    server = start_server([*FLAGS, "--shutdown-timeout", "1"])
+def test_sigterm_past_the_timeout_ends_the_rest_with_an_error_and_exits_0(server_pool):
+    server = server_pool.take("timeout", __name__)
     # 1900 tokens cannot be made in 1 s on a CPU
     out = run_with_sigterm(server, max_tokens=1900)
     for status, events, done in out["streams"]:
@@ -171,14 +178,14 @@ def check_stopped_now(server, out: dict, signal_name: str) -> None:
     assert "drained: every request finished" not in log
 
 
-def test_sighup_ends_every_stream_with_an_error_event(start_server):
+def test_sighup_ends_every_stream_with_an_error_event(server_pool):
     """SIGHUP used to kill the process at once: every stream cut with no error event, no [DONE]."""
-    server = start_server([*FLAGS, "--shutdown-timeout", "30"])
+    server = server_pool.take("sighup", __name__)
     check_stopped_now(server, run_and_stop_now(server, [signal.SIGHUP]), "SIGHUP")
 
 
-def test_a_second_sigterm_ends_every_stream_with_an_error_event(start_server):
+def test_a_second_sigterm_ends_every_stream_with_an_error_event(server_pool):
     """A second SIGTERM while draining used to cut the streams after uvicorn's grace with no error
     event, while the log said every request finished."""
-    server = start_server([*FLAGS, "--shutdown-timeout", "30"])
+    server = server_pool.take("second-sigterm", __name__)
     check_stopped_now(server, run_and_stop_now(server, [signal.SIGTERM, signal.SIGTERM]), "SIGTERM")

@@ -156,6 +156,81 @@ def start_servers(arg_lists: list[list[str]], **kwargs: Any) -> list[RemoteOpenA
     return started
 
 
+# In a module's SERVERS args: the tiny model's directory (tests/entrypoints/conftest.py), filled in by the pool.
+MODEL_DIR = "{tiny_model_dir}"
+Spec = tuple[list[str], dict[str, Any]]  # RemoteOpenAIServer's args and keyword arguments
+
+
+class ServerPool:
+    """The servers of one package's collected tests, each started together with the next ones not yet
+    started (as many at once as there are cores, as start_servers), in the order the tests first need
+    them: a start-up is mostly one process importing on one core, so on CI's 2 cores the next
+    server comes up beside this one instead of during a later test's wait. E.g. (tiny, embed),
+    (engine fault, smollm2), (capped, public): 3 waits for 6 servers.
+
+    Specs: the package's own (a package fixture's server, e.g. "tiny") and a test module's
+    `SERVERS = {name: (args, kwargs)}`, taken as `pool.take(name, module)` and stopped when the
+    module ends (`stop_module`). A server whose start failed raises its error when taken."""
+
+    live: list[ServerPool] = []  # the pools of the packages running now (stop_module's callers)
+
+    def __init__(self, specs: dict[str, Spec], order: list[str]) -> None:
+        self._specs = specs
+        self._order = [n for n in order if n in specs]
+        self._servers: dict[str, RemoteOpenAIServer] = {}
+        self._errors: dict[str, BaseException] = {}
+
+    @staticmethod
+    def collect(session: pytest.Session, package: Path, fixtures: dict[str, str],
+                model_dir: Path) -> tuple[dict[str, Spec], list[str]]:
+        """The SERVERS of the collected modules under `package` (MODEL_DIR filled in), and every spec's
+        name in the order the collected tests first need it (`fixtures`: fixture name -> spec name)."""
+        specs: dict[str, Spec] = {}
+        order: list[str] = []
+        for item in session.items:
+            module = getattr(item, "module", None)
+            if module is None or not Path(item.path).is_relative_to(package):
+                continue
+            names = [spec for fixture, spec in fixtures.items() if fixture in item.fixturenames]
+            for name, (args, kwargs) in getattr(module, "SERVERS", {}).items():
+                key = f"{module.__name__}::{name}"
+                specs[key] = ([str(model_dir) if a == MODEL_DIR else a for a in args], kwargs)
+                names.append(key)
+            order += [n for n in names if n not in order]
+        return specs, order
+
+    def take(self, name: str, module: str | None = None) -> RemoteOpenAIServer:
+        key = f"{module}::{name}" if module else name
+        if key not in self._servers and key not in self._errors:
+            self._start(key)
+        if key in self._errors:
+            raise self._errors[key]
+        return self._servers[key]
+
+    def _start(self, key: str) -> None:
+        later = self._order[self._order.index(key) + 1:] if key in self._order else []
+        batch = max(1, os.cpu_count() or 1)
+        group = [key, *[n for n in later if n not in self._servers and n not in self._errors][:batch - 1]]
+        for n in group:
+            args, kwargs = self._specs[n]
+            self._servers[n] = RemoteOpenAIServer(args, wait=False, **kwargs)
+        for n in group:
+            try:
+                self._servers[n].wait_ready()
+            except Exception as e:  # noqa: PERF203 - each server's own error, raised when it is taken
+                self._errors[n] = e
+                self._servers.pop(n).stop()
+
+    def stop_module(self, module: str) -> None:
+        for key in [k for k in self._servers if k.startswith(f"{module}::")]:
+            self._servers.pop(key).stop()
+
+    def stop_all(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
 @pytest.fixture(scope="package")
 def tiny_chat_template(tiny_tokenizer: Any) -> str:
     """The server's --chat-template: the model's own with a marker line first, so tests can tell
@@ -164,20 +239,39 @@ def tiny_chat_template(tiny_tokenizer: Any) -> str:
 
 
 @pytest.fixture(scope="package")
-def tiny_server(tiny_model_dir: Path, tiny_chat_template: str, tmp_path_factory: pytest.TempPathFactory):
+def server_pool(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_chat_template: str,
+                tmp_path_factory: pytest.TempPathFactory):
+    """This package's servers (ServerPool): tiny_server's, smollm2_server's and the modules' SERVERS."""
     template_file = tmp_path_factory.mktemp("template") / "chat_template.jinja"
     template_file.write_text(tiny_chat_template)
-    server = RemoteOpenAIServer(
-        [
-            "--model", str(tiny_model_dir), "--served-model-name", *TINY_NAMES, "--max-model-len", "1024",
-            "--max-num-seqs", "64", "--num-gpu-blocks-override", "2048", "--cpu-threads", "1", "--seed", "0",
-            "--chat-template", str(template_file), "--max-request-body-bytes", str(TINY_MAX_BODY),
-            "--disable-uvicorn-access-log",
-        ],
-        api_key=TINY_API_KEY,
-    )
-    yield server
-    server.stop()
+    specs, order = ServerPool.collect(request.session, Path(__file__).parent,
+                                      {"tiny_server": "tiny", "smollm2_server": "smollm2"}, tiny_model_dir)
+    specs["tiny"] = ([
+        "--model", str(tiny_model_dir), "--served-model-name", *TINY_NAMES, "--max-model-len", "1024",
+        "--max-num-seqs", "64", "--num-gpu-blocks-override", "2048", "--cpu-threads", "1", "--seed", "0",
+        "--chat-template", str(template_file), "--max-request-body-bytes", str(TINY_MAX_BODY),
+        "--disable-uvicorn-access-log",
+    ], {"api_key": TINY_API_KEY})
+    # The embedded SmolLM2-135M-Instruct GGUF, no --model: what `make serve` starts.
+    specs["smollm2"] = (["--max-model-len", "2048", "--max-num-seqs", "16", "--disable-uvicorn-access-log"], {})
+    pool = ServerPool(specs, order)
+    ServerPool.live.append(pool)
+    yield pool
+    pool.stop_all()
+    ServerPool.live.remove(pool)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_servers_stopped(request: pytest.FixtureRequest):
+    """A module's SERVERS stop when it ends (the pool's package servers live on)."""
+    yield
+    for pool in ServerPool.live:
+        pool.stop_module(request.module.__name__)
+
+
+@pytest.fixture(scope="package")
+def tiny_server(server_pool: ServerPool) -> RemoteOpenAIServer:
+    return server_pool.take("tiny")
 
 
 @pytest.fixture
@@ -186,24 +280,8 @@ def client(tiny_server: RemoteOpenAIServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="package")
-def smollm2_server():
+def smollm2_server(server_pool: ServerPool) -> RemoteOpenAIServer:
     """The embedded SmolLM2-135M-Instruct GGUF, no --model: what `make serve` starts. One for the
     package (test_openai_smollm2, the TP=1 reference of test_serve_tensor_parallel, test_web_ui):
     it is the slowest server to start."""
-    server = RemoteOpenAIServer(["--max-model-len", "2048", "--max-num-seqs", "16", "--disable-uvicorn-access-log"])
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def remote_server():
-    """Start extra servers with their own flags: `remote_server([...], env=...)`; all stopped at the end."""
-    started: list[RemoteOpenAIServer] = []
-
-    def start(args: list[str], **kwargs: Any) -> RemoteOpenAIServer:
-        started.append(RemoteOpenAIServer(args, **kwargs))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()
+    return server_pool.take("smollm2")

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.entrypoints.openai.conftest import TINY_NAMES, RemoteOpenAIServer
+from tests.entrypoints.openai.conftest import TINY_NAMES
 
 NAME = "all-MiniLM-L6-v2"
 
@@ -42,12 +42,14 @@ def st_model():
     return SentenceTransformer(str(embedded_embedding_model_path()), device="cpu")
 
 
+# Started by the package's server pool (conftest.ServerPool) beside the next server it needs.
+SERVERS = {"embed": (["--model", "sentence-transformers/all-MiniLM-L6-v2", "--served-model-name", NAME, "qwen-72b",
+                      "--max-num-seqs", "32", "--disable-uvicorn-access-log"], {})}
+
+
 @pytest.fixture(scope="module")
-def embed_server():
-    server = RemoteOpenAIServer(["--model", "sentence-transformers/all-MiniLM-L6-v2", "--served-model-name", NAME,
-                                 "qwen-72b", "--max-num-seqs", "32", "--disable-uvicorn-access-log"])
-    yield server
-    server.stop()
+def embed_server(server_pool):
+    return server_pool.take("embed", __name__)
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -9,15 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from pagedllm.engine.core_client import FAULT_INJECT_ENV
+from tests.entrypoints.openai.conftest import MODEL_DIR
+
+FAULT_STEP = 150  # steps take ~1 ms here: room for the second request to join first
+# Started by the package's server pool (conftest.ServerPool) beside the next server it needs.
+SERVERS = {"fault": (["--model", MODEL_DIR, "--max-model-len", "512", "--num-gpu-blocks-override", "256",
+                      "--cpu-threads", "1"], {"env": {FAULT_INJECT_ENV: str(FAULT_STEP)}})}
 
 
-def test_engine_fault_fails_requests_turns_health_503_and_exits_1(tiny_model_dir, remote_server):
-    fault_step = 150  # steps take ~1 ms here: room for the second request to join first
-    server = remote_server(
-        ["--model", str(tiny_model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "256",
-         "--cpu-threads", "1"],
-        env={FAULT_INJECT_ENV: str(fault_step)},
-    )
+def test_engine_fault_fails_requests_turns_health_503_and_exits_1(tiny_model_dir, server_pool):
+    server = server_pool.take("fault", __name__)
     assert httpx.get(server.url("/health")).status_code == 200
     body = {"model": str(tiny_model_dir), "prompt": "doomed", "max_tokens": 300}
     with ThreadPoolExecutor(1) as pool:
@@ -37,7 +38,7 @@ def test_engine_fault_fails_requests_turns_health_503_and_exits_1(tiny_model_dir
     error = json.loads(events[-2])["error"]
     assert "injected fault" in error["message"] and error["type"] == "server_error"
     # Every step finished before the fault reached the stream, then the error.
-    assert 1 <= len(events) - 2 <= fault_step
+    assert 1 <= len(events) - 2 <= FAULT_STEP
     health = httpx.get(server.url("/health"))
     assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
     assert server.proc.wait(timeout=30) == 1

@@ -146,16 +146,32 @@ def test_unknown_fields_are_accepted_and_logged(tiny_server):
     assert "surprise_field" in tiny_server.log() and "ignoring unknown" in tiny_server.log()
 
 
-@pytest.mark.parametrize(
-    "flags, words",
-    [
-        (["--tensor-parallel-size", "3"], ["4 attention heads", "tensor_parallel_size 3"]),
-        (["--chat-template", "no/such/file.jinja"], ["--chat-template"]),
-    ],
-)
-def test_unbuilt_or_bad_flags_fail_at_start(tiny_model_dir, flags, words):
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir), *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    for w in words:
-        assert w in r.stderr
+BAD_FLAGS = [
+    (["--tensor-parallel-size", "3"], ["4 attention heads", "tensor_parallel_size 3"]),
+    (["--chat-template", "no/such/file.jinja"], ["--chat-template"]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_starts(tiny_model_dir) -> list[tuple[int, str]]:
+    """(exit status, stderr) of a server start with each of BAD_FLAGS; the processes run at once (each
+    imports on one core, then stops at its check)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model",
+                               str(tiny_model_dir), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for flags, _ in BAD_FLAGS]
+    try:
+        stderrs = [p.communicate(timeout=120)[1] for p in procs]
+        return [(p.returncode, err) for p, err in zip(procs, stderrs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=lambda i: BAD_FLAGS[i][0][0])
+def test_unbuilt_or_bad_flags_fail_at_start(bad_flag_starts, case):
+    returncode, stderr = bad_flag_starts[case]
+    assert returncode == 2
+    for w in BAD_FLAGS[case][1]:
+        assert w in stderr

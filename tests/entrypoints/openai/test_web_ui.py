@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.entrypoints.openai.conftest import MODEL_DIR
+
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # The flags the machine's probe uses: no background connections (the network is closed).
@@ -137,8 +139,19 @@ def stream_status(url: str) -> int:
         return r.status_code
 
 
-def test_event_streams_are_capped(remote_server, tiny_model_dir):
-    server = remote_server(["--model", str(tiny_model_dir), "--web-ui-max-streams", "1", "--max-model-len", "512"])
+# Started together by the package's server pool (conftest.ServerPool). 256 KV blocks: the default
+# 4 GiB is 524,288 blocks of the tiny model, each a Python object built at start and walked by the
+# suite's block-pool check and the console's block map.
+SMALL_POOL = ["--max-model-len", "512", "--num-gpu-blocks-override", "256"]
+SERVERS = {
+    "capped": (["--model", MODEL_DIR, "--web-ui-max-streams", "1", *SMALL_POOL], {}),
+    # --host 0.0.0.0 (after the pool's 127.0.0.1, so it wins): not loopback, so no console.
+    "public": (["--model", MODEL_DIR, "--host", "0.0.0.0", *SMALL_POOL], {}),
+}
+
+
+def test_event_streams_are_capped(server_pool):
+    server = server_pool.take("capped", __name__)
     events = server.url("/v1/engine/events")
     with httpx.stream("GET", events, timeout=10) as first:
         assert first.status_code == 200
@@ -148,8 +161,7 @@ def test_event_streams_are_capped(remote_server, tiny_model_dir):
     wait_for(lambda: stream_status(events) == 200, 10, "the freed event-stream place")
 
 
-def test_console_off_by_default_on_a_public_bind(remote_server, tiny_model_dir):
-    # --host 0.0.0.0 (after the fixture's 127.0.0.1, so it wins): not loopback, so no console.
-    server = remote_server(["--model", str(tiny_model_dir), "--host", "0.0.0.0", "--max-model-len", "512"])
+def test_console_off_by_default_on_a_public_bind(server_pool):
+    server = server_pool.take("public", __name__)
     assert httpx.get(server.url("/ui"), timeout=10).status_code == 404
     assert httpx.get(server.url("/v1/engine/events"), timeout=10).status_code == 404
