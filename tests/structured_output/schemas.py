@@ -9,6 +9,16 @@ S = {"type": "string", "pattern": "^[A-Za-z0-9 .,'-]{0,12}$"}
 INT = {"type": "integer", "minimum": 0, "maximum": 999}
 
 
+# The person schema of the engine-level tests (test_engine_structured.py, test_grammar_worker.py).
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
 def obj(props: dict, required: list[str] | None = None, **extra) -> dict:
     return {"type": "object", "properties": props, "required": list(props) if required is None else required,
             "additionalProperties": False, **extra}

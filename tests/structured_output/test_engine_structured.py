@@ -14,15 +14,10 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+from tests.structured_output.schemas import PERSON_SCHEMA
 from tests.utils import assert_pool_idle
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
-                                                                         "maximum": 120}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON_SCHEMA
 QUESTIONS = ["Describe a person.", "What is the capital of France?", "Name a color.", "Count to five."]
 
 

@@ -16,14 +16,8 @@ import torch
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.manager import StructuredOutputManager, make_backend
+from tests.structured_output.schemas import PERSON_SCHEMA as SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
-                                                                         "maximum": 120}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 DOC = '{"name": "Ann", "age": 42}'
 VOCAB = 49152
 
