@@ -200,7 +200,8 @@ class EngineArgs:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", batched)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
-        sizes_arg, max_size_arg = self._cudagraph_size_args()
+        compilation = self._compilation_dict()
+        sizes_arg, max_size_arg = self._cudagraph_size_args(compilation)
         capture_sizes, dropped = resolve_cudagraph_capture_sizes(sizes_arg, max_size_arg, max_num_seqs, batched)
         if dropped:
             logger.warning(
@@ -228,7 +229,7 @@ class EngineArgs:
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager, cpu_threads=self.cpu_threads),
-            compilation_config=CompilationConfig(capture_sizes, self._cudagraph_mode()),
+            compilation_config=CompilationConfig(capture_sizes, self._cudagraph_mode(compilation)),
             preemption_mode=self.preemption_mode or "recompute",
             max_logprobs=self.max_logprobs,
         )
@@ -260,22 +261,22 @@ class EngineArgs:
                 )
         return cc
 
-    def _cudagraph_mode(self) -> str:
-        """vLLM's `compilation_config.cudagraph_mode` (default FULL_AND_PIECEWISE), validated by
-        CompilationConfig; an enum member's name is taken as its string."""
-        cc = self._compilation_dict() or {}
-        mode = cc.get("cudagraph_mode")
+    @staticmethod
+    def _cudagraph_mode(cc: dict | None) -> str:
+        """vLLM's `compilation_config.cudagraph_mode` from `_compilation_dict`'s dict (default
+        FULL_AND_PIECEWISE), validated by CompilationConfig; an enum member's name is taken as its string."""
+        mode = (cc or {}).get("cudagraph_mode")
         if mode is None:
             return DEFAULT_CUDAGRAPH_MODE
         return str(getattr(mode, "name", mode)).upper()
 
-    def _cudagraph_size_args(self) -> tuple[list[int] | tuple[int, ...] | None, int | None]:
+    def _cudagraph_size_args(self, cc: dict | None) -> tuple[list[int] | tuple[int, ...] | None, int | None]:
         """(cudagraph_capture_sizes, max_cudagraph_capture_size) from wherever the user set them:
         the two arguments, a `compilation_config` (dict, JSON string, level int, or a
         CompilationConfig), or older vLLM's `cuda_graph_sizes` (one value: the largest size;
-        several: the list). Setting the same thing two ways is an error, as in vLLM."""
+        several: the list). Setting the same thing two ways is an error, as in vLLM. cc: the
+        `_compilation_dict`, parsed once by the caller."""
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
-        cc = self._compilation_dict()
         if cc is not None:
             for key, top in (("cudagraph_capture_sizes", sizes), ("max_cudagraph_capture_size", max_size)):
                 if cc.get(key) is not None and top is not None:
