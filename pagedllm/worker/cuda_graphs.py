@@ -47,6 +47,24 @@ logger = logging.getLogger(__name__)
 ORDER_MIN_BATCH = 128
 
 
+def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device,
+                    pool: object = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """forward() captured as a CUDA graph in `pool` (None: a new pool, then `graph.pool()`), with its
+    output tensor. The static buffers forward reads must hold padding only (nothing is written).
+
+    One eager pass first, so nothing initialises lazily inside the capture: Triton variants load (or
+    compile), the BLAS library picks its algorithms for these shapes (a second pass costs a forward
+    per size at every start). The first replay uploads the graph to the device, which would
+    otherwise land on a serving step."""
+    forward()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = forward()
+    g.replay()
+    return g, out
+
+
 class CudaGraphRunner:
     """capture_sizes: vLLM's cudagraph_capture_sizes, resolved in config.py (default 1, 2, 4, 8, ...,
     max_num_seqs); num_kv_heads decides which sizes attend alike (split-K or not); tuning: capture
@@ -116,21 +134,10 @@ class CudaGraphRunner:
         return self.input_ids[:bs], self.positions[:bs], rows
 
     def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        model = self.model
         ids, pos, *rows = self._stage_inputs(bs)
-        # One eager pass first, so nothing initialises lazily inside the capture: Triton variants
-        # load (or compile), the BLAS library picks its algorithms for these shapes (a second pass,
-        # run here before, costs a forward per size and library at every start).
-        model(ids, pos, md, *rows)
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = model(ids, pos, md, *rows)
+        g, out = capture_forward(lambda: self.model(ids, pos, md, *rows), self.device, self.pool)
         if self.pool is None:
             self.pool = g.pool()
-        # The first replay uploads the graph to the device, which would otherwise land on a serving
-        # step; the buffers hold padding rows only, so nothing is written.
-        g.replay()
         return g, out
 
     def _plan_key(self) -> list[object]:

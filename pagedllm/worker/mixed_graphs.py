@@ -28,6 +28,7 @@ pipeline parallelism (stage sends stay outside graphs; the decode graphs handle 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.worker.cuda_graphs import capture_forward
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import StepInputs
@@ -129,7 +131,6 @@ class MixedGraphRunner:
         self.parity = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.dispatch: list[int] = []  # dispatch[k]: the size a step of k * 64 (rounded up) tokens runs
 
     def _metadata(self, size: int, parity: int | None = None) -> AttentionMetadata:
         """size tokens over all R request slots. max_query_len > 1 keeps every layer on its mixed
@@ -151,29 +152,23 @@ class MixedGraphRunner:
         )
 
     def _size_for(self, num_tokens: int) -> int:
-        return self.dispatch[-(-num_tokens // 64)]
+        """The smallest captured size that holds num_tokens."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, so smaller graphs reuse the big one's memory (and the decode graphs' pool,
         when given)."""
-        t0 = time.monotonic()
-        self.dispatch = [next(s for s in self.sizes if s >= k * 64) if k * 64 <= self.max_tokens else self.max_tokens
-                         for k in range(-(-self.max_tokens // 64) + 1)]
         if not self.use_graphs:
             return
+        t0 = time.monotonic()
         before = torch.cuda.memory_reserved(self.device)
         for size in reversed(self.sizes):
             ids, pos, md = self.input_ids[:size], self.positions[:size], self._metadata(size)
-            # An eager pass first: Triton variants load, the BLAS library picks its algorithms.
-            self.model(ids, pos, md)
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.model(ids, pos, md)
+            # The buffers hold no request's token yet: the passes write nothing.
+            g, out = capture_forward(lambda ids=ids, pos=pos, md=md: self.model(ids, pos, md), self.device, self.pool)
             if self.pool is None:
                 self.pool = g.pool()
-            g.replay()  # uploads the graph now, not on a serving step; no request holds a token
             self.graphs[size], self.outputs[size] = g, out
         torch.cuda.synchronize(self.device)
         logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens, %d request slots) in %.1f s, %.2f GiB",
@@ -182,7 +177,7 @@ class MixedGraphRunner:
 
     def can_run(self, inp: StepInputs) -> bool:
         return (
-            bool(self.dispatch)
+            (bool(self.graphs) or not self.use_graphs)  # captured, or the eager path of capture=False
             and 0 < len(inp.req_ids) <= self.max_reqs
             and len(inp.input_ids) <= self.max_tokens
             and inp.block_table.shape[1] <= self.max_blocks

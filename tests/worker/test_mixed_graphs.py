@@ -83,7 +83,7 @@ def test_padded_mixed_steps_give_the_eager_steps_tokens():
     runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     mixed = runner.make_mixed_graph_runner(capture=False)
     assert mixed is not None and mixed.sizes == [64, 96]
-    mixed.capture()  # no graphs on the CPU: plans the dispatch only
+    mixed.capture()  # capture=False: captures nothing, runs the padded path eagerly
     runs = []
     run = mixed.run
 
