@@ -297,11 +297,9 @@ class AsyncLLM:
             for _ in steps:
                 self.engine_core.batch_done()
             return
-        if len(steps) == 1:
-            outputs, queue_times = steps[0].outputs, steps[0].queue_times
-        else:  # one request may appear in several: process_outputs applies its outputs in step order
-            outputs = [o for s in steps for o in s.outputs]
-            queue_times = [t for s in steps for t in s.queue_times]
+        # One request may appear in several steps: process_outputs applies its outputs in step order.
+        outputs = [o for s in steps for o in s.outputs]
+        queue_times = [t for s in steps for t in s.queue_times]
         try:
             request_outputs, it = self._process_outputs(outputs, queue_times)
         except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
