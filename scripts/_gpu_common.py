@@ -1,5 +1,5 @@
 """What the GPU check scripts share: the results table, the device copy bandwidth (the floor's
-memory speed), CUDA-graph replay timing, the fused MoE expert weights and their floor, and the W1
+memory speed), CUDA-graph replay timing (one call, or calls rotating over weight copies), the fused MoE expert weights and their floor, and the W1
 throughput run of `pagedllm bench throughput`.
 
 Import it from a script run as `python3 scripts/NAME.py` (its folder is then on sys.path):
@@ -12,6 +12,8 @@ import argparse
 import gc
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +92,54 @@ def graph_time_us(fn: Callable[[], Any]) -> float:
     us = (time.perf_counter() - t0) / 50 * 1e6
     del g
     return us
+
+
+def rotating_graph_us(call: Callable[[int], object], copies: int, reps: int = 20) -> float:
+    """Median microseconds per call of call(i), i rotating over `copies` weight copies (so each call
+    reads its weights from memory, not from L2), `reps` calls captured in one CUDA graph, 5 timed
+    replays. Raises where the calls cannot be captured."""
+    for i in range(copies):
+        call(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            call(r % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    del g
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|, in float32."""
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+def shuffled_decode_metadata(s_lens: list[int], block_size: int, rng: random.Random,
+                             max_seq_len: int = 4096):
+    """(AttentionMetadata, blocks) of a decode batch with these context lengths on the GPU, each
+    request's blocks drawn from one shuffled pool (rng), max_seq_len as the CUDA graphs capture it."""
+    from pagedllm.attention.metadata import build_metadata
+
+    blocks = [-(-s // block_size) for s in s_lens]
+    perm = list(range(sum(blocks)))
+    rng.shuffle(perm)
+    tables, i = [], 0
+    for nb in blocks:
+        tables.append(perm[i:i + nb])
+        i += nb
+    md = build_metadata([1] * len(s_lens), s_lens, tables, block_size, device="cuda")
+    md.max_seq_len = max_seq_len
+    return md, sum(blocks)
 
 
 def moe_expert_weights(e: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,9 @@ import argparse
 import gc
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import gguf  # noqa: E402
+from _gpu_common import rel_err, rotating_graph_us  # noqa: E402  (this script's folder is on sys.path)
 
 from pagedllm.kernels.gguf_dequant import (  # noqa: E402
     GGUF_BLOCK,
@@ -98,33 +97,6 @@ def clone_packed(p: GGUFPacked) -> GGUFPacked:
                          if getattr(p, f) is not None})
 
 
-def graph_us(call: Callable[[int], object], copies: int, reps: int = 20) -> float:
-    """Median microseconds per call of call(i), i rotating over the weight copies, in one CUDA graph."""
-    for i in range(copies):
-        call(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            call(r % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    del g
-    return statistics.median(times)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
-
-
 def run_kernels() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in SHAPES:
@@ -132,7 +104,7 @@ def run_kernels() -> None:
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                  for _ in range(max(1, min(8, math.ceil(ROTATE_BYTES / dense_bytes))))]
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in MS}
-        base = {m: graph_us(lambda i, x=xs[m], w=dense: F.linear(x, w[i]), len(dense)) for m in MS}
+        base = {m: rotating_graph_us(lambda i, x=xs[m], w=dense: F.linear(x, w[i]), len(dense)) for m in MS}
         record(f"bf16 cuBLAS {n}x{k}", " / ".join(f"M={m} {base[m]:.1f} us" for m in MS)
                + f"; M=1 {dense_bytes / base[1] / 1e3:.0f} GB/s")
         for qtype in TYPES:
@@ -149,7 +121,7 @@ def run_kernels() -> None:
             for m in MS:
                 err = rel_err(gguf_linear(xs[m], p), gguf_linear_ref(xs[m], p))
                 worst = max(worst, err)
-                us = graph_us(lambda i, x=xs[m], c=copies: gguf_linear(x, c[i]), len(copies))
+                us = rotating_graph_us(lambda i, x=xs[m], c=copies: gguf_linear(x, c[i]), len(copies))
                 cells.append(f"M={m} {us:.1f} us ({base[m] / us:.2f}x)")
                 if m == 1:
                     gbs = p.nbytes() / us / 1e3
@@ -193,13 +165,13 @@ def run_sweep() -> None:
                     name = f"{bn}/{bk}/s{split}/w{warps}/st{stages}{'/f' if fac else ''}{'/p' if pre else ''}"
                     try:
                         err = rel_err(gguf_gemv(x, p, None, cfg), ref)
-                        us = graph_us(lambda i, cfg=cfg, x=x, c=copies: gguf_gemv(x, c[i], None, cfg), len(copies))
+                        us = rotating_graph_us(lambda i, cfg=cfg, x=x, c=copies: gguf_gemv(x, c[i], None, cfg), len(copies))
                         res.append((us, name, err))
                     except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
                         res.append((float("inf"), f"{name} {type(e).__name__}", 0))
                 res.sort()
                 best = res[0]
-                dus = graph_us(lambda i, x=x, c=copies: gguf_gemv(x, c[i]), len(copies))
+                dus = rotating_graph_us(lambda i, x=x, c=copies: gguf_gemv(x, c[i]), len(copies))
                 record(f"sweep {qtype} {n}x{k} M={m}",
                        f"best {best[1]} {best[0]:.1f} us ({p.nbytes() / best[0] / 1e3:.0f} GB/s, err {best[2]:.0e}); "
                        f"default {tuple(default)} {dus:.1f} us; others "
@@ -208,8 +180,8 @@ def run_sweep() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = gguf_linear_ref(x, p)
                 err = max(rel_err(gguf_gemv(x, p), ref), rel_err(gguf_linear(x, p, None, dequant_min_m=1), ref))
-                g_us = graph_us(lambda i, x=x, c=copies: gguf_gemv(x, c[i]), len(copies))
-                d_us = graph_us(lambda i, x=x, c=copies: gguf_linear(x, c[i], None, dequant_min_m=1), len(copies))
+                g_us = rotating_graph_us(lambda i, x=x, c=copies: gguf_gemv(x, c[i]), len(copies))
+                d_us = rotating_graph_us(lambda i, x=x, c=copies: gguf_linear(x, c[i], None, dequant_min_m=1), len(copies))
                 record(f"mid-M {qtype} {n}x{k} M={m}", f"GEMV {g_us:.1f} us vs dequant + cuBLAS {d_us:.1f} us "
                        f"(max rel err {err:.0e})")
             copies = p = None

@@ -16,9 +16,8 @@ import functools
 import random
 
 import torch
-from _gpu_common import copy_bandwidth, graph_time_us
+from _gpu_common import copy_bandwidth, graph_time_us, shuffled_decode_metadata
 
-from pagedllm.attention.metadata import build_metadata
 from pagedllm.kernels.fused_moe import _config, fused_experts
 from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
 from pagedllm.kernels.moe_router import topk_softmax
@@ -65,16 +64,8 @@ def decode(bw: float, rows: list) -> None:
     for n, ctx in ((256, 700), (128, 900), (64, 1100)):
         rng = random.Random(n)
         s_lens = [max(1, int(ctx * rng.uniform(0.1, 2.0))) for _ in range(n)]
-        blocks = [-(-s // BS) for s in s_lens]
-        perm = list(range(sum(blocks)))
-        rng.shuffle(perm)
-        tables, i = [], 0
-        for nb in blocks:
-            tables.append(perm[i:i + nb])
-            i += nb
-        md = build_metadata([1] * n, s_lens, tables, BS, device="cuda")
-        md.max_seq_len = 4096  # as the CUDA graphs capture it
-        cache = (torch.randn(1, sum(blocks), BS, 1, R + P, device="cuda") * 0.5).to(torch.bfloat16)
+        md, num_blocks = shuffled_decode_metadata(s_lens, BS, rng)
+        cache = (torch.randn(1, num_blocks, BS, 1, R + P, device="cuda") * 0.5).to(torch.bfloat16)
         q = (torch.randn(n, H, R + P, device="cuda") * 0.1).to(torch.bfloat16)
         ref = mla_decode_ref(q.float(), cache.float(), md, 0.1, R)
         floor = sum(s_lens) * (R + P) * 2 / bw * 1e6

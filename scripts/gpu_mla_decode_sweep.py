@@ -12,9 +12,8 @@ import functools
 import random
 
 import torch
-from _gpu_common import copy_bandwidth, graph_time_us
+from _gpu_common import copy_bandwidth, graph_time_us, shuffled_decode_metadata
 
-from pagedllm.attention.metadata import build_metadata
 from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
 from pagedllm.kernels.paged_attention import paged_attention
 
@@ -30,16 +29,8 @@ def main() -> None:
     for n, ctx in CASES:
         rng = random.Random(n)
         s_lens = [max(1, int(ctx * rng.uniform(0.5, 1.5))) for _ in range(n)]
-        blocks = [-(-s // BS) for s in s_lens]
-        perm = list(range(sum(blocks)))
-        rng.shuffle(perm)
-        tables, i = [], 0
-        for nb in blocks:
-            tables.append(perm[i:i + nb])
-            i += nb
-        md = build_metadata([1] * n, s_lens, tables, BS, device="cuda")
-        md.max_seq_len = 4096  # as the CUDA graphs capture it
-        cache = (torch.randn(1, sum(blocks), BS, 1, R + P, device="cuda") * 0.5).to(torch.bfloat16)
+        md, num_blocks = shuffled_decode_metadata(s_lens, BS, rng)
+        cache = (torch.randn(1, num_blocks, BS, 1, R + P, device="cuda") * 0.5).to(torch.bfloat16)
         q = (torch.randn(n, H, R + P, device="cuda") * 0.1).to(torch.bfloat16)
         ref = mla_decode_ref(q.float(), cache.float(), md, 0.1, R)
         err = ((mla_decode(q, cache, md, 0.1, R).float() - ref).norm() / ref.norm()).item()

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _gpu_common import rel_err, rotating_graph_us
 
 from pagedllm.kernels import scaled_mm
 from pagedllm.kernels.quant_act import quantize_activation_triton
@@ -33,27 +34,10 @@ def copies_for(nbytes: float) -> int:
 
 
 def graph_us(call: Callable[[int], object], copies: int, reps: int) -> tuple[float, str]:
-    """Median microseconds per call of call(i), i rotating over the weight copies."""
-    for i in range(copies):
-        call(i)
-    torch.cuda.synchronize()
+    """Median microseconds per call of call(i), i rotating over the weight copies; a call that
+    cannot be captured is timed eagerly, with a note saying so."""
     try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for r in range(reps):
-                call(r % copies)
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000 / reps)
-        del g
-        return statistics.median(times), ""
+        return rotating_graph_us(call, copies, reps), ""
     except Exception as e:  # noqa: BLE001 - report, then time eagerly
         torch.cuda.synchronize()
         note = f" [not capturable: {type(e).__name__}: {str(e)[:60]}]"
@@ -67,10 +51,6 @@ def graph_us(call: Callable[[int], object], copies: int, reps: int) -> tuple[flo
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / reps)
     return statistics.median(times), note
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
 
 
 class Weights:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gpu_common import record, run_sections  # noqa: E402
+from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
 
 from pagedllm.envs import use_triton_cache_dir  # noqa: E402
 from pagedllm.kernels.gemv import skinny_linear  # noqa: E402
@@ -153,26 +153,7 @@ def check() -> None:
         del w, s, z, ref
 
 
-def graph_us(call, copies: int, reps: int = 24) -> float:
-    for i in range(copies):
-        call(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            call(r % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    del g
-    return statistics.median(times)
+REPS = 24  # calls per timed graph
 
 
 TABLE: dict[str, dict[str, float]] = {}
@@ -187,22 +168,22 @@ def time_kernels() -> None:
         row = TABLE.setdefault(shape, {})
         for name, call in variants(n, k).items():
             try:
-                row[name] = graph_us(lambda i: call(x, *ws[i], None), copies)
+                row[name] = rotating_graph_us(lambda i: call(x, *ws[i], None), copies, REPS)
             except Exception as e:  # noqa: BLE001
                 row[name] = float("inf")
                 print(f"time {shape}/{name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        row["dispatch"] = graph_us(lambda i: wna16_linear(x, *ws[i], 4, G), copies)
+        row["dispatch"] = rotating_graph_us(lambda i: wna16_linear(x, *ws[i], 4, G), copies, REPS)
         ws = None  # free the copies before the next shape
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, min(8, math.ceil(150e6 / (2 * n * k)))))]
-        row["bf16_cublas"] = graph_us(lambda i: F.linear(x, wb[i]), len(wb))
-        row["bf16_gemv"] = graph_us(lambda i: skinny_linear(x, wb[i]), len(wb))
+        row["bf16_cublas"] = rotating_graph_us(lambda i: F.linear(x, wb[i]), len(wb), REPS)
+        row["bf16_gemv"] = rotating_graph_us(lambda i: skinny_linear(x, wb[i]), len(wb), REPS)
         wb = None
         best = min((v, name) for name, v in row.items() if not name.startswith("bf16") and ok(shape, name))
         record(f"time {shape} {n}x{k} M=1", f"best {best[1]} {best[0]:.1f} us = {nbytes / best[0] / 1e3:.0f} GB/s; "
                f"dispatch {row['dispatch']:.1f}; tc {row['tc']:.1f}; bf16 gemv {row['bf16_gemv']:.1f}")
     lm = [torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    us = graph_us(lambda i: skinny_linear(x, lm[i]), 2)
+    us = rotating_graph_us(lambda i: skinny_linear(x, lm[i]), 2, REPS)
     record("time lm_head bf16 128256x4096 M=1 (skinny_linear)", f"{us:.1f} us = {2 * 128256 * 4096 / us / 1e3:.0f} GB/s")
     lm = None
     names = list(next(iter(TABLE.values())))
