@@ -2,8 +2,15 @@
 
 A profiling step runs the largest batch the scheduler can form (max_num_batched_tokens tokens
 over up to max_num_seqs requests) through the model, the LM head and the sampler, with a small
-temporary KV cache. Its peak activation memory, plus the weights and whatever non-torch memory
-the process holds, is subtracted from gpu_memory_utilization x total memory; the rest is KV cache.
+temporary KV cache. Its peak activation memory, plus the weights and the non-torch memory this
+process added since its device was initialised, is subtracted from gpu_memory_utilization x total
+memory; the rest is KV cache.
+
+As in vLLM, gpu_memory_utilization is this engine's own share: memory other processes hold (a
+second engine on the same GPU, or the cached blocks of an engine this process let go) is not
+counted against it; it only has to be free when the engine starts (`startup_baseline`).
+Worked example: 140 GiB GPU, another engine holding 70 GiB, gpu_memory_utilization=0.4: 70 GiB
+free >= 56 GiB asked, so this engine starts and gets 56 GiB less its weights and activations.
 """
 
 from __future__ import annotations
@@ -42,6 +49,21 @@ def dummy_prefill_layout(num_tokens: int, num_reqs: int, block_size: int) -> tup
     return q_lens, tables
 
 
+def startup_baseline(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Memory outside this process's torch allocator when its device is initialised (other
+    processes, this process's CUDA context), in bytes: what the profile does not count as this
+    engine's. Refuses to start when less than gpu_memory_utilization x total memory is free, as
+    vLLM does."""
+    free, total = torch.cuda.mem_get_info(device)
+    asked = total * gpu_memory_utilization
+    if free < asked:
+        raise ValueError(
+            f"Free memory on device {device} ({free / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less than "
+            f"desired GPU memory utilization ({gpu_memory_utilization}, {asked / GiB:.2f} GiB). Decrease "
+            "gpu_memory_utilization or reduce GPU memory used by other processes.")
+    return (total - free) - torch.cuda.memory_reserved(device)
+
+
 @torch.inference_mode()
 def profile_available_kv_bytes(
     model: torch.nn.Module,
@@ -54,9 +76,11 @@ def profile_available_kv_bytes(
     vocab_size: int,
     max_logprobs: int,
     gpu_memory_utilization: float,
+    baseline_non_torch: int = 0,
 ) -> int:
     """Bytes of GPU memory left for the KV cache (see the module docstring). `kv_cache` is bound
-    with a few blocks for the profiling step and released again."""
+    with a few blocks for the profiling step and released again; `baseline_non_torch` is
+    `startup_baseline`'s figure (0 counts every byte outside this allocator as this engine's)."""
     from pagedllm.attention.metadata import build_metadata
 
     device = kv_cache.device
@@ -91,8 +115,9 @@ def profile_available_kv_bytes(
     del hidden, logits
     kv_cache.release()
     torch.cuda.empty_cache()
-    # Memory outside torch's allocator (CUDA context, cuBLAS workspaces, NCCL, ...).
-    non_torch = (total - free_before) - torch.cuda.memory_reserved(device)
+    # Memory outside torch's allocator this engine added since its start (cuBLAS workspaces, NCCL,
+    # Triton modules, ...): other processes' memory sits in the baseline.
+    non_torch = (total - free_before) - torch.cuda.memory_reserved(device) - baseline_non_torch
     budget = int(total * gpu_memory_utilization)
     available = budget - allocated_before - max(non_torch, 0) - peak_activations
     logger.info(
@@ -121,8 +146,8 @@ def no_room_message(weights: int, allocated: int, activations: int, non_torch: i
                      "engine still referenced? `del llm; gc.collect()` frees one)")
     parts.append(f"activations {activations / GiB:.2f} GiB")
     if non_torch >= GiB:
-        parts.append(f"memory outside this process's torch allocator {non_torch / GiB:.2f} GiB (CUDA context, "
-                     "libraries, other processes)")
+        parts.append(f"memory this engine holds outside torch's allocator {non_torch / GiB:.2f} GiB (cuBLAS "
+                     "workspaces, NCCL, libraries)")
     return (f"No GPU memory is left for the KV cache: {', '.join(parts)} already exceed gpu_memory_utilization="
             f"{utilization} of {total / GiB:.1f} GiB. Raise gpu_memory_utilization or lower "
             "max_num_batched_tokens.")

@@ -91,6 +91,7 @@ class Worker:
         self._graphs: CudaGraphRunner | None = None  # built before the capture, for the parallel compile
         self._precompiled = False
         self._marker: Path | None = None  # worker/precompile.py warm_marker, written once a start completes
+        self._memory_baseline = 0  # non-torch GPU bytes at init_device: not this engine's (gpu_memory.py)
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -108,6 +109,9 @@ class Worker:
             with start_phase("CUDA init"):  # paid by the first CUDA call anyway; its own line in the log
                 torch.cuda.init()
             # Before any kernel compiles: compiled variants persist under the user's cache directory.
+            from pagedllm.worker.gpu_memory import startup_baseline
+
+            self._memory_baseline = startup_baseline(self.device, self.config.cache_config.gpu_memory_utilization)
             logger.info("Triton cache: %s", use_triton_cache_dir())
             if self.kernel_switches.parallel_compile:
                 start_compile_pool()  # unless EngineArgs did already: their imports overlap the model load
@@ -156,6 +160,7 @@ class Worker:
                 max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
                 max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
                 max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
+                baseline_non_torch=self._memory_baseline,
             )
         return max(available // per_block, 0), num_cpu_blocks
 
