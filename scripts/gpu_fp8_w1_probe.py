@@ -12,6 +12,11 @@ Sections (in order; each stops starting new work when the wall budget is spent):
   stream   the same batches' K / V bytes read with the decode kernel's addressing by a kernel that only
            sums them (no softmax, no dots): the access pattern's own bandwidth, bf16 and fp8, one or two
            kv heads a program (fp8 rows of one head are 128-byte pieces 1 KB apart).
+  quant    the activation quantizer after RMSNorm / SiLU-and-mul (two launches) vs the fused kernels
+           (kernels/quant_act.rms_norm_quant, silu_and_mul_quant) at W1's row counts, CUDA graphs.
+  gemm     the four Llama-3.1-8B fp8 linears through w8a8_linear at decode row counts (the dispatch's path,
+           and the Triton W8A8 GEMM forced), rotating over weight copies, against the byte floor (weights
+           at 4.2 TB/s) and the FLOP floor (1,600 TFLOP/s fp8).
   profile  W1 with quantization="fp8" (`bench throughput`'s schedule, dummy weights), once under
            torch.profiler (CUDA activity only; the run before it warms the kernels): kernels grouped
            by family, and split into steps (a step ends with its sampling kernels) of two kinds, decode
@@ -37,7 +42,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 T0 = time.monotonic()
-PROFILE_S = 55.0
+PROFILE_S = 52.0
 ROWS: list[str] = []
 
 
@@ -84,7 +89,7 @@ def graph_us(fn, reps: int = 20) -> float:
 ATTN_CONFIGS = {  # cache -> [(variant, config or None = the default tiles)], in the order timed
     "bf16": [(0, None), (2, (16, 64, 4, 3))],
     "fp8": [(0, None), (2, (16, 128, 4, 3)), (2, (16, 64, 4, 3)), (2, (16, 128, 8, 3)), (1, None),
-            (2, (16, 64, 4, 4)), (2, (16, 128, 4, 2)), (0, (16, 128, 8, 2))],
+            (2, (16, 64, 4, 4)), (2, (16, 128, 4, 2))],
 }
 CASES = ["decode256", "decode64"]
 STREAM_CONFIGS = ((1, 128, 4, 3), (8, 16, 4, 3), (2, 64, 4, 3), (1, 64, 4, 3))
@@ -100,7 +105,7 @@ def section_attn(budget: float) -> None:
             qkv, pos, cs, cache, md, kv_bytes = decode_case(kind, dt)
             ref = attn_ref(qkv, pos, cs, cache, md)
             for variant, cfg in ATTN_CONFIGS[cname]:
-                if left(budget) < 5:
+                if left(budget) < 2:
                     log("attn: budget spent")
                     return
                 tag = f"{kind} {cname} v{variant} {cfg or 'default'}"
@@ -156,7 +161,7 @@ def section_stream(budget: float) -> None:
             k, v = cache[0], cache[1]
             n = md.num_reqs
             for heads, tile, warps, stages in STREAM_CONFIGS[:1] if cname == "bf16" else STREAM_CONFIGS:
-                if left(budget) < 5:
+                if left(budget) < 1:
                     log("stream: budget spent")
                     return
                 out = torch.empty(n * (8 // heads), device="cuda")
@@ -169,6 +174,72 @@ def section_stream(budget: float) -> None:
                 log(row)
             del cache
             torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- quant
+def section_quant(budget: float) -> None:
+    from pagedllm.kernels.activation import silu_and_mul
+    from pagedllm.kernels.quant_act import quantize_activation_triton, rms_norm_quant, silu_and_mul_quant
+    from pagedllm.kernels.rmsnorm import rms_norm
+
+    fp8 = torch.float8_e4m3fn
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    for m in (256, 8192, 64):
+        if left(budget) < 1:
+            return
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        g = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+        pair = graph_us(lambda x=x, r=r: quantize_activation_triton(rms_norm(x, w, 1e-5, r)[0], fp8))
+        fused = graph_us(lambda x=x, r=r: rms_norm_quant(x, w, 1e-5, fp8, r))
+        apair = graph_us(lambda g=g: quantize_activation_triton(silu_and_mul(g), fp8))
+        afused = graph_us(lambda g=g: silu_and_mul_quant(g, fp8))
+        row = (f"| quant M={m}: rmsnorm+quant {pair:.1f} -> fused {fused:.1f}; silu_and_mul+quant {apair:.1f} -> "
+               f"fused {afused:.1f} | {pair + apair - fused - afused:.1f} saved | | |")
+        ROWS.append(row)
+        log(row)
+
+
+# ---------------------------------------------------------------------------------------------- gemm
+GEMM_MS = (64, 128, 256, 32, 192)
+LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def section_gemm(budget: float) -> None:
+    from _gpu_common import rotating_graph_us
+
+    from pagedllm.kernels.scaled_mm import choose_path, w8a8_linear
+
+    fp8 = torch.float8_e4m3fn
+    weights = {}
+    for name, (n, k) in LINEARS.items():
+        copies = max(1, -(-160_000_000 // (n * k)))  # >= 160 MB of copies: L2 cannot serve a repeat
+        weights[name] = [((torch.randn(n, k, device="cuda") * 0.05).to(fp8), torch.rand(n, device="cuda") * 1e-3)
+                         for _ in range(copies)]
+    for m in GEMM_MS:
+        total = {"auto": 0.0, "triton": 0.0}
+        floor_b = floor_f = 0.0
+        for name, (n, k) in LINEARS.items():
+            if left(budget) < 1:
+                return
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ws = weights[name]
+            auto = rotating_graph_us(lambda i, x=x, ws=ws: w8a8_linear(x, ws[i][0], ws[i][1], None, None), len(ws))
+            tri = rotating_graph_us(lambda i, x=x, ws=ws: w8a8_linear(x, ws[i][0], ws[i][1], None, None,
+                                                                      path="triton"), len(ws))
+            fb, ff = (n * k + m * k * 2 + m * n * 2) / 4.2e12 * 1e6, 2 * m * n * k / 1.6e15 * 1e6
+            total["auto"] += auto
+            total["triton"] += tri
+            floor_b += fb
+            floor_f += ff
+            row = (f"| gemm {name} M={m}: {choose_path(m, n, k, fp8)} {auto:.1f}, triton {tri:.1f} | floor bytes "
+                   f"{fb:.1f} / flops {ff:.1f} us | {max(fb, ff) / min(auto, tri):.0%} of floor | |")
+            ROWS.append(row)
+            log(row)
+        ROWS.append(f"| gemm layer M={m}: auto {total['auto']:.1f}, triton {total['triton']:.1f} | floor "
+                    f"{max(floor_b, floor_f):.1f} us | | |")
+    del weights
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- profile
@@ -271,8 +342,8 @@ def section_profile(budget: float, kv_fp8: bool) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="attn,stream,profile")
-    ap.add_argument("--budget", type=float, default=95.0, help="wall seconds for the whole script")
+    ap.add_argument("--sections", default="attn,stream,quant,gemm,profile")
+    ap.add_argument("--budget", type=float, default=92.0, help="wall seconds for the whole script")
     ap.add_argument("--kv-fp8", action="store_true", help="profile with kv_cache_dtype fp8 as well")
     ap.add_argument("--cases", default=",".join(CASES), help="decode batches of attn / stream")
     args = ap.parse_args()
@@ -283,16 +354,16 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     random.seed(0)
     sections = args.sections.split(",")
-    # The profile needs ~55 s (engine start, W1 under the profiler, the events): the kernel sections
-    # get what is left before it, attention first.
-    reserve = PROFILE_S if "profile" in sections else 0.0
+    # Each kernel section stops starting new work at its deadline (seconds from the start, scaled to the
+    # budget); the profile (~55 s: engine start, W1 under the profiler, the events) gets what is left.
+    deadlines = {"attn": 22.0, "stream": 26.0, "quant": 29.0, "gemm": 38.0}
+    scale = args.budget / 92.0 if "profile" in sections else args.budget / 38.0
+    runners = {"attn": section_attn, "stream": section_stream, "quant": section_quant, "gemm": section_gemm}
     for name in sections:
         t = time.monotonic()
         try:
-            if name == "attn":
-                section_attn(args.budget - reserve - (8.0 if "stream" in sections else 0.0))
-            elif name == "stream":
-                section_stream(args.budget - reserve)
+            if name in runners:
+                runners[name](deadlines[name] * scale)
             elif name == "profile":
                 if left(args.budget) < PROFILE_S - 5:
                     log(f"profile skipped: {left(args.budget):.0f} s left of the budget")
