@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_keys_m, _tile_config
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import paged_attention_ref
@@ -53,7 +54,12 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache in fp16)
 #   1  as 0, with an fp8 cache's QK dot in e4m3 (q quantized per row)
 #   2  keys as the MMA's M (attention_tile._attend_tile_keys_m), QK in e4m3 with an fp8 cache
-DECODE_VARIANTS = (0, 1, 2)
+#   3  as 2 with q unquantized: an fp8 cache's K and V widened to fp16 for both dots (variant 0's rounding)
+DECODE_VARIANTS = (0, 1, 2, 3)
+# An fp8 cache's default (PAGEDLLM_FP8_KV_DOTS=0: variant 0) and its tiles (BLOCK_M, TILE_N, warps, stages).
+FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
+FP8_KV_VARIANT = 2
+FP8_KV_CONFIG = (16, 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_slots", "num_splits", "stride_bt"])
@@ -100,7 +106,7 @@ def _decode_fused_kernel(
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 rows-as-M 16-bit dots, 1 rows-as-M fp8 QK, 2 keys-as-M
+    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 / 1 rows as the MMA's M (16-bit / fp8 QK), 2 / 3 keys (fp8 / 16-bit QK)
 ):
     if ORDERED:
         seq_idx = tl.load(order_ptr + tl.program_id(0))
@@ -146,15 +152,18 @@ def _decode_fused_kernel(
     q_pos = tl.zeros([BLOCK_M], tl.int32) + context_len
     # An fp8 cache and VARIANT >= 1: q quantized per row to e4m3, q ~= q8 * q_scale, for fp8 QK dots;
     # the row scales fold into the score scale.
-    if VARIANT >= 1 and k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+    if (VARIANT == 1 or VARIANT == 2) and k_cache_ptr.dtype.element_ty == tl.float8e4nv:
         qf = q.to(tl.float32)
         q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)  # (BLOCK_M,)
         q8 = tl.minimum(tl.maximum(qf / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
         row_scale = scale_log2 * q_scale
+    elif VARIANT == 3 and k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q8 = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)  # as attention_tile's qc
+        row_scale = tl.zeros([BLOCK_M], tl.float32) + scale_log2
     else:
         q8 = q
         row_scale = tl.zeros([BLOCK_M], tl.float32) + scale_log2
-    if VARIANT == 2:
+    if VARIANT >= 2:
         acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
         qt = tl.trans(q8)
         col_scale = row_scale[None, :]
@@ -219,7 +228,9 @@ def decode_attention_fused(
     """`fused_qkv_prep` followed by `paged_attention`, for a decode-only batch, in one launch (see
     the module doc). Writes this step's K/V to the cache like the pair does. Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
-    No host sync, a grid from host ints only: CUDA-graph capturable."""
+    No host sync, a grid from host ints only: CUDA-graph capturable.
+    variant (DECODE_VARIANTS) / config (BLOCK_M, TILE_N, warps, stages): None = the defaults (an fp8 cache:
+    FP8_KV_VARIANT with FP8_KV_CONFIG unless PAGEDLLM_FP8_KV_DOTS=0)."""
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
                       k_norm_weight)
@@ -251,10 +262,13 @@ def decode_attention_fused(
     # x 900-1500 keys: 112 vs 93 us, BENCHMARKS.md issue 19).
     few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS and kv_cache.element_size() > 1
     block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True, few_programs=few)
+    fp8_cache = kv_cache.dtype == torch.float8_e4m3fn
+    if variant is None:
+        variant = FP8_KV_VARIANT if fp8_cache and FP8_KV_DOTS and head_dim_pad <= 128 else 0
+        if variant != 0 and config is None:
+            config = FP8_KV_CONFIG
     if config is not None:  # (BLOCK_M, TILE_N, num_warps, num_stages): the sweeps' override
         block_m, tile_n, num_warps, num_stages = config
-    if variant is None:
-        variant = 0
     if variant not in DECODE_VARIANTS:
         raise ValueError(f"decode attention variant must be one of {DECODE_VARIANTS}, got {variant}")
     if use_split:

@@ -1,5 +1,6 @@
 """The fused decode kernel's loop formulations (`decode_attention.DECODE_VARIANTS`) against the fp32
-reference: 1 (an fp8 cache's QK dot in e4m3, q quantized per row) and 2 (keys as the MMA's M).
+reference: 1 (an fp8 cache's QK dot in e4m3, q quantized per row), 2 (keys as the MMA's M, the same
+e4m3 QK) and 3 (keys as M, K and V widened to fp16).
 
 q's e4m3 rounding is the variants' one approximation beyond fp16 P, so the exact test builds inputs
 that quantize without rounding: every q row's largest |value| is 56 and every value is an e4m3
@@ -39,7 +40,7 @@ def _exact_batch(device: torch.device):
     return qkv, positions, cos_sin, cache, md
 
 
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [1, 2, 3])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_fp8_dot_variants_match_reference_on_exact_inputs(device, variant, num_splits):
     qkv, positions, cos_sin, cache, md = _exact_batch(device)
