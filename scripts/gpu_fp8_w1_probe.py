@@ -330,13 +330,15 @@ def section_profile(budget: float, kv_fp8: bool) -> None:
             continue
         kind = "prefill" if any("_paged_attention_kernel" in e[2] for e in st) else "decode"
         count[kind] += 1
-        span[kind] += (st[-1][0] + st[-1][1] - st[0][0]) / 1e3
+        span[kind] += (st[-1][0] + st[-1][1] - st[0][0]) / 1e6  # ms
         for _, dur, name in st:
             kinds[kind][family(name)] += dur / 1e3
             by_kernel[(kind, name)].append(dur)
     tag = "fp8+fp8kv" if kv_fp8 else "fp8"
+    kernel_ms = sum(sum(k.values()) for k in kinds.values()) / 1e3
     ROWS.append(f"| profile {tag}: W1 {res.output_tokens_per_second:.0f} tok/s under the profiler, wall {wall * 1e3:.0f} ms, "
-                f"floor {res.floor_seconds * 1e3:.0f} ms | | | |")
+                f"kernels {kernel_ms:.0f} ms ({100 * kernel_ms / (wall * 1e3):.1f}% of the wall), floor "
+                f"{res.floor_seconds * 1e3:.0f} ms | | | |")
     for kind in ("decode", "prefill"):
         tot = sum(kinds[kind].values())
         ROWS.append(f"| profile {tag} {kind} steps: {count[kind]}, span {span[kind]:.0f} ms, kernels {tot / 1e3:.0f} ms "
