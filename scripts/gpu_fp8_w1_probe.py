@@ -218,7 +218,13 @@ LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "do
 def section_gemm(budget: float) -> None:
     from _gpu_common import rotating_graph_us
 
+    from pagedllm.kernels.quant_act import quantize_activation_triton
     from pagedllm.kernels.scaled_mm import choose_path, w8a8_linear
+    from pagedllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_config
+
+    def split_k(x, wq, ws):  # the Triton path with its split-K config (PAGEDLLM_W8A8_SPLIT_K=1)
+        xq, xs = quantize_activation_triton(x, wq.dtype)
+        return w8a8_gemm(xq, wq, xs, ws, None, x.dtype, config=w8a8_gemm_config(x.shape[0], wq.shape[0], wq.shape[1], True))
 
     fp8 = torch.float8_e4m3fn
     weights = {}
@@ -227,7 +233,7 @@ def section_gemm(budget: float) -> None:
         weights[name] = [((torch.randn(n, k, device="cuda") * 0.05).to(fp8), torch.rand(n, device="cuda") * 1e-3)
                          for _ in range(copies)]
     for m in GEMM_MS:
-        total = {"auto": 0.0, "triton": 0.0}
+        total = {"auto": 0.0, "triton": 0.0, "split": 0.0}
         floor_b = floor_f = 0.0
         for name, (n, k) in LINEARS.items():
             if left(budget) < 1:
@@ -237,16 +243,21 @@ def section_gemm(budget: float) -> None:
             auto = rotating_graph_us(lambda i, x=x, ws=ws: w8a8_linear(x, ws[i][0], ws[i][1], None, None), len(ws))
             tri = rotating_graph_us(lambda i, x=x, ws=ws: w8a8_linear(x, ws[i][0], ws[i][1], None, None,
                                                                       path="triton"), len(ws))
+            spl = rotating_graph_us(lambda i, x=x, ws=ws: split_k(x, ws[i][0], ws[i][1]), len(ws))
+            cfg = w8a8_gemm_config(m, n, k, True)
             fb, ff = (n * k + m * k * 2 + m * n * 2) / 4.2e12 * 1e6, 2 * m * n * k / 1.6e15 * 1e6
             total["auto"] += auto
             total["triton"] += tri
+            total["split"] += spl
             floor_b += fb
             floor_f += ff
-            row = (f"| gemm {name} M={m}: {choose_path(m, n, k, fp8)} {auto:.1f}, triton {tri:.1f} | floor bytes "
-                   f"{fb:.1f} / flops {ff:.1f} us | {max(fb, ff) / min(auto, tri):.0%} of floor | |")
+            row = (f"| gemm {name} M={m}: {choose_path(m, n, k, fp8)} {auto:.1f}, triton {tri:.1f}, split-K "
+                   f"{cfg.SPLIT_K} {spl:.1f} | floor bytes {fb:.1f} / flops {ff:.1f} us | "
+                   f"{max(fb, ff) / min(auto, tri, spl):.0%} of floor | |")
             ROWS.append(row)
             log(row)
-        ROWS.append(f"| gemm layer M={m}: auto {total['auto']:.1f}, triton {total['triton']:.1f} | floor "
+        ROWS.append(f"| gemm layer M={m}: auto {total['auto']:.1f}, triton {total['triton']:.1f}, split-K "
+                    f"{total['split']:.1f} | floor "
                     f"{max(floor_b, floor_f):.1f} us | | |")
     del weights
     torch.cuda.empty_cache()

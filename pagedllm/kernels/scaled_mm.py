@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
 from pagedllm.kernels.quantized_activation import QuantizedActivation
-from pagedllm.kernels.w8a8_gemm import w8a8_gemm
+from pagedllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_config
 from pagedllm.kernels.w8a16_gemv import KERNEL_MAX_M, w8a16_linear
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "choose_path", "prequantized_path",
@@ -186,12 +187,20 @@ PATHS = ("w8a16", "triton", "cublas")
 W8A16_MAX_M = 16
 W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
 TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
+# PAGEDLLM_W8A8_SPLIT_K=1 (off by default: not yet measured on the H200): the Triton GEMM cuts K where its
+# tiles leave SMs idle (w8a8_gemm_config split_k), and FP8 linears of N <= SPLIT_K_MAX_N (q/k/v, o, down
+# of the 8B shape) take it up to SPLIT_K_MAX_M rows instead of cuBLAS.
+SPLIT_K = environment_variables["PAGEDLLM_W8A8_SPLIT_K"]()
+SPLIT_K_MAX_M = 256
+SPLIT_K_MAX_N = 8192
 
 
 def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
     """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
     if m == 1 or (m <= W8A16_MAX_M and n <= W8A16_MAX_N[qdtype]):
         return "w8a16"
+    if SPLIT_K and m <= SPLIT_K_MAX_M and n <= SPLIT_K_MAX_N:
+        return "triton"
     return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
 
 
@@ -241,7 +250,8 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
         return w8a16_linear(x2, wq, w_scale, bias).reshape(*lead, n)
     if aligned and path == "triton":
         xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale)
-        return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype).reshape(*lead, n)
+        return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype,
+                         config=w8a8_gemm_config(m, n, k, SPLIT_K)).reshape(*lead, n)
     pad = max(32, triton.cdiv(m, 8) * 8) if is_int and aligned else m  # _int_mm needs M > 16
     xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale, rows=pad)
     if not aligned:
@@ -265,5 +275,5 @@ def _prequantized_linear(x: QuantizedActivation, wq: torch.Tensor, w_scale: torc
     if not x.is_cuda:  # the reference (a test's interpreted producer kernels hand CPU tensors)
         return scaled_mm_ref(x.xq, wq, x.scale, w_scale, bias, x.dtype)
     if choose_path(m, n, k, wq.dtype) == "triton":
-        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype)
+        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype, config=w8a8_gemm_config(m, n, k, SPLIT_K))
     return _fp8_cuda(x.xq, x.scale, wq, w_scale, bias, m, x.dtype)
