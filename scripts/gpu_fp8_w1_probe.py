@@ -88,8 +88,8 @@ def graph_us(fn, reps: int = 20) -> float:
 # ---------------------------------------------------------------------------------------------- attn
 ATTN_CONFIGS = {  # cache -> [(variant, config or None = the default tiles)], in the order timed
     "bf16": [(0, None), (2, (16, 64, 4, 3))],
-    "fp8": [(0, None), (2, (16, 128, 4, 3)), (2, (16, 64, 4, 3)), (2, (16, 128, 8, 3)), (1, None),
-            (2, (16, 64, 4, 4)), (2, (16, 128, 4, 2)), (3, (16, 64, 4, 3))],
+    "fp8": [(0, None), (2, (16, 128, 4, 3)), (4, (16, 64, 4, 3)), (3, (16, 64, 4, 3)), (4, (16, 32, 2, 3)),
+            (2, (16, 64, 4, 3)), (1, None), (2, (16, 128, 4, 2))],
 }
 CASES = ["decode256", "decode64"]
 STREAM_CONFIGS = ((1, 128, 4, 3), (8, 16, 4, 3), (2, 64, 4, 3), (1, 64, 4, 3))
@@ -111,7 +111,7 @@ def section_attn(budget: float) -> None:
             qkv, pos, cs, cache, md, kv_bytes = decode_case(kind, dt)
             ref = attn_ref(qkv, pos, cs, cache, md)
             configs = ATTN_CONFIGS[cname] if ci == 0 else [(0, None)] + [
-                (v, best[(cname, v)][1]) for v in (1, 2, 3) if (cname, v) in best]
+                (v, best[(cname, v)][1]) for v in (1, 2, 3, 4) if (cname, v) in best]
             for variant, cfg in configs:
                 if left(budget) < 2:
                     log("attn: budget spent")

@@ -35,7 +35,14 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.envs import environment_variables
-from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_keys_m, _tile_config
+from pagedllm.kernels.attention_tile import (
+    _LOG2E,
+    _attend_tile,
+    _attend_tile_groups,
+    _attend_tile_keys_m,
+    _merge_groups,
+    _tile_config,
+)
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
@@ -55,7 +62,9 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #   1  as 0, with an fp8 cache's QK dot in e4m3 (q quantized per row)
 #   2  keys as the MMA's M (attention_tile._attend_tile_keys_m), QK in e4m3 with an fp8 cache
 #   3  as 2 with q unquantized: an fp8 cache's K and V widened to fp16 for both dots (variant 0's rounding)
-DECODE_VARIANTS = (0, 1, 2, 3)
+#   4  keys as M in num_warps independent groups a tile (attention_tile._attend_tile_groups: batched dots, no
+#      cross-warp reduction in the loop), 16-bit dots
+DECODE_VARIANTS = (0, 1, 2, 3, 4)
 # An fp8 cache's default (PAGEDLLM_FP8_KV_DOTS=0: variant 0) and its tiles (BLOCK_M, TILE_N, warps, stages).
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
 FP8_KV_VARIANT = 2
@@ -106,6 +115,7 @@ def _decode_fused_kernel(
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr = 1,  # VARIANT 4: key groups a tile (= num_warps)
     VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 / 1 rows as the MMA's M (16-bit / fp8 QK), 2 / 3 keys (fp8 / 16-bit QK)
 ):
     if ORDERED:
@@ -157,13 +167,26 @@ def _decode_fused_kernel(
         q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)  # (BLOCK_M,)
         q8 = tl.minimum(tl.maximum(qf / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
         row_scale = scale_log2 * q_scale
-    elif VARIANT == 3 and k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+    elif VARIANT >= 3 and k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
         q8 = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)  # as attention_tile's qc
         row_scale = tl.zeros([BLOCK_M], tl.float32) + scale_log2
     else:
         q8 = q
         row_scale = tl.zeros([BLOCK_M], tl.float32) + scale_log2
-    if VARIANT >= 2:
+    if VARIANT == 4:
+        qt3 = tl.broadcast_to(tl.trans(q8)[None, :, :], (GROUPS, HEAD_DIM_PAD, BLOCK_M))
+        m_g = tl.full([GROUPS, BLOCK_M], float("-inf"), tl.float32)
+        l_g = tl.zeros([GROUPS, BLOCK_M], tl.float32)
+        acc_g = tl.zeros([GROUPS, HEAD_DIM_PAD, BLOCK_M], tl.float32)
+        for start_n in range(kv_lo, kv_hi, TILE_N):
+            m_g, l_g, acc_g = _attend_tile_groups(
+                qt3, m_g, l_g, acc_g, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, scale_log2,
+                stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, GROUPS, TILE_N // GROUPS, BLOCK_SIZE,
+                DOT_PRECISION,
+            )
+        m_i, l_i, acc_t = _merge_groups(m_g, l_g, acc_g)
+        acc = tl.trans(acc_t)
+    elif VARIANT >= 2:
         acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
         qt = tl.trans(q8)
         col_scale = row_scale[None, :]
@@ -321,6 +344,7 @@ def decode_attention_fused(
         USE_SPLIT=use_split,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         VARIANT=variant,
+        GROUPS=num_warps if variant == 4 else 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )

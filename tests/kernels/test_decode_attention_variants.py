@@ -1,6 +1,6 @@
 """The fused decode kernel's loop formulations (`decode_attention.DECODE_VARIANTS`) against the fp32
 reference: 1 (an fp8 cache's QK dot in e4m3, q quantized per row), 2 (keys as the MMA's M, the same
-e4m3 QK) and 3 (keys as M, K and V widened to fp16).
+e4m3 QK), 3 (keys as M, K and V widened to fp16) and 4 (keys as M in a group a warp, 16-bit dots).
 
 q's e4m3 rounding is the variants' one approximation beyond fp16 P, so the exact test builds inputs
 that quantize without rounding: every q row's largest |value| is 56 and every value is an e4m3
@@ -40,7 +40,7 @@ def _exact_batch(device: torch.device):
     return qkv, positions, cos_sin, cache, md
 
 
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_fp8_dot_variants_match_reference_on_exact_inputs(device, variant, num_splits):
     qkv, positions, cos_sin, cache, md = _exact_batch(device)
@@ -69,14 +69,15 @@ def test_fp8_dot_variants_on_random_inputs(device):
         assert err < (0.05 if device.type == "cuda" else 0.2), (variant, err)  # CPU: the interpreter's e4m3
 
 
+@pytest.mark.parametrize("variant", [2, 4])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_keys_as_m_variant_on_a_16_bit_cache(device, num_splits):
+def test_keys_as_m_variants_on_a_16_bit_cache(device, num_splits, variant):
     # Variant 2 on a 32-bit cache (the CPU reference's dtype): q stays unquantized, so it equals the
     # reference as variant 0 does.
     qkv, positions, cos_sin, cache, md, (qw, kw) = _batch(H, KVH, D, D, 16, True, device)
     ref_cache = cache.clone()
     out = decode_attention_fused(qkv, positions, cos_sin, cache, md, 0.125, H, KVH, D, qw, kw, 1e-6,
-                                 num_splits=num_splits, variant=2)
+                                 num_splits=num_splits, variant=variant)
     ref = decode_attention_fused_ref(qkv, positions, cos_sin, ref_cache, md, 0.125, H, KVH, D, qw, kw, 1e-6)
     n = len(SEQ_LENS) - 1
     torch.testing.assert_close(out[:n], ref[:n], atol=1e-4, rtol=1e-4)
