@@ -211,7 +211,11 @@ def section_quant(budget: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- gemm
-GEMM_MS = (64, 128, 256, 32, 192)
+GEMM_MS = (128, 256, 64, 192, 32)
+# Other Triton tiles for the narrow linears at M = 128 / 256 (W8A8Config: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+# warps, stages, TMA, SPLIT_K).
+GEMM_ALT = {"64x128 k/2": (64, 128, 128, 8, 4, 4, False, 2), "64x128 k/4": (64, 128, 128, 8, 4, 4, False, 4),
+            "128x128 k/2": (128, 128, 128, 8, 8, 3, False, 2), "64x64x256 k/2": (64, 64, 256, 8, 4, 4, False, 2)}
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
@@ -220,11 +224,12 @@ def section_gemm(budget: float) -> None:
 
     from pagedllm.kernels.quant_act import quantize_activation_triton
     from pagedllm.kernels.scaled_mm import choose_path, w8a8_linear
-    from pagedllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_config
+    from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
 
-    def split_k(x, wq, ws):  # the Triton path with its split-K config (PAGEDLLM_W8A8_SPLIT_K=1)
+    def split_k(x, wq, ws, cfg=None):  # the Triton path with its split-K config (PAGEDLLM_W8A8_SPLIT_K=1)
         xq, xs = quantize_activation_triton(x, wq.dtype)
-        return w8a8_gemm(xq, wq, xs, ws, None, x.dtype, config=w8a8_gemm_config(x.shape[0], wq.shape[0], wq.shape[1], True))
+        cfg = cfg or w8a8_gemm_config(x.shape[0], wq.shape[0], wq.shape[1], True)
+        return w8a8_gemm(xq, wq, xs, ws, None, x.dtype, config=cfg)
 
     fp8 = torch.float8_e4m3fn
     weights = {}
@@ -256,6 +261,12 @@ def section_gemm(budget: float) -> None:
                    f"{max(fb, ff) / min(auto, tri, spl):.0%} of floor | |")
             ROWS.append(row)
             log(row)
+            if m in (128, 256) and n <= 8192 and left(budget) > 4:
+                alts = {tag: rotating_graph_us(lambda i, x=x, ws=ws, c=c: split_k(x, ws[i][0], ws[i][1], W8A8Config(*c)),
+                                               len(ws)) for tag, c in GEMM_ALT.items()}
+                row = f"| gemm {name} M={m} other tiles: " + ", ".join(f"{t} {u:.1f}" for t, u in alts.items()) + " | | | |"
+                ROWS.append(row)
+                log(row)
         ROWS.append(f"| gemm layer M={m}: auto {total['auto']:.1f}, triton {total['triton']:.1f}, split-K "
                     f"{total['split']:.1f} | floor "
                     f"{max(floor_b, floor_f):.1f} us | | |")
