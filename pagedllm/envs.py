@@ -99,7 +99,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (decode_attention.py variant 0) instead of the fp8-QK, keys-as-rows loop (variant 2); for A/B timings.
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", True),
     # 1: the W8A8 Triton GEMM splits K where its tiles leave SMs idle, and FP8 linears up to 8192 outputs take
-    # it instead of cuBLAS up to 256 rows (kernels/scaled_mm.py SPLIT_K). Off: not yet measured on a GPU.
+    # it instead of cuBLAS up to 128 rows (kernels/scaled_mm.py SPLIT_K). Off: not yet measured on a GPU.
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).

@@ -189,9 +189,10 @@ W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
 TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
 # PAGEDLLM_W8A8_SPLIT_K=1 (off by default: not yet measured on the H200): the Triton GEMM cuts K where its
 # tiles leave SMs idle (w8a8_gemm_config split_k), and FP8 linears of N <= SPLIT_K_MAX_N (q/k/v, o, down
-# of the 8B shape) take it up to SPLIT_K_MAX_M rows instead of cuBLAS.
+# of the 8B shape) take it up to SPLIT_K_MAX_M rows instead of cuBLAS (whose 128 x 128 tiles give those
+# 32-48 programs there: the profile of BENCHMARKS.md's issue 19 h43 section).
 SPLIT_K = environment_variables["PAGEDLLM_W8A8_SPLIT_K"]()
-SPLIT_K_MAX_M = 256
+SPLIT_K_MAX_M = 128
 SPLIT_K_MAX_N = 8192
 
 

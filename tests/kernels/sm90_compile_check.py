@@ -44,6 +44,7 @@ from pagedllm.kernels import (  # noqa: E402
     rotary,
     sampling,
     split_k,
+    w8a8_gemm,
     wna16_gemm,
     wna16_gemv,
     wna16_stream,
@@ -135,6 +136,8 @@ def _record(launches: list) -> None:
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
         (decode_attention, "_decode_fused_kernel"),
+        (w8a8_gemm, "_w8a8_gemm_kernel"),
+        (w8a8_gemm, "_split_k_sum_kernel"),
         (quant_act, "_rms_norm_quant_kernel"),
         (quant_act, "_silu_and_mul_quant_kernel"),
         (fused_moe, "_moe_align_kernel"),
@@ -175,6 +178,11 @@ def _record_quant() -> None:
     wna16_gemm.dequantize_wna16_triton(qw, s, z, 4, 128, bf16)
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         quant_act.quantize_activation_triton(torch.zeros(2, k, dtype=bf16), qdtype)
+    # The W8A8 GEMM's split-K launch (PAGEDLLM_W8A8_SPLIT_K=1) at Llama-3.1-8B's down projection, fp8, 64 rows:
+    # the (64, 128, 128) pointer kernel in 8 K slices and the slices' sum.
+    fp8 = torch.float8_e4m3fn
+    w8a8_gemm.w8a8_gemm(torch.zeros(64, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(64, 1),
+                        torch.ones(n), None, bf16, config=w8a8_gemm.w8a8_gemm_config(64, n, k, split_k=True))
     # The fused producers of a W8A8 linear's input (layers/quant_fusion.py) at Llama-3.1-8B's widths.
     x = torch.zeros(2, 4096, dtype=bf16)
     quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x)
