@@ -56,17 +56,11 @@ def _attend_tile(
     # sm_90, while e4m3 -> bf16 goes through fp16 and fp32 (three), which made the fp8 cache slower
     # than bf16 in decode. Every K / V / P value fits fp16 (|fp8| <= 448, P in [0, 1]); q is clamped
     # to fp16's range (a bf16 q beyond 65504 would otherwise become inf), and keeps more mantissa.
-    # q in e4m3 (the caller quantized it per row and folded the row scales into scale_log2, then a
-    # (BLOCK_M, 1) tensor): the QK dot runs on fp8 tensor cores, PV in fp16.
-    if q.dtype == tl.float8e4nv:
-        qc = q
-        s = tl.dot(q, k, out_dtype=tl.float32) * scale_log2  # (BLOCK_M, TILE_N)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # decided at compile time
+        qc = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     else:
-        if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # decided at compile time
-            qc = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        else:
-            qc = q
-        s = tl.dot(qc, k.to(qc.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
+        qc = q
+    s = tl.dot(qc, k.to(qc.dtype), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
     if USE_SOFTCAP:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without NaN when exp overflows.
         s = soft_cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap_log2) + 1.0))
@@ -90,10 +84,7 @@ def _attend_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    if q.dtype == tl.float8e4nv:
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(qc.dtype), v.to(qc.dtype), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(qc.dtype), v.to(qc.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -143,55 +134,6 @@ def _attend_tile_keys_m(
         pv = tl.dot(tl.trans(v.to(qt.dtype)), p.to(qt.dtype), input_precision=DOT_PRECISION)
     acc_t = acc_t * alpha[None, :] + pv
     return m_new, l_i, acc_t
-
-
-@triton.jit
-def _attend_tile_groups(
-    qt3, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, scale_log2,
-    stride_c_blk, stride_c_slot,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    GROUPS: tl.constexpr,
-    GROUP_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """`_attend_tile_keys_m` with the tile's GROUPS x GROUP_N keys in GROUPS independent groups (batched dots,
-    one group a warp with GROUPS = num_warps), each with its own running max and sum, so no step needs a
-    cross-warp reduction; the caller merges the groups once at the end (`_merge_groups`).
-
-    qt3 (GROUPS, HEAD_DIM_PAD, BLOCK_M): q^T, the same in every group (16-bit; an fp8 cache's K / V widened to
-    fp16); m_i, l_i (GROUPS, BLOCK_M) fp32; acc_t (GROUPS, HEAD_DIM_PAD, BLOCK_M) fp32.
-    """
-    offs_g = tl.arange(0, GROUPS)
-    offs_n = tl.arange(0, GROUP_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    k_pos = start_n + offs_g[:, None] * GROUP_N + offs_n[None, :]  # (GROUPS, GROUP_N)
-    k_valid = k_pos < kv_hi
-    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-    slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
-    kv_mask = k_valid[:, :, None] & (offs_d[None, None, :] < HEAD_DIM)
-    ptrs = slot_off[:, :, None] + offs_d[None, None, :]  # (GROUPS, GROUP_N, HEAD_DIM_PAD)
-    k = tl.load(k_cache_ptr + ptrs, mask=kv_mask, other=0.0).to(qt3.dtype)
-    s = tl.dot(k, qt3, input_precision=DOT_PRECISION) * scale_log2  # (GROUPS, GROUP_N, BLOCK_M)
-    s = tl.where(k_valid[:, :, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # a group whose keys are all past kv_hi keeps -inf
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_shift[:, None, :])
-    alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + ptrs, mask=kv_mask, other=0.0).to(qt3.dtype)
-    acc_t = acc_t * alpha[:, None, :] + tl.dot(tl.trans(v, (0, 2, 1)), p.to(qt3.dtype), input_precision=DOT_PRECISION)
-    return m_new, l_i, acc_t
-
-
-@triton.jit
-def _merge_groups(m_i, l_i, acc_t):
-    """(GROUPS, BLOCK_M) running maxima / sums and (GROUPS, D, BLOCK_M) accumulators -> one (BLOCK_M,),
-    (BLOCK_M,), (D, BLOCK_M) state, as split_k's merge: weights 2^(m_g - max)."""
-    m = tl.max(m_i, 0)
-    w = tl.math.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # (GROUPS, BLOCK_M)
-    return m, tl.sum(l_i * w, 0), tl.sum(acc_t * w[:, None, :], 0)
 
 
 def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool,

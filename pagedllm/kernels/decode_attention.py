@@ -35,14 +35,7 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.envs import environment_variables
-from pagedllm.kernels.attention_tile import (
-    _LOG2E,
-    _attend_tile,
-    _attend_tile_groups,
-    _attend_tile_keys_m,
-    _merge_groups,
-    _tile_config,
-)
+from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_keys_m, _tile_config
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
@@ -58,14 +51,13 @@ from pagedllm.kernels.split_k import (
 __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_ref"]
 
 # The decode loop's formulations (`_decode_fused_kernel` VARIANT):
-#   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache in fp16)
-#   1  as 0, with an fp8 cache's QK dot in e4m3 (q quantized per row)
-#   2  keys as the MMA's M (attention_tile._attend_tile_keys_m), QK in e4m3 with an fp8 cache
-#   3  as 2 with q unquantized: an fp8 cache's K and V widened to fp16 for both dots (variant 0's rounding)
-#   4  keys as M in num_warps independent groups a tile (attention_tile._attend_tile_groups: batched dots, no
-#      cross-warp reduction in the loop), 16-bit dots
-DECODE_VARIANTS = (0, 1, 2, 3, 4)
-# An fp8 cache's default (PAGEDLLM_FP8_KV_DOTS=0: variant 0) and its tiles (BLOCK_M, TILE_N, warps, stages).
+#   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache widened to fp16)
+#   2  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
+#      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
+# (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
+DECODE_VARIANTS = (0, 2)
+# An fp8 cache's default (PAGEDLLM_FP8_KV_DOTS=0: variant 0) and its tiles (BLOCK_M, TILE_N, warps, stages): the
+# H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218 (BENCHMARKS.md, h43).
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
 FP8_KV_VARIANT = 2
 FP8_KV_CONFIG = (16, 128, 4, 3)
@@ -115,8 +107,7 @@ def _decode_fused_kernel(
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    GROUPS: tl.constexpr = 1,  # VARIANT 4: key groups a tile (= num_warps)
-    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 / 1 rows as the MMA's M (16-bit / fp8 QK), 2 / 3 keys (fp8 / 16-bit QK)
+    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 query rows as the MMA's M, 2 keys
 ):
     if ORDERED:
         seq_idx = tl.load(order_ptr + tl.program_id(0))
@@ -160,49 +151,25 @@ def _decode_fused_kernel(
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_h
     q_pos = tl.zeros([BLOCK_M], tl.int32) + context_len
-    # An fp8 cache and VARIANT >= 1: q quantized per row to e4m3, q ~= q8 * q_scale, for fp8 QK dots;
-    # the row scales fold into the score scale.
-    if (VARIANT == 1 or VARIANT == 2) and k_cache_ptr.dtype.element_ty == tl.float8e4nv:
-        qf = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)  # (BLOCK_M,)
-        q8 = tl.minimum(tl.maximum(qf / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
-        row_scale = scale_log2 * q_scale
-    elif VARIANT >= 3 and k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-        q8 = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)  # as attention_tile's qc
-        row_scale = tl.zeros([BLOCK_M], tl.float32) + scale_log2
-    else:
-        q8 = q
-        row_scale = tl.zeros([BLOCK_M], tl.float32) + scale_log2
-    if VARIANT == 4:
-        qt3 = tl.broadcast_to(tl.trans(q8)[None, :, :], (GROUPS, HEAD_DIM_PAD, BLOCK_M))
-        m_g = tl.full([GROUPS, BLOCK_M], float("-inf"), tl.float32)
-        l_g = tl.zeros([GROUPS, BLOCK_M], tl.float32)
-        acc_g = tl.zeros([GROUPS, HEAD_DIM_PAD, BLOCK_M], tl.float32)
-        for start_n in range(kv_lo, kv_hi, TILE_N):
-            m_g, l_g, acc_g = _attend_tile_groups(
-                qt3, m_g, l_g, acc_g, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, scale_log2,
-                stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, GROUPS, TILE_N // GROUPS, BLOCK_SIZE,
-                DOT_PRECISION,
-            )
-        m_i, l_i, acc_t = _merge_groups(m_g, l_g, acc_g)
-        acc = tl.trans(acc_t)
-    elif VARIANT >= 2:
+    if VARIANT == 2:
+        # An fp8 cache: q quantized per row to e4m3 (q ~= q8 * q_scale) for the e4m3 QK dot, the row scales
+        # folded into the score scale; a 16-bit cache keeps q.
+        if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            qf = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)  # (BLOCK_M,)
+            q8 = tl.minimum(tl.maximum(qf / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            col_scale = (scale_log2 * q_scale)[None, :]
+        else:
+            q8 = q
+            col_scale = tl.zeros([1, BLOCK_M], tl.float32) + scale_log2
         acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
         qt = tl.trans(q8)
-        col_scale = row_scale[None, :]
         for start_n in range(kv_lo, kv_hi, TILE_N):
             m_i, l_i, acc_t = _attend_tile_keys_m(
                 qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
                 stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
             )
         acc = tl.trans(acc_t)
-    elif VARIANT == 1:
-        for start_n in range(kv_lo, kv_hi, TILE_N):
-            m_i, l_i, acc = _attend_tile(
-                q8, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-                stride_c_blk, stride_c_slot, row_scale[:, None], 0, 0.0,
-                HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
-            )
     else:
         for start_n in range(kv_lo, kv_hi, TILE_N):
             m_i, l_i, acc = _attend_tile(
@@ -344,7 +311,6 @@ def decode_attention_fused(
         USE_SPLIT=use_split,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         VARIANT=variant,
-        GROUPS=num_warps if variant == 4 else 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )
