@@ -92,6 +92,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
+    # 0: a dynamic W8A8 linear's input is quantized by its own launch, not by the RMSNorm / SiLU-and-mul
+    # kernel that produces it (layers/quant_fusion.py); for A/B timings.
+    "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
+    # 0: decode attention over an fp8 KV cache runs its dots in fp16 with the query heads as the MMA's rows
+    # (decode_attention.py variant 0) instead of the fp8-QK, keys-as-rows loop (variant 2); for A/B timings.
+    "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", True),
+    # 1: the W8A8 Triton GEMM splits K where its tiles leave SMs idle, and FP8 linears up to 8192 outputs take
+    # it instead of cuBLAS up to 128 rows (kernels/scaled_mm.py SPLIT_K). Off: not yet measured on a GPU.
+    "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
