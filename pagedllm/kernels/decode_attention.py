@@ -56,8 +56,9 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
 # (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
 DECODE_VARIANTS = (0, 2)
-# An fp8 cache's default (PAGEDLLM_FP8_KV_DOTS=0: variant 0) and its tiles (BLOCK_M, TILE_N, warps, stages): the
-# H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218 (BENCHMARKS.md, h43).
+# An fp8 cache's opt-in loop (PAGEDLLM_FP8_KV_DOTS=1; otherwise variant 0) and its tiles (BLOCK_M, TILE_N,
+# warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
+# (BENCHMARKS.md, h43).
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
 FP8_KV_VARIANT = 2
 FP8_KV_CONFIG = (16, 128, 4, 3)
@@ -220,7 +221,7 @@ def decode_attention_fused(
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
     No host sync, a grid from host ints only: CUDA-graph capturable.
     variant (DECODE_VARIANTS) / config (BLOCK_M, TILE_N, warps, stages): None = the defaults (an fp8 cache:
-    FP8_KV_VARIANT with FP8_KV_CONFIG unless PAGEDLLM_FP8_KV_DOTS=0)."""
+    FP8_KV_VARIANT with FP8_KV_CONFIG when PAGEDLLM_FP8_KV_DOTS=1)."""
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
                       k_norm_weight)
