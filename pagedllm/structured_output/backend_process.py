@@ -38,6 +38,7 @@ import torch
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+from pagedllm.structured_output.grammar_worker import FLAG_WORDS
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -116,10 +117,12 @@ class _Lane:
         except OSError:
             raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
 
-    def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int) -> None:
+    def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int,
+                  flag: tuple[int, int] | None = None) -> None:
+        """flag: (word, seq) of a gated job: the worker sets flag word `word` to `seq` after its fill."""
         removed = self.removed
         gone = [removed.popleft() for _ in range(len(removed))] if removed else []
-        msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer)
+        msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer, flag)
         self.one_slots, self.one_tokens, self.more = [], [], []
         self.send(msg)
 
@@ -196,7 +199,8 @@ def _pin(buffer: torch.Tensor) -> int | None:
         return None
     ptr = buffer.data_ptr()
     try:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)
+        # Portable | mapped (3): the gate's flag words are read by the device at their mapped address.
+        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 3)
         failed = int(getattr(err, "value", err)) != 0
     except (AttributeError, RuntimeError, TypeError) as e:  # a torch without the binding
         err, failed = e, True
@@ -216,15 +220,21 @@ class ProcessBackend(StructuredOutputBackend):
         self.rows, self.words = rows, (vocab_size + 31) // 32
         # The workers' own times (summed over their jobs) and matchers after the last jobs.
         self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
-        shm = SharedMemory(create=True, size=NUM_BUFFERS * rows * self.words * 4)
+        if num_workers > FLAG_WORDS:
+            raise ValueError(f"at most {FLAG_WORDS} grammar workers, not {num_workers}")
+        size = NUM_BUFFERS * rows * self.words * 4
+        shm = SharedMemory(create=True, size=size + FLAG_WORDS * 4)
         self.buffers: list[torch.Tensor] = []
         workers = None
         try:
             flat = np.ndarray((NUM_BUFFERS, rows, self.words), dtype=np.int32, buffer=shm.buf)
             flat.fill(-1)
-            whole = torch.from_numpy(flat)
+            whole = torch.from_numpy(np.ndarray((size // 4 + FLAG_WORDS,), dtype=np.int32, buffer=shm.buf))
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
-            self.buffers = [whole[i] for i in range(NUM_BUFFERS)]
+            self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
+            # The workers' flag words (gated sampling), as many as there are workers.
+            self.flags = whole[size // 4: size // 4 + num_workers]
+            self.flags.numpy().fill(0)
             self._lanes: list[_Lane] = []
             for _ in range(num_workers):
                 proc, conn = self._start(max_threads, shm.name)
@@ -360,6 +370,32 @@ class ProcessBackend(StructuredOutputBackend):
         for i, lane in enumerate(lanes):
             lane.send_step(slots[i], rows[i], buffer)
         return lanes
+
+    # -- gated sampling (gate.py) ------------------------------------------------------------------
+    def gate_flag_memory(self) -> torch.Tensor:
+        """The workers' flag words in the shared block (registered with CUDA as mapped memory on a GPU)."""
+        return self.flags
+
+    def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
+                 seq: int) -> WorkerJob:
+        """Send a gated job now: every worker accepts its queued tokens, fills its rows of `rows`
+        (bitmask row of each grammar) and then sets its flag word to `seq`, whether or not it has
+        rows; the returned job's `wait()` reads the replies (the next job does, before it sends)."""
+        buffer = self._buffer_of(bitmask)
+        self.stats["steps"] += 1
+        lanes = self._lanes
+        n = len(lanes)
+        slots: list[list[int]] = [[] for _ in range(n)]
+        lane_rows: list[list[int]] = [[] for _ in range(n)]
+        for row, g in zip(rows, grammars, strict=True):
+            i = g.slot % n  # slot s lives in worker s % n
+            slots[i].append(g.slot)
+            lane_rows[i].append(row)
+        job = WorkerJob(self, [], buffer)
+        for i, lane in enumerate(lanes):
+            lane.send_step(slots[i], lane_rows[i], buffer, (i, seq))
+        job._sent = list(lanes)
+        return job
 
     def shutdown(self) -> None:
         self.buffers = []

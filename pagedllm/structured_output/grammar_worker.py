@@ -16,10 +16,11 @@ the whole job runs beside the loop, which only pickles one small message a step 
 Messages (multiprocessing Connection over a socket pair; fd in argv, the first message pickled):
     ("init", tokenizer_info_json, vocab_size, max_threads, shm_name, num_buffers, rows, words)
     ("add", slot, StructuredOutputsParams, stop_token_ids)      compiled on this process's pool
-    ("step", removed_slots, one_slots, one_tokens, more, fill_slots, fill_rows | None, buffer)
+    ("step", removed_slots, one_slots, one_tokens, more, fill_slots, fill_rows | None, buffer, flag | None)
         -> ("ok", refused_slots, accept_s, fill_s, live_matchers, t_received, t_done) | ("error", message)
     ("close",)
-A slot is the engine's number for one request's grammar (never reused). With several workers
+flag: (word, seq) of a gated job (gate.py): after the fill, flag word `word` (after the buffers in
+the shared block) is set to seq, which lets the device sample the step. A slot is the engine's number for one request's grammar (never reused). With several workers
 (PAGEDLLM_GRAMMAR_WORKERS) slot s lives in worker s % n, which fills its rows of the shared buffer
 (fill_rows); with one, fill_rows is None (rows 0..n-1). The worker ends on
 "close" or when the engine's end of the socket closes (EOF): it never outlives the engine.
@@ -37,6 +38,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
+# Gated sampling (gate.py): after the bitmask buffers, one int32 flag word per worker, which it sets
+# to a gated job's sequence number once its rows are filled (the device waits for every word).
+FLAG_WORDS = 16
 
 
 def shm_path(name: str) -> str:
@@ -62,12 +66,15 @@ class GrammarWorker:
         # The engine created the buffer; mapping the file (not SharedMemory(name)) keeps this
         # process out of the resource tracker, which would unlink the buffer when this process ends.
         fd = os.open(shm_path(shm_name), os.O_RDWR)
+        size = num_buffers * rows * words * 4
         try:
-            self._mmap = mmap.mmap(fd, num_buffers * rows * words * 4)
+            self._mmap = mmap.mmap(fd, size + FLAG_WORDS * 4)
         finally:
             os.close(fd)
-        flat = np.frombuffer(self._mmap, dtype=np.int32).reshape(num_buffers, rows, words)
+        flat = np.frombuffer(self._mmap, dtype=np.int32, count=size // 4).reshape(num_buffers, rows, words)
         self.buffers = [torch.from_numpy(flat[i]) for i in range(num_buffers)]  # (rows, words) each
+        # Gated sampling: the flag words after the buffers (backend_process.FLAG_WORDS).
+        self.flags = np.frombuffer(self._mmap, dtype=np.int32, count=FLAG_WORDS, offset=size)
 
     def _grammar(self, slot: int):
         g = self.compiled.get(slot)
@@ -78,7 +85,16 @@ class GrammarWorker:
         return g
 
     def step(self, msg: tuple) -> tuple[list[int], float, float, int]:
-        _, removed, one_slots, one_tokens, more, fill_slots, fill_rows, buf = msg
+        flag = msg[8]
+        if flag is None:
+            return self._step(msg)
+        try:
+            return self._step(msg)
+        finally:
+            self.flags[flag[0]] = flag[1]  # after the fill's stores (or its failure): the device may go on
+
+    def _step(self, msg: tuple) -> tuple[list[int], float, float, int]:
+        _, removed, one_slots, one_tokens, more, fill_slots, fill_rows, buf, _flag = msg
         t0 = time.perf_counter()
         refused: list[int] = []
         get, slow = self.compiled.get, self._grammar

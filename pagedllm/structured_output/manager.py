@@ -36,6 +36,7 @@ from pagedllm import envs
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.fill_thread import FillThread
+from pagedllm.structured_output.gate import FlagWords, GrammarGate
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -98,6 +99,9 @@ class StructuredOutputManager:
         self._bitmask_views: list[dict[int, torch.Tensor]] = []
         self._next_bitmask = 0
         self._remote = False  # the backend is the grammar worker process (backend_process.py)
+        # Gated sampling (gate.py): the flag words, and the last gated job (waited for before the next job).
+        self._flags: FlagWords | None = None
+        self._gate_job: Callable[[], None] | None = None
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -223,6 +227,8 @@ class StructuredOutputManager:
         """In the caller's thread: advance by the queued tokens (one xgrammar batch call), pick the
         rows whose next token is constrained, take a bitmask. Returns the fill (a call with no
         arguments) and the output it fills; None when no row is constrained."""
+        if self._gate_job is not None:
+            self._wait_gate_job()
         if self._to_accept_one or self._to_accept:
             self._accept_queued()
         requests = self.requests
@@ -267,7 +273,98 @@ class StructuredOutputManager:
         self._fill_thread.submit(fill)
         return BitmaskJob(self._fill_thread, job[1])
 
+    # -- gated sampling (gate.py) ----------------------------------------------------------------
+    def gate_step(self, so: SchedulerOutput) -> GrammarGate | None:
+        """Before the launch: the step's gate, if it can sample with its launch, i.e. every
+        constrained request that samples has its grammar active already (or ended for good). A
+        request still reasoning is not gated: the token in flight may end its reasoning, and only
+        the fill after it knows. None also when no row is constrained."""
+        ids = self.sampling_request_ids(so)
+        if not ids:
+            return None
+        requests = self.requests
+        rows = []
+        for rid in ids:
+            sor = requests[rid]
+            if sor.active_grammar is None and sor.activate() is None:
+                if sor.ended:
+                    continue  # its grammar took its stop token: free from now on
+                return None
+            rows.append(rid)
+        if not rows:
+            return None
+        flags = self._gate_flags()
+        return GrammarGate(rows, self._take_bitmask(len(rows)), flags.words, flags.next_seq(), flags.device_address)
+
+    def _gate_flags(self) -> FlagWords:
+        if self._flags is None:
+            backend = self.backend()
+            cuda = self.config.device_config.device == "cuda"
+            memory = backend.gate_flag_memory() if self._remote else None
+            if memory is None:
+                memory = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+            self._flags = FlagWords(memory, torch.device("cuda") if cuda else None)
+        return self._flags
+
+    def submit_gate(self, gate: GrammarGate) -> None:
+        """After the step in flight was collected (its tokens queued by `advance`): feed the queued
+        tokens and fill the gate's rows beside the step loop; the filler opens the gate. A row
+        whose request finished or whose grammar ended meanwhile is all ones (its token is dropped,
+        or free). If anything here fails, the gate is opened before the error propagates: a shut
+        gate would stop the device's stream for good."""
+        try:
+            if self._gate_job is not None:
+                self._wait_gate_job()
+            requests, bitmask = self.requests, gate.bitmask
+            if self._remote:
+                if self._to_accept_one or self._to_accept:
+                    self._accept_queued()  # only queues them into the worker's next message
+            elif self._to_accept_one or self._to_accept:
+                self._accept_queued()  # xgrammar's batch accept, here (on the thread it would wait for the GIL)
+            grammars, rows = [], []
+            for row, rid in enumerate(gate.request_ids):
+                sor = requests.get(rid)
+                g = sor.active_grammar if sor is not None else None
+                if g is None:
+                    bitmask[row] = -1  # finished (its token is dropped) or ended (free)
+                    continue
+                grammars.append(g)
+                rows.append(row)
+            backend = self.backend()
+            if self._remote:
+                self._gate_job = backend.gate_job(grammars, bitmask, rows, gate.seq)
+                return
+            fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
+            words, seq = gate.flags, gate.seq
+
+            def fill_and_open() -> None:
+                try:
+                    if grammars:
+                        fill()
+                finally:
+                    words[:] = seq  # after the fill's stores: the device may copy the rows now
+
+            if self._fill_thread is None:
+                self._fill_thread = FillThread()
+            self._fill_thread.submit(fill_and_open)
+            self._gate_job = self._fill_thread.wait
+        except BaseException:
+            gate.open()
+            raise
+
+    def _wait_gate_job(self) -> None:
+        """The last gated job's end (its reply from the grammar worker; the thread's return), before
+        another job uses the thread, the worker's socket or the grammars."""
+        wait, self._gate_job = self._gate_job, None
+        if wait is not None:
+            wait()
+
     def shutdown(self) -> None:
+        if self._gate_job is not None:
+            try:
+                self._wait_gate_job()
+            except Exception:  # noqa: BLE001 - shutting down; the job's error was the step's to report
+                logger.exception("structured outputs: the last gated bitmask job failed")
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._fill_thread is not None:
