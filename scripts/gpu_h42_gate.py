@@ -11,6 +11,8 @@ Variants, alternating in one engine per model (each engine in its own child proc
                                own once the fill is done (main's code path, the A/B's "before")
     schema, gated, thread      the step samples with its launch, the device waits for the bitmask
                                (the accept in the step loop, the fill on the bitmask thread)
+    ..., accept on it          the same, the batch accept on the thread before the fill, with a
+                               0.1 ms switch interval (the thread needs the GIL between the two)
     schema, gated, N workers   the same, accept and fill in N grammar worker processes (h38's)
 First a probe of the gate itself (CUDA): the device's wait holds a copy until the host's flag, and
 how long from the flag to the copy's end (stream memory op and the spinning kernel). Then the same
@@ -114,7 +116,8 @@ def run_engine(args) -> list[dict]:
             backends["workers"] = b
         else:
             print("# the grammar workers did not start; their variant is skipped", flush=True)
-    variants = [("plain", None, False), ("schema, main path", "thread", False), ("schema, gated, thread", "thread", True)]
+    variants = [("plain", None, False), ("schema, main path", "thread", False), ("schema, gated, thread", "thread", True),
+                ("schema, gated, thread, accept on it (switch 0.1 ms)", "thread+", True)]
     if "workers" in backends:
         variants.append((f"schema, gated, {args.workers[0]} workers", "workers", True))
         if args.h38:
@@ -141,9 +144,13 @@ def run_engine(args) -> list[dict]:
                       (core, "_collect_inflight"), (llm.llm_engine.output_processor, "process_outputs")):
         timed(obj, name)
 
+    switch = sys.getswitchinterval()
+
     def use(backend_name: str, gated: bool) -> None:
         manager._wait_gate_job()
-        backend = backends[backend_name]
+        manager.accept_on_thread = backend_name.endswith("+")
+        sys.setswitchinterval(1e-4 if manager.accept_on_thread else switch)
+        backend = backends[backend_name.rstrip("+")]
         if manager._backend is not backend:
             manager._backend, manager._remote = backend, getattr(backend, "remote", False)
             manager._bitmasks, manager._bitmask_views, manager._flags = [], [], None

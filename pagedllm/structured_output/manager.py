@@ -102,6 +102,10 @@ class StructuredOutputManager:
         # Gated sampling (gate.py): the flag words, and the last gated job (waited for before the next job).
         self._flags: FlagWords | None = None
         self._gate_job: Callable[[], None] | None = None
+        # Gated, bitmask thread: the batch accept on the thread before the fill, not in the step
+        # loop. The thread needs the GIL between the two C++ calls, which a busy step loop gives up
+        # only after the switch interval (sys.setswitchinterval): an A/B of scripts/gpu_h42_gate.py.
+        self.accept_on_thread = False
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -316,11 +320,17 @@ class StructuredOutputManager:
             if self._gate_job is not None:
                 self._wait_gate_job()
             requests, bitmask = self.requests, gate.bitmask
+            accept = None
             if self._remote:
                 if self._to_accept_one or self._to_accept:
                     self._accept_queued()  # only queues them into the worker's next message
+            elif self.accept_on_thread and self._to_accept_one and not self._to_accept:
+                # The batch accept goes to the thread too, its C++ call bound here (the fast path's
+                # tokens are no stop tokens: nothing the step loop reads changes).
+                one, self._to_accept_one = self._to_accept_one, {}
+                accept = self.backend().accept_job([sor.active_grammar for sor in one], list(one.values()))
             elif self._to_accept_one or self._to_accept:
-                self._accept_queued()  # xgrammar's batch accept, here (on the thread it would wait for the GIL)
+                self._accept_queued()  # xgrammar's batch accept, here (see accept_on_thread)
             grammars, rows = [], []
             for row, rid in enumerate(gate.request_ids):
                 sor = requests.get(rid)
@@ -339,6 +349,10 @@ class StructuredOutputManager:
 
             def fill_and_open() -> None:
                 try:
+                    if accept is not None:
+                        refused = accept()
+                        if 0 in refused:
+                            logger.error("the grammar refused %d sampled tokens", list(refused).count(0))
                     if grammars:
                         fill()
                 finally:
