@@ -42,6 +42,7 @@ from pagedllm.structured_output.grammar_worker import FLAG_WORDS
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+WATCHDOG_PERIOD_S = 0.2  # gated sampling: how often the watchdog looks for a dead worker
 START_TIMEOUT_S = 120.0  # the worker imports torch and xgrammar: seconds on a loaded host
 NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask says why two)
 
@@ -254,6 +255,24 @@ class ProcessBackend(StructuredOutputBackend):
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._next_buffer = 0
+        # Gated sampling: a worker that dies leaves its flag word short of the step the device waits
+        # for, and the step loop blocked in that step's collect; the watchdog then opens every gate
+        # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
+        self._watchdog: threading.Thread | None = None
+
+    def _start_watchdog(self) -> None:
+        procs, flags = list(self._workers.procs), self.flags.numpy()
+        finalizer = self._finalizer
+
+        def watch() -> None:
+            while finalizer.alive:
+                if any(p.poll() is not None for p in procs):
+                    flags[:] = 2**31 - 1
+                    return
+                time.sleep(WATCHDOG_PERIOD_S)
+
+        self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
         """One worker process, started and initialized (its "ready" read)."""
@@ -374,6 +393,8 @@ class ProcessBackend(StructuredOutputBackend):
     # -- gated sampling (gate.py) ------------------------------------------------------------------
     def gate_flag_memory(self) -> torch.Tensor:
         """The workers' flag words in the shared block (registered with CUDA as mapped memory on a GPU)."""
+        if self._watchdog is None:
+            self._start_watchdog()
         return self.flags
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],

@@ -208,3 +208,51 @@ def test_engine_outputs_equal_the_thread_path(monkeypatch):
         return [o.outputs[0].token_ids for o in outs]
 
     assert run("1") == run("0")
+
+
+def test_gated_jobs_fill_the_thread_paths_bitmasks_and_set_every_workers_flag(tokenizer, two_workers):
+    # Gated sampling (gate.py): the job goes out after the launch; each worker fills its rows, then
+    # sets its own flag word, and the gate opens only once both have.
+    from pagedllm.structured_output.gate import host_wait
+
+    manager, ref = manager_with(two_workers, rows=2), manager_with(make_backend(tokenizer, VOCAB), rows=2)
+    try:
+        for m in (manager, ref):
+            add(m, "g1").future.result()
+            add(m, "g2").future.result()
+        for t in tokenizer.encode(DOC, add_special_tokens=False)[:6]:
+            gate = manager.gate_step(step("g1", "g2"))
+            assert gate.request_ids == ["g1", "g2"] and len(gate.flags) == 2 and not gate.is_open()
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1", "g2")).grammar_bitmask)
+            for m in (manager, ref):
+                m.advance([EngineCoreOutput("g1", [t]), EngineCoreOutput("g2", [t])])
+        manager.remove(["g2"])  # finished between the launch and the job: its row is all ones
+        gate = manager.gate_step(step("g1"))
+        manager.submit_gate(gate)
+        host_wait(gate, timeout_s=30)
+        assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1")).grammar_bitmask)
+    finally:
+        manager.remove(["g1", "g2"])
+        manager._wait_gate_job()
+        ref.shutdown()
+
+
+def test_a_dead_worker_opens_a_waiting_gate(tokenizer):
+    # A gate the device waits on must not stay shut when its worker dies: the watchdog opens it
+    # (and the next job raises, as for any dead worker).
+    from pagedllm.structured_output.gate import host_wait
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2)
+    manager = manager_with(backend, rows=2)
+    try:
+        add(manager, "a").future.result()
+        gate = manager.gate_step(step("a"))
+        assert not gate.is_open()
+        backend._workers.procs[0].kill()
+        host_wait(gate, timeout_s=10)
+        with pytest.raises(RuntimeError, match="grammar worker"):
+            manager.submit_gate(gate)
+    finally:
+        manager.shutdown()
