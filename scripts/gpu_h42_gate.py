@@ -141,7 +141,9 @@ def run_engine(args) -> list[dict]:
 
     ex = core.model_executor
     for obj, name in ((core, "step"), (core.scheduler, "schedule"), (ex, "execute_model"), (ex, "sample_tokens"),
-                      (core, "_collect_inflight"), (llm.llm_engine.output_processor, "process_outputs")):
+                      (core, "_collect_inflight"), (llm.llm_engine.output_processor, "process_outputs"),
+                      (manager, "gate_step"), (manager, "submit_gate"), (manager, "_wait_gate_job"),
+                      (manager, "_prepare"), (manager, "submit_grammar_bitmask"), (core, "_sample_deferred")):
         timed(obj, name)
 
     switch = sys.getswitchinterval()
