@@ -176,6 +176,9 @@ def run_engine(args) -> list[dict]:
             stats = getattr(manager.backend(), "stats", None) if backend_name else None
             if stats is not None:
                 stats.update(steps=0, jobs=0, accept_s=0.0, fill_s=0.0, wake_s=0.0, back_s=0.0)
+                if gated and hasattr(manager.backend(), "gated_stats"):
+                    manager._wait_gate_job()
+                    manager.backend().gated_stats()  # read and reset: the warm-up's jobs dropped
             t = time.perf_counter()
             outs = llm.generate(ps, sp, use_tqdm=False)
             dt = time.perf_counter() - t
@@ -188,6 +191,9 @@ def run_engine(args) -> list[dict]:
                  "gate_waits": dict(runner.gate_waits)}
             if backend_name:
                 r["valid_outputs"] = check_outputs(checker, outs)
+            if stats is not None and gated and hasattr(manager.backend(), "gated_stats"):
+                manager._wait_gate_job()
+                stats = manager.backend().gated_stats()  # summed over the workers, per gated job
             if stats is not None and stats["jobs"]:
                 r.update({f"worker_{k[:-2]}_ms": round(1e3 * stats[k] / stats["jobs"], 3)
                           for k in ("accept_s", "fill_s")})

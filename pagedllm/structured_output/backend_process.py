@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -38,7 +39,7 @@ import torch
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
-from pagedllm.structured_output.grammar_worker import FLAG_WORDS
+from pagedllm.structured_output.grammar_worker import ERROR_WORDS, FLAG_WORDS
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -221,8 +222,8 @@ class ProcessBackend(StructuredOutputBackend):
         self.rows, self.words = rows, (vocab_size + 31) // 32
         # The workers' own times (summed over their jobs) and matchers after the last jobs.
         self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
-        if num_workers > FLAG_WORDS:
-            raise ValueError(f"at most {FLAG_WORDS} grammar workers, not {num_workers}")
+        if num_workers > ERROR_WORDS:
+            raise ValueError(f"at most {ERROR_WORDS} grammar workers, not {num_workers}")
         size = NUM_BUFFERS * rows * self.words * 4
         shm = SharedMemory(create=True, size=size + FLAG_WORDS * 4)
         self.buffers: list[torch.Tensor] = []
@@ -233,9 +234,11 @@ class ProcessBackend(StructuredOutputBackend):
             whole = torch.from_numpy(np.ndarray((size // 4 + FLAG_WORDS,), dtype=np.int32, buffer=shm.buf))
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
             self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
-            # The workers' flag words (gated sampling), as many as there are workers.
+            # The workers' flag words (gated sampling), as many as there are workers, and their error words.
             self.flags = whole[size // 4: size // 4 + num_workers]
             self.flags.numpy().fill(0)
+            self._errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers].numpy()
+            self._errors.fill(0)
             self._lanes: list[_Lane] = []
             for _ in range(num_workers):
                 proc, conn = self._start(max_threads, shm.name)
@@ -398,10 +401,11 @@ class ProcessBackend(StructuredOutputBackend):
         return self.flags
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
-                 seq: int) -> WorkerJob:
+                 seq: int) -> Callable[[], None]:
         """Send a gated job now: every worker accepts its queued tokens, fills its rows of `rows`
         (bitmask row of each grammar) and then sets its flag word to `seq`, whether or not it has
-        rows; the returned job's `wait()` reads the replies (the next job does, before it sends)."""
+        rows. No reply comes back; the returned call (the manager makes it before its next job)
+        raises if a worker failed the job."""
         buffer = self._buffer_of(bitmask)
         self.stats["steps"] += 1
         lanes = self._lanes
@@ -412,11 +416,28 @@ class ProcessBackend(StructuredOutputBackend):
             i = g.slot % n  # slot s lives in worker s % n
             slots[i].append(g.slot)
             lane_rows[i].append(row)
-        job = WorkerJob(self, [], buffer)
         for i, lane in enumerate(lanes):
             lane.send_step(slots[i], lane_rows[i], buffer, (i, seq))
-        job._sent = list(lanes)
-        return job
+        return self._check_gated
+
+    def _check_gated(self) -> None:
+        """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
+        if self._errors.any():
+            failed = [i for i, seq in enumerate(self._errors) if seq]
+            self._errors.fill(0)
+            raise RuntimeError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
+
+    def gated_stats(self) -> dict[str, float]:
+        """The gated jobs' times in the workers since the last call (each worker's jobs summed; the
+        call resets them): asked outside steps (a benchmark's), one round trip per worker."""
+        out = {"jobs": 0, "accept_s": 0.0, "fill_s": 0.0}
+        for lane in self._lanes:
+            lane.send(("stats",))
+            reply = lane.conn.recv()
+            out["jobs"] = max(out["jobs"], reply[1])
+            out["accept_s"] += reply[2]
+            out["fill_s"] += reply[3]
+        return out
 
     def shutdown(self) -> None:
         self.buffers = []

@@ -20,7 +20,9 @@ Messages (multiprocessing Connection over a socket pair; fd in argv, the first m
         -> ("ok", refused_slots, accept_s, fill_s, live_matchers, t_received, t_done) | ("error", message)
     ("close",)
 flag: (word, seq) of a gated job (gate.py): after the fill, flag word `word` (after the buffers in
-the shared block) is set to seq, which lets the device sample the step. A slot is the engine's number for one request's grammar (never reused). With several workers
+the shared block) is set to seq, which lets the device sample the step; a gated job gets no reply
+(a failure sets error word ERROR_WORDS + word to seq; "stats" -> ("stats", jobs, accept_s, fill_s)
+sums the gated jobs' times since the last "stats"). A slot is the engine's number for one request's grammar (never reused). With several workers
 (PAGEDLLM_GRAMMAR_WORKERS) slot s lives in worker s % n, which fills its rows of the shared buffer
 (fill_rows); with one, fill_rows is None (rows 0..n-1). The worker ends on
 "close" or when the engine's end of the socket closes (EOF): it never outlives the engine.
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 # Gated sampling (gate.py): after the bitmask buffers, one int32 flag word per worker, which it sets
 # to a gated job's sequence number once its rows are filled (the device waits for every word).
 FLAG_WORDS = 16
+ERROR_WORDS = 8  # words 8.. : worker i sets word 8 + i to a gated job's seq when that job failed (<= 8 workers)
 
 
 def shm_path(name: str) -> str:
@@ -75,6 +78,7 @@ class GrammarWorker:
         self.buffers = [torch.from_numpy(flat[i]) for i in range(num_buffers)]  # (rows, words) each
         # Gated sampling: the flag words after the buffers (backend_process.FLAG_WORDS).
         self.flags = np.frombuffer(self._mmap, dtype=np.int32, count=FLAG_WORDS, offset=size)
+        self.gated = [0, 0.0, 0.0]  # gated jobs since the engine last asked ("stats"): count, accept s, fill s
 
     def _grammar(self, slot: int):
         g = self.compiled.get(slot)
@@ -85,15 +89,6 @@ class GrammarWorker:
         return g
 
     def step(self, msg: tuple) -> tuple[list[int], float, float, int]:
-        flag = msg[8]
-        if flag is None:
-            return self._step(msg)
-        try:
-            return self._step(msg)
-        finally:
-            self.flags[flag[0]] = flag[1]  # after the fill's stores (or its failure): the device may go on
-
-    def _step(self, msg: tuple) -> tuple[list[int], float, float, int]:
         _, removed, one_slots, one_tokens, more, fill_slots, fill_rows, buf, _flag = msg
         t0 = time.perf_counter()
         refused: list[int] = []
@@ -125,13 +120,33 @@ class GrammarWorker:
             except (EOFError, OSError):
                 return  # the engine is gone
             kind = msg[0]
-            if kind == "step":
+            if kind == "step" and msg[8] is not None:
+                # A gated job: no reply (the step loop reads none). Refusals are logged here, a
+                # failure also marks this worker's error word, which the loop checks at its next job.
+                word, seq = msg[8]
+                try:
+                    refused, accept_s, fill_s, _ = self.step(msg)
+                except Exception:  # noqa: BLE001 - reported through the error word
+                    self.flags[ERROR_WORDS + word] = seq  # before the flag: the loop looks once the gate is open
+                    self.flags[word] = seq
+                    logger.exception("grammar worker: gated step failed")
+                    continue
+                self.flags[word] = seq  # after the fill's stores: the device may copy the rows now
+                self.gated[0] += 1
+                self.gated[1] += accept_s
+                self.gated[2] += fill_s
+                for slot in refused:
+                    logger.error("grammar slot %d: a sampled token was refused", slot)
+            elif kind == "step":
                 try:
                     reply = ("ok", *self.step(msg), t_recv, time.perf_counter())
                 except Exception as e:  # noqa: BLE001 - the engine raises it in its step loop
                     logger.exception("grammar worker: step failed")
                     reply = ("error", f"{type(e).__name__}: {e}")
                 conn.send(reply)
+            elif kind == "stats":
+                conn.send(("stats", *self.gated))
+                self.gated = [0, 0.0, 0.0]
             elif kind == "add":
                 _, slot, params, stop_ids = msg
                 self.matchers[slot] = self.pool.submit(backend.compile_grammar, params, stop_ids)

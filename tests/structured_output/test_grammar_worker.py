@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.backend_process import ProcessGrammar
 from pagedllm.structured_output.manager import StructuredOutputManager, make_backend
 from tests.structured_output.schemas import PERSON_SCHEMA as SCHEMA
 
@@ -233,6 +234,15 @@ def test_gated_jobs_fill_the_thread_paths_bitmasks_and_set_every_workers_flag(to
         manager.submit_gate(gate)
         host_wait(gate, timeout_s=30)
         assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1")).grammar_bitmask)
+        # A gated job gets no reply: a worker's failure (here a slot it never had) still raises its
+        # flag, and the next job raises.
+        manager._wait_gate_job()
+        gate = manager.gate_step(step("g1"))
+        stranger = ProcessGrammar(1001, frozenset(), two_workers._lanes[1])
+        manager._gate_job = two_workers.gate_job([stranger], gate.bitmask, [0], gate.seq)
+        host_wait(gate, timeout_s=30)
+        with pytest.raises(RuntimeError, match=r"grammar worker\(s\) \[1\] failed a gated step"):
+            manager._wait_gate_job()
     finally:
         manager.remove(["g1", "g2"])
         manager._wait_gate_job()
