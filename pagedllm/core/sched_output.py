@@ -7,15 +7,12 @@ only carries what changed: new requests in full, running ones as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.structured_output.gate import GrammarGate
 
 
 @dataclass
@@ -63,7 +60,9 @@ class SchedulerOutput:
     has_structured_output_requests: bool = False
     # Gated sampling (structured_output/gate.py; in-process executors only): the step samples with
     # its launch, its bitmask rows waited for on the device; has_structured_output_requests is then False.
-    grammar_gate: GrammarGate | None = None
+    # A GrammarGate (host tensors), typed Any: the mp executor's msgspec decoder types every field,
+    # and it only ever carries None.
+    grammar_gate: Any = None
     # Swap preemption: (gpu block, cpu block) to copy out and (cpu block, gpu block) to copy in,
     # before this step's forward pass.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
