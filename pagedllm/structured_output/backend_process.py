@@ -434,6 +434,8 @@ class ProcessBackend(StructuredOutputBackend):
         for lane in self._lanes:
             lane.send(("stats",))
             reply = lane.conn.recv()
+            if reply[0] != "stats":  # a reply left unread would mean the loop and the worker disagree
+                raise RuntimeError(f"the grammar worker answered {reply[0]!r} to a stats request")
             out["jobs"] = max(out["jobs"], reply[1])
             out["accept_s"] += reply[2]
             out["fill_s"] += reply[3]

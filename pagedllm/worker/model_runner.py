@@ -60,6 +60,7 @@ class ModelRunner:
         # Gated sampling (structured_output/gate.py): the device copy of the bitmask rows, and on the
         # CPU the gated step whose sampling waits until its output or its tokens are first needed.
         self._gate_mask: torch.Tensor | None = None
+        self._gate_pinned: set[int] = set()  # host bitmask addresses found pinned
         self._gated_cpu: _GatedCpuSample | None = None
         self.gate_waits: dict[str, int] = {}  # which device wait each gated step used (counts)
 
@@ -262,9 +263,11 @@ class ModelRunner:
             row_of = {st.req_id: j for j, st in enumerate(states)}
             rows = host_tensor([row_of[r] for r in ids], torch.int32, logits.device)
         k, words = gate.bitmask.shape
-        if not gate.bitmask.is_pinned():
-            raise RuntimeError("gated sampling needs its bitmask in pinned (or registered) host memory: a pageable "
-                               "copy would read the buffer before its fill")
+        if gate.bitmask.data_ptr() not in self._gate_pinned:  # the manager's few buffers, asked once each
+            if not gate.bitmask.is_pinned():
+                raise RuntimeError("gated sampling needs its bitmask in pinned (or registered) host memory: a "
+                                   "pageable copy would read the buffer before its fill")
+            self._gate_pinned.add(gate.bitmask.data_ptr())
         if self._gate_mask is None or self._gate_mask.shape[0] < k or self._gate_mask.shape[1] != words:
             self._gate_mask = torch.empty((max(k, self.config.scheduler_config.max_num_seqs), words),
                                           dtype=torch.int32, device=logits.device)

@@ -229,6 +229,25 @@ def test_gated_jobs_fill_the_thread_paths_bitmasks_and_set_every_workers_flag(to
             assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1", "g2")).grammar_bitmask)
             for m in (manager, ref):
                 m.advance([EngineCoreOutput("g1", [t]), EngineCoreOutput("g2", [t])])
+        # Hundreds of gated steps (a JSON array of numbers, one token each): nothing piles up in the
+        # sockets (an unread message a step would block the workers within a few hundred), and the
+        # workers counted every job.
+        two_workers.gated_stats()
+        arr = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+        for m in (manager, ref):
+            add(m, "n1", arr).future.result()
+            add(m, "n2", arr).future.result()
+        digits = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("[", "1", ",")]
+        for i in range(600):
+            gate = manager.gate_step(step("n1", "n2"))
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            t = digits[0] if i == 0 else digits[1] if i % 2 else digits[2]  # [ 1 , 1 , 1 ...
+            assert all((int(gate.bitmask[r, t >> 5]) >> (t & 31)) & 1 for r in (0, 1))  # both rows allow it
+            manager.advance([EngineCoreOutput("n1", [t]), EngineCoreOutput("n2", [t])])
+        manager._wait_gate_job()
+        assert two_workers.gated_stats()["jobs"] == 600
+        manager.remove(["n1", "n2"])
         manager.remove(["g2"])  # finished between the launch and the job: its row is all ones
         gate = manager.gate_step(step("g1"))
         manager.submit_gate(gate)
