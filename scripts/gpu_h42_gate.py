@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -108,7 +109,7 @@ def run_engine(args) -> list[dict]:
     checker = OutputChecker(tok, cfg.model_config.vocab_size)
     thread_backend = manager.backend()
     backends = {"thread": thread_backend}
-    if args.workers:
+    if args.workers and any("workers" in v for v in args.variants):
         n, t = args.workers
         b = make_backend(tok, cfg.model_config.vocab_size, worker=True, rows=cfg.scheduler_config.max_num_seqs,
                          pin_memory=cfg.device_config.device == "cuda", threads=t, num_workers=n)
@@ -116,12 +117,17 @@ def run_engine(args) -> list[dict]:
             backends["workers"] = b
         else:
             print("# the grammar workers did not start; their variant is skipped", flush=True)
-    variants = [("plain", None, False), ("schema, main path", "thread", False), ("schema, gated, thread", "thread", True),
-                ("schema, gated, thread, accept on it (switch 0.1 ms)", "thread+", True)]
-    if "workers" in backends:
-        variants.append((f"schema, gated, {args.workers[0]} workers", "workers", True))
-        if args.h38:
-            variants.append((f"schema, main path, {args.workers[0]} workers (h38)", "workers", False))
+    w = args.workers[0] if args.workers else 0
+    known = {
+        "plain": ("plain", None, False),
+        "main": ("schema, main path", "thread", False),
+        "gated-thread": ("schema, gated, thread", "thread", True),
+        "gated-thread-accept": ("schema, gated, thread, accept on it (switch 0.1 ms)", "thread+", True),
+        "gated-workers": (f"schema, gated, {w} workers", "workers", True),
+        "main-workers": (f"schema, main path, {w} workers (h38)", "workers", False),
+    }
+    variants = [known[v] for v in args.variants if v in known and ("workers" not in v or "workers" in backends)]
+    print(f"# engine ready after {time.perf_counter() - T0:.0f} s; variants {args.variants}", flush=True)
 
     # Step-loop parts, per core.step call.
     times: dict[str, float] = {}
@@ -159,10 +165,10 @@ def run_engine(args) -> list[dict]:
         core.gate_sampling = gated
 
     so = StructuredOutputsParams(json=SCHEMA)
-    for _name, backend_name, gated in variants:  # a warm-up of each (half size: the budget is tight)
+    for _name, backend_name, gated in variants:  # a short warm-up of each (the budget is tight)
         if backend_name:
             use(backend_name, gated)
-        llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=max(args.max_tokens // 2, 4), ignore_eos=True,
+        llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=min(args.warmup_tokens, args.max_tokens), ignore_eos=True,
                                         structured_outputs=so if backend_name else None), use_tqdm=False)
     results = []
     for rnd in range(args.rounds):
@@ -278,7 +284,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", type=int, nargs=2, default=[2, 6], metavar=("N", "THREADS"))
     ap.add_argument("--no-workers", action="store_true", help="skip the grammar-worker variant")
-    ap.add_argument("--h38", action="store_true", help="also the grammar workers without the gate")
+    names = ["plain", "main", "gated-thread", "gated-thread-accept", "gated-workers", "main-workers"]
+    ap.add_argument("--variants", nargs="+", choices=names, default=["plain", "main", "gated-thread-accept", "gated-workers"],
+                    help="the variants, in the order they alternate (main: PAGEDLLM_GRAMMAR_GATE off, main's path)")
+    ap.add_argument("--big-variants", nargs="+", choices=names, default=["plain", "main", "gated-workers"])
+    ap.add_argument("--probe", action="store_true", help="first the gate probe (the device wait's correctness, latency)")
+    ap.add_argument("--warmup-tokens", type=int, default=64)
     ap.add_argument("--big-tokens", type=int, default=256, help="tokens per request for the 8B shape")
     ap.add_argument("--big-rounds", type=int, default=1, help="rounds for the 8B shape")
     ap.add_argument("--deadline", type=float, default=95.0, help="seconds for the whole script")
@@ -302,17 +313,17 @@ def main() -> None:
         base += ["--workers", *map(str, args.workers)]
     else:
         base.append("--no-workers")
-    if args.h38:
-        base.append("--h38")
-    if args.device == "cuda":
+    base += ["--warmup-tokens", str(args.warmup_tokens)]
+    if args.device == "cuda" and args.probe:
         results += child(args, ["--child", "probe"], min(20, left()))
     label = "qwen3-0.6b shape" if args.model else f"embedded SmolLM2-135M ({args.device})"
-    small = ["--child", "engine", "--max-tokens", str(args.max_tokens), "--label", label, *base]
+    small = ["--child", "engine", "--max-tokens", str(args.max_tokens), "--label", label, *base,
+             "--variants", *args.variants]
     results += child(args, small + (["--model", args.model] if args.model else []), left() - 2)
     if args.model and args.device == "cuda" and left() > 40:
         folder = write_llama8b(args.model, os.path.join(args.out, "h42_llama8b_v49152"))
         big = ["--child", "engine", "--max-tokens", str(args.big_tokens), "--label", "llama-3.1-8b shape, V 49152",
-               "--model", folder, *base]
+               "--model", folder, *base, "--variants", *args.big_variants]
         big[big.index("--rounds") + 1] = str(args.big_rounds)
         results += child(args, big, left() - 2)
         shutil.rmtree(folder, ignore_errors=True)
