@@ -149,8 +149,13 @@ def run_engine(args) -> list[dict]:
     for obj, name in ((core, "step"), (core.scheduler, "schedule"), (ex, "execute_model"), (ex, "sample_tokens"),
                       (core, "_collect_inflight"), (llm.llm_engine.output_processor, "process_outputs"),
                       (manager, "gate_step"), (manager, "submit_gate"), (manager, "_wait_gate_job"),
-                      (manager, "_prepare"), (manager, "submit_grammar_bitmask"), (core, "_sample_deferred")):
+                      (manager, "_prepare"), (manager, "submit_grammar_bitmask"), (core, "_sample_deferred"),
+                      (runner, "forward"), (runner, "_sample_gated"), (runner, "_sample"), (runner, "sampler"),
+                      (runner, "_finish_sample")):
         timed(obj, name)
+    from pagedllm.structured_output import gate as gate_mod
+
+    timed(gate_mod, "device_wait")
 
     switch = sys.getswitchinterval()
 
