@@ -72,8 +72,10 @@ def constrained_params() -> list[SamplingParams]:
     ]
 
 
-def test_gated_steps_emit_only_tokens_their_mask_allows(llm, monkeypatch):
+@pytest.mark.parametrize("accept_on_thread", [False, True], ids=["accept in the loop", "accept on the thread"])
+def test_gated_steps_emit_only_tokens_their_mask_allows(llm, monkeypatch, accept_on_thread):
     slow_fills(llm, monkeypatch)
+    monkeypatch.setattr(llm.llm_engine.engine_core.structured_output_manager, "accept_on_thread", accept_on_thread)
     runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     greedy = SamplingParams(temperature=0, max_tokens=16)
     alone = llm.generate(PROMPTS[3:], greedy, use_tqdm=False)
