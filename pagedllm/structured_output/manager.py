@@ -367,8 +367,8 @@ class StructuredOutputManager:
             raise
 
     def _wait_gate_job(self) -> None:
-        """The last gated job's end (its reply from the grammar worker; the thread's return), before
-        another job uses the thread, the worker's socket or the grammars."""
+        """The last gated job's end before another job uses the thread or the grammars (the thread's
+        return; for the grammar workers, which send no reply, their error words), re-raising its error."""
         wait, self._gate_job = self._gate_job, None
         if wait is not None:
             wait()
