@@ -210,6 +210,24 @@ def run_engine(args) -> list[dict]:
                           for k in ("accept_s", "fill_s")})
             results.append(r)
             print(json.dumps(r), flush=True)
+    if args.mixed_check:
+        # Gated steps whose batch mixes constrained and greedy unconstrained rows (the masked rows by
+        # index): the greedy rows' tokens equal those of the same batch with no constraint anywhere
+        # (the same batch sizes, so the same kernels: only the constraint differs).
+        for backend_name in [b for b in ("thread", "workers") if b in backends]:
+            use(backend_name, True)
+            greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            free = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True)
+            alone = llm.generate(ps[:16], [greedy] * 8 + [free] * 8, use_tqdm=False)
+            runner.gate_waits.clear()
+            mixed = llm.generate(ps[:16], [greedy] * 8 + [SamplingParams(temperature=0.8, max_tokens=64,
+                                                                        ignore_eos=True, structured_outputs=so)] * 8,
+                                 use_tqdm=False)
+            same = all(a.outputs[0].token_ids == m.outputs[0].token_ids for a, m in zip(alone, mixed[:8]))
+            r = {"model": args.label, "check": f"mixed batch, gated {backend_name}", "greedy_rows_equal": same,
+                 "valid_schema_outputs": check_outputs(checker, mixed[8:]), "gate_waits": dict(runner.gate_waits)}
+            results.append(r)
+            print(json.dumps(r), flush=True)
     manager._wait_gate_job()
     use("thread", False)
     for name, b in backends.items():
@@ -255,8 +273,8 @@ def table(results: list[dict]) -> None:
     print("\n| model | variant | tok/s (rounds) | schema / plain, best / best | median of pairs | core step ms | "
           "execute + sample ms | collect ms | gate waits | valid |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for model in dict.fromkeys(r["model"] for r in results if "model" in r):
-        runs = [r for r in results if r.get("model") == model]
+    for model in dict.fromkeys(r["model"] for r in results if "model" in r and "check" not in r):
+        runs = [r for r in results if r.get("model") == model and "check" not in r]
         plain = [r for r in runs if not r["constrained"]]
         best_plain = max((r["tok_per_s"] for r in plain), default=0)
         for variant in dict.fromkeys(r["variant"] for r in runs):
@@ -275,6 +293,9 @@ def table(results: list[dict]) -> None:
             print(f"| {model} | {variant} | {toks} | {ratio} | "
                   f"{med:.3f} | {step} | {exe} | {col} | {waits} | {valid} |")
     for r in results:
+        if "check" in r:
+            print(f"{r['model']}, {r['check']}: greedy rows equal {r['greedy_rows_equal']}, schema outputs valid "
+                  f"{r['valid_schema_outputs']}, gate waits {r['gate_waits']}")
         if r.get("probe") == "gate":
             print(f"gate probe, {r['mechanism']}: correct {r['correct']}, flag -> copy done median "
                   f"{r['flag_to_copy_done_us_median']} us (min {r['min_us']})")
@@ -295,6 +316,8 @@ def main() -> None:
     ap.add_argument("--big-variants", nargs="+", choices=names, default=["plain", "main", "gated-workers"])
     ap.add_argument("--probe", action="store_true", help="first the gate probe (the device wait's correctness, latency)")
     ap.add_argument("--warmup-tokens", type=int, default=64)
+    ap.add_argument("--mixed-check", action="store_true",
+                    help="after the runs: greedy rows beside gated constrained rows equal their tokens alone")
     ap.add_argument("--big-tokens", type=int, default=256, help="tokens per request for the 8B shape")
     ap.add_argument("--big-rounds", type=int, default=1, help="rounds for the 8B shape")
     ap.add_argument("--deadline", type=float, default=95.0, help="seconds for the whole script")
@@ -319,10 +342,11 @@ def main() -> None:
     else:
         base.append("--no-workers")
     base += ["--warmup-tokens", str(args.warmup_tokens)]
+    mixed = ["--mixed-check"] if args.mixed_check else []
     if args.device == "cuda" and args.probe:
         results += child(args, ["--child", "probe"], min(20, left()))
     label = "qwen3-0.6b shape" if args.model else f"embedded SmolLM2-135M ({args.device})"
-    small = ["--child", "engine", "--max-tokens", str(args.max_tokens), "--label", label, *base,
+    small = ["--child", "engine", "--max-tokens", str(args.max_tokens), "--label", label, *base, *mixed,
              "--variants", *args.variants]
     results += child(args, small + (["--model", args.model] if args.model else []), left() - 2)
     if args.model and args.device == "cuda" and left() > 40:
