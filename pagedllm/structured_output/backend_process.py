@@ -39,6 +39,7 @@ import torch
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+from pagedllm.structured_output.gate import MAX_LANES, FlagWords
 from pagedllm.structured_output.grammar_worker import ERROR_WORDS, FLAG_WORDS
 from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -222,8 +223,10 @@ class ProcessBackend(StructuredOutputBackend):
         self.rows, self.words = rows, (vocab_size + 31) // 32
         # The workers' own times (summed over their jobs) and matchers after the last jobs.
         self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
-        if num_workers > ERROR_WORDS:
-            raise ValueError(f"at most {ERROR_WORDS} grammar workers, not {num_workers}")
+        if num_workers > MAX_LANES:
+            raise ValueError(f"at most {MAX_LANES} grammar workers (one byte each of the gate's flag word), "
+                             f"not {num_workers}")
+        self.num_workers = num_workers
         size = NUM_BUFFERS * rows * self.words * 4
         shm = SharedMemory(create=True, size=size + FLAG_WORDS * 4)
         self.buffers: list[torch.Tensor] = []
@@ -234,16 +237,21 @@ class ProcessBackend(StructuredOutputBackend):
             whole = torch.from_numpy(np.ndarray((size // 4 + FLAG_WORDS,), dtype=np.int32, buffer=shm.buf))
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
             self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
-            # The workers' flag words (gated sampling), as many as there are workers, and their error words.
-            self.flags = whole[size // 4: size // 4 + num_workers]
+            # Gated sampling: the flag word (a byte lane per worker) and the workers' error words.
+            self.flags = whole[size // 4: size // 4 + 1]
             self.flags.numpy().fill(0)
-            self._errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers].numpy()
-            self._errors.fill(0)
+            errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers]
+            errors.numpy().fill(0)
+            self._errors = memoryview(errors.numpy()).cast("B").cast("i")  # read per step: no numpy call
             self._lanes: list[_Lane] = []
+            # All started first, then each one's "ready" read: they import torch and xgrammar side by side.
+            info = self.local.tokenizer_info.serialize_json()
             for _ in range(num_workers):
-                proc, conn = self._start(max_threads, shm.name)
+                proc, conn = self._spawn(max_threads, shm.name, info)
                 workers.procs.append(proc)
                 workers.conns.append(conn)
+            for proc, conn in zip(workers.procs, workers.conns, strict=True):
+                self._await_ready(proc, conn)
                 self._lanes.append(_Lane(self, proc, conn))
         except BaseException:
             self.buffers = []
@@ -258,27 +266,30 @@ class ProcessBackend(StructuredOutputBackend):
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._next_buffer = 0
-        # Gated sampling: a worker that dies leaves its flag word short of the step the device waits
-        # for, and the step loop blocked in that step's collect; the watchdog then opens every gate
-        # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
+        # Gated sampling: a worker that dies leaves its byte of the flag word short of the step the
+        # device waits for, and the step loop blocked in that step's collect; the watchdog then opens
+        # the gate (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
         self._watchdog: threading.Thread | None = None
 
-    def _start_watchdog(self) -> None:
-        procs, flags = list(self._workers.procs), self.flags.numpy()
-        finalizer = self._finalizer
+    def watch_gates(self, flags: FlagWords) -> None:
+        """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag word):
+        once a worker is dead it opens the newest gate issued (the older ones are open already)."""
+        if self._watchdog is not None:
+            return
+        procs, finalizer = list(self._workers.procs), self._finalizer
 
         def watch() -> None:
             while finalizer.alive:
                 if any(p.poll() is not None for p in procs):
-                    flags[:] = 2**31 - 1
+                    flags.lanes[:] = flags.seq & 0xFF
                     return
                 time.sleep(WATCHDOG_PERIOD_S)
 
         self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
-        """One worker process, started and initialized (its "ready" read)."""
+    def _spawn(self, max_threads: int, shm_name: str, info_json: str) -> tuple[subprocess.Popen, Connection]:
+        """One worker process, started and sent its "init" (`_await_ready` reads its answer)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)  # the worker gets this process's environment, handed over whole
         root = str(Path(__file__).resolve().parents[2])  # the worker imports this process's pagedllm
@@ -293,20 +304,23 @@ class ProcessBackend(StructuredOutputBackend):
             theirs.close()
         conn = Connection(ours.detach())
         try:
-            conn.send(("init", self.local.tokenizer_info.serialize_json(), self.vocab_size, max_threads, shm_name,
-                       NUM_BUFFERS, self.rows, self.words))
-            if not conn.poll(START_TIMEOUT_S):
-                raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:.0f} s")
-            reply = conn.recv()
-            if reply[0] != "ready":
-                raise RuntimeError(f"the grammar worker failed to start: {reply[1]}")
+            conn.send(("init", info_json, self.vocab_size, max_threads, shm_name, NUM_BUFFERS, self.rows, self.words))
         except BaseException:
             conn.close()
             proc.kill()
             proc.wait()
             raise
-        logger.info("grammar worker started (pid %d)", proc.pid)
         return proc, conn
+
+    @staticmethod
+    def _await_ready(proc: subprocess.Popen, conn: Connection) -> None:
+        """The worker's "ready" (it stops the start on anything else; the caller's cleanup ends it)."""
+        if not conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:.0f} s")
+        reply = conn.recv()
+        if reply[0] != "ready":
+            raise RuntimeError(f"the grammar worker failed to start: {reply[1]}")
+        logger.info("grammar worker started (pid %d)", proc.pid)
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, params: StructuredOutputsParams) -> None:
@@ -395,16 +409,15 @@ class ProcessBackend(StructuredOutputBackend):
 
     # -- gated sampling (gate.py) ------------------------------------------------------------------
     def gate_flag_memory(self) -> torch.Tensor:
-        """The workers' flag words in the shared block (registered with CUDA as mapped memory on a GPU)."""
-        if self._watchdog is None:
-            self._start_watchdog()
+        """The gate's flag word in the shared block, int32 (1,), one byte lane per worker (registered with
+        CUDA as mapped memory on a GPU)."""
         return self.flags
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
                  seq: int) -> Callable[[], None]:
         """Send a gated job now: every worker accepts its queued tokens, fills its rows of `rows`
-        (bitmask row of each grammar) and then sets its flag word to `seq`, whether or not it has
-        rows. No reply comes back; the returned call (the manager makes it before its next job)
+        (bitmask row of each grammar) and then sets its byte lane of the flag word to seq's low byte,
+        whether or not it has rows. No reply comes back; the returned call (the manager makes it before its next job)
         raises if a worker failed the job."""
         buffer = self._buffer_of(bitmask)
         self.stats["steps"] += 1
@@ -422,9 +435,10 @@ class ProcessBackend(StructuredOutputBackend):
 
     def _check_gated(self) -> None:
         """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
-        if self._errors.any():
+        if any(self._errors):
             failed = [i for i, seq in enumerate(self._errors) if seq]
-            self._errors.fill(0)
+            for i in failed:
+                self._errors[i] = 0
             raise RuntimeError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
 
     def gated_stats(self) -> dict[str, float]:

@@ -297,17 +297,19 @@ class StructuredOutputManager:
             rows.append(rid)
         if not rows:
             return None
-        flags = self._gate_flags()
-        return GrammarGate(rows, self._take_bitmask(len(rows)), flags.words, flags.next_seq(), flags.device_address)
+        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)))
 
     def _gate_flags(self) -> FlagWords:
         if self._flags is None:
             backend = self.backend()
             cuda = self.config.device_config.device == "cuda"
-            memory = backend.gate_flag_memory() if self._remote else None
-            if memory is None:
-                memory = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
-            self._flags = FlagWords(memory, torch.device("cuda") if cuda else None)
+            if self._remote:  # one byte lane per worker, in the shared block
+                memory, lanes = backend.gate_flag_memory(), backend.num_workers
+            else:
+                memory, lanes = torch.zeros(1, dtype=torch.int32, pin_memory=cuda), 1
+            self._flags = FlagWords(memory, lanes, torch.device("cuda") if cuda else None)
+            if self._remote:
+                backend.watch_gates(self._flags)
         return self._flags
 
     def submit_gate(self, gate: GrammarGate) -> None:
@@ -345,7 +347,7 @@ class StructuredOutputManager:
                 self._gate_job = backend.gate_job(grammars, bitmask, rows, gate.seq)
                 return
             fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
-            words, seq = gate.flags, gate.seq
+            lanes, byte = gate.flags, gate.seq & 0xFF
 
             def fill_and_open() -> None:
                 try:
@@ -356,7 +358,7 @@ class StructuredOutputManager:
                     if grammars:
                         fill()
                 finally:
-                    words[:] = seq  # after the fill's stores: the device may copy the rows now
+                    lanes[0] = byte  # after the fill's stores: the device may copy the rows now
 
             if self._fill_thread is None:
                 self._fill_thread = FillThread()
