@@ -96,6 +96,9 @@ def run_engine(args) -> list[dict]:
     from pagedllm.structured_output.manager import make_backend
 
     kwargs = dict(max_model_len=1024, seed=0, async_scheduling=True)
+    if args.capture_sizes:  # a shorter start: decode graphs of these sizes only, other steps eager
+        kwargs.update(compilation_config={"cudagraph_capture_sizes": args.capture_sizes,
+                                          "cudagraph_mode": "FULL_DECODE_ONLY"})
     if args.model:
         kwargs.update(model=args.model, load_format="dummy")
     if args.device == "cpu":
@@ -108,9 +111,11 @@ def run_engine(args) -> list[dict]:
     tok = llm.get_tokenizer()
     ps = prompts(tok, args.num_requests)
     checker = OutputChecker(tok, cfg.model_config.vocab_size)
-    thread_backend = manager.backend()
-    backends = {"thread": thread_backend}
-    if args.workers and any("workers" in v for v in args.variants):
+    default_backend = manager.backend()  # PAGEDLLM_GRAMMAR_WORKER=1: the grammar workers
+    backends = {"default": default_backend}
+    if not getattr(default_backend, "remote", False):
+        backends["thread"] = default_backend
+    if args.workers and any("workers" in v for v in args.variants) and "workers" not in backends:
         n, t = args.workers
         b = make_backend(tok, cfg.model_config.vocab_size, worker=True, rows=cfg.scheduler_config.max_num_seqs,
                          pin_memory=cfg.device_config.device == "cuda", threads=t, num_workers=n)
@@ -126,8 +131,9 @@ def run_engine(args) -> list[dict]:
         "gated-thread-accept": ("schema, gated, thread, accept on it (switch 0.1 ms)", "thread+", True),
         "gated-workers": (f"schema, gated, {w} workers", "workers", True),
         "main-workers": (f"schema, main path, {w} workers (h38)", "workers", False),
+        "gated": (f"schema, gated, the default backend ({type(default_backend).__name__})", "default", True),
     }
-    variants = [known[v] for v in args.variants if v in known and ("workers" not in v or "workers" in backends)]
+    variants = [known[v] for v in args.variants if known[v][1] is None or known[v][1].rstrip("+") in backends]
     print(f"# engine ready after {time.perf_counter() - T0:.0f} s; variants {args.variants}", flush=True)
 
     # Step-loop parts, per core.step call.
@@ -211,11 +217,16 @@ def run_engine(args) -> list[dict]:
                           for k in ("accept_s", "fill_s")})
             results.append(r)
             print(json.dumps(r), flush=True)
+        plain = [x["tok_per_s"] for x in results if x["round"] == rnd + 1 and not x["constrained"]]
+        if plain:  # this round's pairs, as they come (a kill keeps them)
+            print(f"# round {rnd + 1}: plain {plain[0]:.0f} tok/s; " + "; ".join(
+                f"{x['variant']} {x['tok_per_s']:.0f} ({x['tok_per_s'] / plain[0]:.3f})"
+                for x in results if x["round"] == rnd + 1 and x["constrained"]), flush=True)
     if args.mixed_check:
         # Gated steps whose batch mixes constrained and greedy unconstrained rows (the masked rows by
         # index): the greedy rows' tokens equal those of the same batch with no constraint anywhere
         # (the same batch sizes, so the same kernels: only the constraint differs).
-        for backend_name in [b for b in ("thread", "workers") if b in backends]:
+        for backend_name in [b for b in ("default", "thread", "workers") if b in backends][: args.mixed_backends]:
             use(backend_name, True)
             greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
             free = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True)
@@ -230,10 +241,9 @@ def run_engine(args) -> list[dict]:
             results.append(r)
             print(json.dumps(r), flush=True)
     manager._wait_gate_job()
-    use("thread", False)
-    for name, b in backends.items():
-        if name != "thread":
-            b.shutdown()
+    use("default", False)
+    for b in {id(b): b for b in backends.values() if b is not default_backend}.values():
+        b.shutdown()
     return results
 
 
@@ -254,20 +264,34 @@ def write_llama8b(peer: str, folder: str) -> str:
 
 
 def child(args, extra: list[str], timeout: float) -> list[dict]:
+    """Run one child, its lines printed as they come (a kill of this script keeps the rows so far),
+    killed at `timeout`."""
+    import threading
+
     cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if args.env_worker:
+        env["PAGEDLLM_GRAMMAR_WORKER"] = "1"
     t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            print(line, end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=max(timeout, 5))
-        out, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = f"timeout after {timeout:.0f} s"
-    for line in out.splitlines():
-        print(line, flush=True)
+        rc = proc.wait(timeout=max(timeout, 5))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = f"killed at {timeout:.0f} s"
+    reader.join(timeout=2)
     print(f"# child {' '.join(extra[:4])}: exit {rc}, {time.perf_counter() - t:.0f} s", flush=True)
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def table(results: list[dict]) -> None:
@@ -311,12 +335,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", type=int, nargs=2, default=[2, 6], metavar=("N", "THREADS"))
     ap.add_argument("--no-workers", action="store_true", help="skip the grammar-worker variant")
-    names = ["plain", "main", "gated-thread", "gated-thread-accept", "gated-workers", "main-workers"]
+    names = ["plain", "main", "gated-thread", "gated-thread-accept", "gated-workers", "main-workers", "gated"]
     ap.add_argument("--variants", nargs="+", choices=names, default=["plain", "main", "gated-thread-accept", "gated-workers"],
                     help="the variants, in the order they alternate (main: PAGEDLLM_GRAMMAR_GATE off, main's path)")
     ap.add_argument("--big-variants", nargs="+", choices=names, default=["plain", "main", "gated-workers"])
     ap.add_argument("--probe", action="store_true", help="first the gate probe (the device wait's correctness, latency)")
     ap.add_argument("--warmup-tokens", type=int, default=64)
+    ap.add_argument("--capture-sizes", type=int, nargs="+",
+                    help="decode graph sizes to capture (FULL_DECODE_ONLY): a faster start, the same decode steps")
+    ap.add_argument("--mixed-backends", type=int, default=3, help="how many backends the mixed check runs")
+    ap.add_argument("--env-worker", action="store_true", help="children with PAGEDLLM_GRAMMAR_WORKER=1")
     ap.add_argument("--mixed-check", action="store_true",
                     help="after the runs: greedy rows beside gated constrained rows equal their tokens alone")
     ap.add_argument("--big-tokens", type=int, default=256, help="tokens per request for the 8B shape")
@@ -342,7 +370,9 @@ def main() -> None:
         base += ["--workers", *map(str, args.workers)]
     else:
         base.append("--no-workers")
-    base += ["--warmup-tokens", str(args.warmup_tokens)]
+    base += ["--warmup-tokens", str(args.warmup_tokens), "--mixed-backends", str(args.mixed_backends)]
+    if args.capture_sizes:
+        base += ["--capture-sizes", *map(str, args.capture_sizes)]
     mixed = ["--mixed-check"] if args.mixed_check else []
     if args.device == "cuda" and args.probe:
         results += child(args, ["--child", "probe"], min(20, left()))
