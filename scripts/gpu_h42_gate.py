@@ -173,7 +173,7 @@ def run_engine(args) -> list[dict]:
         backend = backends[backend_name.rstrip("+")]
         if manager._backend is not backend:
             manager._backend, manager._remote = backend, getattr(backend, "remote", False)
-            manager._bitmasks, manager._bitmask_views, manager._flags = [], [], None
+            manager._bitmasks, manager._bitmask_views, manager._flags, manager._gate_layout = [], [], None, None
         core.gate_sampling = gated
 
     so = StructuredOutputsParams(json=SCHEMA)

@@ -414,23 +414,27 @@ class ProcessBackend(StructuredOutputBackend):
         return self.flags
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
-                 seq: int) -> Callable[[], None]:
+                 seq: int) -> tuple[Callable[[], None], list[tuple[list[int], list[int]]]]:
         """Send a gated job now: every worker accepts its queued tokens, fills its rows of `rows`
         (bitmask row of each grammar) and then sets its byte lane of the flag word to seq's low byte,
-        whether or not it has rows. No reply comes back; the returned call (the manager makes it before its next job)
-        raises if a worker failed the job."""
+        whether or not it has rows. No reply comes back; the returned call (the manager makes it
+        before its next job) raises if a worker failed the job. Also returns the rows' layout, per
+        worker (slots, rows), which `send_gated` takes for a next step of the same rows."""
+        n = len(self._lanes)
+        layout: list[tuple[list[int], list[int]]] = [([], []) for _ in range(n)]
+        for row, g in zip(rows, grammars, strict=True):
+            slots_i, rows_i = layout[g.slot % n]  # slot s lives in worker s % n
+            slots_i.append(g.slot)
+            rows_i.append(row)
+        return self.send_gated(layout, bitmask, seq), layout
+
+    def send_gated(self, layout: list[tuple[list[int], list[int]]], bitmask: torch.Tensor,
+                   seq: int) -> Callable[[], None]:
+        """`gate_job`'s send, from a layout it returned."""
         buffer = self._buffer_of(bitmask)
         self.stats["steps"] += 1
-        lanes = self._lanes
-        n = len(lanes)
-        slots: list[list[int]] = [[] for _ in range(n)]
-        lane_rows: list[list[int]] = [[] for _ in range(n)]
-        for row, g in zip(rows, grammars, strict=True):
-            i = g.slot % n  # slot s lives in worker s % n
-            slots[i].append(g.slot)
-            lane_rows[i].append(row)
-        for i, lane in enumerate(lanes):
-            lane.send_step(slots[i], lane_rows[i], buffer, (i, seq))
+        for i, (lane, (slots_i, rows_i)) in enumerate(zip(self._lanes, layout, strict=True)):
+            lane.send_step(slots_i, rows_i, buffer, (i, seq))
         return self._check_gated
 
     def _check_gated(self) -> None:

@@ -106,6 +106,10 @@ class StructuredOutputManager:
         # loop. The thread needs the GIL between the two C++ calls, which a busy step loop gives up
         # only after the switch interval (sys.setswitchinterval): an A/B of scripts/gpu_h42_gate.py.
         self.accept_on_thread = False
+        # Grammar workers: the last gated step's rows laid out per worker, (version, request ids,
+        # layout); `_layout_version` moves whenever a request leaves or a grammar may have ended.
+        self._gate_layout: tuple[int, list[str], list] | None = None
+        self._layout_version = 0
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -136,6 +140,7 @@ class StructuredOutputManager:
         return sor
 
     def remove(self, request_ids) -> None:
+        self._layout_version += 1
         for rid in request_ids:
             sor = self.requests.pop(rid, None)
             if sor is not None:
@@ -168,6 +173,7 @@ class StructuredOutputManager:
                 continue
             if out.finish_reason is not None:
                 del requests[out.request_id]
+                self._layout_version += 1
                 many.pop(sor, None)
                 one.pop(sor, None)
                 if self._remote:
@@ -199,6 +205,7 @@ class StructuredOutputManager:
                         sor.accepted([], ok=False, refused=[token])
         if many:
             self._to_accept = {}
+            self._layout_version += 1  # a stop token among them may end a grammar
             for sor, new in many.items():
                 sor.advance(new)
 
@@ -324,8 +331,16 @@ class StructuredOutputManager:
             requests, bitmask = self.requests, gate.bitmask
             accept = None
             if self._remote:
+                layout = self._gate_layout
+                if (layout is not None and not self._to_accept and layout[0] == self._layout_version
+                        and layout[1] == gate.request_ids):
+                    # The same rows as the last gated step, none finished or ended since: its layout.
+                    if self._to_accept_one:
+                        self._accept_queued()  # only queues them into the workers' next messages
+                    self._gate_job = self.backend().send_gated(layout[2], bitmask, gate.seq)
+                    return
                 if self._to_accept_one or self._to_accept:
-                    self._accept_queued()  # only queues them into the worker's next message
+                    self._accept_queued()
             elif self.accept_on_thread and self._to_accept_one and not self._to_accept:
                 # The batch accept goes to the thread too, its C++ call bound here (the fast path's
                 # tokens are no stop tokens: nothing the step loop reads changes).
@@ -344,7 +359,11 @@ class StructuredOutputManager:
                 rows.append(row)
             backend = self.backend()
             if self._remote:
-                self._gate_job = backend.gate_job(grammars, bitmask, rows, gate.seq)
+                self._gate_job, layout = backend.gate_job(grammars, bitmask, rows, gate.seq)
+                # Kept for the next step while its rows are these (a row all ones is rewritten each
+                # step, in the other buffer: not kept).
+                full = len(rows) == len(gate.request_ids)
+                self._gate_layout = (self._layout_version, list(gate.request_ids), layout) if full else None
                 return
             fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
             lanes, byte = gate.flags, gate.seq & 0xFF

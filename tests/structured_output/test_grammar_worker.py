@@ -258,7 +258,7 @@ def test_gated_jobs_fill_the_thread_paths_bitmasks_and_set_every_workers_flag(to
         manager._wait_gate_job()
         gate = manager.gate_step(step("g1"))
         stranger = ProcessGrammar(1001, frozenset(), two_workers._lanes[1])
-        manager._gate_job = two_workers.gate_job([stranger], gate.bitmask, [0], gate.seq)
+        manager._gate_job, _ = two_workers.gate_job([stranger], gate.bitmask, [0], gate.seq)
         host_wait(gate, timeout_s=30)
         with pytest.raises(RuntimeError, match=r"grammar worker\(s\) \[1\] failed a gated step"):
             manager._wait_gate_job()
