@@ -230,14 +230,15 @@ def run_engine(args) -> list[dict]:
             use(backend_name, True)
             greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
             free = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True)
-            alone = llm.generate(ps[:16], [greedy] * 8 + [free] * 8, use_tqdm=False)
+            h = min(8, len(ps) // 2)
+            alone = llm.generate(ps[:2 * h], [greedy] * h + [free] * h, use_tqdm=False)
             runner.gate_waits.clear()
-            mixed = llm.generate(ps[:16], [greedy] * 8 + [SamplingParams(temperature=0.8, max_tokens=64,
-                                                                        ignore_eos=True, structured_outputs=so)] * 8,
+            mixed = llm.generate(ps[:2 * h], [greedy] * h + [SamplingParams(temperature=0.8, max_tokens=64,
+                                                                           ignore_eos=True, structured_outputs=so)] * h,
                                  use_tqdm=False)
-            same = all(a.outputs[0].token_ids == m.outputs[0].token_ids for a, m in zip(alone, mixed[:8]))
+            same = all(a.outputs[0].token_ids == m.outputs[0].token_ids for a, m in zip(alone[:h], mixed[:h]))
             r = {"model": args.label, "check": f"mixed batch, gated {backend_name}", "greedy_rows_equal": same,
-                 "valid_schema_outputs": check_outputs(checker, mixed[8:]), "gate_waits": dict(runner.gate_waits)}
+                 "valid_schema_outputs": check_outputs(checker, mixed[h:]), "gate_waits": dict(runner.gate_waits)}
             results.append(r)
             print(json.dumps(r), flush=True)
     manager._wait_gate_job()
