@@ -182,6 +182,7 @@ def run_engine(args) -> list[dict]:
             use(backend_name, gated)
         llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=min(args.warmup_tokens, args.max_tokens), ignore_eos=True,
                                         structured_outputs=so if backend_name else None), use_tqdm=False)
+    print(f"# warm-ups done after {time.perf_counter() - T0:.0f} s", flush=True)
     results = []
     for rnd in range(args.rounds):
         for name, backend_name, gated in variants:
@@ -343,7 +344,9 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="first the gate probe (the device wait's correctness, latency)")
     ap.add_argument("--warmup-tokens", type=int, default=64)
     ap.add_argument("--capture-sizes", type=int, nargs="+",
-                    help="decode graph sizes to capture (FULL_DECODE_ONLY): a faster start, the same decode steps")
+                    help="decode graph sizes to capture (FULL_DECODE_ONLY): a faster start, the same decode steps, "
+                         "but the first prefill steps then compile their kernels (round 3 on the H200: no timed run "
+                         "within 30 s of the engine's start)")
     ap.add_argument("--mixed-backends", type=int, default=3, help="how many backends the mixed check runs")
     ap.add_argument("--env-worker", action="store_true", help="children with PAGEDLLM_GRAMMAR_WORKER=1")
     ap.add_argument("--mixed-check", action="store_true",
