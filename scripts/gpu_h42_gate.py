@@ -44,7 +44,7 @@ def gate_probe() -> list[dict]:
     import torch
 
     from pagedllm.structured_output import gate as gate_mod
-    from pagedllm.structured_output.gate import FlagWords, device_wait
+    from pagedllm.structured_output.gate import FlagWords, GrammarGate, device_wait
 
     results = []
     dev = torch.device("cuda")
@@ -52,26 +52,25 @@ def gate_probe() -> list[dict]:
     out = torch.empty((64, 1536), dtype=torch.int32, device=dev)
     for how in ("stream_op", "spin"):
         gate_mod._stream_ops_refused = how == "spin"
-        flags = FlagWords(torch.zeros(1, dtype=torch.int32, pin_memory=True), 2, dev)
+        flags = FlagWords(torch.zeros(2, dtype=torch.int32, pin_memory=True), dev)
         lat, ok = [], True
         for _ in range(20):
-            g = flags.next_gate(["r"], host)
-            seq = g.seq
+            seq = flags.next_seq()
+            g = GrammarGate(["r"], host, flags.words, seq, flags.device_address)
             host.numpy().fill(-7)
             torch.cuda.synchronize()
             used = device_wait(g)
             out.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            flags.lanes[0] = seq & 0xFF
             time.sleep(0.002)
-            early = done.query()  # must be False: one lane of two is up
+            early = done.query()  # must be False: the flag is not up yet
             t_open = [0.0]
 
             def fill(seq=seq, t_open=t_open, flags=flags):
                 host.numpy().fill(seq)
                 t_open[0] = time.perf_counter()
-                flags.lanes[1] = seq & 0xFF
+                flags.words[:] = seq
 
             th = threading.Thread(target=fill)
             th.start()

@@ -1,8 +1,8 @@
-"""A kernel that holds its stream until a flag word in mapped host memory equals a value: gated
+"""A kernel that holds its stream until flag words in mapped host memory reach a value: gated
 sampling's wait (structured_output/gate.py) where the driver refuses `cuStreamWaitValue32`.
 
-    flag  int32 (1,) host memory mapped into the device's address space (its device address)
-    one program: re-read it (a volatile load over the bus, ~1-2 us) until it equals target
+    flags int32 (n,) host memory mapped into the device's address space (its device address)
+    one program: for each word, re-read it (a volatile load over the bus, ~1-2 us) until >= target
 
 The plain reference is `structured_output.gate.host_wait` (the same condition, polled on the host).
 """
@@ -15,10 +15,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _spin_kernel(flag_ptr, target):
-    value = tl.load(flag_ptr, volatile=True)
-    while value != target:
-        value = tl.load(flag_ptr, volatile=True)
+def _spin_kernel(flags_ptr, num_flags, target):
+    for i in range(num_flags):
+        value = tl.load(flags_ptr + i, volatile=True)
+        while value < target:
+            value = tl.load(flags_ptr + i, volatile=True)
 
 
 class _Address:
@@ -33,8 +34,8 @@ class _Address:
         return self._address
 
 
-def spin_until_equal(device_address: int, target: int, stream: torch.cuda.Stream) -> None:
-    """Queue on `stream` one program that returns once the int32 word at `device_address` equals
-    `target` (a uint32 value, compared as the int32 of the same bits)."""
+def spin_until_geq(device_address: int, num_flags: int, target: int, stream: torch.cuda.Stream) -> None:
+    """Queue on `stream` one program that returns once every int32 word at `device_address`
+    (num_flags of them) is >= target."""
     with torch.cuda.stream(stream):
-        _spin_kernel[(1,)](_Address(device_address), target - (1 << 32) if target >= 1 << 31 else target, num_warps=1)
+        _spin_kernel[(1,)](_Address(device_address), num_flags, target, num_warps=1)

@@ -39,7 +39,7 @@ import torch
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
-from pagedllm.structured_output.gate import MAX_LANES, FlagWords
+from pagedllm.structured_output.gate import FlagWords
 from pagedllm.structured_output.grammar_worker import ERROR_WORDS, FLAG_WORDS
 from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -223,9 +223,8 @@ class ProcessBackend(StructuredOutputBackend):
         self.rows, self.words = rows, (vocab_size + 31) // 32
         # The workers' own times (summed over their jobs) and matchers after the last jobs.
         self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
-        if num_workers > MAX_LANES:
-            raise ValueError(f"at most {MAX_LANES} grammar workers (one byte each of the gate's flag word), "
-                             f"not {num_workers}")
+        if num_workers > ERROR_WORDS:
+            raise ValueError(f"at most {ERROR_WORDS} grammar workers, not {num_workers}")
         self.num_workers = num_workers
         size = NUM_BUFFERS * rows * self.words * 4
         shm = SharedMemory(create=True, size=size + FLAG_WORDS * 4)
@@ -237,8 +236,8 @@ class ProcessBackend(StructuredOutputBackend):
             whole = torch.from_numpy(np.ndarray((size // 4 + FLAG_WORDS,), dtype=np.int32, buffer=shm.buf))
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
             self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
-            # Gated sampling: the flag word (a byte lane per worker) and the workers' error words.
-            self.flags = whole[size // 4: size // 4 + 1]
+            # Gated sampling: the workers' flag words (one each) and their error words.
+            self.flags = whole[size // 4: size // 4 + num_workers]
             self.flags.numpy().fill(0)
             errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers]
             errors.numpy().fill(0)
@@ -266,9 +265,9 @@ class ProcessBackend(StructuredOutputBackend):
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._next_buffer = 0
-        # Gated sampling: a worker that dies leaves its byte of the flag word short of the step the
-        # device waits for, and the step loop blocked in that step's collect; the watchdog then opens
-        # the gate (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
+        # Gated sampling: a worker that dies leaves its flag word short of the step the device waits
+        # for, and the step loop blocked in that step's collect; the watchdog then opens the gates
+        # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
         self._watchdog: threading.Thread | None = None
 
     def watch_gates(self, flags: FlagWords) -> None:
@@ -281,7 +280,7 @@ class ProcessBackend(StructuredOutputBackend):
         def watch() -> None:
             while finalizer.alive:
                 if any(p.poll() is not None for p in procs):
-                    flags.lanes[:] = flags.seq & 0xFF
+                    flags.words[:] = flags.seq  # >= every gate issued so far
                     return
                 time.sleep(WATCHDOG_PERIOD_S)
 
@@ -409,15 +408,14 @@ class ProcessBackend(StructuredOutputBackend):
 
     # -- gated sampling (gate.py) ------------------------------------------------------------------
     def gate_flag_memory(self) -> torch.Tensor:
-        """The gate's flag word in the shared block, int32 (1,), one byte lane per worker (registered with
-        CUDA as mapped memory on a GPU)."""
+        """The workers' flag words in the shared block, int32 (num_workers,) (registered with CUDA as
+        mapped memory on a GPU)."""
         return self.flags
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
                  seq: int) -> tuple[Callable[[], None], list[tuple[list[int], list[int]]]]:
         """Send a gated job now: every worker accepts its queued tokens, fills its rows of `rows`
-        (bitmask row of each grammar) and then sets its byte lane of the flag word to seq's low byte,
-        whether or not it has rows. No reply comes back; the returned call (the manager makes it
+        (bitmask row of each grammar) and then sets its flag word to `seq`, whether or not it has rows. No reply comes back; the returned call (the manager makes it
         before its next job) raises if a worker failed the job. Also returns the rows' layout, per
         worker (slots, rows), which `send_gated` takes for a next step of the same rows."""
         n = len(self._lanes)

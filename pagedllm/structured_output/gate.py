@@ -7,9 +7,9 @@ device for its grammar bitmask, which the host fills while the forward runs.
 
 Step k's forward needs step k-1's tokens (on the device already), not step k's bitmask; only its
 sampling does. So the launch queues the whole step, with a wait in the stream before the mask's
-copy: the device waits for a flag word in host memory to equal the step's sequence byte in every lane, which
+copy: the device waits for a flag word in host memory to reach the step's sequence number, which
 whoever fills the bitmask writes after the fill (the bitmask thread, or each grammar worker process
-its own byte of the word: backend_process.py). The step loop never waits for the fill; it waits, in the next
+its own word: backend_process.py). The step loop never waits for the fill; it waits, in the next
 step's collect, for the sampled tokens, as an unconstrained step does.
 
 The wait on CUDA is `cuStreamWaitValue32` (the driver's stream memory operation, called through
@@ -40,14 +40,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HOST_WAIT_TIMEOUT_S = 120.0  # a CPU step's wait for its bitmask: a hung filler is an error, not a hang
-CU_STREAM_WAIT_VALUE_EQ = 0x1  # *addr == value
-MAX_LANES = 4  # fillers of one gate: one byte each of the one 32-bit flag word
-
-
-def lanes_value(seq: int, num_lanes: int) -> int:
-    """The flag word once every lane holds seq's low byte: seq 0x1234, 2 lanes -> 0x3434."""
-    b = seq & 0xFF
-    return sum(b << (8 * i) for i in range(num_lanes))
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0
 
 
 @dataclass(eq=False)
@@ -56,56 +49,49 @@ class GrammarGate:
 
     request_ids: the constrained requests that sample in the step, in batch order; bitmask row i is
     request_ids[i]'s (a row whose grammar has ended by the fill is all ones). bitmask: int32 (k, W)
-    host view, pinned on a GPU, filled after the launch. flags: uint8 (n,) the lanes of one 32-bit
-    flag word, one byte per filler (the bitmask thread, or each grammar worker); filler i sets
-    flags[i] = seq & 0xFF after its fill, and the step may sample once the word equals `target`
-    (every lane at seq's byte: one wait on the device, however many fillers). A lane holds the
-    previous step's byte until then (gates are filled in order, one step apart), so equality is
-    reached only by this step's fills."""
+    host view, pinned on a GPU, filled after the launch. flags: int32 host words, one per filler;
+    the step may sample once every flags[i] >= seq."""
 
     request_ids: list[str]
     bitmask: torch.Tensor
     flags: np.ndarray
-    word: np.ndarray  # uint32 (1,): the same 4 bytes as one word
     seq: int
-    device_flags: int | None = None  # the word's device address (CUDA), from FlagWords
+    device_flags: int | None = None  # the flags' device address (CUDA), from FlagWords
     opened: bool = field(default=False)
-
-    @property
-    def target(self) -> int:
-        return lanes_value(self.seq, len(self.flags))
 
     def open(self) -> None:
         """Let the step sample with whatever the buffer holds (the fillers open it themselves; the
         step loop calls this only to release a gate whose job failed)."""
-        self.flags[:] = self.seq & 0xFF
+        self.flags[:] = self.seq
         self.opened = True
 
     def is_open(self) -> bool:
-        return int(self.word[0]) == self.target
+        return bool((self.flags.astype(np.int64) >= self.seq).all())
 
 
 class FlagWords:
-    """The flag word of one filler set, in host memory the device can read: byte lanes and the word
-    as numpy views, and on a GPU the word's device address. `memory` is int32 (1,) host memory,
-    pinned (torch) or registered mapped (the grammar workers' shared block)."""
+    """The flag words of one filler set, in host memory the device can read: a numpy view, and on a
+    GPU its device address. `memory` is int32 host memory, pinned (torch) or registered mapped."""
 
-    def __init__(self, memory: torch.Tensor, num_lanes: int, device: torch.device | None) -> None:
-        assert memory.dtype == torch.int32 and memory.shape == (1,), memory.shape
-        if not 1 <= num_lanes <= MAX_LANES:
-            raise ValueError(f"a gate has 1 to {MAX_LANES} fillers, not {num_lanes}")
+    def __init__(self, memory: torch.Tensor, device: torch.device | None) -> None:
+        assert memory.dtype == torch.int32 and memory.dim() == 1
         self.memory = memory
-        self.word = memory.numpy().view(np.uint32)
-        self.lanes = memory.numpy().view(np.uint8)[:num_lanes]
-        self.word[:] = 0
+        self.words = memory.numpy()
+        self.words[:] = 0
         self.seq = 0
         self.device_address: int | None = None
         if device is not None and device.type == "cuda":
             self.device_address = device_pointer(memory.data_ptr())
 
-    def next_gate(self, request_ids: list[str], bitmask: torch.Tensor) -> GrammarGate:
+    def next_seq(self) -> int:
+        # 2**31 gated steps (weeks at 1 ms) would wrap the int32 word; the engine refuses to.
+        if self.seq >= 2**31 - 1:
+            raise RuntimeError("gated sampling: the flag words' sequence is exhausted")
         self.seq += 1
-        return GrammarGate(request_ids, bitmask, self.lanes, self.word, self.seq, self.device_address)
+        return self.seq
+
+    def next_gate(self, request_ids: list[str], bitmask: torch.Tensor) -> GrammarGate:
+        return GrammarGate(request_ids, bitmask, self.words, self.next_seq(), self.device_address)
 
 
 # -- CUDA -----------------------------------------------------------------------------------------
@@ -153,21 +139,27 @@ _stream_ops_refused = False
 
 
 def device_wait(gate: GrammarGate, stream: torch.cuda.Stream | None = None) -> str:
-    """Queue on `stream` (the current one) a wait until the gate's flag word equals its target.
+    """Queue on `stream` (the current one) a wait until every flag word of `gate` is >= its seq.
     Returns which mechanism queued it ("stream_op" or "spin")."""
     global _stream_ops_refused
-    assert gate.device_flags is not None, "a CUDA gate needs its flag word's device address"
+    assert gate.device_flags is not None, "a CUDA gate needs its flags' device address"
     stream = stream or torch.cuda.current_stream()
     fn = None if _stream_ops_refused else _wait_value_fn()
     if fn is not None:
-        err = fn(ctypes.c_void_p(stream.cuda_stream), gate.device_flags, gate.target, CU_STREAM_WAIT_VALUE_EQ)
-        if err == 0:
+        handle = ctypes.c_void_p(stream.cuda_stream)
+        for i in range(len(gate.flags)):
+            err = fn(handle, gate.device_flags + 4 * i, gate.seq, CU_STREAM_WAIT_VALUE_GEQ)
+            if err != 0:
+                if i:
+                    raise RuntimeError(f"cuStreamWaitValue32 failed ({err}) after {i} flag words were queued")
+                logger.warning("cuStreamWaitValue32 refused (%d): gated sampling waits with a spinning kernel", err)
+                _stream_ops_refused = True
+                break
+        else:
             return "stream_op"
-        logger.warning("cuStreamWaitValue32 refused (%d): gated sampling waits with a spinning kernel", err)
-        _stream_ops_refused = True
-    from pagedllm.kernels.grammar_gate import spin_until_equal
+    from pagedllm.kernels.grammar_gate import spin_until_geq
 
-    spin_until_equal(gate.device_flags, gate.target, stream)
+    spin_until_geq(gate.device_flags, len(gate.flags), gate.seq, stream)
     return "spin"
 
 

@@ -19,9 +19,9 @@ Messages (multiprocessing Connection over a socket pair; fd in argv, the first m
     ("step", removed_slots, one_slots, one_tokens, more, fill_slots, fill_rows | None, buffer, flag | None)
         -> ("ok", refused_slots, accept_s, fill_s, live_matchers, t_received, t_done) | ("error", message)
     ("close",)
-flag: (lane, seq) of a gated job (gate.py): after the fill, byte `lane` of the flag word (after the
-buffers in the shared block) is set to seq's low byte; the device samples the step once every
-worker's lane has it. A gated job gets no reply (a failure sets error word ERROR_WORDS + lane; "stats" -> ("stats", jobs, accept_s, fill_s)
+flag: (word, seq) of a gated job (gate.py): after the fill, flag word `word` (after the buffers in
+the shared block) is set to seq; the device samples the step once every worker's word is >= seq.
+A gated job gets no reply (a failure sets error word ERROR_WORDS + word; "stats" -> ("stats", jobs, accept_s, fill_s)
 sums the gated jobs' times since the last "stats"). A slot is the engine's number for one request's grammar (never reused). With several workers
 (PAGEDLLM_GRAMMAR_WORKERS) slot s lives in worker s % n, which fills its rows of the shared buffer
 (fill_rows); with one, fill_rows is None (rows 0..n-1). The worker ends on
@@ -40,9 +40,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
-# Gated sampling (gate.py): after the bitmask buffers, FLAG_WORDS int32 words: word 0 the gate's flag
-# word (worker i sets its byte i to a gated job's seq & 0xFF once its rows are filled; the device
-# waits until every lane has it), words ERROR_WORDS.. the workers' error words (set when a job failed).
+# Gated sampling (gate.py): after the bitmask buffers, FLAG_WORDS int32 words: word i worker i's flag
+# (set to a gated job's sequence number once its rows are filled; the device waits until every
+# worker's word has it), words ERROR_WORDS.. the workers' error words (set when a job failed).
 FLAG_WORDS = 16
 ERROR_WORDS = 8
 
@@ -77,9 +77,8 @@ class GrammarWorker:
             os.close(fd)
         flat = np.frombuffer(self._mmap, dtype=np.int32, count=size // 4).reshape(num_buffers, rows, words)
         self.buffers = [torch.from_numpy(flat[i]) for i in range(num_buffers)]  # (rows, words) each
-        # Gated sampling, after the buffers (FLAG_WORDS int32 words): word 0 is the gate's flag, a byte
-        # lane per worker; words ERROR_WORDS.. the workers' error words.
-        self.lanes = np.frombuffer(self._mmap, dtype=np.uint8, count=4, offset=size)
+        # Gated sampling, after the buffers (FLAG_WORDS int32 words): word i is worker i's flag, words
+        # ERROR_WORDS.. the workers' error words.
         self.flags = np.frombuffer(self._mmap, dtype=np.int32, count=FLAG_WORDS, offset=size)
         self.gated = [0, 0.0, 0.0]  # gated jobs since the engine last asked ("stats"): count, accept s, fill s
 
@@ -126,15 +125,15 @@ class GrammarWorker:
             if kind == "step" and msg[8] is not None:
                 # A gated job: no reply (the step loop reads none). Refusals are logged here, a
                 # failure also marks this worker's error word, which the loop checks at its next job.
-                lane, seq = msg[8]
+                word, seq = msg[8]
                 try:
                     refused, accept_s, fill_s, _ = self.step(msg)
                 except Exception:  # noqa: BLE001 - reported through the error word
-                    self.flags[ERROR_WORDS + lane] = seq or 1  # before the flag: the loop looks once the gate is open
-                    self.lanes[lane] = seq & 0xFF
+                    self.flags[ERROR_WORDS + word] = seq  # before the flag: the loop looks once the gate is open
+                    self.flags[word] = seq
                     logger.exception("grammar worker: gated step failed")
                     continue
-                self.lanes[lane] = seq & 0xFF  # after the fill's stores: the device may copy the rows now
+                self.flags[word] = seq  # after the fill's stores: the device may copy the rows now
                 self.gated[0] += 1
                 self.gated[1] += accept_s
                 self.gated[2] += fill_s

@@ -310,11 +310,11 @@ class StructuredOutputManager:
         if self._flags is None:
             backend = self.backend()
             cuda = self.config.device_config.device == "cuda"
-            if self._remote:  # one byte lane per worker, in the shared block
-                memory, lanes = backend.gate_flag_memory(), backend.num_workers
+            if self._remote:  # one flag word per worker, in the shared block
+                memory = backend.gate_flag_memory()
             else:
-                memory, lanes = torch.zeros(1, dtype=torch.int32, pin_memory=cuda), 1
-            self._flags = FlagWords(memory, lanes, torch.device("cuda") if cuda else None)
+                memory = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+            self._flags = FlagWords(memory, torch.device("cuda") if cuda else None)
             if self._remote:
                 backend.watch_gates(self._flags)
         return self._flags
@@ -366,7 +366,7 @@ class StructuredOutputManager:
                 self._gate_layout = (self._layout_version, list(gate.request_ids), layout) if full else None
                 return
             fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
-            lanes, byte = gate.flags, gate.seq & 0xFF
+            words, seq = gate.flags, gate.seq
 
             def fill_and_open() -> None:
                 try:
@@ -377,7 +377,7 @@ class StructuredOutputManager:
                     if grammars:
                         fill()
                 finally:
-                    lanes[0] = byte  # after the fill's stores: the device may copy the rows now
+                    words[0] = seq  # after the fill's stores: the device may copy the rows now
 
             if self._fill_thread is None:
                 self._fill_thread = FillThread()
