@@ -162,8 +162,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
-    # with its launch and waits on the device for its bitmask. 0 turns it off (the step samples in
-    # a call of its own once its bitmask is filled, as before); unset or 1 on.
+    # with its launch and waits on the device for its bitmask. 1 turns it on; unset or 0 off (the step
+    # samples in a call of its own once its bitmask is filled). Opt-in: its last H200 round printed no
+    # rows (a hang not ruled out) and its final code has not run on a GPU (BENCHMARKS.md, h42).
     "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).

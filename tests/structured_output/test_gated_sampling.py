@@ -33,7 +33,13 @@ def make_llm(max_model_len: int = 256, **kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = make_llm(num_gpu_blocks_override=64)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDLLM_GRAMMAR_GATE", "1")  # opt-in (envs.py)
+    try:
+        llm = make_llm(num_gpu_blocks_override=64)
+    finally:
+        mp.undo()
+    assert llm.llm_engine.engine_core.gate_sampling
     yield llm
     llm.llm_engine.shutdown()
 
