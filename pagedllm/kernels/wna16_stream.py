@@ -34,6 +34,33 @@ subtracted once at the end (sm_90 SASS: ~34-37 instructions a word against ~36-3
 step i + 1's words before step i's arithmetic (ptxas alone issues them after it). The cancellation costs ~5-8 of fp32's 24 bits (|OFF +
 q| <= 271 against |q - z| ~ 8), far below the bf16 output's rounding. Accumulation is fp32.
 
+Packed fp16 math (MATH="f16x2"): the fp32 path spends ~36 sm_90 instructions a packed word (8 LOP3, 8
+FFMA, 4 shifts, x loads and converts, the per-row offsets); here pairs of values share each
+instruction. Nibbles s and s + 4 of a word sit at bits 4s and 16 + 4s, so (Marlin's dequantization)
+
+    bits(w & 0x000F000F | 0x64006400)       = (1024 + q0, 1024 + q4)          as fp16 x2 (ULP 1: exact)
+    bits(w & 0x00F000F0 | 0x64006400)       = (1024 + 16 q1, 1024 + 16 q5)
+    the same of w >> 8                       -> (q2, q6), (q3, q7)
+
+and one packed add of -(1024 + z) (or FMA by 1/16 with -(64 + z)) makes each pair (q - z) exactly;
+four packed FMAs against x pairs (x[8r + s], x[8r + s + 4]) accumulate a word into a pair of fp16
+sums, chained over ROWS consecutive words of the column (1, 2, 4), then the two lanes are converted
+and added into the step's fp32 partial, which the group scale multiplies once: ~13 instructions a
+word for the arithmetic (1 shift, 4 LOP3, 4 HADD2 / HFMA2, 4 HFMA2) plus 3 per ROWS words to leave
+fp16 (sm_90 SASS of the whole unrolled program: ~23 a word at 64 columns x 8 steps, 2 warps,
+against the fp32 path's ~36; scripts/wna16_sm90_sass.py). The x pairs are made once per step as a
+(BLOCK_KW, 8) tile (each x converted by one thread, then moved to the threads of its rows).
+
+Range and precision: the program scales its x by 2^-E, 2^E <= max |x| of its inputs < 2^(E+1) (one
+block max, once), so |x'| < 2 and a lane's sum stays below 120 * ROWS (|q - z| <= 15): no outlier
+can overflow fp16; 2^E goes back into the scale exactly. Each packed FMA rounds to fp16 (2^-11
+relative to its running sum), so the error is that of fp16 sums over 4 * ROWS products, relative to
+the program's largest |x| (smaller x lose bits below 2^-14 of it, fp16's normal range). The torch
+emulation of exactly this arithmetic, `wna16_packed_emulation`, stays within 2e-3 of the fp32
+reference's max (fp32 output; measured 2.3e-4 .. 7.6e-4, random and outlier x, K 4096, 1-4 rows);
+the kernel equals the emulation up to fp32 summation order (the interpreter runs the emulation in
+fp32 ops: inline PTX does not run there).
+
 Split-K epilogue (SPLIT = cdiv(K, STEPS * BLOCK_K) programs per N block): each program stores its
 (BLOCK_N,) fp32 partial to a workspace (SPLIT, N); the last of an N block's programs to arrive
 (a self-resetting counter, as gemv.py) loads the partials RED rows at a time as one 2-D tile and
@@ -52,14 +79,19 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.kernels.gemv import split_k_workspace
 from pagedllm.kernels.wna16_tc import TCConfig, wna16_tc_linear
 
-__all__ = ["StreamConfig", "stream_config", "stream_supported", "wna16_stream_linear"]
+__all__ = ["StreamConfig", "program_steps", "stream_config", "stream_supported", "wna16_packed_emulation",
+           "wna16_stream_linear"]
 
 _WS_FLOATS = 1 << 22  # 16 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# Triton reads TRITON_INTERPRET when the kernels are decorated (at import): the interpreter cannot run
+# inline PTX, so the packed path then takes its fp32-op emulation (the same roundings).
+_USE_ASM = not envs.TRITON_INTERPRET
 RED = 16  # partial rows the last program of an N block loads at once
 MAGIC_EVEN = 0x43800000  # fp32 256.0: a nibble at bits 15..18 reads as 256 + q
 MAGIC_ODD = 0x41800000  # fp32 16.0: a nibble at bits 19..22 reads as 16 + q
@@ -74,6 +106,10 @@ class StreamConfig(NamedTuple):
     STEP_SUMS: bool = False  # offsets / zero points from whole-step x sums (block reductions), not per word row
     PREFETCH: bool = False  # issue step i + 1's word / scale loads before step i's arithmetic
     num_stages: int = 1  # no loop-carried pipeline: the programs in flight hide the latency
+    # "fp32": one FFMA a value; "f16x2": packed fp16 math on pairs of values (module docstring), x
+    # scaled by the program's power of two
+    MATH: str = "fp32"
+    ROWS: int = 1  # f16x2: word rows (8 inputs each) summed in fp16 before the sum joins fp32 (1, 2, 4)
 
 
 @triton.jit
@@ -179,13 +215,175 @@ def _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, o
     return tl.sum(acc, axis=0) - corr  # (BLOCK_N,)
 
 
+# One word row of the packed path, per element: $1 the word, $2 the magic pair (1024, 1024), $3 / $4
+# the zero pairs -(1024 + z) / -(64 + z), $5 (1/16, 1/16), $6..$9 the x pairs (x[8r + s], x[8r + s + 4]),
+# s = 0..3, $10 the running pair sums -> $0 the new pair sums. Marlin's fp16 dequantization: nibbles
+# (s, s + 4) = bits (4s, 16 + 4s); LOP3 with 0x000F000F gives (1024 + q, ...) for s = 0 (and 2, after
+# one shift by 8), with 0x00F000F0 (1024 + 16 q, ...) for s = 1 (3): one add or one FMA by 1/16 makes
+# q - z exactly (small integers); four packed FMAs against the x pairs.
+_ROW_ASM = tl.constexpr("""
+{
+.reg .b32 t, v<4>;
+shr.u32 t, $1, 8;
+lop3.b32 v0, $1, 0x000F000F, $2, 0xEA;
+lop3.b32 v1, $1, 0x00F000F0, $2, 0xEA;
+lop3.b32 v2, t, 0x000F000F, $2, 0xEA;
+lop3.b32 v3, t, 0x00F000F0, $2, 0xEA;
+add.f16x2 v0, v0, $3;
+fma.rn.f16x2 v1, v1, $5, $4;
+add.f16x2 v2, v2, $3;
+fma.rn.f16x2 v3, v3, $5, $4;
+fma.rn.f16x2 $0, v0, $6, $10;
+fma.rn.f16x2 $0, v1, $7, $0;
+fma.rn.f16x2 $0, v2, $8, $0;
+fma.rn.f16x2 $0, v3, $9, $0;
+}
+""")
+# f16x2 pair sums -> their fp32 sum ($0), both lanes converted exactly.
+_LANES_ASM = tl.constexpr("""
+{
+.reg .b16 h<2>;
+.reg .f32 f<2>;
+mov.b32 {h0, h1}, $1;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+add.f32 $0, f0, f1;
+}
+""")
+MAGIC16 = tl.constexpr(0x64006400)  # fp16 (1024, 1024): ULP 1, so 1024 + q exactly
+INV16 = tl.constexpr(0x2C002C00)  # fp16 (1/16, 1/16)
+
+
+@triton.jit
+def _pairs_of(v):
+    """An int32 tensor of fp16 bit pairs -> the two lanes as fp32 (low, high), exactly."""
+    lo = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((v >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _round16(v):
+    """fp32 -> fp16 (nearest) -> fp32: one packed op's rounding, for the emulation."""
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _emulate_row(w, z_lo, z_hi, x_lo, x_hi, a_lo, a_hi, S: tl.constexpr):
+    """_ROW_ASM's nibble pair S, in fp32 values rounded to fp16 after each packed op (the
+    interpreter's path): q - z is exact, the FMA rounds once (a product of two fp16 is exact in
+    fp32; the fp32 sum's rounding before the fp16 one can differ from the GPU's in a tie)."""
+    q_lo = ((w >> (4 * S)) & 15).to(tl.float32)
+    q_hi = ((w >> (16 + 4 * S)) & 15).to(tl.float32)
+    a_lo = _round16(_round16(q_lo - z_lo) * x_lo + a_lo)
+    a_hi = _round16(_round16(q_hi - z_hi) * x_hi + a_hi)
+    return a_lo, a_hi
+
+
+@triton.jit
+def _x_pairs(x_ptr, perm_ptr, cols, inv, HAS_PERM: tl.constexpr, USE_ASM: tl.constexpr):
+    """x for word rows starting at input columns `cols` (R,), as 4 (R,) int32 tensors of fp16 pairs
+    (x[c + s] * inv, x[c + s + 4] * inv), s = 0..3. The (R, 8) tile is loaded and converted once and
+    split in registers (each x value converted by one thread, not by every thread sharing its row)."""
+    R: tl.constexpr = cols.shape[0]
+    idx = cols[:, None] + tl.arange(0, 8)[None, :]
+    if HAS_PERM:
+        idx = tl.load(perm_ptr + idx)
+    xt = tl.load(x_ptr + idx).to(tl.float32) * inv  # (R, 8)
+    x3 = tl.permute(tl.reshape(xt, (R, 2, 4)), (0, 2, 1))  # [r, s, h] = x[c + 4h + s]
+    lo, hi = tl.split(x3)  # (R, 4): x[c + s], x[c + s + 4]
+    if USE_ASM:
+        # not pure: the compiler would move a pure conversion past the layout change that follows, so
+        # that every thread sharing a row would convert it again
+        pr = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+    else:
+        lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        pr = lo16 | (hi16 << 16)
+    e0, e1 = tl.split(tl.reshape(pr, (R, 2, 2)))  # [r, a] = pr[r, 2a] / pr[r, 2a + 1]
+    p0, p2 = tl.split(e0)
+    p1, p3 = tl.split(e1)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, offs_n, mask_n, k_start,
+                     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_KW: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
+    """The program's (BLOCK_N,) fp32 partial by packed fp16 math (module docstring): a step is a
+    (BLOCK_KW // ROWS, BLOCK_N) tile of elements, each ROWS consecutive words of one column whose
+    pair sums are chained in fp16 before they join the fp32 sum."""
+    BLOCK_K: tl.constexpr = BLOCK_KW * 8
+    TILE_KW: tl.constexpr = BLOCK_KW // ROWS
+    SHAPE: tl.constexpr = (TILE_KW, BLOCK_N)
+    offs_j = tl.arange(0, TILE_KW) * ROWS  # first word row of each element, within the step
+    # x * 2^-E with 2^E <= max |x| of the program's inputs < 2^(E + 1): the scaled x lie in (-2, 2), so
+    # no pair sum can overflow fp16 (|q - z| <= 15: a lane sums 4 * ROWS terms below 120 * ROWS), and
+    # the small x keep fp16's 11 bits down to 2^-14 of the program's largest. 2^E joins the group scale.
+    xv = _x_col(x_ptr, perm_ptr, k_start + tl.arange(0, STEPS * BLOCK_K), HAS_PERM)
+    e = tl.max(tl.abs(xv), axis=0).to(tl.int32, bitcast=True) & 0x7F800000
+    e = tl.minimum(tl.maximum(e, 0x00800000), 0x7F000000)  # zeros / subnormals: 2^-126; inf / nan: 2^127
+    inv = (0x7F000000 - e).to(tl.float32, bitcast=True)
+    p2e = e.to(tl.float32, bitcast=True)
+    qw_base = qw_ptr + (k_start // 8).to(tl.int64) * N
+    magic = tl.full(SHAPE, MAGIC16, tl.int32)
+    c16 = tl.full(SHAPE, INV16, tl.int32)
+    acc = tl.zeros(SHAPE, dtype=tl.float32)
+    for i in tl.static_range(STEPS):
+        k0 = k_start + i * BLOCK_K
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32) * p2e
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)
+        if USE_ASM:
+            z_lo = tl.broadcast_to(((0xE400 | z) * 0x10001)[None, :], SHAPE)  # -(1024 + z) in both halves
+            z_hi = tl.broadcast_to(((0xD400 + 16 * z) * 0x10001)[None, :], SHAPE)  # -(64 + z)
+            a = tl.zeros(SHAPE, dtype=tl.int32)  # fp16 (0, 0)
+        else:
+            zf = tl.broadcast_to(z.to(tl.float32)[None, :], SHAPE)
+            a_lo = tl.zeros(SHAPE, dtype=tl.float32)
+            a_hi = tl.zeros(SHAPE, dtype=tl.float32)
+        for t in tl.static_range(ROWS):
+            rows = i * BLOCK_KW + offs_j + t  # within the program's word rows: int32 offsets from qw_base
+            w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0,
+                        eviction_policy="evict_first")
+            x0, x1, x2, x3 = _x_pairs(x_ptr, perm_ptr, k0 + (offs_j + t) * 8, inv, HAS_PERM, USE_ASM)
+            x0 = tl.broadcast_to(x0[:, None], SHAPE)
+            x1 = tl.broadcast_to(x1[:, None], SHAPE)
+            x2 = tl.broadcast_to(x2[:, None], SHAPE)
+            x3 = tl.broadcast_to(x3[:, None], SHAPE)
+            if USE_ASM:
+                a = tl.inline_asm_elementwise(_ROW_ASM, "=r,r,r,r,r,r,r,r,r,r,r",
+                                              [w, magic, z_lo, z_hi, c16, x0, x1, x2, x3, a],
+                                              dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                for s_ in tl.static_range(4):
+                    if s_ == 0:
+                        xp = x0
+                    elif s_ == 1:
+                        xp = x1
+                    elif s_ == 2:
+                        xp = x2
+                    else:
+                        xp = x3
+                    x_lo, x_hi = _pairs_of(xp)
+                    a_lo, a_hi = _emulate_row(w, zf, zf, x_lo, x_hi, a_lo, a_hi, s_)
+        if USE_ASM:
+            part = tl.inline_asm_elementwise(_LANES_ASM, "=f,r", [a], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            part = a_lo + a_hi
+        acc += s[None, :] * part
+    return tl.sum(acc, axis=0)  # (BLOCK_N,)
+
+
 @triton.jit
 def _wna16_stream_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
     N, SPLIT, magic_even, magic_odd,
     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
+    STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr, MATH: tl.constexpr, ROWS: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -194,8 +392,12 @@ def _wna16_stream_kernel(
     mask_n = offs_n < N
     offs_kw = tl.arange(0, BLOCK_KW)
     k_start = pid_k * (STEPS * BLOCK_K)
-    res = _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw,
-                    k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
+    if MATH == "fp32":
+        res = _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw,
+                        k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
+    else:
+        res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, offs_n, mask_n, k_start,
+                               GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, USE_ASM)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -218,6 +420,45 @@ def _wna16_stream_kernel(
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, no memset needed
+
+
+def program_steps(cfg: StreamConfig, k: int) -> int:
+    """The BLOCK_K steps one program takes: cfg.STEPS, fewer where K has fewer or where they would not
+    divide K's steps (whole programs: no masked K tail; a power of two stays one)."""
+    steps_total = k // (cfg.BLOCK_KW * 8)
+    steps = max(1, min(cfg.STEPS, steps_total))
+    while steps_total % steps:
+        steps //= 2
+    return steps
+
+
+def wna16_packed_emulation(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           group_size: int, span: int, rows: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed fp16 path's arithmetic in torch (float64 values rounded to fp16 where the GPU's
+    packed ops round): x (1, K) -> (1, N) fp32. span: inputs per program (its power-of-two x scale);
+    rows: word rows chained in fp16. The CPU tests hold it to the fp32 reference and the kernel to it."""
+    k, n = x.shape[1], qweight.shape[1]
+    if perm is not None:
+        x = x[:, perm]
+    xf = x.double().view(k // span, span)
+    amax = xf.abs().amax(dim=1, keepdim=True).float()
+    e = (amax.view(torch.int32) & 0x7F800000).clamp(0x00800000, 0x7F000000)
+    p2e = e.view(torch.float32).double()  # (programs, 1)
+    xs = (xf / p2e).to(torch.float16).double().view(k)  # x * 2^-E rounded to fp16 (the cvt of a pair)
+    shifts = torch.arange(8, dtype=torch.int32, device=qweight.device) * 4
+    q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(k, n).double()
+    d = q - zeros.double().repeat_interleave(group_size, dim=0)  # q - z, exact in fp16
+    # element e = (k // (8 rows)); inside it: row t, half h (nibbles 0-3 / 4-7), position s
+    d = d.view(k // (8 * rows), rows, 2, 4, n)
+    xe = xs.view(k // (8 * rows), rows, 2, 4, 1)
+    a = torch.zeros(k // (8 * rows), 2, n, dtype=torch.float64, device=x.device)
+    for t in range(rows):
+        for s_ in range(4):
+            a = (d[:, t, :, s_] * xe[:, t, :, s_] + a).to(torch.float16).double()  # one fma.rn.f16x2
+    part = (a[:, 0].float() + a[:, 1].float()).double()  # the lanes' fp32 sum, (elements, N)
+    elem_scale = (scales.double().repeat_interleave(group_size // (8 * rows), dim=0)
+                  * p2e.repeat_interleave(span // (8 * rows), dim=0))
+    return (part * elem_scale).sum(dim=0, keepdim=True).float()
 
 
 def stream_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
@@ -269,10 +510,11 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size} and K {k}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    if cfg.MATH not in ("fp32", "f16x2") or cfg.ROWS not in (1, 2, 4) or cfg.BLOCK_KW % cfg.ROWS:
+        raise ValueError(f"MATH {cfg.MATH!r} / ROWS {cfg.ROWS} not built (fp32 or f16x2; 1, 2 or 4 rows "
+                         f"dividing BLOCK_KW {cfg.BLOCK_KW})")
     steps_total = k // block_k
-    steps = max(1, min(cfg.STEPS, steps_total))
-    while steps_total % steps:  # whole programs: no masked K tail (and a power of two stays one)
-        steps //= 2
+    steps = program_steps(cfg, k)
     split = steps_total // steps
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -288,6 +530,7 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         out, ws[0], ws[1], n, split, MAGIC_EVEN, MAGIC_ODD,
         GROUP_SIZE=group_size, STEPS=steps, HAS_BIAS=bias is not None, HAS_PERM=perm is not None,
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
-        BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH,
+        MATH=cfg.MATH, ROWS=cfg.ROWS, USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

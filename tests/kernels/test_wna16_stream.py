@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
-from pagedllm.kernels.wna16_stream import RED, StreamConfig, stream_config, stream_supported, wna16_stream_linear
+from pagedllm.kernels.wna16_stream import (
+    RED,
+    StreamConfig,
+    program_steps,
+    stream_config,
+    stream_supported,
+    wna16_packed_emulation,
+    wna16_stream_linear,
+)
 from pagedllm.kernels.wna16_tc import TCConfig
 
 
@@ -86,3 +94,82 @@ def test_16bit_and_dispatch(device):
     ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group)
     torch.testing.assert_close(wna16_stream_linear(x, qweight, scales, zeros, group, config=TCConfig(32, 2, 4, 2)),
                                ref, atol=1e-3, rtol=1e-3)
+
+
+# Packed fp16 math (MATH="f16x2"): the torch emulation of its arithmetic held to the fp32 reference
+# (the stated bound), then the kernel held to the emulation: under TRITON_INTERPRET=1 the kernel runs
+# its non-asm path (the same roundings in fp32 ops), on a GPU the PTX.
+PACKED_BOUND = 2e-3  # max |emulation - fp32 ref| / max |ref|, fp32 output (measured 2.3e-4 .. 7.6e-4)
+
+
+def _bf16_values(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_packed_emulation_within_bound(rows):
+    """Random x and x with outliers (6e4 would overflow an fp16 pair sum unscaled: 15 x 6e4 > 65504),
+    at the two K of Llama-3.1-8B's linears' programs (one program's span and several)."""
+    k, n, group = 4096, 48, 128
+    qweight, scales, zeros = _weights(k, n, group, torch.device("cpu"))
+    x_out = torch.randn(1, k) * 0.05
+    x_out[0, torch.randperm(k)[:6]] = torch.tensor([3e3, -8e3, 2e4, -6e4, 1e3, 5e2])
+    for x in (_bf16_values(torch.randn(1, k)), _bf16_values(x_out)):
+        ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group)
+        for span in (1024, 4096):
+            emu = wna16_packed_emulation(x, qweight, scales, zeros, group, span, rows)
+            assert torch.isfinite(emu).all()
+            assert (emu - ref).abs().max() <= PACKED_BOUND * ref.abs().max(), (rows, span)
+    # exact where every product and sum is an fp16 integer: x = 1, q - z in [-15, 15]
+    x = torch.ones(1, k)
+    ref = wna16_linear_ref(x, qweight, torch.ones_like(scales), zeros, 4, group)
+    assert torch.equal(wna16_packed_emulation(x, qweight, torch.ones_like(scales), zeros, group, 1024, rows), ref)
+
+
+PACKED_CASES = [(256, StreamConfig(32, 4, 4, MATH="f16x2")), (512, StreamConfig(64, 2, 4, MATH="f16x2", ROWS=2)),
+                (512, StreamConfig(32, 2, 2, MATH="f16x2", ROWS=4)),
+                (512, StreamConfig(32, 1, 2, BLOCK_KW=4, MATH="f16x2", ROWS=2))]
+
+
+@pytest.mark.parametrize(("k", "config"), PACKED_CASES)
+def test_packed_kernel_matches_emulation(device, k, config):
+    """One program per N block and split-K (2 and 16 programs a block), 1 / 2 / 4 rows chained, a
+    ragged last N block; act-order with bias."""
+    n, group = 80, 128
+    qweight, scales, zeros = _weights(k, n, group, device)
+    perm = torch.randperm(k, device=device).to(torch.int32)
+    x = _bf16_values(torch.randn(1, k, device=device) * 3)
+    bias = torch.randn(n, device=device)
+    span = program_steps(config, k) * config.BLOCK_KW * 8
+    xk = x.bfloat16() if device.type == "cuda" else x
+    for p, b in ((None, None), (perm, bias)):
+        emu = wna16_packed_emulation(x, qweight, scales, zeros, group, span, config.ROWS, perm=p)
+        ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group, perm=p)
+        out = wna16_stream_linear(xk, qweight, scales, zeros, group, bias=b, perm=p, config=config).float()
+        b = b if b is not None else 0
+        # fp32 sums in another order (and, on the GPU, bf16 output): far below the packed rounding
+        tol = (1e-5 if device.type == "cpu" else 4e-3) * ref.abs().max()
+        assert (out - (emu + b)).abs().max() <= tol
+        assert (out - (ref + b)).abs().max() <= PACKED_BOUND * ref.abs().max() + tol
+
+
+def test_packed_every_nibble_and_refusals(device):
+    """q = 15 at input i alone (each nibble position, the word's sign bit for nibble 7), x = e_i:
+    y = (15 - z) * s exactly; then the configurations not built."""
+    k, n, group = 128, 16, 128
+    for i in range(8):
+        q = torch.zeros(k, n, dtype=torch.int64, device=device)
+        q[i] = 15
+        zeros = torch.full((1, n), 5, dtype=torch.uint8, device=device)
+        scales = torch.full((1, n), 0.5, dtype=torch.float16, device=device)
+        x = torch.zeros(1, k, device=device)
+        x[0, i] = 3.0
+        x = x.bfloat16() if device.type == "cuda" else x
+        out = wna16_stream_linear(x, pack_along_k(q, 4), scales, zeros, group,
+                                  config=StreamConfig(16, 1, 4, MATH="f16x2", ROWS=2))
+        assert torch.equal(out.float(), torch.full((1, n), 15.0, device=device)), (i, out)
+    qweight, scales, zeros = _weights(k, n, group, device)
+    x = torch.randn(1, k, device=device)
+    for bad in (StreamConfig(16, 1, 4, MATH="bf16x2"), StreamConfig(16, 1, 4, MATH="f16x2", ROWS=3)):
+        with pytest.raises(ValueError, match="not built"):
+            wna16_stream_linear(x, qweight, scales, zeros, group, config=bad)

@@ -1,0 +1,219 @@
+"""Issue 19, batch-1 int4 with packed fp16 math (kernels/wna16_stream.py, MATH="f16x2") on the H200 in
+one short call (< 100 s): every variant against the fp32 reference and timed beside the fp32 stream
+kernel at the four Llama-3.1-8B shapes, then (optionally) the 8B AWQ decode step with the winners.
+
+    python3 scripts/gpu_wna16_packed.py [--only compile check time step]
+
+compile  worker processes compile every variant at its shapes in parallel (Triton's disk cache)
+check  every variant == the fp32 reference (bf16 x; M = 1): random x, x with outliers (a few values
+       of 3e3 .. 6e4, which would overflow fp16 pair sums without the program's power-of-two scale),
+       fp16 x, and act-order (x read through perm) at qkv
+time   CUDA-graph replays rotating over >= 100 MB of weight copies (L2 cannot serve repeats): us and
+       GB/s of int4 words + scales + zero points per shape and variant, and the per-layer sum
+step   the 8B AWQ g128 dummy model (max_num_seqs 1, engine in-process), each int4 shape on its fastest
+       variant of `time` (or the dispatch's table without `time`), batch-1 decode steps of 128 in /
+       257 out as `bench latency` times them, then one profiled batch: kernel time per step by name
+"""
+
+# ruff: noqa: B023 - the lambdas are called within the iteration that made them
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_wna16_stream as base  # noqa: E402
+from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
+
+from pagedllm.kernels.wna16_gemm import wna16_linear_ref  # noqa: E402
+from pagedllm.kernels.wna16_stream import StreamConfig, stream_config, wna16_stream_linear  # noqa: E402
+from pagedllm.kernels.wna16_tc import wna16_tc_linear  # noqa: E402
+
+G, SHAPES, weights = base.G, base.SHAPES, base.weights
+
+
+def _f16(bn: int, steps: int, warps: int, rows: int, kw: int = 16) -> StreamConfig:
+    return StreamConfig(bn, steps, warps, BLOCK_KW=kw, MATH="f16x2", ROWS=rows)
+
+
+# name -> config: "s" the fp32 stream kernel (h40), "h<rows>" packed fp16 math, BLOCK_N x STEPS, warps
+STREAM = {
+    "s64x8w2": StreamConfig(64, 8, 2), "s128x2w4": StreamConfig(128, 2, 4),
+    "h1_64x8w2": _f16(64, 8, 2, 1), "h2_64x8w2": _f16(64, 8, 2, 2), "h4_64x8w2": _f16(64, 8, 2, 4),
+    "h2_64x4w2": _f16(64, 4, 2, 2), "h4_64x4w2": _f16(64, 4, 2, 4),
+    "h2_128x4w4": _f16(128, 4, 4, 2), "h4_128x4w4": _f16(128, 4, 4, 4), "h2_256x2w4": _f16(256, 2, 4, 2),
+    "h2_64x8w1": _f16(64, 8, 1, 2), "h4_128x8w2": _f16(128, 8, 2, 4), "h2_32x8w1": _f16(32, 8, 1, 2),
+}
+FULL_CHECK = ("h2_64x8w2", "h4_64x8w2")  # also checked with fp16 x and act-order (more compiles)
+
+
+def variants(n: int, k: int) -> dict:
+    """name -> call(x, qweight, scales, zeros, perm) for one (N, K) at M = 1; "table" is the dispatch
+    before this branch (h40's stream_config: gate_up on the tensor-core kernel)."""
+    out = {"table": lambda x, w, s, z, p: wna16_stream_linear(x, w, s, z, G, perm=p, config=stream_config(n, k))}
+    for name, cfg in STREAM.items():
+        out[name] = lambda x, w, s, z, p, cfg=cfg: wna16_stream_linear(x, w, s, z, G, perm=p, config=cfg)
+    return out
+
+
+def _warm(job: tuple[str, str]) -> str:
+    shape, name = job
+    n, k = SHAPES[shape]
+    t0 = time.monotonic()
+    try:
+        (w, s, z), = weights(n, k)
+        for dtype in (torch.bfloat16, torch.float16) if name in FULL_CHECK + ("table",) else (torch.bfloat16,):
+            variants(n, k)[name](torch.randn(1, k, device="cuda", dtype=dtype), w, s, z, None)
+        if shape == "qkv" and name in FULL_CHECK:
+            variants(n, k)[name](torch.randn(1, k, device="cuda", dtype=torch.bfloat16), w, s, z,
+                                 torch.randperm(k, device="cuda").to(torch.int32))
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported; the variant is then skipped where it fails again
+        return f"{shape}/{name} FAILED {type(e).__name__}: {str(e)[:300]}"
+    return f"{shape}/{name} {time.monotonic() - t0:.1f}s"
+
+
+def precompile() -> None:
+    # compiled forms depend on K (and the split count) only: qkv and o share them, gate_up's split differs
+    jobs = [(shape, name) for shape in SHAPES for name in variants(*SHAPES[shape]) if shape != "o" or name == "table"]
+    t0 = time.monotonic()
+    with mp.get_context("spawn").Pool(min(15, os.cpu_count() or 4)) as pool:
+        done = pool.map(_warm, jobs, chunksize=1)
+    bad = [d for d in done if "FAILED" in d]
+    print(f"precompiled {len(done)} in {time.monotonic() - t0:.1f} s; failed: {bad or 'none'}", flush=True)
+    print(", ".join(done), flush=True)
+
+
+ERRS: dict[str, dict[str, float]] = {}
+TOL = 1e-2  # max |err| / max |ref|, bf16 output; the fp32 kernels measure <= 2.7e-3 (BENCHMARKS.md)
+
+
+def ok(shape: str, name: str) -> bool:
+    return ERRS.get(shape, {}).get(name, 0.0) < TOL
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def check() -> None:
+    torch.manual_seed(0)
+    for shape, (n, k) in SHAPES.items():
+        (w, s, z), = weights(n, k)
+        xs = {"randn": torch.randn(1, k, device="cuda", dtype=torch.bfloat16)}
+        xo = torch.randn(1, k, device="cuda") * 0.05
+        idx = torch.randperm(k, device="cuda")[:6]
+        xo[0, idx] = torch.tensor([3e3, -8e3, 2e4, -6e4, 1e3, 5e2], device="cuda")
+        xs["outliers"] = xo.to(torch.bfloat16)
+        xs["fp16"] = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        perm = torch.randperm(k, device="cuda").to(torch.int32)
+        errs: dict[str, float] = {}
+        worst_case = {}
+        for name, call in variants(n, k).items():
+            try:
+                e = {}
+                for xn, x in xs.items():
+                    if xn != "fp16" or name in FULL_CHECK + ("table",):
+                        e[xn] = _err(call(x, w, s, z, None), wna16_linear_ref(x, w, s, z, 4, G))
+                if shape == "qkv" and name in FULL_CHECK:
+                    x = xs["randn"]
+                    e["perm"] = _err(call(x, w, s, z, perm), wna16_linear_ref(x, w, s, z, 4, G, perm=perm))
+                errs[name] = max(e.values())
+                worst_case[name] = max(e, key=e.get)
+                if name in FULL_CHECK + ("table",):
+                    print(f"  {shape}/{name}: " + ", ".join(f"{xn} {v:.1e}" for xn, v in e.items()), flush=True)
+            except Exception as ex:  # noqa: BLE001 - one broken variant must not hide the others
+                errs[name] = float("inf")
+                print(f"{shape}/{name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        ERRS[shape] = errs
+        print(f"{shape} max rel err over randn / outliers (/ fp16 / act-order for {FULL_CHECK}): " + ", ".join(f"{nm} {e:.1e}" for nm, e in errs.items()), flush=True)
+        packed = {nm: v for nm, v in errs.items() if nm.startswith("h")}
+        worst = max(packed, key=packed.get)
+        record(f"check {shape} M=1, {len(packed)} packed variants: worst",
+               f"{packed[worst]:.1e} ({worst}, {worst_case.get(worst)}; fp32 stream {errs.get('s64x8w2', 0):.1e})"
+               + (" OK" if packed[worst] < TOL else " FAIL"))
+        del w, s, z
+
+
+REPS = 24
+TABLE: dict[str, dict[str, float]] = {}
+
+
+def time_kernels() -> None:
+    for shape, (n, k) in SHAPES.items():
+        nbytes = n * k // 2 + (k // G) * n * 3
+        copies = max(2, min(12, math.ceil(100e6 / nbytes)))
+        ws = weights(n, k, copies)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        row = TABLE.setdefault(shape, {})
+        for name, call in variants(n, k).items():
+            if not ok(shape, name):
+                row[name] = float("inf")
+                continue
+            try:
+                row[name] = rotating_graph_us(lambda i: call(x, *ws[i], None), copies, REPS)
+            except Exception as e:  # noqa: BLE001
+                row[name] = float("inf")
+                print(f"time {shape}/{name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if shape == "gate_up":  # the tensor-core kernel the table sends gate_up to, and its 8-way split
+            cfg = stream_config(n, k)
+            row["tc_split8"] = rotating_graph_us(
+                lambda i: wna16_tc_linear(x, *ws[i], G, config=cfg._replace(SPLIT_K=8)), copies, REPS)
+        ws = None
+        best = min((v, nm) for nm, v in row.items())
+        record(f"time {shape} {n}x{k} M=1", f"best {best[1]} {best[0]:.1f} us = {nbytes / best[0] / 1e3:.0f} GB/s; "
+               f"table {row['table']:.1f}")
+    names = list(next(iter(TABLE.values())))
+    print("\n| us (GB/s of int4 words + scales + zeros) | " + " | ".join(TABLE) + " | per layer |")
+    print("|---" * (len(TABLE) + 2) + "|")
+    for name in names:
+        cells = []
+        for shape, (n, k) in SHAPES.items():
+            nbytes = n * k // 2 + (k // G) * n * 3
+            us = TABLE[shape].get(name, float("inf"))
+            cells.append(f"{us:.1f} ({nbytes / us / 1e3:.0f})")
+        print(f"| {name} | " + " | ".join(cells) + f" | {sum(TABLE[s].get(name, float('inf')) for s in SHAPES):.1f} |")
+    best = {s: min(TABLE[s], key=TABLE[s].get) for s in SHAPES}
+    record("int4 GEMVs per layer: best per shape / table (h40)",
+           f"{sum(TABLE[s][best[s]] for s in SHAPES):.1f} / {sum(TABLE[s]['table'] for s in SHAPES):.1f} us "
+           f"({', '.join(f'{s} {b}' for s, b in best.items())})")
+
+
+def use_best_configs() -> str:
+    """Route each 8B (N, K) at M = 1 to this run's fastest variant (wna16_linear's one-row call is
+    replaced in this process; the engine runs in-process)."""
+    import pagedllm.kernels.wna16_gemm as wg
+
+    best = {}
+    for shape, (n, k) in SHAPES.items():
+        row = {nm: v for nm, v in TABLE.get(shape, {}).items() if nm in STREAM}
+        if row:
+            best[(n, k)] = min(row, key=row.get)
+    stream = wg.wna16_stream_linear
+
+    def one_row(x, qweight, scales, zeros, group_size, bias=None, perm=None):
+        name = best.get((qweight.shape[1], x.shape[1]))
+        return stream(x, qweight, scales, zeros, group_size, bias, perm, config=STREAM[name] if name else None)
+
+    wg.wna16_stream_linear = one_row
+    return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "the dispatch's table"
+
+
+STEP_START_BY_S = 60.0  # the step takes ~25 s (model load, 4 batches, the profiled one): skip it when late
+
+
+def step() -> None:
+    if time.monotonic() - base.T0 > STEP_START_BY_S:
+        record("batch-1 decode step", f"skipped: {time.monotonic() - base.T0:.0f} s gone before it")
+        return
+    base.use_best_configs = use_best_configs  # base.step routes through this module's winners
+    base.step()
+
+
+if __name__ == "__main__":
+    run_sections({"compile": precompile, "check": check, "time": time_kernels, "step": step})
