@@ -21,7 +21,10 @@ values instead of in the tile's tl.dot, so bf16 results may differ in the last b
 
 Decode-only batches: one token per request, so the token of request r is row r (query_start_loc
 is 0, 1, 2, ...). Split-K (`split_k.py`) cuts the context as `paged_attention` does; the last split
-also takes the new key, and split 0 writes the cache. CUDA-graph padding rows (seq_len 1, slot -1)
+also takes the new key, and split 0 writes the cache. The splits' merge runs in the same launch:
+each split program stores its partials and takes a ticket from a per-(request, kv head) counter;
+the last to arrive merges all of them for its query heads (as `merge_splits` would) and resets the
+counter, so batch-1 decode saves the merge kernel's launch (~2.9 us a layer, BENCHMARKS.md h40). CUDA-graph padding rows (seq_len 1, slot -1)
 attend only to their own key and write nothing.
 
 Reference: `decode_attention_fused_ref` (the unfused references composed).
@@ -50,9 +53,51 @@ from pagedllm.kernels.split_k import (
 __all__ = ["decode_attention_fused", "decode_attention_fused_ref"]
 
 
+# Split-K merge in the attention launch: one self-resetting arrival counter per (request, kv head)
+# (made once per device, outside any CUDA-graph capture; a call that would first make it inside a
+# capture merges with `merge_splits`' launch instead). Splits are used only below
+# split_k._NO_SPLIT_PROGRAMS (request, kv head) pairs, so few counters suffice.
+_MERGE_COUNTERS = 4096
+_merge_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, pairs: int) -> torch.Tensor | None:
+    c = _merge_counters.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _merge_counters[device] = torch.zeros(_MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return c if pairs <= c.numel() else None
+
+
+@triton.jit
+def _merge_own_splits(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, row, head, row_valid, d, d_mask, num_splits,
+                      stride_o_t, stride_o_h, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """`split_k._merge_splits_kernel`'s sum for this program's query heads (BLOCK_M rows), by the
+    last split program to finish: the partials come from other SMs, so they are read from L2."""
+    base = (row * NUM_HEADS + head) * num_splits  # (BLOCK_M,)
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for sp in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + sp, mask=row_valid, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty splits: m = -inf -> weight 0
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for sp in range(num_splits):
+        w = tl.math.exp2(tl.load(part_m_ptr + base + sp, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+                         - m_ref)
+        denom += w * tl.load(part_l_ptr + base + sp, mask=row_valid, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(part_acc_ptr + (base + sp)[:, None] * HEAD_DIM_PAD + d[None, :],
+                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(out_ptr + row * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_slots", "num_splits", "stride_bt"])
 def _decode_fused_kernel(
-    out_ptr,  # (num_tokens, num_heads, head_dim); unused when USE_SPLIT
+    out_ptr,  # (num_tokens, num_heads, head_dim); written by the last split when FUSED_MERGE
     part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD); only when USE_SPLIT
     part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
     part_l_ptr,  # fp32 (num_tokens, num_heads, num_splits)
@@ -67,6 +112,7 @@ def _decode_fused_kernel(
     seq_lens_ptr,  # int32 (>= num_reqs,)
     slot_mapping_ptr,  # int64 (num_slots,): rows >= num_slots are not written
     order_ptr,  # int32 (num_reqs,): decode_order; only read when ORDERED
+    counter_ptr,  # int32 (>= num_reqs * NUM_KV_HEADS,), zeros between calls; only when FUSED_MERGE
     num_reqs,
     num_slots,
     num_splits,
@@ -93,6 +139,7 @@ def _decode_fused_kernel(
     HAS_K_NORM: tl.constexpr,
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     if ORDERED:
@@ -157,6 +204,15 @@ def _decode_fused_kernel(
     if USE_SPLIT:
         part = (row * NUM_HEADS + head) * num_splits + split  # (BLOCK_M,)
         store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, row_valid, d, HEAD_DIM_PAD)
+        if FUSED_MERGE:
+            # Every thread's partial is written (block barrier) before the release-acquire increment
+            # publishes it at GPU scope; the last of the (request, kv head)'s splits merges them all.
+            tl.debug_barrier()
+            counter = counter_ptr + row * NUM_KV_HEADS + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _merge_own_splits(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, row, head, row_valid, d, d_mask,
+                                  num_splits, stride_o_t, stride_o_h, NUM_HEADS, HEAD_DIM_PAD, BLOCK_M)
+                tl.atomic_xchg(counter, 0)  # ready for the next call, no memset needed
     else:
         out = acc / l_i[:, None]  # l >= 1 on valid rows: the new key's term is 2^0 at the max
         tl.store(out_ptr + row * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -178,11 +234,14 @@ def decode_attention_fused(
     eps: float = 1e-6,
     *,
     num_splits: int | None = None,
+    fused_merge: bool = True,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """`fused_qkv_prep` followed by `paged_attention`, for a decode-only batch, in one launch (see
     the module doc). Writes this step's K/V to the cache like the pair does. Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
-    No host sync, a grid from host ints only: CUDA-graph capturable."""
+    No host sync, a grid from host ints only: CUDA-graph capturable. Split-K partials are merged by
+    the last split program of each (request, kv head) (`fused_merge`, the default), or by
+    `merge_splits`' own launch."""
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
                       k_norm_weight)
@@ -214,6 +273,7 @@ def decode_attention_fused(
     # x 900-1500 keys: 112 vs 93 us, BENCHMARKS.md issue 19).
     few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS and kv_cache.element_size() > 1
     block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True, few_programs=few)
+    counters = _counters(qkv.device, n * num_kv_heads) if use_split and fused_merge else None
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)
     else:
@@ -236,6 +296,7 @@ def decode_attention_fused(
         md.seq_lens,
         slots,
         order if order is not None else md.seq_lens,
+        counters if counters is not None else md.seq_lens,
         n,
         slots.shape[0],
         num_splits,
@@ -262,11 +323,12 @@ def decode_attention_fused(
         HAS_K_NORM=k_norm_weight is not None,
         ORDERED=order is not None,
         USE_SPLIT=use_split,
+        FUSED_MERGE=counters is not None,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if use_split:
+    if use_split and counters is None:
         merge_splits(out, part_acc, part_m, part_l, md)
     return out
 

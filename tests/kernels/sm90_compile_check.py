@@ -30,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from pagedllm.attention.metadata import build_metadata  # noqa: E402
 from pagedllm.kernels import (  # noqa: E402
     activation,
+    decode_attention,
     fused_moe,
     gemv,
     kv_cache_write,
@@ -116,6 +117,7 @@ def _record(launches: list) -> None:
     """Call every wrapper in the configurations a model uses."""
     for mod, name in [
         (paged_attention, "_paged_attention_kernel"),
+        (decode_attention, "_decode_fused_kernel"),
         (split_k, "_merge_splits_kernel"),
         (kv_cache_write, "_write_kv_cache_kernel"),
         (rmsnorm, "_rms_norm_kernel"),
@@ -230,6 +232,13 @@ def _record_attention_and_layers() -> None:
             paged_attention.paged_attention(q, cache, md, 0.1, num_splits=splits)
         kv = torch.zeros(2, kv_heads, head_dim, dtype=bf16)
         kv_cache_write.write_kv_cache(kv, kv, cache, torch.tensor([0, 1]))
+        # the decode kernel with the q/k prep: unsplit, and split with the merge in the launch
+        qkv = torch.zeros(2, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
+        cos_sin = rotary.build_cos_sin_cache(head_dim, 64)
+        for splits in (1, 4):
+            decode_attention.decode_attention_fused(qkv, torch.arange(2), cos_sin, torch.zeros(2, 8, 16, kv_heads,
+                                                    head_dim, dtype=bf16), decode, 0.1, heads, kv_heads, head_dim,
+                                                    num_splits=splits)
     x = torch.zeros(3, 4096, dtype=bf16)
     rmsnorm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-5)
     rmsnorm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-5, residual=x)
