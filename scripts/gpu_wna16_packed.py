@@ -226,14 +226,14 @@ def use_best_configs() -> str:
 
     best = {}
     for shape, (n, k) in SHAPES.items():
-        row = {nm: v for nm, v in TABLE.get(shape, {}).items() if nm in STREAM}
+        row = {nm: v for nm, v in TABLE.get(shape, {}).items() if nm in STREAM or nm == "table"}
         if row:
             best[(n, k)] = min(row, key=row.get)
     stream = wg.wna16_stream_linear
 
     def one_row(x, qweight, scales, zeros, group_size, bias=None, perm=None):
         name = best.get((qweight.shape[1], x.shape[1]))
-        return stream(x, qweight, scales, zeros, group_size, bias, perm, config=STREAM[name] if name else None)
+        return stream(x, qweight, scales, zeros, group_size, bias, perm, config=STREAM.get(name))  # table: None
 
     wg.wna16_stream_linear = one_row
     return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "the dispatch's table"
