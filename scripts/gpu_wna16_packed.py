@@ -39,19 +39,23 @@ from pagedllm.kernels.wna16_tc import wna16_tc_linear  # noqa: E402
 G, SHAPES, weights = base.G, base.SHAPES, base.weights
 
 
-def _f16(bn: int, steps: int, warps: int, rows: int, kw: int = 16) -> StreamConfig:
-    return StreamConfig(bn, steps, warps, BLOCK_KW=kw, MATH="f16x2", ROWS=rows)
+def _f16(bn: int, steps: int, warps: int, rows: int, xs: bool = False, sz: bool = False) -> StreamConfig:
+    return StreamConfig(bn, steps, warps, MATH="f16x2", ROWS=rows, X_SCRATCH=xs, SZ_TILE=sz)
 
 
-# name -> config: "s" the fp32 stream kernel (h40), "h<rows>" packed fp16 math, BLOCK_N x STEPS, warps
+# name -> config: "s" the fp32 stream kernel (h40); packed fp16 math with x pairs made per step as a
+# tile ("h"), from the program's scratch ("x"), and scales / zero points in the tile's layout too ("z");
+# the digit after the letter: ROWS; then BLOCK_N x STEPS, warps
 STREAM = {
     "s64x8w2": StreamConfig(64, 8, 2), "s128x2w4": StreamConfig(128, 2, 4),
-    "h1_64x8w2": _f16(64, 8, 2, 1), "h2_64x8w2": _f16(64, 8, 2, 2), "h4_64x8w2": _f16(64, 8, 2, 4),
-    "h2_64x4w2": _f16(64, 4, 2, 2), "h4_64x4w2": _f16(64, 4, 2, 4),
-    "h2_128x4w4": _f16(128, 4, 4, 2), "h4_128x4w4": _f16(128, 4, 4, 4), "h2_256x2w4": _f16(256, 2, 4, 2),
-    "h2_64x8w1": _f16(64, 8, 1, 2), "h4_128x8w2": _f16(128, 8, 2, 4), "h2_32x8w1": _f16(32, 8, 1, 2),
+    "h2_64x8w2": _f16(64, 8, 2, 2), "h4_64x8w2": _f16(64, 8, 2, 4), "h2_128x4w4": _f16(128, 4, 4, 2),
+    "x2_64x8w2": _f16(64, 8, 2, 2, True), "x4_64x8w2": _f16(64, 8, 2, 4, True), "x2_128x4w4": _f16(128, 4, 4, 2, True),
+    "z4_64x8w2": _f16(64, 8, 2, 4, True, True), "z4_64x4w2": _f16(64, 4, 2, 4, True, True),
+    "z4_128x8w4": _f16(128, 8, 4, 4, True, True), "z4_128x4w4": _f16(128, 4, 4, 4, True, True),
+    "z4_128x4w2": _f16(128, 4, 2, 4, True, True), "z4_64x8w1": _f16(64, 8, 1, 4, True, True),
+    "z4_256x4w8": _f16(256, 4, 8, 4, True, True),
 }
-FULL_CHECK = ("h2_64x8w2", "h4_64x8w2")  # also checked with fp16 x and act-order (more compiles)
+FULL_CHECK = ("h2_64x8w2", "z4_64x8w2")  # also checked with fp16 x and act-order (more compiles)
 
 
 def variants(n: int, k: int) -> dict:

@@ -110,6 +110,12 @@ class StreamConfig(NamedTuple):
     # scaled by the program's power of two
     MATH: str = "fp32"
     ROWS: int = 1  # f16x2: word rows (8 inputs each) summed in fp16 before the sum joins fp32 (1, 2, 4)
+    # f16x2: the x pairs of the program's inputs made once up front and stored to a small global
+    # scratch (re-read per step from L1), instead of per step as a tile moved between threads
+    X_SCRATCH: bool = False
+    # f16x2: scales and zero points loaded in the word tile's layout, each row of the tile the same
+    # (no exchange between threads a step; redundant loads where a thread holds several tile rows)
+    SZ_TILE: bool = False
 
 
 @triton.jit
@@ -308,9 +314,25 @@ def _x_pairs(x_ptr, perm_ptr, cols, inv, HAS_PERM: tl.constexpr, USE_ASM: tl.con
 
 
 @triton.jit
-def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, offs_n, mask_n, k_start,
+def _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, SPAN: tl.constexpr, HAS_PERM: tl.constexpr,
+                        USE_ASM: tl.constexpr):
+    """The program's SPAN inputs as fp16 pairs (x[8r + s], x[8r + s + 4]) * inv, stored at xp_ptr +
+    4r + s (word row r of the span): (SPAN // 8, 4) int32, each made by one thread. Every program
+    of the same K range stores the same bits here (the N blocks differ only in columns), so the
+    overlapping stores are harmless; a block barrier then makes them visible to the program's threads."""
+    rows = tl.arange(0, SPAN // 8)
+    p0, p1, p2, p3 = _x_pairs(x_ptr, perm_ptr, k_start + rows * 8, inv, HAS_PERM, USE_ASM)
+    pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # (SPAN // 8, 2, 2): [r, b, a] = p_(2b + a)
+    pairs = tl.reshape(pairs, (SPAN // 8, 4))  # [r, s] = p_s
+    tl.store(xp_ptr + rows[:, None] * 4 + tl.arange(0, 4)[None, :], pairs)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, mask_n, k_start,
                      GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_KW: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
+                     BLOCK_KW: tl.constexpr, ROWS: tl.constexpr, X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr,
+                     USE_ASM: tl.constexpr):
     """The program's (BLOCK_N,) fp32 partial by packed fp16 math (module docstring): a step is a
     (BLOCK_KW // ROWS, BLOCK_N) tile of elements, each ROWS consecutive words of one column whose
     pair sums are chained in fp16 before they join the fp32 sum."""
@@ -326,28 +348,49 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, offs_n, mask_n, k
     e = tl.minimum(tl.maximum(e, 0x00800000), 0x7F000000)  # zeros / subnormals: 2^-126; inf / nan: 2^127
     inv = (0x7F000000 - e).to(tl.float32, bitcast=True)
     p2e = e.to(tl.float32, bitcast=True)
+    if X_SCRATCH:
+        xp_ptr += (k_start // (STEPS * BLOCK_K)) * (STEPS * BLOCK_K // 2)  # this K range's pairs
+        _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, STEPS * BLOCK_K, HAS_PERM, USE_ASM)
     qw_base = qw_ptr + (k_start // 8).to(tl.int64) * N
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_n4 = tl.program_id(0) * BLOCK_N + (offs_c // 4) * 4 + offs_c % 4  # == offs_n
+    sz_offs = offs_n4[None, :] + offs_j[:, None] * 0
+    sz_mask = sz_offs < N
     magic = tl.full(SHAPE, MAGIC16, tl.int32)
     c16 = tl.full(SHAPE, INV16, tl.int32)
     acc = tl.zeros(SHAPE, dtype=tl.float32)
     for i in tl.static_range(STEPS):
         k0 = k_start + i * BLOCK_K
         g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32) * p2e
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)
+        if SZ_TILE:
+            # (TILE_KW, BLOCK_N) loads, every row the same: offsets seen as runs of 4 (as the words'
+            # 128-bit vectors), so the compiler gives them the words' layout and no values move
+            # between threads (a layout change is a shared-memory round trip and a block barrier)
+            s = tl.load(s_ptr + g * N + sz_offs, mask=sz_mask, other=0.0).to(tl.float32) * p2e
+            z = tl.load(z_ptr + g * N + sz_offs, mask=sz_mask, other=0).to(tl.int32)
+        else:
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] * p2e
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)[None, :]
         if USE_ASM:
-            z_lo = tl.broadcast_to(((0xE400 | z) * 0x10001)[None, :], SHAPE)  # -(1024 + z) in both halves
-            z_hi = tl.broadcast_to(((0xD400 + 16 * z) * 0x10001)[None, :], SHAPE)  # -(64 + z)
+            z_lo = tl.broadcast_to((0xE400 | z) * 0x10001, SHAPE)  # -(1024 + z) in both halves
+            z_hi = tl.broadcast_to((0xD400 + 16 * z) * 0x10001, SHAPE)  # -(64 + z)
             a = tl.zeros(SHAPE, dtype=tl.int32)  # fp16 (0, 0)
         else:
-            zf = tl.broadcast_to(z.to(tl.float32)[None, :], SHAPE)
+            zf = tl.broadcast_to(z.to(tl.float32), SHAPE)
             a_lo = tl.zeros(SHAPE, dtype=tl.float32)
             a_hi = tl.zeros(SHAPE, dtype=tl.float32)
         for t in tl.static_range(ROWS):
             rows = i * BLOCK_KW + offs_j + t  # within the program's word rows: int32 offsets from qw_base
             w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0,
                         eviction_policy="evict_first")
-            x0, x1, x2, x3 = _x_pairs(x_ptr, perm_ptr, k0 + (offs_j + t) * 8, inv, HAS_PERM, USE_ASM)
+            if X_SCRATCH:
+                xr = xp_ptr + rows * 4
+                x0 = tl.load(xr)
+                x1 = tl.load(xr + 1)
+                x2 = tl.load(xr + 2)
+                x3 = tl.load(xr + 3)
+            else:
+                x0, x1, x2, x3 = _x_pairs(x_ptr, perm_ptr, k0 + (offs_j + t) * 8, inv, HAS_PERM, USE_ASM)
             x0 = tl.broadcast_to(x0[:, None], SHAPE)
             x1 = tl.broadcast_to(x1[:, None], SHAPE)
             x2 = tl.broadcast_to(x2[:, None], SHAPE)
@@ -372,18 +415,18 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, offs_n, mask_n, k
             part = tl.inline_asm_elementwise(_LANES_ASM, "=f,r", [a], dtype=tl.float32, is_pure=True, pack=1)
         else:
             part = a_lo + a_hi
-        acc += s[None, :] * part
+        acc += s * part
     return tl.sum(acc, axis=0)  # (BLOCK_N,)
 
 
 @triton.jit
 def _wna16_stream_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr, xp_ptr,
     N, SPLIT, magic_even, magic_odd,
     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr, MATH: tl.constexpr, ROWS: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -396,8 +439,8 @@ def _wna16_stream_kernel(
         res = _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw,
                         k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
     else:
-        res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, offs_n, mask_n, k_start,
-                               GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, USE_ASM)
+        res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, mask_n, k_start,
+                               GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, X_SCRATCH, SZ_TILE, USE_ASM)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -420,6 +463,20 @@ def _wna16_stream_kernel(
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, no memset needed
+
+
+_XP_INTS = 1 << 17  # x pair scratch: K / 2 int32 per call (K up to 262144), one per device
+_x_pair_scratches: dict[torch.device, torch.Tensor] = {}
+
+
+def _x_pair_scratch(device: torch.device, k: int) -> torch.Tensor | None:
+    """The device's x pair scratch (X_SCRATCH), made once; None if it would first be made in a capture."""
+    xp = _x_pair_scratches.get(device)
+    if xp is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        xp = _x_pair_scratches[device] = torch.empty(_XP_INTS, dtype=torch.int32, device=device)
+    return xp if k // 2 <= xp.numel() else None
 
 
 def program_steps(cfg: StreamConfig, k: int) -> int:
@@ -525,12 +582,17 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         # no workspace (first made inside a capture) or too little: the tensor-core kernel, which
         # loops over K, instead of unrolling all of K here
         return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm)
+    x_scratch = cfg.MATH == "f16x2" and cfg.X_SCRATCH
+    xp = _x_pair_scratch(x.device, k) if x_scratch else None
+    if x_scratch and xp is None:
+        cfg = cfg._replace(X_SCRATCH=False)  # first made inside a capture: the same pairs, made per step
     _wna16_stream_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, perm if perm is not None else out,
-        out, ws[0], ws[1], n, split, MAGIC_EVEN, MAGIC_ODD,
+        out, ws[0], ws[1], xp if xp is not None else out, n, split, MAGIC_EVEN, MAGIC_ODD,
         GROUP_SIZE=group_size, STEPS=steps, HAS_BIAS=bias is not None, HAS_PERM=perm is not None,
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH,
-        MATH=cfg.MATH, ROWS=cfg.ROWS, USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MATH=cfg.MATH, ROWS=cfg.ROWS, X_SCRATCH=cfg.X_SCRATCH, SZ_TILE=cfg.SZ_TILE,
+        USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

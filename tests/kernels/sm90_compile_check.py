@@ -166,7 +166,7 @@ def _record_quant() -> None:
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
     # the packed fp16 math of the one-row kernel (MATH="f16x2"), 2 and 4 rows chained
     for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
-                wna16_stream.StreamConfig(128, 4, 4, MATH="f16x2", ROWS=4)):
+                wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True)):
         wna16_stream.wna16_stream_linear(torch.zeros(1, k, dtype=bf16), qw, s, z, 128, config=cfg)
     wna16_gemm.wna16_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, 28672, dtype=torch.int32),
                             torch.zeros(32, 28672, dtype=bf16), torch.zeros(32, 28672, dtype=torch.uint8), 4, 128)
