@@ -332,7 +332,7 @@ def _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, SPAN: tl.constexp
 def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, mask_n, k_start,
                      GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, ROWS: tl.constexpr, X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr,
-                     USE_ASM: tl.constexpr):
+                     EVEN_N: tl.constexpr, USE_ASM: tl.constexpr):
     """The program's (BLOCK_N,) fp32 partial by packed fp16 math (module docstring): a step is a
     (BLOCK_KW // ROWS, BLOCK_N) tile of elements, each ROWS consecutive words of one column whose
     pair sums are chained in fp16 before they join the fp32 sum."""
@@ -366,8 +366,12 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, m
             # (TILE_KW, BLOCK_N) loads, every row the same: offsets seen as runs of 4 (as the words'
             # 128-bit vectors), so the compiler gives them the words' layout and no values move
             # between threads (a layout change is a shared-memory round trip and a block barrier)
-            s = tl.load(s_ptr + g * N + sz_offs, mask=sz_mask, other=0.0).to(tl.float32) * p2e
-            z = tl.load(z_ptr + g * N + sz_offs, mask=sz_mask, other=0).to(tl.int32)
+            if EVEN_N:
+                s = tl.load(s_ptr + g * N + sz_offs).to(tl.float32) * p2e
+                z = tl.load(z_ptr + g * N + sz_offs).to(tl.int32)
+            else:
+                s = tl.load(s_ptr + g * N + sz_offs, mask=sz_mask, other=0.0).to(tl.float32) * p2e
+                z = tl.load(z_ptr + g * N + sz_offs, mask=sz_mask, other=0).to(tl.int32)
         else:
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] * p2e
             z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)[None, :]
@@ -381,8 +385,11 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, m
             a_hi = tl.zeros(SHAPE, dtype=tl.float32)
         for t in tl.static_range(ROWS):
             rows = i * BLOCK_KW + offs_j + t  # within the program's word rows: int32 offsets from qw_base
-            w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0,
-                        eviction_policy="evict_first")
+            if EVEN_N:
+                w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0,
+                            eviction_policy="evict_first")
             if X_SCRATCH:
                 xr = xp_ptr + rows * 4
                 x0 = tl.load(xr)
@@ -426,7 +433,7 @@ def _wna16_stream_kernel(
     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr, MATH: tl.constexpr, ROWS: tl.constexpr,
-    X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, USE_ASM: tl.constexpr,
+    X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, EVEN_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -440,7 +447,8 @@ def _wna16_stream_kernel(
                         k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
     else:
         res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, mask_n, k_start,
-                               GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, X_SCRATCH, SZ_TILE, USE_ASM)
+                               GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, X_SCRATCH, SZ_TILE, EVEN_N,
+                               USE_ASM)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -593,6 +601,6 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH,
         MATH=cfg.MATH, ROWS=cfg.ROWS, X_SCRATCH=cfg.X_SCRATCH, SZ_TILE=cfg.SZ_TILE,
-        USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=n % cfg.BLOCK_N == 0, USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -138,7 +138,16 @@ def test_packed_kernel_matches_emulation(device, k, config):
     """One program per N block and split-K (2 and 16 programs a block), 1 / 2 / 4 rows chained, x
     pairs per step or from the scratch, scales / zero points per step moved or loaded in the tile's
     layout; a ragged last N block; act-order with bias."""
-    n, group = 80, 128
+    _packed_kernel_case(device, k, config, 80)
+
+
+def test_packed_kernel_whole_n_blocks(device):
+    """N a multiple of BLOCK_N: the loads go unmasked."""
+    _packed_kernel_case(device, 512, StreamConfig(32, 2, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True), 64)
+
+
+def _packed_kernel_case(device, k: int, config: StreamConfig, n: int) -> None:
+    group = 128
     qweight, scales, zeros = _weights(k, n, group, device)
     perm = torch.randperm(k, device=device).to(torch.int32)
     x = _bf16_values(torch.randn(1, k, device=device) * 3)
