@@ -38,6 +38,7 @@ from pagedllm.kernels.wna16_stream import StreamConfig, stream_config, wna16_str
 from pagedllm.kernels.wna16_tc import wna16_tc_linear  # noqa: E402
 
 G, SHAPES, weights = base.G, base.SHAPES, base.weights
+T_START = base.T0  # the script's start (base's import)
 
 
 def _f16(bn: int, steps: int, warps: int, rows: int, xs: bool = False, sz: bool = False) -> StreamConfig:
@@ -48,15 +49,15 @@ def _f16(bn: int, steps: int, warps: int, rows: int, xs: bool = False, sz: bool 
 # tile ("h"), from the program's scratch ("x"), and scales / zero points in the tile's layout too ("z");
 # the digit after the letter: ROWS; then BLOCK_N x STEPS, warps
 STREAM = {
-    "s64x8w2": StreamConfig(64, 8, 2), "s128x2w4": StreamConfig(128, 2, 4),
-    "h2_64x8w2": _f16(64, 8, 2, 2), "h4_64x8w2": _f16(64, 8, 2, 4), "h2_128x4w4": _f16(128, 4, 4, 2),
-    "x2_64x8w2": _f16(64, 8, 2, 2, True), "x4_64x8w2": _f16(64, 8, 2, 4, True), "x2_128x4w4": _f16(128, 4, 4, 2, True),
-    "z4_64x8w2": _f16(64, 8, 2, 4, True, True), "z4_64x4w2": _f16(64, 4, 2, 4, True, True),
-    "z4_128x8w4": _f16(128, 8, 4, 4, True, True), "z4_128x4w4": _f16(128, 4, 4, 4, True, True),
-    "z4_128x4w2": _f16(128, 4, 2, 4, True, True), "z4_64x8w1": _f16(64, 8, 1, 4, True, True),
-    "z4_256x4w8": _f16(256, 4, 8, 4, True, True),
+    "s128x2w4": StreamConfig(128, 2, 4),
+    "h2_64x8w2": _f16(64, 8, 2, 2), "h2_64x4w2": _f16(64, 4, 2, 2), "h2_256x2w4": _f16(256, 2, 4, 2),
+    "x2_64x4w2": _f16(64, 4, 2, 2, True), "x2_256x2w4": _f16(256, 2, 4, 2, True),
+    "z2_64x4w2": _f16(64, 4, 2, 2, True, True), "z4_64x8w2": _f16(64, 8, 2, 4, True, True),
+    "z4_64x4w2": _f16(64, 4, 2, 4, True, True), "z4_128x4w2": _f16(128, 4, 2, 4, True, True),
+    "z4_128x2w4": _f16(128, 2, 4, 4, True, True), "z4_256x2w8": _f16(256, 2, 8, 4, True, True),
+    "z4_64x2w2": _f16(64, 2, 2, 4, True, True),
 }
-FULL_CHECK = ("h2_64x8w2", "z4_64x8w2")  # also checked with fp16 x and act-order (more compiles)
+FULL_CHECK = ("h2_64x4w2", "z4_64x4w2")  # also checked with fp16 x and act-order (more compiles)
 
 
 def variants(n: int, k: int) -> dict:
@@ -99,7 +100,9 @@ def precompile() -> None:
 
 
 ERRS: dict[str, dict[str, float]] = {}
-TOL = 1e-2  # max |err| / max |ref|, bf16 output; the fp32 kernels measure <= 2.7e-3 (BENCHMARKS.md)
+# max |err| / max |ref| against the fp32 reference (fp32 x of the same values, fp32 output: the
+# kernels' bf16 / fp16 output rounding counts as error, up to 2^-9 / 2^-11 of an element near the max)
+TOL = 1e-2
 
 
 def ok(shape: str, name: str) -> bool:
@@ -128,10 +131,10 @@ def check() -> None:
                 e = {}
                 for xn, x in xs.items():
                     if xn != "fp16" or name in FULL_CHECK + ("table",):
-                        e[xn] = _err(call(x, w, s, z, None), wna16_linear_ref(x, w, s, z, 4, G))
+                        e[xn] = _err(call(x, w, s, z, None), wna16_linear_ref(x.float(), w, s, z, 4, G))
                 if shape == "qkv" and name in FULL_CHECK:
                     x = xs["randn"]
-                    e["perm"] = _err(call(x, w, s, z, perm), wna16_linear_ref(x, w, s, z, 4, G, perm=perm))
+                    e["perm"] = _err(call(x, w, s, z, perm), wna16_linear_ref(x.float(), w, s, z, 4, G, perm=perm))
                 errs[name] = max(e.values())
                 worst_case[name] = max(e, key=e.get)
                 if name in FULL_CHECK + ("table",):
@@ -246,8 +249,9 @@ def use_best_configs() -> str:
     return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "the dispatch's table"
 
 
-STEP_START_BY_S = 65.0  # the step takes ~25 s (model load, 4 batches, the profiled one): skip it when late
-PROFILE_BY_S = 85.0  # base.step profiles one batch only when done with the rest by then
+STEP_START_BY_S = 60.0  # the step takes ~30 s (model load + capture ~27 s, 4 batches): skip it when late
+PROFILE_BY_S = 75.0  # base.step profiles one batch only when done with the rest by then
+GPTQ_START_BY_S = 72.0  # the GPTQ model's load and batches, ~25 s
 
 
 QUANT = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
@@ -256,11 +260,11 @@ QUANT = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_poin
 
 
 def step() -> None:
-    if time.monotonic() - base.T0 > STEP_START_BY_S:
-        record("batch-1 decode step", f"skipped: {time.monotonic() - base.T0:.0f} s gone before it")
+    if time.monotonic() - T_START > STEP_START_BY_S:
+        record("batch-1 decode step", f"skipped: {time.monotonic() - T_START:.0f} s gone before it")
         return
     base.use_best_configs = use_best_configs  # base.step routes through this module's winners
-    base.T0 -= 100.0 - PROFILE_BY_S  # its profiling guard is "T0 + 100 s"
+    base.T0 = T_START - (100.0 - PROFILE_BY_S)  # its profiling guard is "T0 + 100 s"
     base.step()
 
 
@@ -275,7 +279,7 @@ def step_gptq() -> None:
     from pagedllm.benchmarks.latency import time_batch
     from pagedllm.entrypoints.llm import LLM
 
-    if time.monotonic() - base.T0 > STEP_START_BY_S + 100.0 - PROFILE_BY_S:
+    if time.monotonic() - T_START > GPTQ_START_BY_S:
         record("batch-1 decode step, gptq", "skipped: no time left")
         return
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"

@@ -533,18 +533,19 @@ def stream_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> boo
     return x.shape[0] == 1 and bits == 4 and dtype_ok and group_size % 128 == 0 and k % 128 == 0
 
 
-# One-row launch table keyed by (N, K), from the H200 sweep of scripts/gpu_wna16_stream.py (2026-12-01,
-# BENCHMARKS.md, issue 19, the h40 subsection; CUDA-graph replays over rotating weight copies):
-#   qkv  6144 x 4096    64 columns, 2 warps, 8 steps   11.2 us (128 x 2 x 4: 11.7; tensor-core kernel 14.8)
-#   o    4096 x 4096    128 columns, 4 warps, 2 steps   8.2 us (tensor-core kernel 10.1)
-#   down 4096 x 14336   64 columns, 2 warps, 8 steps   19.5 us (tensor-core kernel 19.8)
-#   gate_up 28672 x 4096: the tensor-core kernel with K split 4 ways, 33.1 us (here 128 x 2 x 4: 34.2)
-# Other shapes: 128 columns, 4 warps, 2 steps, the best over the four shapes together (76.4 us a layer).
+# One-row launch table keyed by (N, K), from the H200 sweeps of scripts/gpu_wna16_stream.py (h40) and
+# scripts/gpu_wna16_packed.py (h44, 2026-12-02; BENCHMARKS.md, issue 19; CUDA-graph replays over
+# rotating weight copies), microseconds:
+#   qkv  6144 x 4096    f16x2, 256 columns, 4 warps, 2 steps, 2 rows   10.4 (fp32 path 10.9)
+#   o    4096 x 4096    fp32, 128 columns, 4 warps, 2 steps              8.3 (f16x2 best 9.4)
+#   gate_up 28672 x 4096  f16x2, 64 columns, 2 warps, 8 steps, 2 rows  25.2 (tensor-core kernel 32.9)
+#   down 4096 x 14336   f16x2, 64 columns, 2 warps, 4 steps, 2 rows    15.9 (fp32 path 19.3)
+# Other shapes: 128 columns, 4 warps, 2 steps (fp32), the best over h40's four shapes together.
 _TABLE: dict[tuple[int, int], StreamConfig | TCConfig] = {
-    (6144, 4096): StreamConfig(64, 8, 2),
+    (6144, 4096): StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2),
     (4096, 4096): StreamConfig(128, 2, 4),
-    (4096, 14336): StreamConfig(64, 8, 2),
-    (28672, 4096): TCConfig(128, 4, 4, 3),
+    (28672, 4096): StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
+    (4096, 14336): StreamConfig(64, 4, 2, MATH="f16x2", ROWS=2),
 }
 _DEFAULT = StreamConfig(128, 2, 4)
 

@@ -85,10 +85,9 @@ def test_16bit_and_dispatch(device):
         wna16_stream_linear(x, qweight, scales, zeros, 64)
     with pytest.raises(ValueError, match="one row"):
         wna16_stream_linear(torch.randn(2, k, device=device), qweight, scales, zeros, group)
-    # the sweep's table: qkv / o / down here, gate_up on the tensor-core kernel (K split 4 ways)
-    assert [stream_config(n, k) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336))] == [
-        StreamConfig(64, 8, 2), StreamConfig(128, 2, 4), StreamConfig(64, 8, 2)]
-    assert isinstance(stream_config(28672, 4096), TCConfig) and stream_config(28672, 4096).SPLIT_K == 4
+    # the sweeps' table: packed fp16 math for qkv / gate_up / down, the fp32 path for o
+    assert [stream_config(n, k).MATH for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [
+        "f16x2", "fp32", "f16x2", "f16x2"]
     assert stream_config(1024, 2048) == StreamConfig(128, 2, 4)
     # a TCConfig routes the row to the tensor-core kernel: same result
     ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group)
