@@ -41,23 +41,25 @@ G, SHAPES, weights = base.G, base.SHAPES, base.weights
 T_START = base.T0  # the script's start (base's import)
 
 
-def _f16(bn: int, steps: int, warps: int, rows: int, xs: bool = False, sz: bool = False) -> StreamConfig:
-    return StreamConfig(bn, steps, warps, MATH="f16x2", ROWS=rows, X_SCRATCH=xs, SZ_TILE=sz)
+def _f16(bn: int, steps: int, warps: int, rows: int, xs: bool = False, sz: bool = False,
+         early: bool = False) -> StreamConfig:
+    return StreamConfig(bn, steps, warps, MATH="f16x2", ROWS=rows, X_SCRATCH=xs, SZ_TILE=sz, EARLY=early)
 
 
 # name -> config: "s" the fp32 stream kernel (h40); packed fp16 math with x pairs made per step as a
-# tile ("h"), from the program's scratch ("x"), and scales / zero points in the tile's layout too ("z");
-# the digit after the letter: ROWS; then BLOCK_N x STEPS, warps
+# tile ("h"), x pairs from the program's scratch and scales / zero points in the tile's layout ("z"),
+# and either with the first step's words loaded before the x prologue ("e2" = h + early, "e4" = z + early);
+# the digit: ROWS; then BLOCK_N x STEPS, warps
 STREAM = {
     "s128x2w4": StreamConfig(128, 2, 4),
     "h2_64x8w2": _f16(64, 8, 2, 2), "h2_64x4w2": _f16(64, 4, 2, 2), "h2_256x2w4": _f16(256, 2, 4, 2),
-    "x2_64x4w2": _f16(64, 4, 2, 2, True), "x2_256x2w4": _f16(256, 2, 4, 2, True),
-    "z2_64x4w2": _f16(64, 4, 2, 2, True, True), "z4_64x8w2": _f16(64, 8, 2, 4, True, True),
-    "z4_64x4w2": _f16(64, 4, 2, 4, True, True), "z4_128x4w2": _f16(128, 4, 2, 4, True, True),
-    "z4_128x2w4": _f16(128, 2, 4, 4, True, True), "z4_256x2w8": _f16(256, 2, 8, 4, True, True),
-    "z4_64x2w2": _f16(64, 2, 2, 4, True, True),
+    "z4_64x8w2": _f16(64, 8, 2, 4, True, True), "z4_64x4w2": _f16(64, 4, 2, 4, True, True),
+    "z4_128x2w4": _f16(128, 2, 4, 4, True, True),
+    "e2_64x8w2": _f16(64, 8, 2, 2, early=True), "e2_64x4w2": _f16(64, 4, 2, 2, early=True),
+    "e2_256x2w4": _f16(256, 2, 4, 2, early=True),
+    "e4_64x8w2": _f16(64, 8, 2, 4, True, True, True), "e4_64x4w2": _f16(64, 4, 2, 4, True, True, True),
 }
-FULL_CHECK = ("h2_64x4w2", "z4_64x4w2")  # also checked with fp16 x and act-order (more compiles)
+FULL_CHECK = ("e2_64x4w2", "e4_64x4w2")  # also checked with fp16 x and act-order (more compiles)
 
 
 # h40's one-row table (the dispatch before this branch): gate_up on the tensor-core kernel, K split 4 ways

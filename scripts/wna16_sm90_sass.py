@@ -45,6 +45,9 @@ VARIANTS = {
     "f16 r4 128x8w4 xs sz": StreamConfig(128, 8, 4, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
     "f16 r4 64x8w1 xs sz": StreamConfig(64, 8, 1, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
     "f16 r4 128x4w2 xs sz": StreamConfig(128, 4, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
+    "f16 r4 64x4w2 xs sz early": StreamConfig(64, 4, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True,
+                                              EARLY=True),
+    "f16 r2 256x2w4 early": StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2, EARLY=True),
 }
 
 

@@ -116,6 +116,8 @@ class StreamConfig(NamedTuple):
     # f16x2: scales and zero points loaded in the word tile's layout, each row of the tile the same
     # (no exchange between threads a step; redundant loads where a thread holds several tile rows)
     SZ_TILE: bool = False
+    # f16x2: the first step's words loaded before the x prologue, so their DRAM latency overlaps it
+    EARLY: bool = False
 
 
 @triton.jit
@@ -329,10 +331,20 @@ def _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, SPAN: tl.constexp
 
 
 @triton.jit
+def _word_tile(qw_base, N, offs_n, mask_n, rows, EVEN_N: tl.constexpr):
+    """(len(rows), BLOCK_N) words: word rows `rows` of the program's range (int32 offsets from qw_base)."""
+    if EVEN_N:
+        return tl.load(qw_base + rows[:, None] * N + offs_n[None, :], eviction_policy="evict_first")
+    else:
+        return tl.load(qw_base + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0,
+                       eviction_policy="evict_first")
+
+
+@triton.jit
 def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, mask_n, k_start,
                      GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, ROWS: tl.constexpr, X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr,
-                     EVEN_N: tl.constexpr, USE_ASM: tl.constexpr):
+                     EVEN_N: tl.constexpr, EARLY: tl.constexpr, USE_ASM: tl.constexpr):
     """The program's (BLOCK_N,) fp32 partial by packed fp16 math (module docstring): a step is a
     (BLOCK_KW // ROWS, BLOCK_N) tile of elements, each ROWS consecutive words of one column whose
     pair sums are chained in fp16 before they join the fp32 sum."""
@@ -340,6 +352,16 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, m
     TILE_KW: tl.constexpr = BLOCK_KW // ROWS
     SHAPE: tl.constexpr = (TILE_KW, BLOCK_N)
     offs_j = tl.arange(0, TILE_KW) * ROWS  # first word row of each element, within the step
+    qw_base = qw_ptr + (k_start // 8).to(tl.int64) * N
+    if EARLY:
+        # the first step's words before the x prologue (its loads and block barriers): in program
+        # order, so their DRAM round trip overlaps it (the compiler does not move loads across barriers)
+        w_e0 = _word_tile(qw_base, N, offs_n, mask_n, offs_j, EVEN_N)
+        if ROWS > 1:
+            w_e1 = _word_tile(qw_base, N, offs_n, mask_n, offs_j + 1, EVEN_N)
+        if ROWS > 2:
+            w_e2 = _word_tile(qw_base, N, offs_n, mask_n, offs_j + 2, EVEN_N)
+            w_e3 = _word_tile(qw_base, N, offs_n, mask_n, offs_j + 3, EVEN_N)
     # x * 2^-E with 2^E <= max |x| of the program's inputs < 2^(E + 1): the scaled x lie in (-2, 2), so
     # no pair sum can overflow fp16 (|q - z| <= 15: a lane sums 4 * ROWS terms below 120 * ROWS), and
     # the small x keep fp16's 11 bits down to 2^-14 of the program's largest. 2^E joins the group scale.
@@ -351,7 +373,6 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, m
     if X_SCRATCH:
         xp_ptr += (k_start // (STEPS * BLOCK_K)) * (STEPS * BLOCK_K // 2)  # this K range's pairs
         _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, STEPS * BLOCK_K, HAS_PERM, USE_ASM)
-    qw_base = qw_ptr + (k_start // 8).to(tl.int64) * N
     offs_c = tl.arange(0, BLOCK_N)
     offs_n4 = tl.program_id(0) * BLOCK_N + (offs_c // 4) * 4 + offs_c % 4  # == offs_n
     sz_offs = offs_n4[None, :] + offs_j[:, None] * 0
@@ -385,11 +406,17 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, m
             a_hi = tl.zeros(SHAPE, dtype=tl.float32)
         for t in tl.static_range(ROWS):
             rows = i * BLOCK_KW + offs_j + t  # within the program's word rows: int32 offsets from qw_base
-            if EVEN_N:
-                w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], eviction_policy="evict_first")
+            if EARLY and i == 0:
+                if t == 0:
+                    w = w_e0
+                elif t == 1:
+                    w = w_e1
+                elif t == 2:
+                    w = w_e2
+                else:
+                    w = w_e3
             else:
-                w = tl.load(qw_base + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0,
-                            eviction_policy="evict_first")
+                w = _word_tile(qw_base, N, offs_n, mask_n, rows, EVEN_N)
             if X_SCRATCH:
                 xr = xp_ptr + rows * 4
                 x0 = tl.load(xr)
@@ -433,7 +460,8 @@ def _wna16_stream_kernel(
     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr, MATH: tl.constexpr, ROWS: tl.constexpr,
-    X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, EVEN_N: tl.constexpr, USE_ASM: tl.constexpr,
+    X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, EVEN_N: tl.constexpr, EARLY: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -448,7 +476,7 @@ def _wna16_stream_kernel(
     else:
         res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, offs_n, mask_n, k_start,
                                GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, X_SCRATCH, SZ_TILE, EVEN_N,
-                               USE_ASM)
+                               EARLY, USE_ASM)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -602,6 +630,6 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH,
         MATH=cfg.MATH, ROWS=cfg.ROWS, X_SCRATCH=cfg.X_SCRATCH, SZ_TILE=cfg.SZ_TILE,
-        EVEN_N=n % cfg.BLOCK_N == 0, USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=n % cfg.BLOCK_N == 0, EARLY=cfg.EARLY, USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

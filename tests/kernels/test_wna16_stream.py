@@ -129,14 +129,16 @@ PACKED_CASES = [(256, StreamConfig(32, 4, 4, MATH="f16x2")), (512, StreamConfig(
                 (512, StreamConfig(32, 2, 2, MATH="f16x2", ROWS=4)),
                 (512, StreamConfig(32, 1, 2, BLOCK_KW=4, MATH="f16x2", ROWS=2)),
                 (512, StreamConfig(32, 2, 4, MATH="f16x2", ROWS=2, X_SCRATCH=True)),
-                (512, StreamConfig(64, 2, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True))]
+                (512, StreamConfig(64, 2, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True)),
+                (512, StreamConfig(32, 2, 4, MATH="f16x2", ROWS=2, EARLY=True)),
+                (256, StreamConfig(32, 2, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True, EARLY=True))]
 
 
 @pytest.mark.parametrize(("k", "config"), PACKED_CASES)
 def test_packed_kernel_matches_emulation(device, k, config):
     """One program per N block and split-K (2 and 16 programs a block), 1 / 2 / 4 rows chained, x
     pairs per step or from the scratch, scales / zero points per step moved or loaded in the tile's
-    layout; a ragged last N block; act-order with bias."""
+    layout, the first step's words loaded first; a ragged last N block; act-order with bias."""
     _packed_kernel_case(device, k, config, 80)
 
 
