@@ -19,8 +19,8 @@ for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5
 
 CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
     M == 1, int4, G % 128 == 0              kernels/wna16_stream.py: short unrolled programs, many in
-                   flight (split-K with an ordered one-launch reduce), fp32 magic-number unpack; its
-                   (N, K) table sends shapes where the tensor-core kernel measured faster there
+                   flight (split-K with an ordered one-launch reduce), fp32 magic-number unpack or
+                   packed fp16 math on pairs of values (MATH="f16x2"); its (N, K) table picks per shape
     M < 128, int4, G % 128 == 0, 16-bit x   kernels/wna16_tc.py: LOP3-unpacked words straight into
                    tensor-core dots, split-K for skinny batches (act-order: x read through perm)
     M <= 16        (other int4 groups, 8-bit) kernels/wna16_gemv.py: the words streamed once, unpacked
