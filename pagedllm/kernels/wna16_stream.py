@@ -609,6 +609,9 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
                          f"dividing BLOCK_KW {cfg.BLOCK_KW})")
     steps_total = k // block_k
     steps = program_steps(cfg, k)
+    if cfg.MATH == "f16x2" and steps & (steps - 1):
+        raise ValueError(f"f16x2 math takes a power-of-two number of steps a program, got {steps} (STEPS "
+                         f"{cfg.STEPS}, K {k})")
     split = steps_total // steps
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)

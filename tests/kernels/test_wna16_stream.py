@@ -186,3 +186,8 @@ def test_packed_every_nibble_and_refusals(device):
     for bad in (StreamConfig(16, 1, 4, MATH="bf16x2"), StreamConfig(16, 1, 4, MATH="f16x2", ROWS=3)):
         with pytest.raises(ValueError, match="not built"):
             wna16_stream_linear(x, qweight, scales, zeros, group, config=bad)
+    k = 384  # 3 steps: one program of 3 (its x max spans a non-power-of-two range)
+    qweight, scales, zeros = _weights(k, n, group, device)
+    with pytest.raises(ValueError, match="power-of-two number of steps"):
+        wna16_stream_linear(torch.randn(1, k, device=device), qweight, scales, zeros, group,
+                            config=StreamConfig(16, 3, 4, MATH="f16x2"))
