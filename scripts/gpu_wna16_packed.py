@@ -155,6 +155,17 @@ def check() -> None:
             except Exception as ex:  # noqa: BLE001 - one broken variant must not hide the others
                 errs[name] = float("inf")
                 print(f"{shape}/{name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        if shape == "down":  # SwiGLU's activation in the down projection's prologue (the dispatch)
+            from pagedllm.kernels.activation import silu_and_mul
+            from pagedllm.kernels.wna16_gemm import wna16_linear
+
+            gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+            fused = wna16_linear(gu, w, s, z, 4, G, act="silu_and_mul")
+            plain = wna16_linear(silu_and_mul(gu), w, s, z, 4, G)
+            e = _err(fused, wna16_linear_ref(silu_and_mul(gu).float(), w, s, z, 4, G))
+            record("check down M=1, silu_and_mul in the GEMV (dispatch)",
+                   f"err vs fp32 ref {e:.1e}, bitwise equal to activation + GEMV: {torch.equal(fused, plain)}"
+                   + (" OK" if e < TOL else " FAIL"))
         ERRS[shape] = errs
         print(f"{shape} max rel err over randn / outliers (/ fp16 / act-order for {FULL_CHECK}): " + ", ".join(f"{nm} {e:.1e}" for nm, e in errs.items()), flush=True)
         packed = {nm: v for nm, v in errs.items() if nm.startswith("h")}
@@ -220,12 +231,23 @@ def time_kernels() -> None:
             except Exception as e:  # noqa: BLE001
                 row[name] = float("inf")
                 print(f"time {shape}/{name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if shape == "down":  # the activation launch + GEMV against the activation in the GEMV's prologue
+            from pagedllm.kernels.activation import silu_and_mul
+            from pagedllm.kernels.wna16_gemm import wna16_linear
+
+            gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+            row["act+table"] = rotating_graph_us(lambda i: wna16_linear(silu_and_mul(gu), *ws[i], 4, G), copies, REPS)
+            row["act_in_table"] = rotating_graph_us(
+                lambda i: wna16_linear(gu, *ws[i], 4, G, act="silu_and_mul"), copies, REPS)
         if shape == "gate_up":  # the tensor-core kernel the table sends gate_up to, and its 8-way split
             cfg = stream_config(n, k)
             row["tc_split8"] = rotating_graph_us(
                 lambda i: wna16_tc_linear(x, *ws[i], G, config=cfg._replace(SPLIT_K=8)), copies, REPS)
         ws = None
-        best = min((v, nm) for nm, v in row.items())
+        best = min((v, nm) for nm, v in row.items() if not nm.startswith("act"))
+        if shape == "down":
+            record("time down: silu_and_mul launch + GEMV / silu_and_mul in the GEMV (the table's config)",
+                   f"{row['act+table']:.1f} / {row['act_in_table']:.1f} us")
         record(f"time {shape} {n}x{k} M=1", f"best {best[1]} {best[0]:.1f} us = {nbytes / best[0] / 1e3:.0f} GB/s; "
                f"table {row['table']:.1f}")
     names = list(next(iter(TABLE.values())))
@@ -238,7 +260,7 @@ def time_kernels() -> None:
             us = TABLE[shape].get(name, float("inf"))
             cells.append(f"{us:.1f} ({nbytes / us / 1e3:.0f})")
         print(f"| {name} | " + " | ".join(cells) + f" | {sum(TABLE[s].get(name, float('inf')) for s in SHAPES):.1f} |")
-    best = {s: min(TABLE[s], key=TABLE[s].get) for s in SHAPES}
+    best = {s: min((nm for nm in TABLE[s] if not nm.startswith("act")), key=TABLE[s].get) for s in SHAPES}
     record("int4 GEMVs per layer: best per shape / table / h40's table",
            f"{sum(TABLE[s][best[s]] for s in SHAPES):.1f} / {sum(TABLE[s]['table'] for s in SHAPES):.1f} / "
            f"{sum(TABLE[s]['h40'] for s in SHAPES):.1f} us "

@@ -347,3 +347,18 @@ class RowParallelLinear(LinearBase):
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, group=self.tp_group)
         return out
+
+    def fuses_silu_and_mul(self, gate_up: torch.Tensor) -> bool:
+        """Whether `forward_silu_and_mul(gate_up)` folds SwiGLU's activation into this layer's GEMV (the
+        quant method says so: int4 one-row decode)."""
+        fuses = getattr(self.quant_method, "fuses_silu_and_mul", None)
+        return fuses is not None and fuses(self, gate_up)
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gate_up = [gate | up] (T, 2 * input_size_per_partition), the
+        activation computed inside the quant method's GEMV (no launch of its own)."""
+        bias = self.bias if self.tp_rank == 0 else None
+        out = self.quant_method.apply_silu_and_mul(self, gate_up, bias)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out, group=self.tp_group)
+        return out

@@ -74,7 +74,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.fuses_silu_and_mul(gate_up):  # int4 batch-1 decode: the activation in the GEMV
+            return self.down_proj.forward_silu_and_mul(gate_up)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):

@@ -123,6 +123,22 @@ class WNA16LinearMethod(LinearMethodBase):
         add_param(layer, "wna16_zeros", zeros.to(torch.uint8).contiguous(), {})
         layer.wna16_perm = perm
 
+    def fuses_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply_silu_and_mul` saves the activation's launch for x = [gate | up]: one row of
+        int4 on the GPU (the one-row kernel computes silu(gate) * up in its prologue)."""
+        return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.bits == 4
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """apply(layer, silu_and_mul(x), bias), x = (T, 2 * input_size) [gate | up]."""
+        if not x.is_cuda:
+            from pagedllm.kernels.activation import silu_and_mul_ref
+
+            return self.apply(layer, silu_and_mul_ref(x), bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = wna16_linear(x2, layer.wna16_qweight, layer.wna16_scales, layer.wna16_zeros, self.bits,
+                           layer.wna16_group, layer.wna16_perm, bias, act="silu_and_mul")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])

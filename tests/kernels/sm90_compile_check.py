@@ -168,6 +168,8 @@ def _record_quant() -> None:
     for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
                 wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True)):
         wna16_stream.wna16_stream_linear(torch.zeros(1, k, dtype=bf16), qw, s, z, 128, config=cfg)
+        wna16_stream.wna16_stream_linear(torch.zeros(1, 2 * k, dtype=bf16), qw, s, z, 128, config=cfg,
+                                         act="silu_and_mul")
     wna16_gemm.wna16_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, 28672, dtype=torch.int32),
                             torch.zeros(32, 28672, dtype=bf16), torch.zeros(32, 28672, dtype=torch.uint8), 4, 128)
     # 8-bit weights keep the FMA GEMV (M 1) and the tile kernel (M 64): the tensor-core kernel is 4-bit.

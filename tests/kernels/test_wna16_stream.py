@@ -191,3 +191,29 @@ def test_packed_every_nibble_and_refusals(device):
     with pytest.raises(ValueError, match="power-of-two number of steps"):
         wna16_stream_linear(torch.randn(1, k, device=device), qweight, scales, zeros, group,
                             config=StreamConfig(16, 3, 4, MATH="f16x2"))
+
+
+def test_silu_and_mul_in_the_prologue(device):
+    """act="silu_and_mul": x = [gate | up]; the f16x2 path computes silu(gate) * up in its x prologue
+    (per step and from the scratch; act-order too) and equals the unfused pair; the fp32 path and
+    the dispatch run the activation first."""
+    from pagedllm.kernels.activation import silu_and_mul_ref
+
+    k, n, group = 512, 64, 128
+    qweight, scales, zeros = _weights(k, n, group, device)
+    gate_up = _bf16_values(torch.randn(1, 2 * k, device=device) * 2)
+    gate_up = gate_up.bfloat16() if device.type == "cuda" else gate_up
+    x = silu_and_mul_ref(gate_up)
+    perm = torch.randperm(k, device=device).to(torch.int32)
+    for config in (StreamConfig(32, 2, 4, MATH="f16x2", ROWS=2, EARLY=True),
+                   StreamConfig(32, 2, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True), StreamConfig(32, 2, 4)):
+        for p in (None, perm):
+            fused = wna16_stream_linear(gate_up, qweight, scales, zeros, group, perm=p, config=config,
+                                        act="silu_and_mul").float()
+            plain = wna16_stream_linear(x, qweight, scales, zeros, group, perm=p, config=config).float()
+            ref = wna16_linear_ref(x.float(), qweight, scales, zeros, 4, group, perm=p)
+            assert (fused - plain).abs().max() <= 1e-6 * ref.abs().max(), (config, p is not None)
+    out = wna16_linear(gate_up, qweight, scales, zeros, 4, group, act="silu_and_mul").float()
+    assert (out - wna16_linear_ref(x, qweight, scales, zeros, 4, group).float()).abs().max() <= 1e-2 * ref.abs().max()
+    with pytest.raises(ValueError, match="x 2: gate and up"):
+        wna16_stream_linear(x, qweight, scales, zeros, group, act="silu_and_mul")
