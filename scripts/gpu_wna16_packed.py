@@ -286,9 +286,10 @@ def use_best_configs() -> str:
             best[(n, k)] = min(row, key=row.get)
     stream = wg.wna16_stream_linear
 
-    def one_row(x, qweight, scales, zeros, group_size, bias=None, perm=None):
-        name = best.get((qweight.shape[1], x.shape[1]))
-        return stream(x, qweight, scales, zeros, group_size, bias, perm, config=STREAM.get(name))  # table: None
+    def one_row(x, qweight, scales, zeros, group_size, bias=None, perm=None, config=None, act=None):
+        name = best.get((qweight.shape[1], qweight.shape[0] * 8))
+        return stream(x, qweight, scales, zeros, group_size, bias, perm, config=config or STREAM.get(name),
+                      act=act)  # table: None
 
     wg.wna16_stream_linear = one_row
     return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "the dispatch's table"
