@@ -347,6 +347,25 @@ def _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, x_half, SPAN: tl.
 
 
 @triton.jit
+def _scales_zeros(s_ptr, z_ptr, N, g, offs_n, mask_n, sz_offs, sz_mask, SZ_TILE: tl.constexpr, EVEN_N: tl.constexpr):
+    """Group g's scales and zero points as stored, (1, BLOCK_N) or (SZ_TILE) (TILE_KW, BLOCK_N) with
+    every row the same: the offsets are seen as runs of 4 (as the words' 128-bit vectors), so the
+    compiler gives those loads the words' layout and no values move between threads (a layout change
+    is a shared-memory round trip and a block barrier)."""
+    if SZ_TILE:
+        if EVEN_N:
+            s = tl.load(s_ptr + g * N + sz_offs)
+            z = tl.load(z_ptr + g * N + sz_offs)
+        else:
+            s = tl.load(s_ptr + g * N + sz_offs, mask=sz_mask, other=0.0)
+            z = tl.load(z_ptr + g * N + sz_offs, mask=sz_mask, other=0)
+    else:
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)[None, :]
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0)[None, :]
+    return s, z
+
+
+@triton.jit
 def _word_tile(qw_base, N, offs_n, mask_n, rows, EVEN_N: tl.constexpr):
     """(len(rows), BLOCK_N) words: word rows `rows` of the program's range (int32 offsets from qw_base)."""
     if EVEN_N:
@@ -369,6 +388,10 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, o
     SHAPE: tl.constexpr = (TILE_KW, BLOCK_N)
     offs_j = tl.arange(0, TILE_KW) * ROWS  # first word row of each element, within the step
     qw_base = qw_ptr + (k_start // 8).to(tl.int64) * N
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_n4 = tl.program_id(0) * BLOCK_N + (offs_c // 4) * 4 + offs_c % 4  # == offs_n
+    sz_offs = offs_n4[None, :] + offs_j[:, None] * 0
+    sz_mask = sz_offs < N
     if EARLY:
         # the first step's words before the x prologue (its loads and block barriers): in program
         # order, so their DRAM round trip overlaps it (the compiler does not move loads across barriers)
@@ -378,6 +401,8 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, o
         if ROWS > 2:
             w_e2 = _word_tile(qw_base, N, offs_n, mask_n, offs_j + 2, EVEN_N)
             w_e3 = _word_tile(qw_base, N, offs_n, mask_n, offs_j + 3, EVEN_N)
+        s_e, z_e = _scales_zeros(s_ptr, z_ptr, N, k_start // GROUP_SIZE, offs_n, mask_n, sz_offs, sz_mask, SZ_TILE,
+                                 EVEN_N)
     # x * 2^-E with 2^E <= max |x| of the program's inputs < 2^(E + 1): the scaled x lie in (-2, 2), so
     # no pair sum can overflow fp16 (|q - z| <= 15: a lane sums 4 * ROWS terms below 120 * ROWS), and
     # the small x keep fp16's 11 bits down to 2^-14 of the program's largest. 2^E joins the group scale.
@@ -389,29 +414,18 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, o
     if X_SCRATCH:
         xp_ptr += (k_start // (STEPS * BLOCK_K)) * (STEPS * BLOCK_K // 2)  # this K range's pairs
         _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, x_half, STEPS * BLOCK_K, HAS_PERM, X_ACT, USE_ASM)
-    offs_c = tl.arange(0, BLOCK_N)
-    offs_n4 = tl.program_id(0) * BLOCK_N + (offs_c // 4) * 4 + offs_c % 4  # == offs_n
-    sz_offs = offs_n4[None, :] + offs_j[:, None] * 0
-    sz_mask = sz_offs < N
     magic = tl.full(SHAPE, MAGIC16, tl.int32)
     c16 = tl.full(SHAPE, INV16, tl.int32)
     acc = tl.zeros(SHAPE, dtype=tl.float32)
     for i in tl.static_range(STEPS):
         k0 = k_start + i * BLOCK_K
         g = k0 // GROUP_SIZE
-        if SZ_TILE:
-            # (TILE_KW, BLOCK_N) loads, every row the same: offsets seen as runs of 4 (as the words'
-            # 128-bit vectors), so the compiler gives them the words' layout and no values move
-            # between threads (a layout change is a shared-memory round trip and a block barrier)
-            if EVEN_N:
-                s = tl.load(s_ptr + g * N + sz_offs).to(tl.float32) * p2e
-                z = tl.load(z_ptr + g * N + sz_offs).to(tl.int32)
-            else:
-                s = tl.load(s_ptr + g * N + sz_offs, mask=sz_mask, other=0.0).to(tl.float32) * p2e
-                z = tl.load(z_ptr + g * N + sz_offs, mask=sz_mask, other=0).to(tl.int32)
+        if EARLY and i == 0:
+            s, z = s_e, z_e
         else:
-            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] * p2e
-            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)[None, :]
+            s, z = _scales_zeros(s_ptr, z_ptr, N, g, offs_n, mask_n, sz_offs, sz_mask, SZ_TILE, EVEN_N)
+        s = s.to(tl.float32) * p2e
+        z = z.to(tl.int32)
         if USE_ASM:
             z_lo = tl.broadcast_to((0xE400 | z) * 0x10001, SHAPE)  # -(1024 + z) in both halves
             z_hi = tl.broadcast_to((0xD400 + 16 * z) * 0x10001, SHAPE)  # -(64 + z)
