@@ -94,6 +94,13 @@ def _warm(job: tuple[str, str]) -> str:
         if shape == "qkv" and name in FULL_CHECK:
             variants(n, k)[name](torch.randn(1, k, device="cuda", dtype=torch.bfloat16), w, s, z,
                                  torch.randperm(k, device="cuda").to(torch.int32))
+        if shape in ("qkv", "gate_up") and name == "table":  # with the norm in the prologue (check, time)
+            from pagedllm.kernels.rmsnorm import rms_norm
+            from pagedllm.kernels.wna16_stream import wna16_stream_linear_rms_norm
+
+            xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            wna16_stream_linear_rms_norm(xb, xb, xb[0], 1e-5, w, s, z, G)
+            rms_norm(xb, xb[0], 1e-5, xb)
         if shape == "down" and name == "table":  # with SwiGLU's activation in the prologue (check, time, step)
             from pagedllm.kernels.activation import silu_and_mul
             from pagedllm.kernels.wna16_gemm import wna16_linear
@@ -163,6 +170,20 @@ def check() -> None:
             except Exception as ex:  # noqa: BLE001 - one broken variant must not hide the others
                 errs[name] = float("inf")
                 print(f"{shape}/{name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        if shape in ("qkv", "gate_up"):  # residual add + RMSNorm in the prologue (the table's config)
+            from pagedllm.kernels.rmsnorm import rms_norm
+            from pagedllm.kernels.wna16_stream import wna16_stream_linear_rms_norm
+
+            xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            nw = (1 + 0.3 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+            normed, r_new = rms_norm(xb, nw, 1e-5, res)
+            fused, r_out = wna16_stream_linear_rms_norm(xb, res, nw, 1e-5, w, s, z, G)
+            plain = wna16_stream_linear(normed, w, s, z, G)
+            e = _err(fused, wna16_linear_ref(normed.float(), w, s, z, 4, G))
+            record(f"check {shape} M=1, residual add + RMSNorm in the GEMV",
+                   f"err vs fp32 ref {e:.1e}, vs norm + GEMV {_err(fused, plain.float()):.1e}, residual equal: "
+                   f"{torch.equal(r_out, r_new)}" + (" OK" if e < TOL and torch.equal(r_out, r_new) else " FAIL"))
         if shape == "down":  # SwiGLU's activation in the down projection's prologue (the dispatch)
             from pagedllm.kernels.activation import silu_and_mul
             from pagedllm.kernels.wna16_gemm import wna16_linear
@@ -246,12 +267,24 @@ def time_kernels() -> None:
             row["act+table"] = rotating_graph_us(lambda i: wna16_linear(silu_and_mul(gu), *ws[i], 4, G), copies, REPS)
             row["act_in_table"] = rotating_graph_us(
                 lambda i: wna16_linear(gu, *ws[i], 4, G, act="silu_and_mul"), copies, REPS)
+        if shape in ("qkv", "gate_up"):  # residual add + RMSNorm launch + GEMV against the norm in the prologue
+            from pagedllm.kernels.rmsnorm import rms_norm
+            from pagedllm.kernels.wna16_stream import wna16_stream_linear_rms_norm
+
+            res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            nw = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+            row["norm+table"] = rotating_graph_us(
+                lambda i: wna16_stream_linear(rms_norm(x, nw, 1e-5, res)[0], *ws[i], G), copies, REPS)
+            row["norm_in_table"] = rotating_graph_us(
+                lambda i: wna16_stream_linear_rms_norm(x, res, nw, 1e-5, *ws[i], G)[0], copies, REPS)
+            record(f"time {shape}: residual add + RMSNorm launch + GEMV / the norm in the GEMV (the table's config)",
+                   f"{row['norm+table']:.1f} / {row['norm_in_table']:.1f} us")
         if shape == "gate_up":  # the tensor-core kernel the table sends gate_up to, and its 8-way split
             cfg = stream_config(n, k)
             row["tc_split8"] = rotating_graph_us(
                 lambda i: wna16_tc_linear(x, *ws[i], G, config=cfg._replace(SPLIT_K=8)), copies, REPS)
         ws = None
-        best = min((v, nm) for nm, v in row.items() if not nm.startswith("act"))
+        best = min((v, nm) for nm, v in row.items() if not nm.startswith(("act", "norm")))
         if shape == "down":
             record("time down: silu_and_mul launch + GEMV / silu_and_mul in the GEMV (the table's config)",
                    f"{row['act+table']:.1f} / {row['act_in_table']:.1f} us")
@@ -267,7 +300,7 @@ def time_kernels() -> None:
             us = TABLE[shape].get(name, float("inf"))
             cells.append(f"{us:.1f} ({nbytes / us / 1e3:.0f})")
         print(f"| {name} | " + " | ".join(cells) + f" | {sum(TABLE[s].get(name, float('inf')) for s in SHAPES):.1f} |")
-    best = {s: min((nm for nm in TABLE[s] if not nm.startswith("act")), key=TABLE[s].get) for s in SHAPES}
+    best = {s: min((nm for nm in TABLE[s] if not nm.startswith(("act", "norm"))), key=TABLE[s].get) for s in SHAPES}
     record("int4 GEMVs per layer: best per shape / table / h40's table",
            f"{sum(TABLE[s][best[s]] for s in SHAPES):.1f} / {sum(TABLE[s]['table'] for s in SHAPES):.1f} / "
            f"{sum(TABLE[s]['h40'] for s in SHAPES):.1f} us "
@@ -292,6 +325,17 @@ def use_best_configs() -> str:
                       act=act)  # table: None
 
     wg.wna16_stream_linear = one_row
+    import pagedllm.kernels.wna16_stream as wsm  # the norm-in-the-prologue entry (qkv_proj, gate_up_proj)
+
+    with_norm = wsm.wna16_stream_linear_rms_norm
+
+    def one_row_norm(x, residual, norm_weight, eps, qweight, scales, zeros, group_size, bias=None, perm=None,
+                     config=None):
+        name = best.get((qweight.shape[1], qweight.shape[0] * 8))
+        return with_norm(x, residual, norm_weight, eps, qweight, scales, zeros, group_size, bias, perm,
+                         config=config or STREAM.get(name))
+
+    wsm.wna16_stream_linear_rms_norm = one_row_norm
     return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "the dispatch's table"
 
 

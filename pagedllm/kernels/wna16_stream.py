@@ -61,9 +61,14 @@ reference's max (fp32 output; measured 2.3e-4 .. 7.6e-4, random and outlier x, K
 the kernel equals the emulation up to fp32 summation order (the interpreter runs the emulation in
 fp32 ops: inline PTX does not run there).
 
-SwiGLU's activation (act="silu_and_mul", the down projection): x is then the (1, 2K) gate_up row and
-the packed path's x prologue (the program's max, the pairs) computes silu(gate) * up itself, rounded to
-x's dtype as `activation.silu_and_mul` stores it, so batch-1 decode saves that kernel's launch.
+The kernel before the GEMV, in its x prologue (the program's max, the pairs), packed path only, so
+batch-1 decode saves that kernel's launch:
+    SwiGLU's activation (act="silu_and_mul", the down projection): x is the (1, 2K) gate_up row and
+    the inputs silu(gate) * up, rounded to x's dtype as `activation.silu_and_mul` stores them;
+    residual add + RMSNorm (`wna16_stream_linear_rms_norm`, qkv_proj and gate_up_proj): every program
+    sums the squares of the whole row h = x + residual (2 x 8 KB at hidden 4096, from L2) for its
+    rstd, its inputs are (h * rstd * w) rounded as `rmsnorm.rms_norm` stores them, and the first N
+    block's programs store h (the new residual) for their K ranges.
 
 Split-K epilogue (SPLIT = cdiv(K, STEPS * BLOCK_K) programs per N block): each program stores its
 (BLOCK_N,) fp32 partial to a workspace (SPLIT, N); the last of an N block's programs to arrive
@@ -86,10 +91,11 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.gemv import split_k_workspace
+from pagedllm.kernels.rmsnorm import rms_norm
 from pagedllm.kernels.wna16_tc import TCConfig, wna16_tc_linear
 
 __all__ = ["StreamConfig", "program_steps", "stream_config", "stream_supported", "wna16_packed_emulation",
-           "wna16_stream_linear"]
+           "wna16_stream_linear", "wna16_stream_linear_rms_norm"]
 
 _WS_FLOATS = 1 << 22  # 16 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
@@ -155,17 +161,37 @@ def _x_col(x_ptr, perm_ptr, cols, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _x_in(x_ptr, perm_ptr, cols, x_half, HAS_PERM: tl.constexpr, X_ACT: tl.constexpr):
-    """The GEMV's inputs at `cols` as fp32: x itself, or (X_ACT, x the (1, 2K) gate_up row, gate then
-    up) silu(x[c]) * x[x_half + c] rounded to x's dtype once, as `activation.silu_and_mul` stores it."""
+def _x_in(x_ptr, perm_ptr, cols, x_half, r_ptr, nw_ptr, rstd, HAS_PERM: tl.constexpr, X_ACT: tl.constexpr):
+    """The GEMV's inputs at `cols` as fp32: x itself (X_ACT 0); (1) x the (1, 2K) gate_up row, gate then
+    up: silu(x[c]) * x[x_half + c] rounded to x's dtype once, as `activation.silu_and_mul` stores it;
+    (2) residual add + RMSNorm as `rmsnorm.rms_norm` stores them: h = (x + r) rounded to x's dtype,
+    then (h * rstd * w) rounded (rstd of the whole row, from `_row_rstd`)."""
     if HAS_PERM:
         cols = tl.load(perm_ptr + cols)
-    if X_ACT:
+    if X_ACT == 1:
         gate = tl.load(x_ptr + cols).to(tl.float32)
         up = tl.load(x_ptr + x_half + cols).to(tl.float32)
         return (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    elif X_ACT == 2:
+        h = (tl.load(x_ptr + cols).to(tl.float32) + tl.load(r_ptr + cols).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        w = tl.load(nw_ptr + cols).to(tl.float32)
+        return (h.to(tl.float32) * rstd * w).to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
         return tl.load(x_ptr + cols).to(tl.float32)
+
+
+@triton.jit
+def _row_rstd(x_ptr, r_ptr, hidden, eps, HIDDEN_PAD: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) of the whole row h = (x + r) rounded to x's dtype (`rmsnorm.rms_norm`)."""
+    CHUNK: tl.constexpr = min(HIDDEN_PAD, 1024)  # a chunk at a time: registers stay bounded at any width
+    ss = tl.zeros([CHUNK], tl.float32)
+    for c0 in tl.static_range(0, HIDDEN_PAD, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        m = offs < hidden
+        h = (tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        ss += h * h
+    return tl.rsqrt(tl.sum(ss, 0) / hidden + eps)
 
 
 @triton.jit
@@ -308,12 +334,14 @@ def _emulate_row(w, z_lo, z_hi, x_lo, x_hi, a_lo, a_hi, S: tl.constexpr):
 
 
 @triton.jit
-def _x_pairs(x_ptr, perm_ptr, cols, inv, x_half, HAS_PERM: tl.constexpr, X_ACT: tl.constexpr, USE_ASM: tl.constexpr):
+def _x_pairs(x_ptr, perm_ptr, cols, inv, x_half, r_ptr, nw_ptr, rstd, HAS_PERM: tl.constexpr, X_ACT: tl.constexpr,
+             USE_ASM: tl.constexpr):
     """x for word rows starting at input columns `cols` (R,), as 4 (R,) int32 tensors of fp16 pairs
     (x[c + s] * inv, x[c + s + 4] * inv), s = 0..3. The (R, 8) tile is loaded and converted once and
     split in registers (each x value converted by one thread, not by every thread sharing its row)."""
     R: tl.constexpr = cols.shape[0]
-    xt = _x_in(x_ptr, perm_ptr, cols[:, None] + tl.arange(0, 8)[None, :], x_half, HAS_PERM, X_ACT) * inv  # (R, 8)
+    xt = _x_in(x_ptr, perm_ptr, cols[:, None] + tl.arange(0, 8)[None, :], x_half, r_ptr, nw_ptr, rstd, HAS_PERM,
+               X_ACT) * inv  # (R, 8)
     x3 = tl.permute(tl.reshape(xt, (R, 2, 4)), (0, 2, 1))  # [r, s, h] = x[c + 4h + s]
     lo, hi = tl.split(x3)  # (R, 4): x[c + s], x[c + s + 4]
     if USE_ASM:
@@ -332,14 +360,15 @@ def _x_pairs(x_ptr, perm_ptr, cols, inv, x_half, HAS_PERM: tl.constexpr, X_ACT: 
 
 
 @triton.jit
-def _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, x_half, SPAN: tl.constexpr, HAS_PERM: tl.constexpr,
-                        X_ACT: tl.constexpr, USE_ASM: tl.constexpr):
+def _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, x_half, r_ptr, nw_ptr, rstd, SPAN: tl.constexpr,
+                        HAS_PERM: tl.constexpr, X_ACT: tl.constexpr, USE_ASM: tl.constexpr):
     """The program's SPAN inputs as fp16 pairs (x[8r + s], x[8r + s + 4]) * inv, stored at xp_ptr +
     4r + s (word row r of the span): (SPAN // 8, 4) int32, each made by one thread. Every program
     of the same K range stores the same bits here (the N blocks differ only in columns), so the
     overlapping stores are harmless; a block barrier then makes them visible to the program's threads."""
     rows = tl.arange(0, SPAN // 8)
-    p0, p1, p2, p3 = _x_pairs(x_ptr, perm_ptr, k_start + rows * 8, inv, x_half, HAS_PERM, X_ACT, USE_ASM)
+    p0, p1, p2, p3 = _x_pairs(x_ptr, perm_ptr, k_start + rows * 8, inv, x_half, r_ptr, nw_ptr, rstd, HAS_PERM, X_ACT,
+                              USE_ASM)
     pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # (SPAN // 8, 2, 2): [r, b, a] = p_(2b + a)
     pairs = tl.reshape(pairs, (SPAN // 8, 4))  # [r, s] = p_s
     tl.store(xp_ptr + rows[:, None] * 4 + tl.arange(0, 4)[None, :], pairs)
@@ -376,10 +405,12 @@ def _word_tile(qw_base, N, offs_n, mask_n, rows, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, offs_n, mask_n, k_start,
+def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, r_ptr, nw_ptr, r_out_ptr, eps,
+                     offs_n, mask_n, k_start,
                      GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, ROWS: tl.constexpr, X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr,
-                     EVEN_N: tl.constexpr, EARLY: tl.constexpr, X_ACT: tl.constexpr, USE_ASM: tl.constexpr):
+                     EVEN_N: tl.constexpr, EARLY: tl.constexpr, X_ACT: tl.constexpr, HIDDEN_PAD: tl.constexpr,
+                     USE_ASM: tl.constexpr):
     """The program's (BLOCK_N,) fp32 partial by packed fp16 math (module docstring): a step is a
     (BLOCK_KW // ROWS, BLOCK_N) tile of elements, each ROWS consecutive words of one column whose
     pair sums are chained in fp16 before they join the fp32 sum."""
@@ -406,14 +437,28 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, o
     # x * 2^-E with 2^E <= max |x| of the program's inputs < 2^(E + 1): the scaled x lie in (-2, 2), so
     # no pair sum can overflow fp16 (|q - z| <= 15: a lane sums 4 * ROWS terms below 120 * ROWS), and
     # the small x keep fp16's 11 bits down to 2^-14 of the program's largest. 2^E joins the group scale.
-    xv = _x_in(x_ptr, perm_ptr, k_start + tl.arange(0, STEPS * BLOCK_K), x_half, HAS_PERM, X_ACT)
+    if X_ACT == 2:
+        # the whole row's rstd (every program: the row is 2 x 8 KB at Llama-3.1-8B's width, in L2);
+        # the new residual of the program's inputs is stored by the first N block's programs
+        rstd = _row_rstd(x_ptr, r_ptr, x_half, eps, HIDDEN_PAD)
+        if tl.program_id(0) == 0:
+            cols = k_start + tl.arange(0, STEPS * BLOCK_K)
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + cols)
+            tl.store(r_out_ptr + cols, (tl.load(x_ptr + cols).to(tl.float32)
+                                        + tl.load(r_ptr + cols).to(tl.float32)).to(r_out_ptr.dtype.element_ty))
+    else:
+        rstd = 1.0
+    xv = _x_in(x_ptr, perm_ptr, k_start + tl.arange(0, STEPS * BLOCK_K), x_half, r_ptr, nw_ptr, rstd, HAS_PERM,
+               X_ACT)
     e = tl.max(tl.abs(xv), axis=0).to(tl.int32, bitcast=True) & 0x7F800000
     e = tl.minimum(tl.maximum(e, 0x00800000), 0x7F000000)  # zeros / subnormals: 2^-126; inf / nan: 2^127
     inv = (0x7F000000 - e).to(tl.float32, bitcast=True)
     p2e = e.to(tl.float32, bitcast=True)
     if X_SCRATCH:
         xp_ptr += (k_start // (STEPS * BLOCK_K)) * (STEPS * BLOCK_K // 2)  # this K range's pairs
-        _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, x_half, STEPS * BLOCK_K, HAS_PERM, X_ACT, USE_ASM)
+        _x_pairs_to_scratch(x_ptr, perm_ptr, xp_ptr, k_start, inv, x_half, r_ptr, nw_ptr, rstd, STEPS * BLOCK_K,
+                            HAS_PERM, X_ACT, USE_ASM)
     magic = tl.full(SHAPE, MAGIC16, tl.int32)
     c16 = tl.full(SHAPE, INV16, tl.int32)
     acc = tl.zeros(SHAPE, dtype=tl.float32)
@@ -454,8 +499,8 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, o
                 x2 = tl.load(xr + 2)
                 x3 = tl.load(xr + 3)
             else:
-                x0, x1, x2, x3 = _x_pairs(x_ptr, perm_ptr, k0 + (offs_j + t) * 8, inv, x_half, HAS_PERM, X_ACT,
-                                          USE_ASM)
+                x0, x1, x2, x3 = _x_pairs(x_ptr, perm_ptr, k0 + (offs_j + t) * 8, inv, x_half, r_ptr, nw_ptr, rstd,
+                                          HAS_PERM, X_ACT, USE_ASM)
             x0 = tl.broadcast_to(x0[:, None], SHAPE)
             x1 = tl.broadcast_to(x1[:, None], SHAPE)
             x2 = tl.broadcast_to(x2[:, None], SHAPE)
@@ -487,12 +532,12 @@ def _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, o
 @triton.jit
 def _wna16_stream_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, perm_ptr, out_ptr, ws_ptr, counter_ptr, xp_ptr,
-    N, SPLIT, magic_even, magic_odd, x_half,
+    N, SPLIT, magic_even, magic_odd, x_half, r_ptr, nw_ptr, r_out_ptr, eps,
     GROUP_SIZE: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr,
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr, MATH: tl.constexpr, ROWS: tl.constexpr,
     X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, EVEN_N: tl.constexpr, EARLY: tl.constexpr,
-    X_ACT: tl.constexpr, USE_ASM: tl.constexpr,
+    X_ACT: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -505,9 +550,9 @@ def _wna16_stream_kernel(
         res = _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw,
                         k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
     else:
-        res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, offs_n, mask_n, k_start,
-                               GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS, X_SCRATCH, SZ_TILE, EVEN_N,
-                               EARLY, X_ACT, USE_ASM)
+        res = _stepwise_packed(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, xp_ptr, N, x_half, r_ptr, nw_ptr, r_out_ptr,
+                               eps, offs_n, mask_n, k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, ROWS,
+                               X_SCRATCH, SZ_TILE, EVEN_N, EARLY, X_ACT, HIDDEN_PAD, USE_ASM)
     if not USE_SPLIT:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -624,19 +669,61 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     act "silu_and_mul": x is (1, 2K), gate then up, and the inputs are silu(gate) * up (SwiGLU's
     down projection); the f16x2 path computes them in its x prologue (no activation launch), the
     others run `activation.silu_and_mul` first."""
+    if act not in (None, "silu_and_mul"):
+        raise ValueError(f"activation {act!r} not built (silu_and_mul)")
+    k = qweight.shape[0] * 8
+    if x.shape[1] != (2 * k if act else k):
+        raise ValueError(f"x has {x.shape[1]} inputs, the packed weight {k}" + (" (x 2: gate and up)" if act else ""))
+    return _stream(x, qweight, scales, zeros, group_size, bias, perm, config, 1 if act else 0, None)
+
+
+def wna16_stream_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                 qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                                 config: StreamConfig | TCConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ W, x + residual) for one row, as `rmsnorm.rms_norm(x, norm_weight, eps,
+    residual)` followed by `wna16_stream_linear`: the f16x2 path computes the norm in its x prologue
+    (each program the row's rstd; the first N block's programs store the new residual), so the norm
+    needs no launch of its own; the other paths run `rms_norm` first."""
+    k = qweight.shape[0] * 8
+    if x.shape != (1, k) or residual.shape != (1, k) or norm_weight.shape != (k,):
+        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and norm weight "
+                         f"{tuple(norm_weight.shape)} must be (1, {k}), (1, {k}), ({k},)")
+    cfg = config or stream_config(qweight.shape[1], k)
+    if not (isinstance(cfg, StreamConfig) and cfg.MATH == "f16x2"):
+        normed, r_out = rms_norm(x, norm_weight, eps, residual)
+        return _stream(normed, qweight, scales, zeros, group_size, bias, perm, cfg, 0, None), r_out
+    r_out = torch.empty_like(residual)
+    out = _stream(x.contiguous(), qweight, scales, zeros, group_size, bias, perm, cfg, 2,
+                  (residual.contiguous(), norm_weight.contiguous(), eps, r_out))
+    return out, r_out
+
+
+def _stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None, perm: torch.Tensor | None, config: StreamConfig | TCConfig | None, x_act: int,
+            norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None) -> torch.Tensor:
+    """The launch of the two above. x_act 0: x is the input; 1: x = [gate | up]; 2: norm = (residual,
+    norm weight, eps, residual out), the inputs rms_norm(x + residual) (f16x2 configs only: the
+    callers run the transform first for the others)."""
     m = x.shape[0]
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     if m != 1:
         raise ValueError(f"wna16_stream_linear takes one row, got {m}")
-    if act not in (None, "silu_and_mul"):
-        raise ValueError(f"activation {act!r} not built (silu_and_mul)")
-    if x.shape[1] != (2 * k if act else k):
-        raise ValueError(f"x has {x.shape[1]} inputs, the packed weight {k}" + (" (x 2: gate and up)" if act else ""))
     cfg = config or stream_config(n, k)
-    fused = act is not None and isinstance(cfg, StreamConfig) and cfg.MATH == "f16x2"
-    if act is not None and not fused:
-        x = silu_and_mul(x)
+    packed = isinstance(cfg, StreamConfig) and cfg.MATH == "f16x2"
+    if x_act == 1 and not packed:
+        x, x_act = silu_and_mul(x), 0
+
+    def unfused_input() -> torch.Tensor:  # the transform as its own kernel (the fallbacks below)
+        if x_act == 1:
+            return silu_and_mul(x)
+        if x_act == 2:
+            normed, r_out = rms_norm(x, norm[1], norm[2], norm[0])
+            norm[3].copy_(r_out)
+            return normed
+        return x
+
     if isinstance(cfg, TCConfig):
         return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm, config=cfg)
     block_k = cfg.BLOCK_KW * 8
@@ -661,19 +748,20 @@ def wna16_stream_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     elif ws is None or split * n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
         # no workspace (first made inside a capture) or too little: the tensor-core kernel, which
         # loops over K, instead of unrolling all of K here
-        return wna16_tc_linear(silu_and_mul(x) if fused else x, qweight, scales, zeros, group_size, bias, perm)
+        return wna16_tc_linear(unfused_input(), qweight, scales, zeros, group_size, bias, perm)
     x_scratch = cfg.MATH == "f16x2" and cfg.X_SCRATCH
     xp = _x_pair_scratch(x.device, k) if x_scratch else None
     if x_scratch and xp is None:
         cfg = cfg._replace(X_SCRATCH=False)  # first made inside a capture: the same pairs, made per step
+    r_in, nw, eps, r_out = norm if norm is not None else (out, out, 0.0, out)
     _wna16_stream_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, perm if perm is not None else out,
-        out, ws[0], ws[1], xp if xp is not None else out, n, split, MAGIC_EVEN, MAGIC_ODD, k,
+        out, ws[0], ws[1], xp if xp is not None else out, n, split, MAGIC_EVEN, MAGIC_ODD, k, r_in, nw, r_out, eps,
         GROUP_SIZE=group_size, STEPS=steps, HAS_BIAS=bias is not None, HAS_PERM=perm is not None,
         USE_SPLIT=split > 1, RED_ROWS=min(RED, triton.next_power_of_2(split)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH,
         MATH=cfg.MATH, ROWS=cfg.ROWS, X_SCRATCH=cfg.X_SCRATCH, SZ_TILE=cfg.SZ_TILE,
-        EVEN_N=n % cfg.BLOCK_N == 0, EARLY=cfg.EARLY, X_ACT=fused, USE_ASM=_USE_ASM, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        EVEN_N=n % cfg.BLOCK_N == 0, EARLY=cfg.EARLY, X_ACT=x_act, HIDDEN_PAD=triton.next_power_of_2(k),
+        USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -178,6 +178,22 @@ class ColumnParallelLinear(LinearBase):
             out = tensor_model_parallel_all_gather(out, group=self.tp_group)
         return out
 
+    def fuses_rms_norm(self, x: torch.Tensor) -> bool:
+        """Whether `forward_rms_norm(x, residual, norm)` folds the residual add + RMSNorm before this
+        layer into its GEMV (the quant method says so: int4 one-row decode)."""
+        fuses = getattr(self.quant_method, "fuses_rms_norm", None)
+        return fuses is not None and fuses(self, x)
+
+    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """(forward(norm(x, residual)[0]), x + residual) with `norm` an RMSNorm (weight, variance_epsilon),
+        the norm computed inside the quant method's GEMV (no launch of its own)."""
+        out, new_residual = self.quant_method.apply_rms_norm(self, x, residual, norm.weight, norm.variance_epsilon,
+                                                             self.bias)
+        if self.gather_output:
+            out = tensor_model_parallel_all_gather(out, group=self.tp_group)
+        return out, new_residual
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel layers with the same input, fused into one matmul.

@@ -170,6 +170,10 @@ def _record_quant() -> None:
         wna16_stream.wna16_stream_linear(torch.zeros(1, k, dtype=bf16), qw, s, z, 128, config=cfg)
         wna16_stream.wna16_stream_linear(torch.zeros(1, 2 * k, dtype=bf16), qw, s, z, 128, config=cfg,
                                          act="silu_and_mul")
+        # the norm in the prologue at qkv / gate_up's K (hidden 4096)
+        xk, qk = torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, n, dtype=torch.int32)
+        wna16_stream.wna16_stream_linear_rms_norm(xk, xk, torch.ones(4096, dtype=bf16), 1e-5, qk, s[:32], z[:32], 128,
+                                                  config=cfg)
     wna16_gemm.wna16_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, 28672, dtype=torch.int32),
                             torch.zeros(32, 28672, dtype=bf16), torch.zeros(32, 28672, dtype=torch.uint8), 4, 128)
     # 8-bit weights keep the FMA GEMV (M 1) and the tile kernel (M 64): the tensor-core kernel is 4-bit.

@@ -17,6 +17,7 @@ from pagedllm.kernels.wna16_stream import (
     stream_supported,
     wna16_packed_emulation,
     wna16_stream_linear,
+    wna16_stream_linear_rms_norm,
 )
 from pagedllm.kernels.wna16_tc import TCConfig
 
@@ -217,3 +218,30 @@ def test_silu_and_mul_in_the_prologue(device):
     assert (out - wna16_linear_ref(x, qweight, scales, zeros, 4, group).float()).abs().max() <= 1e-2 * ref.abs().max()
     with pytest.raises(ValueError, match="x 2: gate and up"):
         wna16_stream_linear(x, qweight, scales, zeros, group, act="silu_and_mul")
+
+
+def test_rms_norm_in_the_prologue(device):
+    """wna16_stream_linear_rms_norm: (rms_norm(x + residual) @ W, x + residual). The f16x2 path computes
+    the norm in its x prologue (split-K: every program the row's rstd; act-order) and equals rms_norm +
+    the GEMV; the new residual is exact; the fp32 path runs rms_norm first. Refuses mismatched shapes."""
+    from pagedllm.kernels.rmsnorm import rms_norm_ref
+
+    k, n, group = 512, 64, 128
+    qweight, scales, zeros = _weights(k, n, group, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x, residual = torch.randn(1, k, device=device).to(dtype), torch.randn(1, k, device=device).to(dtype)
+    norm_weight = (1.0 + 0.3 * torch.randn(k, device=device)).to(dtype)
+    normed, new_residual = rms_norm_ref(x, norm_weight, 1e-5, residual)
+    perm = torch.randperm(k, device=device).to(torch.int32)
+    for config in (StreamConfig(32, 2, 4, MATH="f16x2", ROWS=2, EARLY=True),
+                   StreamConfig(32, 2, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True), StreamConfig(32, 2, 4)):
+        for p in (None, perm):
+            out, r_out = wna16_stream_linear_rms_norm(x, residual, norm_weight, 1e-5, qweight, scales, zeros, group,
+                                                      perm=p, config=config)
+            plain = wna16_stream_linear(normed, qweight, scales, zeros, group, perm=p, config=config)
+            ref = wna16_linear_ref(normed.float(), qweight, scales, zeros, 4, group, perm=p)
+            # the rstd's sum runs in another order than rms_norm's: an input may round the other way
+            assert (out.float() - plain.float()).abs().max() <= 2e-3 * ref.abs().max(), (config, p is not None)
+            assert torch.equal(r_out, new_residual)
+    with pytest.raises(ValueError, match="must be"):
+        wna16_stream_linear_rms_norm(x, residual[:, :256], norm_weight, 1e-5, qweight, scales, zeros, group)
