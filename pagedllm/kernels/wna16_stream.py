@@ -129,6 +129,9 @@ class StreamConfig(NamedTuple):
     SZ_TILE: bool = False
     # f16x2: the first step's words loaded before the x prologue, so their DRAM latency overlaps it
     EARLY: bool = False
+    # f16x2: the layer before may hand its residual add + RMSNorm to this launch's prologue
+    # (`wna16_stream_linear_rms_norm`; WNA16LinearMethod.fuses_rms_norm reads it)
+    FUSE_NORM: bool = True
 
 
 @triton.jit

@@ -149,7 +149,7 @@ class WNA16LinearMethod(LinearMethodBase):
         k = layer.wna16_qweight.shape[0] * 8
         cfg = stream_config(layer.wna16_qweight.shape[1], k)
         return (stream_supported(x, self.bits, layer.wna16_group, k) and isinstance(cfg, StreamConfig)
-                and cfg.MATH == "f16x2")
+                and cfg.MATH == "f16x2" and cfg.FUSE_NORM)
 
     def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
