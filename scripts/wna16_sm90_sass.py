@@ -32,22 +32,14 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 VARIANTS = {
     "fp32 64x8w2": StreamConfig(64, 8, 2), "fp32 128x2w4": StreamConfig(128, 2, 4),
-    "f16 64x8w2": StreamConfig(64, 8, 2, MATH="f16x2"), "f16 128x2w4": StreamConfig(128, 2, 4, MATH="f16x2"),
     "f16 r2 64x8w2": StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
-    "f16 r4 64x8w2": StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4),
-    "f16 r2 128x2w4": StreamConfig(128, 2, 4, MATH="f16x2", ROWS=2),
-    "f16 r2 128x4w4": StreamConfig(128, 4, 4, MATH="f16x2", ROWS=2),
+    "f16 r2 64x4w2": StreamConfig(64, 4, 2, MATH="f16x2", ROWS=2),
     "f16 r2 256x2w4": StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2),
-    "f16 r2 64x8w2 xs": StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2, X_SCRATCH=True),
     "f16 r4 64x8w2 xs": StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True),
-    "f16 r2 128x4w4 xs": StreamConfig(128, 4, 4, MATH="f16x2", ROWS=2, X_SCRATCH=True),
     "f16 r4 64x8w2 xs sz": StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
-    "f16 r4 128x8w4 xs sz": StreamConfig(128, 8, 4, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
-    "f16 r4 64x8w1 xs sz": StreamConfig(64, 8, 1, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
-    "f16 r4 128x4w2 xs sz": StreamConfig(128, 4, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True),
     "f16 r4 64x4w2 xs sz early": StreamConfig(64, 4, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True,
                                               EARLY=True),
-    "f16 r2 256x2w4 early": StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2, EARLY=True),
+    "f16 r2 64x4w2 early": StreamConfig(64, 4, 2, MATH="f16x2", ROWS=2, EARLY=True),
 }
 
 
