@@ -21,10 +21,11 @@ values instead of in the tile's tl.dot, so bf16 results may differ in the last b
 
 Decode-only batches: one token per request, so the token of request r is row r (query_start_loc
 is 0, 1, 2, ...). Split-K (`split_k.py`) cuts the context as `paged_attention` does; the last split
-also takes the new key, and split 0 writes the cache. The splits' merge runs in the same launch:
-each split program stores its partials and takes a ticket from a per-(request, kv head) counter;
-the last to arrive merges all of them for its query heads (as `merge_splits` would) and resets the
-counter, so batch-1 decode saves the merge kernel's launch (~2.9 us a layer, BENCHMARKS.md h40). CUDA-graph padding rows (seq_len 1, slot -1)
+also takes the new key, and split 0 writes the cache. The splits are merged by `merge_splits`' launch,
+or (fused_merge) in the same launch: each split program stores its partials and takes a ticket from a
+per-(request, kv head) counter; the last to arrive merges all of them for its query heads (as
+`merge_splits` would) and resets the counter. That saves the merge kernel's launch but measured
+slower on the H200 (FUSED_MERGE), so it is not the default. CUDA-graph padding rows (seq_len 1, slot -1)
 attend only to their own key and write nothing.
 
 Reference: `decode_attention_fused_ref` (the unfused references composed).
@@ -59,6 +60,10 @@ __all__ = ["decode_attention_fused", "decode_attention_fused_ref"]
 # split_k._NO_SPLIT_PROGRAMS (request, kv head) pairs, so few counters suffice.
 _MERGE_COUNTERS = 4096
 _merge_counters: dict[torch.device, torch.Tensor] = {}
+# Off by default: on the H200 (BENCHMARKS.md, issue 19, h44) batch-1 Llama-3.1-8B attention with 16
+# splits took 15.2-15.6 us with the merge in the launch against 9.7-10.4 us with the merge launch
+# (128-1500 keys): the last program's merge walks the splits one load after another.
+FUSED_MERGE = False
 
 
 def _counters(device: torch.device, pairs: int) -> torch.Tensor | None:
@@ -234,14 +239,16 @@ def decode_attention_fused(
     eps: float = 1e-6,
     *,
     num_splits: int | None = None,
-    fused_merge: bool = True,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """`fused_qkv_prep` followed by `paged_attention`, for a decode-only batch, in one launch (see
     the module doc). Writes this step's K/V to the cache like the pair does. Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
     No host sync, a grid from host ints only: CUDA-graph capturable. Split-K partials are merged by
-    the last split program of each (request, kv head) (`fused_merge`, the default), or by
-    `merge_splits`' own launch."""
+    `merge_splits`' own launch, or (`fused_merge`; default FUSED_MERGE) by the last split program of
+    each (request, kv head)."""
+    if fused_merge is None:
+        fused_merge = FUSED_MERGE
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
                       k_norm_weight)

@@ -641,15 +641,19 @@ def stream_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> boo
 
 
 # One-row launch table keyed by (N, K), from the H200 sweeps of scripts/gpu_wna16_stream.py (h40) and
-# scripts/gpu_wna16_packed.py (h44, 2026-12-02; BENCHMARKS.md, issue 19; CUDA-graph replays over
-# rotating weight copies), microseconds:
-#   qkv  6144 x 4096    f16x2, 256 columns, 4 warps, 2 steps, 2 rows   10.4 (fp32 path 10.9)
-#   o    4096 x 4096    fp32, 128 columns, 4 warps, 2 steps              8.3 (f16x2 best 9.4)
-#   gate_up 28672 x 4096  f16x2, 64 columns, 2 warps, 8 steps, 2 rows  25.2 (tensor-core kernel 32.9)
+# scripts/gpu_wna16_packed.py (h44, 2026-12-02 rounds 1-2; BENCHMARKS.md, issue 19; CUDA-graph replays
+# over rotating weight copies), microseconds:
+#   qkv  6144 x 4096    f16x2, 256 columns, 4 warps, 2 steps, 2 rows, first loads early: with the
+#                       residual add + RMSNorm in its prologue 10.5 (rms_norm launch + GEMV 13.7);
+#                       alone 10.4-12.0 (the fp32 path 10.9)
+#   o    4096 x 4096    fp32, 128 columns, 4 warps, 2 steps              8.2-8.3 (f16x2 best 9.4)
+#   gate_up 28672 x 4096  f16x2, 64 columns, 2 warps, 8 steps, 2 rows: with the norm in its prologue
+#                       28.4 (launch + GEMV 35.9; the same with the first loads early 35.0); alone 25.2
+#                       (the tensor-core kernel 32.9)
 #   down 4096 x 14336   f16x2, 64 columns, 2 warps, 4 steps, 2 rows    15.9 (fp32 path 19.3)
 # Other shapes: 128 columns, 4 warps, 2 steps (fp32), the best over h40's four shapes together.
 _TABLE: dict[tuple[int, int], StreamConfig | TCConfig] = {
-    (6144, 4096): StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2),
+    (6144, 4096): StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2, EARLY=True),
     (4096, 4096): StreamConfig(128, 2, 4),
     (28672, 4096): StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
     (4096, 14336): StreamConfig(64, 4, 2, MATH="f16x2", ROWS=2),

@@ -47,7 +47,7 @@ def _batch(h, kvh, d, rot_dim, block_size, norm, device, num_blocks=128):
 )
 @pytest.mark.parametrize(("num_splits", "fused_merge"), [(1, True), (4, True), (4, False)])
 def test_matches_unfused_reference(device, h, kvh, d, rot_dim, block_size, norm, num_splits, fused_merge):
-    """4 splits: merged by the last split program (twice: its counters reset) or by the merge launch."""
+    """4 splits: merged by the merge launch or by the last split program (twice: its counters reset)."""
     qkv, positions, cos_sin, kv_cache, md, (qw, kw) = _batch(h, kvh, d, rot_dim, block_size, norm, device)
     ref_cache = kv_cache.clone()
     scale = d**-0.5
