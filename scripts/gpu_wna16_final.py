@@ -2,14 +2,17 @@
 dummy model's batch-1 decode step with the dispatch as committed (kernels/wna16_stream.py's table, the
 residual add + RMSNorm and SwiGLU's activation in the one-row GEMVs' prologues), no sweep.
 
-    python3 scripts/gpu_wna16_final.py [--only compile step]
+    python3 scripts/gpu_wna16_final.py [--only compile step layer]
 
 compile  worker processes compile the table's one-row launches at the four Llama-3.1-8B shapes (plain,
          with the norm in the prologue at qkv / gate_up, with the activation at down), in parallel,
          into the engine's Triton cache (the engine would otherwise compile them one by one at load)
 step     128 in / 257 out, 3 iterations after one warm-up, as `bench latency` times decode steps
+layer    (if time is left) qkv / gate_up with the norm and down with the activation, each apart and
+         fused, timed in the same run
 """
 
+# ruff: noqa: B023 - the lambdas are called within the iteration that made them
 from __future__ import annotations
 
 import json
@@ -93,5 +96,34 @@ def step() -> None:
            f"(h40: 3.242; round 1 of h44: 2.689; target 2.2)")
 
 
+LAYER_BY_S = 47.0  # the fused / unfused timings only when the step is done by then (the round's 55 s)
+
+
+def layer() -> None:
+    """Same-run attribution: each one-row GEMV of a layer with the kernel before it as its own launch
+    (rms_norm / silu_and_mul) and inside the GEMV's prologue, CUDA-graph replays over 2 weight copies."""
+    from _gpu_common import rotating_graph_us
+
+    from pagedllm.kernels.wna16_stream import wna16_stream_linear
+
+    if time.monotonic() - base.T0 > LAYER_BY_S:
+        record("layer timings", f"skipped: {time.monotonic() - base.T0:.0f} s gone")
+        return
+    for shape, kind in (("qkv", "norm"), ("gate_up", "norm"), ("down", "act")):
+        n, k = SHAPES[shape]
+        ws = base.weights(n, k, 2)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        if kind == "norm":
+            nw = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+            apart = rotating_graph_us(lambda i: wna16_stream_linear(rms_norm(x, nw, 1e-5, x)[0], *ws[i], G), 2)
+            fused = rotating_graph_us(lambda i: wna16_stream_linear_rms_norm(x, x, nw, 1e-5, *ws[i], G)[0], 2)
+        else:
+            gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+            apart = rotating_graph_us(lambda i: wna16_linear(silu_and_mul(gu), *ws[i], 4, G), 2)
+            fused = rotating_graph_us(lambda i: wna16_linear(gu, *ws[i], 4, G, act="silu_and_mul"), 2)
+        record(f"{shape}: {kind} launch + GEMV / {kind} in the GEMV (2 weight copies: partly L2)",
+               f"{apart:.1f} / {fused:.1f} us")
+
+
 if __name__ == "__main__":
-    run_sections({"compile": precompile, "step": step})
+    run_sections({"compile": precompile, "step": step, "layer": layer})
