@@ -2,14 +2,12 @@
 one short call (< 100 s): every variant against the fp32 reference and timed beside the fp32 stream
 kernel at the four Llama-3.1-8B shapes, then (optionally) the 8B AWQ decode step with the winners.
 
-    python3 scripts/gpu_wna16_packed.py [--only compile check attn time step step_gptq]
+    python3 scripts/gpu_wna16_packed.py [--only compile check time step step_gptq]
 
 compile  worker processes compile every variant at its shapes in parallel (Triton's disk cache)
 check  every variant == the fp32 reference (bf16 x; M = 1): random x, x with outliers (a few values
        of 3e3 .. 6e4, which would overflow fp16 pair sums without the program's power-of-two scale),
        fp16 x, and act-order (x read through perm) at qkv
-attn   batch-1 decode attention (16 splits) with the split merge in the launch against the merge
-       launch and the reference, both timed
 time   CUDA-graph replays rotating over >= 100 MB of weight copies (L2 cannot serve repeats): us and
        GB/s of int4 words + scales + zero points per shape and variant, and the per-layer sum
 step   the 8B AWQ g128 dummy model (max_num_seqs 1, engine in-process), each int4 shape on its fastest
@@ -80,12 +78,6 @@ def variants(n: int, k: int) -> dict:
 def _warm(job: tuple[str, str]) -> str:
     shape, name = job
     t0 = time.monotonic()
-    if shape == "attn":  # the decode attention kernels of check_attention, split with and without the fused merge
-        try:
-            check_attention(contexts=(300,), timed=False)
-        except Exception as e:  # noqa: BLE001
-            return f"attn FAILED {type(e).__name__}: {str(e)[:300]}"
-        return f"attn {time.monotonic() - t0:.1f}s"
     n, k = SHAPES[shape]
     try:
         (w, s, z), = weights(n, k)
@@ -119,8 +111,8 @@ def _warm(job: tuple[str, str]) -> str:
 def precompile() -> None:
     # the stream kernel's compiled forms depend on K (and whether K splits) only: qkv, o and gate_up share
     # them (K = 4096); the table's launch differs per shape (gate_up: the tensor-core kernel)
-    jobs = [("attn", "")] + [(shape, name) for shape in SHAPES for name in variants(*SHAPES[shape])
-                             if shape in ("qkv", "down") or name in ("table", "h40")]
+    jobs = [(shape, name) for shape in SHAPES for name in variants(*SHAPES[shape])
+            if shape in ("qkv", "down") or name in ("table", "h40")]
     t0 = time.monotonic()
     with mp.get_context("spawn").Pool(min(15, os.cpu_count() or 4)) as pool:
         done = pool.map(_warm, jobs, chunksize=1)
@@ -213,41 +205,6 @@ def check() -> None:
                f"{errs[worst]:.1e} ({worst}, {worst_case.get(worst)}; table {errs.get('table', 0):.1e}, h40's "
                f"{errs.get('h40', 0):.1e})" + (" OK" if errs[worst] < TOL else " FAIL"))
         del w, s, z
-
-
-def check_attention(contexts: tuple[int, ...] = (128, 300, 1500), timed: bool = True) -> None:
-    """Batch-1 decode attention at Llama-3.1-8B's heads (32 / 8 x 128), 16 splits as the 4096-token
-    graphs take them, context 128 / 300 / 1500 keys: the merge in the launch (last split program) ==
-    the merge launch == the reference, and each timed as one CUDA-graph call."""
-    import random
-
-    from _gpu_common import graph_time_us, shuffled_decode_metadata
-
-    from pagedllm.kernels.decode_attention import decode_attention_fused, decode_attention_fused_ref
-    from pagedllm.kernels.rotary import build_cos_sin_cache
-
-    h, kvh, d = 32, 8, 128
-    cos_sin = build_cos_sin_cache(d, 4096, base=500000.0, device="cuda")
-    for ctx in contexts:
-        md, nblocks = shuffled_decode_metadata([ctx], 16, random.Random(ctx))
-        cache = torch.randn(2, nblocks + 1, 16, kvh, d, device="cuda", dtype=torch.bfloat16)
-        qkv = torch.randn(1, (h + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
-        pos = md.seq_lens.long() - 1
-        ref = decode_attention_fused_ref(qkv, pos, cos_sin, cache.clone(), md, d**-0.5, h, kvh, d).float()
-        outs, us = {}, {}
-        for fused in (True, False):
-            def call(fused=fused):
-                return decode_attention_fused(qkv, pos, cos_sin, cache, md, d**-0.5, h, kvh, d, num_splits=16,
-                                              fused_merge=fused)
-            outs[fused] = call().float()
-            us[fused] = graph_time_us(call) if timed else 0.0
-        if not timed:
-            continue
-        e_f = _err(outs[True], ref)
-        same = torch.equal(outs[True], outs[False])
-        record(f"decode attention, 1 x {ctx} keys, 16 splits: merge in the launch / merge launch",
-               f"{us[True]:.1f} / {us[False]:.1f} us; err vs ref {e_f:.1e}, bitwise equal to the merge launch: "
-               f"{same}" + (" OK" if e_f < 1e-2 else " FAIL"))
 
 
 REPS = 24
@@ -409,6 +366,5 @@ def step_gptq() -> None:
 
 
 if __name__ == "__main__":
-    run_sections({"compile": precompile, "check": check, "attn": lambda: check_attention(), "time": time_kernels,
-                  "step": step,
+    run_sections({"compile": precompile, "check": check, "time": time_kernels, "step": step,
                   "step_gptq": step_gptq})

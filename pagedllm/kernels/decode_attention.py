@@ -21,11 +21,7 @@ values instead of in the tile's tl.dot, so bf16 results may differ in the last b
 
 Decode-only batches: one token per request, so the token of request r is row r (query_start_loc
 is 0, 1, 2, ...). Split-K (`split_k.py`) cuts the context as `paged_attention` does; the last split
-also takes the new key, and split 0 writes the cache. The splits are merged by `merge_splits`' launch,
-or (fused_merge) in the same launch: each split program stores its partials and takes a ticket from a
-per-(request, kv head) counter; the last to arrive merges all of them for its query heads (as
-`merge_splits` would) and resets the counter. That saves the merge kernel's launch but measured
-slower on the H200 (FUSED_MERGE), so it is not the default. CUDA-graph padding rows (seq_len 1, slot -1)
+also takes the new key, and split 0 writes the cache. CUDA-graph padding rows (seq_len 1, slot -1)
 attend only to their own key and write nothing.
 
 Reference: `decode_attention_fused_ref` (the unfused references composed).
@@ -38,7 +34,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _tile_config
+from pagedllm.envs import environment_variables
+from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_keys_m, _tile_config
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
@@ -51,58 +48,25 @@ from pagedllm.kernels.split_k import (
     store_partials,
 )
 
-__all__ = ["decode_attention_fused", "decode_attention_fused_ref"]
+__all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_ref"]
 
-
-# Split-K merge in the attention launch: one self-resetting arrival counter per (request, kv head)
-# (made once per device, outside any CUDA-graph capture; a call that would first make it inside a
-# capture merges with `merge_splits`' launch instead). Splits are used only below
-# split_k._NO_SPLIT_PROGRAMS (request, kv head) pairs, so few counters suffice.
-_MERGE_COUNTERS = 4096
-_merge_counters: dict[torch.device, torch.Tensor] = {}
-# Off by default: on the H200 (BENCHMARKS.md, issue 19, h44) batch-1 Llama-3.1-8B attention with 16
-# splits took 15.2-15.6 us with the merge in the launch against 9.7-10.4 us with the merge launch
-# (128-1500 keys): the last program's merge walks the splits one load after another.
-FUSED_MERGE = False
-
-
-def _counters(device: torch.device, pairs: int) -> torch.Tensor | None:
-    c = _merge_counters.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _merge_counters[device] = torch.zeros(_MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return c if pairs <= c.numel() else None
-
-
-@triton.jit
-def _merge_own_splits(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, row, head, row_valid, d, d_mask, num_splits,
-                      stride_o_t, stride_o_h, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    """`split_k._merge_splits_kernel`'s sum for this program's query heads (BLOCK_M rows), by the
-    last split program to finish: the partials come from other SMs, so they are read from L2."""
-    base = (row * NUM_HEADS + head) * num_splits  # (BLOCK_M,)
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for sp in range(num_splits):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + sp, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty splits: m = -inf -> weight 0
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for sp in range(num_splits):
-        w = tl.math.exp2(tl.load(part_m_ptr + base + sp, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                         - m_ref)
-        denom += w * tl.load(part_l_ptr + base + sp, mask=row_valid, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(part_acc_ptr + (base + sp)[:, None] * HEAD_DIM_PAD + d[None, :],
-                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(out_ptr + row * stride_o_t + head[:, None] * stride_o_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask)
+# The decode loop's formulations (`_decode_fused_kernel` VARIANT):
+#   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache widened to fp16)
+#   2  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
+#      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
+# (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
+DECODE_VARIANTS = (0, 2)
+# An fp8 cache's opt-in loop (PAGEDLLM_FP8_KV_DOTS=1; otherwise variant 0) and its tiles (BLOCK_M, TILE_N,
+# warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
+# (BENCHMARKS.md, h43).
+FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
+FP8_KV_VARIANT = 2
+FP8_KV_CONFIG = (16, 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_slots", "num_splits", "stride_bt"])
 def _decode_fused_kernel(
-    out_ptr,  # (num_tokens, num_heads, head_dim); written by the last split when FUSED_MERGE
+    out_ptr,  # (num_tokens, num_heads, head_dim); unused when USE_SPLIT
     part_acc_ptr,  # fp32 (num_tokens, num_heads, num_splits, HEAD_DIM_PAD); only when USE_SPLIT
     part_m_ptr,  # fp32 (num_tokens, num_heads, num_splits)
     part_l_ptr,  # fp32 (num_tokens, num_heads, num_splits)
@@ -117,7 +81,6 @@ def _decode_fused_kernel(
     seq_lens_ptr,  # int32 (>= num_reqs,)
     slot_mapping_ptr,  # int64 (num_slots,): rows >= num_slots are not written
     order_ptr,  # int32 (num_reqs,): decode_order; only read when ORDERED
-    counter_ptr,  # int32 (>= num_reqs * NUM_KV_HEADS,), zeros between calls; only when FUSED_MERGE
     num_reqs,
     num_slots,
     num_splits,
@@ -144,8 +107,8 @@ def _decode_fused_kernel(
     HAS_K_NORM: tl.constexpr,
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 query rows as the MMA's M, 2 keys
 ):
     if ORDERED:
         seq_idx = tl.load(order_ptr + tl.program_id(0))
@@ -189,12 +152,32 @@ def _decode_fused_kernel(
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_h
     q_pos = tl.zeros([BLOCK_M], tl.int32) + context_len
-    for start_n in range(kv_lo, kv_hi, TILE_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-            stride_c_blk, stride_c_slot, scale_log2, 0, 0.0,  # no window, no soft-cap (the backend's rule)
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
-        )
+    if VARIANT == 2:
+        # An fp8 cache: q quantized per row to e4m3 (q ~= q8 * q_scale) for the e4m3 QK dot, the row scales
+        # folded into the score scale; a 16-bit cache keeps q.
+        if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            qf = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)  # (BLOCK_M,)
+            q8 = tl.minimum(tl.maximum(qf / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            col_scale = (scale_log2 * q_scale)[None, :]
+        else:
+            q8 = q
+            col_scale = tl.zeros([1, BLOCK_M], tl.float32) + scale_log2
+        acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
+        qt = tl.trans(q8)
+        for start_n in range(kv_lo, kv_hi, TILE_N):
+            m_i, l_i, acc_t = _attend_tile_keys_m(
+                qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
+                stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+            )
+        acc = tl.trans(acc_t)
+    else:
+        for start_n in range(kv_lo, kv_hi, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
+                stride_c_blk, stride_c_slot, scale_log2, 0, 0.0,  # no window, no soft-cap (the backend's rule)
+                HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+            )
 
     # The new key: one more online-softmax update, from registers (the last split takes it).
     if split == num_splits - 1:
@@ -209,15 +192,6 @@ def _decode_fused_kernel(
     if USE_SPLIT:
         part = (row * NUM_HEADS + head) * num_splits + split  # (BLOCK_M,)
         store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, row_valid, d, HEAD_DIM_PAD)
-        if FUSED_MERGE:
-            # Every thread's partial is written (block barrier) before the release-acquire increment
-            # publishes it at GPU scope; the last of the (request, kv head)'s splits merges them all.
-            tl.debug_barrier()
-            counter = counter_ptr + row * NUM_KV_HEADS + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                _merge_own_splits(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, row, head, row_valid, d, d_mask,
-                                  num_splits, stride_o_t, stride_o_h, NUM_HEADS, HEAD_DIM_PAD, BLOCK_M)
-                tl.atomic_xchg(counter, 0)  # ready for the next call, no memset needed
     else:
         out = acc / l_i[:, None]  # l >= 1 on valid rows: the new key's term is 2^0 at the max
         tl.store(out_ptr + row * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -239,16 +213,15 @@ def decode_attention_fused(
     eps: float = 1e-6,
     *,
     num_splits: int | None = None,
-    fused_merge: bool | None = None,
+    variant: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """`fused_qkv_prep` followed by `paged_attention`, for a decode-only batch, in one launch (see
     the module doc). Writes this step's K/V to the cache like the pair does. Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
-    No host sync, a grid from host ints only: CUDA-graph capturable. Split-K partials are merged by
-    `merge_splits`' own launch, or (`fused_merge`; default FUSED_MERGE) by the last split program of
-    each (request, kv head)."""
-    if fused_merge is None:
-        fused_merge = FUSED_MERGE
+    No host sync, a grid from host ints only: CUDA-graph capturable.
+    variant (DECODE_VARIANTS) / config (BLOCK_M, TILE_N, warps, stages): None = the defaults (an fp8 cache:
+    FP8_KV_VARIANT with FP8_KV_CONFIG when PAGEDLLM_FP8_KV_DOTS=1)."""
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
                       k_norm_weight)
@@ -280,7 +253,15 @@ def decode_attention_fused(
     # x 900-1500 keys: 112 vs 93 us, BENCHMARKS.md issue 19).
     few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS and kv_cache.element_size() > 1
     block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True, few_programs=few)
-    counters = _counters(qkv.device, n * num_kv_heads) if use_split and fused_merge else None
+    fp8_cache = kv_cache.dtype == torch.float8_e4m3fn
+    if variant is None:
+        variant = FP8_KV_VARIANT if fp8_cache and FP8_KV_DOTS and head_dim_pad <= 128 else 0
+        if variant != 0 and config is None:
+            config = FP8_KV_CONFIG
+    if config is not None:  # (BLOCK_M, TILE_N, num_warps, num_stages): the sweeps' override
+        block_m, tile_n, num_warps, num_stages = config
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"decode attention variant must be one of {DECODE_VARIANTS}, got {variant}")
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)
     else:
@@ -303,7 +284,6 @@ def decode_attention_fused(
         md.seq_lens,
         slots,
         order if order is not None else md.seq_lens,
-        counters if counters is not None else md.seq_lens,
         n,
         slots.shape[0],
         num_splits,
@@ -330,12 +310,12 @@ def decode_attention_fused(
         HAS_K_NORM=k_norm_weight is not None,
         ORDERED=order is not None,
         USE_SPLIT=use_split,
-        FUSED_MERGE=counters is not None,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        VARIANT=variant,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if use_split and counters is None:
+    if use_split:
         merge_splits(out, part_acc, part_m, part_l, md)
     return out
 

@@ -27,10 +27,12 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.decoder import run_cpu_decoder_stack
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import get_pp_indices
+from pagedllm.kernels.quantized_activation import QuantizedActivation
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.quant_fusion import rms_norm_into, silu_and_mul_into
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
@@ -72,14 +74,20 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_linear(self) -> nn.Module:
+        """The one linear that reads forward's input (layers/quant_fusion.py)."""
+        return self.gate_up_proj
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
         return self.forward_from_gate_up(self.gate_up_proj(x))
 
     def forward_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.down_proj.fuses_silu_and_mul(gate_up):  # int4 batch-1 decode: the activation in the GEMV
             return self.down_proj.forward_silu_and_mul(gate_up)
-        return self.down_proj(self.act_fn(gate_up))
+        # a W8A8 down_proj gets its input quantized by the activation kernel (layers/quant_fusion.py)
+        return self.down_proj(silu_and_mul_into(self.act_fn, gate_up, self.down_proj))
 
 
 class LlamaAttention(nn.Module):
@@ -119,7 +127,13 @@ class LlamaAttention(nn.Module):
                               sliding_window=(sliding_window_for_layer(config, layer_index(prefix))
                                               if getattr(config, "sliding_window", None) else None))
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    @property
+    def input_linear(self) -> nn.Module:
+        """The one linear that reads forward's hidden_states (layers/quant_fusion.py); a subclass whose
+        forward reads them otherwise must return None."""
+        return self.qkv_proj
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | QuantizedActivation,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.forward_from_qkv(positions, self.qkv_proj(hidden_states), attn_metadata)
 
@@ -169,23 +183,25 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # int4 batch-1 decode: each residual add + RMSNorm runs inside the GEMV after it (qkv_proj,
-        # gate_up_proj) where the layers are the plain Llama ones and the quant method fuses it
-        attn = self.self_attn
+        # gate_up_proj) where the layers are the plain Llama ones and the quant method fuses it; a W8A8
+        # qkv_proj / gate_up_proj gets its input quantized by the norm (layers/quant_fusion.py)
+        attn, mlp = self.self_attn, self.mlp
+        attn_in, mlp_in = getattr(attn, "input_linear", None), getattr(mlp, "input_linear", None)
         if residual is None:  # first layer: the residual stream starts as the embeddings
             residual = hidden_states
-            hidden_states = attn(positions, self.input_layernorm(hidden_states), attn_metadata)
+            hidden_states = attn(positions, rms_norm_into(self.input_layernorm, hidden_states, None, attn_in),
+                                 attn_metadata)
         elif type(attn).forward is LlamaAttention.forward and attn.qkv_proj.fuses_rms_norm(hidden_states):
             qkv, residual = attn.qkv_proj.forward_rms_norm(hidden_states, residual, self.input_layernorm)
             hidden_states = attn.forward_from_qkv(positions, qkv, attn_metadata)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = rms_norm_into(self.input_layernorm, hidden_states, residual, attn_in)
             hidden_states = attn(positions, hidden_states, attn_metadata)
-        mlp = self.mlp
         if type(mlp).forward is LlamaMLP.forward and mlp.gate_up_proj.fuses_rms_norm(hidden_states):
             gate_up, residual = mlp.gate_up_proj.forward_rms_norm(hidden_states, residual,
                                                                    self.post_attention_layernorm)
             return mlp.forward_from_gate_up(gate_up), residual
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = rms_norm_into(self.post_attention_layernorm, hidden_states, residual, mlp_in)
         return mlp(hidden_states), residual
 
 
