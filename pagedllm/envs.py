@@ -161,6 +161,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # one); unset: 2 on a host of 12 or more cores (6 xgrammar threads each unless
     # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
+    # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
+    # with its launch and waits on the device for its bitmask. 0 turns it off (the step samples in
+    # a call of its own once its bitmask is filled, as before); unset or 1 on.
+    "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),
