@@ -169,6 +169,16 @@ def _record_quant() -> None:
     # wna16_linear call there would run a (256 x 14336) @ (14336 x 4096) bf16 matmul on the CPU (~70 s).
     for m in (1, 8, 64):
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
+    # the packed fp16 math of the one-row kernel (MATH="f16x2"), plain, with SwiGLU's activation and with
+    # residual add + RMSNorm in its x prologue (the norm at qkv / gate_up's K: hidden 4096)
+    for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
+                wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True)):
+        wna16_stream.wna16_stream_linear(torch.zeros(1, k, dtype=bf16), qw, s, z, 128, config=cfg)
+        wna16_stream.wna16_stream_linear(torch.zeros(1, 2 * k, dtype=bf16), qw, s, z, 128, config=cfg,
+                                         act="silu_and_mul")
+        xk, qk = torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, n, dtype=torch.int32)
+        wna16_stream.wna16_stream_linear_rms_norm(xk, xk, torch.ones(4096, dtype=bf16), 1e-5, qk, s[:32], z[:32], 128,
+                                                  config=cfg)
     wna16_gemm.wna16_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, 28672, dtype=torch.int32),
                             torch.zeros(32, 28672, dtype=bf16), torch.zeros(32, 28672, dtype=torch.uint8), 4, 128)
     # 8-bit weights keep the FMA GEMV (M 1) and the tile kernel (M 64): the tensor-core kernel is 4-bit.
