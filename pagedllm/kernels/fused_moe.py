@@ -247,6 +247,22 @@ def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
 FUSED_SILU_MAX_TILE = 64 * 64
 
 
+def down_config(cfg: dict) -> dict:
+    """GEMM 2's tiles: GEMM 1's, with cfg["DOWN"]'s entries over them. The two GEMMs differ in shape
+    (Qwen3-30B-A3B: GEMM 1 N = 2 x 768 over K = 2048, GEMM 2 N = 2048 over K = 768), so a tile that
+    streams one's weights well may not suit the other. BLOCK_M stays GEMM 1's: the sorted rows
+    are padded to it.
+        {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN": {"BLOCK_N": 128}}
+            -> {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}"""
+    down = cfg.get("DOWN")
+    if not down:
+        return cfg
+    if "BLOCK_M" in down and down["BLOCK_M"] != cfg["BLOCK_M"]:
+        raise ValueError(f"fused_experts: DOWN's BLOCK_M {down['BLOCK_M']} must equal BLOCK_M {cfg['BLOCK_M']} "
+                         "(the sorted rows are padded to it)")
+    return {k: v for k, v in {**cfg, **down}.items() if k not in ("DOWN", "FUSE_SILU")}
+
+
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg,
                   fuse_silu: bool = False) -> None:
     n, k = w.shape[1] // (2 if fuse_silu else 1), w.shape[2]
@@ -268,8 +284,9 @@ def fused_experts(
     w2: torch.Tensor,  # (E, hidden, inter)
     topk_weights: torch.Tensor,  # (T, top_k) float32
     topk_ids: torch.Tensor,  # (T, top_k) int32
-    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
-    # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above).
+    config: dict | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
+    # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above),
+    # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M: see down_config).
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
@@ -291,6 +308,6 @@ def fused_experts(
         _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg)
         h = silu_and_mul(gate_up)  # (T * top_k, inter)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, cfg)
+    _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, down_config(cfg))
     # One reduction kernel: torch accumulates half-precision sums in float32 and rounds once.
     return down.view(t, top_k, hidden).sum(dim=1)
