@@ -340,7 +340,9 @@ def moe_variants(runner, shape: Shape, bw: float, flops: float, deadline: float)
         (8192, "default", dict(base[8192])),
         # SiLU in GEMM 1 at prefill size: two 128 x 128 accumulators (the registers of one 128 x 256).
         (8192, "128x128x64 w8 s4 silu-fused", c(128, 128, 64, 8, 4, FUSE_SILU=True)),
+        (8192, "128x128x64 w8 s4 silu-fused TMA", c(128, 128, 64, 8, 4, FUSE_SILU=True, TMA=True)),
         (256, "16x128x128 w4 s2", c(16, 128, 128, 4, 2)),
+        (256, "16x128x128 w4 s3 TMA", c(16, 128, 128, 4, 3, TMA=True)),
         (256, "32x128x128 w4 s3 silu-fused", c(32, 128, 128, 4, 3, FUSE_SILU=True)),
         (128, "default", dict(base[128])),
         (8192, "128x128x64 w8 s3 silu-fused", c(128, 128, 64, 8, 3, FUSE_SILU=True)),
@@ -350,6 +352,8 @@ def moe_variants(runner, shape: Shape, bw: float, flops: float, deadline: float)
         (256, "32x64x128 w4 s3", c(32, 64, 128, 4, 3)),
         (8192, "64x128x64 w4 s4 silu-fused", c(64, 128, 64, 4, 4, FUSE_SILU=True)),
         (256, "64x64x64 w4 s4", c(64, 64, 64, 4, 4)),
+        (8192, "128x256x64 w8 s4 TMA", c(128, 256, 64, 8, 4, TMA=True)),
+        (256, "64x64x64 w4 s3 TMA", c(64, 64, 64, 4, 3, TMA=True)),
         (8192, "128x128x64 w8 s4", c(128, 128, 64, 8, 4)),
     ]
     copies = min(8, len(layers))  # 8 layers' experts (~10 GB) rotated: every call reads from DRAM

@@ -25,6 +25,11 @@ import triton.language as tl
 
 from pagedllm.kernels.activation import silu_and_mul
 
+try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 __all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref"]
 
 
@@ -224,6 +229,73 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _fused_moe_tma_kernel(
+    a_ptr,  # (rows, K), as _fused_moe_kernel
+    b_desc,  # TMA descriptor over the experts' weights as one (E * N_total, K) matrix, [BLOCK_N, BLOCK_K] tiles
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    N_total,  # weight rows per expert: 2 * inter for GEMM 1 (gate | up), hidden for GEMM 2
+    num_valid_pairs,
+    num_m_blocks,
+    num_n_blocks,
+    stride_am,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FUSE_SILU: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 8,
+):
+    """`_fused_moe_kernel` with the weight tiles fetched by the Hopper TMA unit (the rows' inputs are
+    gathered, pair // TOP_K, so they stay pointer loads). A tile of the last column block may reach
+    into the next expert's rows (or past the matrix, zero-filled): those columns are computed and
+    never stored. K past the weights' width is zero-filled, so only the input loads carry a K mask."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
+    valid = pair < num_valid_pairs
+    expert = tl.load(expert_ids_ptr + pid_m)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    row_b = expert * N_total + pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        b = b_desc.load([row_b, k0])  # (BLOCK_N, BLOCK_K), K contiguous
+        acc = tl.dot(a, tl.trans(b), acc)
+        if FUSE_SILU:
+            b_up = b_desc.load([row_b + N, k0])
+            acc_up = tl.dot(a, tl.trans(b_up), acc_up)
+        a_ptrs += BLOCK_K
+    if FUSE_SILU:
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
 def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes by the step's (token, expert) pairs. 16-bit weights take the tiles that won
     scripts/moe_config_sweep.py on the H200 at Qwen3-30B-A3B's expert shape (BENCHMARKS.md, issue 24),
@@ -268,6 +340,19 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
     n, k = w.shape[1] // (2 if fuse_silu else 1), w.shape[2]
     num_m_blocks, num_n_blocks = triton.cdiv(sorted_ids.numel(), cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
     grid = (num_m_blocks * num_n_blocks,)
+    if cfg.get("TMA"):
+        if TensorDescriptor is None or w.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("fused_experts: TMA tiles need Triton's TensorDescriptor and 16-bit weights")
+        e, n_total = w.shape[0], w.shape[1]
+        desc = TensorDescriptor(w.view(e * n_total, k), [e * n_total, k], [k, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        _fused_moe_tma_kernel[grid](
+            a, desc, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, n_total, out.shape[0], num_m_blocks,
+            num_n_blocks, a.stride(0), out.stride(0),
+            TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], FUSE_SILU=fuse_silu, GROUP_M=cfg.get("GROUP_M", 8),
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        )
+        return
     _fused_moe_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, out.shape[0], num_m_blocks, num_n_blocks,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
@@ -286,7 +371,8 @@ def fused_experts(
     topk_ids: torch.Tensor,  # (T, top_k) int32
     config: dict | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
     # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above),
-    # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M: see down_config).
+    # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M / TMA: see down_config),
+    # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights).
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape

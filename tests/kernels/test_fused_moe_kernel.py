@@ -105,3 +105,21 @@ def test_down_gemm_takes_its_own_tiles():
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="BLOCK_M"):
         fused_experts(x, w13, w2, weights, ids, config=dict(cfg, DOWN=dict(BLOCK_M=32)))
+
+
+@pytest.mark.parametrize("fuse_silu", [True, False])
+def test_tma_weight_tiles_equal_the_pointer_kernel(fuse_silu):
+    # inter 48 over BLOCK_N 32: the last column block's TMA tile reaches into the next expert's rows
+    # (computed, not stored); GEMM 2's K = 48 over BLOCK_K 32: the descriptor zero-fills past K.
+    g = torch.Generator().manual_seed(5)
+    t, e, top_k, hidden, inter = 40, 4, 2, 64, 48
+    x = torch.randn(t, hidden, generator=g).half().to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).half().to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).half().to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, FUSE_SILU=fuse_silu)
+    pointer = fused_experts(x, w13, w2, weights, ids, config=cfg)
+    tma = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, TMA=True))
+    # The same tiles and K order; on a GPU the two kernels may still pick different MMA layouts.
+    torch.testing.assert_close(tma, pointer, atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(tma.float(), fused_experts_ref(x, w13, w2, weights, ids).float(), atol=3e-2, rtol=3e-2)
