@@ -307,17 +307,46 @@ def profile_steps(llm, runner, requests, temperature: float, shape: Shape, bw: f
             print(f"| `{short}` | {len(durs)} | {1e3 * sum(durs):.2f} | {1e6 * statistics.fmean(durs):.1f} |")
 
 
-def moe_variants(runner, shape: Shape, bw: float, flops: float, deadline: float) -> None:
-    """Section 3: tile configs of the fused MoE on the engine's experts (48 layers rotated)."""
+def _c(m: int, n: int, k: int, w: int, st: int, **kw) -> dict:
+    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, **kw)
+
+
+def variant_set(name: str, base: dict[int, dict]) -> list[tuple[int, str, dict]]:
+    """(tokens, label, fused_experts config) to time, most informative first (the deadline cuts the tail).
+    base: `_config`'s tiles per token count."""
+    c = _c
+    if name == "r1":
+        return [
+            (256, "default", dict(base[256])),
+            (8192, "default", dict(base[8192])),
+            # SiLU in GEMM 1 at prefill size: two 128 x 128 accumulators (the registers of one 128 x 256).
+            (8192, "128x128x64 w8 s4 silu-fused", c(128, 128, 64, 8, 4, FUSE_SILU=True)),
+            (8192, "128x128x64 w8 s4 silu-fused TMA", c(128, 128, 64, 8, 4, FUSE_SILU=True, TMA=True)),
+            (256, "16x128x128 w4 s2", c(16, 128, 128, 4, 2)),
+            (256, "16x128x128 w4 s3 TMA", c(16, 128, 128, 4, 3, TMA=True)),
+            (256, "32x64x128 w4 s3", c(32, 64, 128, 4, 3)),
+            (128, "default", dict(base[128])),
+            (8192, "128x128x64 w8 s3 silu-fused", c(128, 128, 64, 8, 3, FUSE_SILU=True)),
+            (256, "16x64x128 w4 s3", c(16, 64, 128, 4, 3)),
+            (256, "16x256x128 w8 s2", c(16, 256, 128, 8, 2)),
+            (128, "16x128x128 w4 s2", c(16, 128, 128, 4, 2)),
+            (8192, "64x128x64 w4 s4 silu-fused", c(64, 128, 64, 4, 4, FUSE_SILU=True)),
+            (256, "64x64x64 w4 s4", c(64, 64, 64, 4, 4)),
+            (8192, "128x256x64 w8 s4 TMA", c(128, 256, 64, 8, 4, TMA=True)),
+            (256, "64x64x64 w4 s3 TMA", c(64, 64, 64, 4, 3, TMA=True)),
+            (8192, "128x128x64 w8 s4", c(128, 128, 64, 8, 4)),
+        ]
+    raise ValueError(f"unknown variant set {name!r}")
+
+
+def moe_variants(w13s: list, w2s: list, shape: Shape, bw: float, flops: float, deadline: float, which: str) -> None:
+    """Section 3: tile configs of the fused MoE on the given layers' experts (rotated)."""
     import torch
 
     from pagedllm.kernels import fused_moe as fm
-    from pagedllm.layers.fused_moe.layer import FusedMoE
     from pagedllm.layers.fused_moe.router import select_experts
     from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
-    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    w13s, w2s = [m.w13_weight for m in layers], [m.w2_weight for m in layers]
     e, top_k, hidden = shape.experts, shape.top_k, shape.hidden
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {}
@@ -325,37 +354,12 @@ def moe_variants(runner, shape: Shape, bw: float, flops: float, deadline: float)
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
         w, ids = select_experts(torch.randn(t, e, device="cuda", generator=g), top_k, True)
         cases[t] = (x, w, ids)
-    # Correctness of the default path on this GPU at a decode size (layer 0's dummy weights).
+    # Correctness of the default path on this GPU at a decode size (layer 0's weights).
     x, w, ids = cases[128]
     err = rel_err(fm.fused_experts(x, w13s[0], w2s[0], w, ids), fused_experts_ref(x, w13s[0], w2s[0], w, ids))
     record("fused_experts 128 tokens == torch reference (layer 0)", f"{'OK' if err < 2e-2 else 'WRONG'} (rel err {err:.1e})")
-    base = {t: fm._config(t * top_k, torch.bfloat16) for t in cases}
-
-    def c(m, n_, k, w, st, **kw) -> dict:
-        return dict(BLOCK_M=m, BLOCK_N=n_, BLOCK_K=k, num_warps=w, num_stages=st, **kw)
-
-    # Most informative first: the deadline cuts the tail.
-    variants: list[tuple[int, str, dict]] = [
-        (256, "default", dict(base[256])),
-        (8192, "default", dict(base[8192])),
-        # SiLU in GEMM 1 at prefill size: two 128 x 128 accumulators (the registers of one 128 x 256).
-        (8192, "128x128x64 w8 s4 silu-fused", c(128, 128, 64, 8, 4, FUSE_SILU=True)),
-        (8192, "128x128x64 w8 s4 silu-fused TMA", c(128, 128, 64, 8, 4, FUSE_SILU=True, TMA=True)),
-        (256, "16x128x128 w4 s2", c(16, 128, 128, 4, 2)),
-        (256, "16x128x128 w4 s3 TMA", c(16, 128, 128, 4, 3, TMA=True)),
-        (256, "32x64x128 w4 s3", c(32, 64, 128, 4, 3)),
-        (128, "default", dict(base[128])),
-        (8192, "128x128x64 w8 s3 silu-fused", c(128, 128, 64, 8, 3, FUSE_SILU=True)),
-        (256, "16x64x128 w4 s3", c(16, 64, 128, 4, 3)),
-        (256, "16x256x128 w8 s2", c(16, 256, 128, 8, 2)),
-        (128, "16x128x128 w4 s2", c(16, 128, 128, 4, 2)),
-        (8192, "64x128x64 w4 s4 silu-fused", c(64, 128, 64, 4, 4, FUSE_SILU=True)),
-        (256, "64x64x64 w4 s4", c(64, 64, 64, 4, 4)),
-        (8192, "128x256x64 w8 s4 TMA", c(128, 256, 64, 8, 4, TMA=True)),
-        (256, "64x64x64 w4 s3 TMA", c(64, 64, 64, 4, 3, TMA=True)),
-        (8192, "128x128x64 w8 s4", c(128, 128, 64, 8, 4)),
-    ]
-    copies = min(8, len(layers))  # 8 layers' experts (~10 GB) rotated: every call reads from DRAM
+    variants = variant_set(which, {t: fm._config(t * top_k, torch.bfloat16) for t in cases})
+    copies = min(8, len(w13s))  # 8 layers' experts (~10 GB) rotated: every call reads from DRAM
     for t, name, cfg in variants:
         if elapsed() > deadline:
             record(f"variant {t} tokens {name}", "not run: deadline")
@@ -409,6 +413,9 @@ def main() -> int:
     parser.add_argument("--skip-variants", action="store_true")
     parser.add_argument("--skip-profile", action="store_true")
     parser.add_argument("--decode-at", type=int, default=40, help="profile the first decode step from this index")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="no engine: section 3 on 8 layers of random experts of --model's shape")
+    parser.add_argument("--variant-set", default="r1")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda:  # the plumbing only (sections 1 and 2's bookkeeping), e.g. a tiny MoE config with --device cpu
@@ -418,6 +425,17 @@ def main() -> int:
     dev = tp.measured_device(args)
     record("device", f"{torch.cuda.get_device_name() if cuda else 'cpu'}: copy {dev.bandwidth / 1e12:.2f} TB/s, bf16 matmul "
            f"{dev.flops / 1e12:.0f} TFLOP/s")
+    if args.variants_only:
+        from _gpu_common import moe_expert_weights
+
+        from pagedllm.engine.arg_utils import EngineArgs
+
+        shape = Shape(EngineArgs.from_cli_args(args).create_engine_config().model_config.hf_config)
+        weights = [moe_expert_weights(shape.experts, shape.hidden, shape.inter) for _ in range(8)]
+        moe_variants([w[0] for w in weights], [w[1] for w in weights], shape, dev.bandwidth, dev.flops,
+                     args.deadline, args.variant_set)
+        print_results()
+        return 0
     llm = tp.make_llm(args)
     tp.warmup(llm, args.num_warmup)
     core = llm.llm_engine.engine_core
@@ -432,7 +450,12 @@ def main() -> int:
         sections.append(("profile", lambda: profile_steps(llm, runner, requests, temperature, shape, dev.bandwidth,
                                                           dev.flops, args.decode_at)))
     if not args.skip_variants:
-        sections.append(("variants", lambda: moe_variants(runner, shape, dev.bandwidth, dev.flops, args.deadline)))
+        from pagedllm.layers.fused_moe.layer import FusedMoE
+
+        moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+        sections.append(("variants", lambda: moe_variants([m.w13_weight for m in moe], [m.w2_weight for m in moe],
+                                                          shape, dev.bandwidth, dev.flops, args.deadline,
+                                                          args.variant_set)))
     for name, fn in sections:
         t0 = elapsed()
         try:
