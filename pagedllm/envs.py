@@ -92,6 +92,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
+    # 0: decode-sized MoE steps sort their (token, expert) pairs with the align kernel before the
+    # expert GEMMs, instead of each GEMM program finding its expert's pairs (kernels/fused_moe.py,
+    # `_fused_moe_scan_kernel`); for comparisons.
+    "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
@@ -192,6 +196,7 @@ class KernelSwitches:
     skinny_gemv: bool
     graph_tuning: bool
     parallel_compile: bool = False
+    moe_scan: bool = True
 
 
 def kernel_switches() -> KernelSwitches:
@@ -202,6 +207,7 @@ def kernel_switches() -> KernelSwitches:
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
+        moe_scan=get["PAGEDLLM_MOE_SCAN"](),
     )
 
 

@@ -155,17 +155,34 @@ def add_requests(engine, requests, temperature: float, tag: str) -> None:
 
 def w1_steps(llm, runner, requests, temperature: float, shape: Shape, bw: float, flops: float) -> None:
     """Section 1."""
-    engine = llm.llm_engine
+    from triton.runtime import jit
+
+    from pagedllm.benchmarks import throughput as tp
+
     steps, originals = instrument(runner)
-    add_requests(engine, requests, temperature, "w1")
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
+    compiles: list[tuple[int, str, float]] = []
+    compile_fn = jit.JITFunction._do_compile
+
+    def timed_compile(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return compile_fn(self, *a, **kw)
+        finally:
+            compiles.append((len(steps), self.fn.__name__, time.perf_counter() - t))
+
+    jit.JITFunction._do_compile = timed_compile
+    try:  # `bench throughput`'s own measured call (llm.generate), with the runner instrumented
+        result = tp.run_throughput(llm, requests, temperature, tp.roofline.DeviceSpec(bw, flops, "measured"))
+    finally:
+        jit.JITFunction._do_compile = compile_fn
+        runner.forward, runner.execute_model = originals
     sync()
-    wall = time.perf_counter() - t0
-    runner.forward, runner.execute_model = originals
-    out_tokens = sum(r.expected_output_len for r in requests)
-    record("W1 in the step loop (instrumented)", f"{out_tokens / wall:.0f} output tok/s ({wall:.2f} s, {len(steps)} steps)")
+    wall = result.elapsed_time
+    out_tokens = result.total_output_tokens
+    record("W1 (bench throughput's run, runner instrumented)",
+           f"{result.output_tokens_per_second:.0f} output tok/s ({wall:.2f} s, {len(steps)} steps)")
+    record("Triton compiles during W1", f"{len(compiles)}, {sum(c[2] for c in compiles):.2f} s" + (
+        ": " + ", ".join(f"{n}@step {k} {t:.2f}s" for k, n, t in compiles[:8]) if compiles else ""))
     for i, s in enumerate(steps):
         nxt = steps[i + 1]["start"] if i + 1 < len(steps) else s["end"]
         s["period"] = s["start"].elapsed_time(nxt) / 1e3
@@ -194,7 +211,8 @@ def w1_steps(llm, runner, requests, temperature: float, shape: Shape, bw: float,
     for name, g in sorted(groups.items(), key=lambda kv: -sum(s["period"] for s in kv[1])):
         per = sum(s["period"] for s in g)
         fl = sum(s["floor"] for s in g)
-        row = (f"{len(g)} | {per:.2f} | {1e3 * per / len(g):.2f} | {1e3 * statistics.median(s['host'] for s in g):.2f} | "
+        row = (f"{len(g)} | {per:.2f} | {1e3 * per / len(g):.2f} (p50 {1e3 * statistics.median(s['period'] for s in g):.2f}, "
+               f"max {1e3 * max(s['period'] for s in g):.1f}) | {1e3 * statistics.median(s['host'] for s in g):.2f} | "
                f"{fl:.2f} | {100 * fl / per:.0f}% | {1e3 * statistics.fmean(s['moe_s'] for s in g):.2f}")
         print(f"| {name} | {row} |")
         record(f"steps: {name} (n, device s, mean ms, host p50 ms, floor s, %, MoE floor ms)", row.replace(" | ", ", "))
@@ -336,6 +354,19 @@ def variant_set(name: str, base: dict[int, dict]) -> list[tuple[int, str, dict]]
             (256, "64x64x64 w4 s3 TMA", c(64, 64, 64, 4, 3, TMA=True)),
             (8192, "128x128x64 w8 s4", c(128, 128, 64, 8, 4)),
         ]
+    if name == "r2":  # the row-list decode path (default) against the align path it replaced
+        return [
+            (256, "default (row lists)", dict(base[256])),
+            (256, "align path 64x64x64", c(64, 64, 64, 4, 3)),
+            (128, "default (row lists)", dict(base[128])),
+            (128, "align path 64x64x64", c(64, 64, 64, 4, 3)),
+            (8192, "default", dict(base[8192])),
+            (8192, "128x128x64 w8 s4 silu-fused TMA", c(128, 128, 64, 8, 4, FUSE_SILU=True, TMA=True)),
+            (256, "rows 64x64x64, down 64x128x128", c(64, 64, 64, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128, BLOCK_K=128))),
+            (256, "rows 32x64x128, down 32x128x128", c(32, 64, 128, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128))),
+            (128, "rows 16x64x128, down 16x128x128", c(16, 64, 128, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128))),
+            (256, "rows 64x64x64 s4, down 64x64x64", c(64, 64, 64, 4, 4, SCAN=True)),
+        ]
     raise ValueError(f"unknown variant set {name!r}")
 
 
@@ -372,8 +403,8 @@ def moe_variants(w13s: list, w2s: list, shape: Shape, bw: float, flops: float, d
 
 
 def time_variant(t: int, name: str, cfg: dict, case, w13s, w2s, shape: Shape, bw: float, flops: float) -> None:
-    """fused_experts, then GEMM 1 and GEMM 2 alone (the align computed once, outside the graph), each
-    over the given layers' experts in turn."""
+    """fused_experts, then its parts alone: the align (or the row lists) and GEMM 1 and GEMM 2 (the
+    align computed once, outside the graph), each over the given layers' experts in turn."""
     import torch
 
     from pagedllm.kernels import fused_moe as fm
@@ -385,8 +416,19 @@ def time_variant(t: int, name: str, cfg: dict, case, w13s, w2s, shape: Shape, bw
     floor_b = hit * shape.expert_bytes / bw * 1e6
     floor_f = 2 * t * top_k * 3 * hidden * inter / flops * 1e6
     floor = max(floor_b, floor_f)
-    sorted_ids, expert_ids, ntpp = fm.moe_align_block_size(ids, cfg["BLOCK_M"], shape.experts)
     wf = w.reshape(-1).float().contiguous()
+    ids32 = ids.reshape(-1).to(torch.int32).contiguous()
+    if cfg.get("SCAN"):  # the row lists alone (the GEMMs are the rest of the call)
+        rows = torch.empty((shape.experts, t), dtype=torch.int32, device="cuda")
+        counts = torch.empty(shape.experts, dtype=torch.int32, device="cuda")
+        chunk = min(1024, 1 << (t * top_k - 1).bit_length())
+        lists = rotating_graph_us(lambda i: fm._moe_expert_rows_kernel[(shape.experts,)](
+            ids32, rows, counts, t * top_k, t, CHUNK=chunk, num_warps=4), 1, reps=24)
+        record(f"variant {t} tokens {name} (row lists)", f"{us:.1f} us/layer ({100 * floor / us:.0f}% of {floor:.1f}); "
+               f"the list kernel alone {lists:.1f} us")
+        return
+    align_us = rotating_graph_us(lambda i: fm.moe_align_block_size(ids, cfg["BLOCK_M"], shape.experts), 1, reps=24)
+    sorted_ids, expert_ids, ntpp = fm.moe_align_block_size(ids, cfg["BLOCK_M"], shape.experts)
     fuse = cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= fm.FUSED_SILU_MAX_TILE)
     h = torch.empty((t * top_k, inter if fuse else 2 * inter), dtype=x.dtype, device="cuda")
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device="cuda")
@@ -394,9 +436,9 @@ def time_variant(t: int, name: str, cfg: dict, case, w13s, w2s, shape: Shape, bw
     g1 = rotating_graph_us(lambda i: fm._grouped_gemm(x, w13s[i], h, wf, sorted_ids, expert_ids, ntpp, top_k, False,
                                                       cfg, fuse_silu=fuse), copies, reps=3 * copies)
     g2 = rotating_graph_us(lambda i: fm._grouped_gemm(hin, w2s[i], down, wf, sorted_ids, expert_ids, ntpp, 1, True,
-                                                      cfg), copies, reps=3 * copies)
+                                                      fm.down_config(cfg)), copies, reps=3 * copies)
     record(f"variant {t} tokens {name} ({'silu fused' if fuse else 'silu apart'})",
-           f"{us:.1f} us/layer ({100 * floor / us:.0f}% of {floor:.1f}); GEMM1 {g1:.1f} us "
+           f"{us:.1f} us/layer ({100 * floor / us:.0f}% of {floor:.1f}); align {align_us:.1f} us; GEMM1 {g1:.1f} us "
            f"({100 * floor_b * 2 / 3 / g1:.0f}% of bytes, {100 * floor_f * 2 / 3 / g1:.0f}% of FLOPs), GEMM2 "
            f"{g2:.1f} us ({100 * floor_b / 3 / g2:.0f}%, {100 * floor_f / 3 / g2:.0f}%)")
 

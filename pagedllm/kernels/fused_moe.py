@@ -13,6 +13,11 @@
            GEMM 2: h[pair] @ W2[e]^T * weight    -> (T * top_k, hidden)
     3. combine: the top_k rows of each token summed -> (T, hidden).
 
+Decode-sized steps (`_scan_config`) replace step 1 with one program per expert that lists its own
+pairs (`_moe_expert_rows_kernel`: no atomics, no padding) and GEMMs that take each expert's list
+(`_fused_moe_rows_kernel`): the one-program align took ~23 us at 256 tokens x 8 on the H200, 5% of a
+decode step of Qwen3-30B-A3B.
+
 Each expert's weights are read once per step however many tokens it got (the kernel's floor is the
 bytes of the experts hit). The plain PyTorch reference is `pagedllm.layers.fused_moe.torch_ref`.
 """
@@ -23,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import kernel_switches
 from pagedllm.kernels.activation import silu_and_mul
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
@@ -151,6 +157,54 @@ def moe_align_block_size_ref(
 
 
 @triton.jit
+def _rows_gemm(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr,
+    pair,  # int64 (BLOCK_M,): the (token, slot) pairs of these rows, all routed to `expert`
+    valid,  # (BLOCK_M,): rows that hold a pair
+    expert,  # int64
+    pid_n, N, K, stride_am, stride_be, stride_bn, stride_cm,
+    TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_SILU: tl.constexpr,
+):
+    """c[pair, n-block] = a[pair // TOP_K] @ b[expert, n-block]^T (the grouped GEMM's one tile), with
+    SiLU-and-mul of the gate and up columns (FUSE_SILU) and the routed weight (MUL_ROUTED_WEIGHT)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only: the up rows' columns
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if FUSE_SILU:  # the same columns of the up half: weight rows N + offs_n
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE_FP32:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if FUSE_SILU:
+        # Rounded to the output dtype first, as the unfused path stores [gate | up] before
+        # silu_and_mul (kernels/activation.py): the same values, one launch and buffer fewer.
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _fused_moe_kernel(
     a_ptr,  # (rows, K): x (GEMM 1, row = pair // TOP_K) or h (GEMM 2, row = pair)
     b_ptr,  # (E, N, K) expert weights
@@ -191,42 +245,116 @@ def _fused_moe_kernel(
         return  # beyond the last expert's padded run
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
-    valid = pair < num_valid_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    _rows_gemm(a_ptr, b_ptr, c_ptr, topk_weights_ptr, pair, pair < num_valid_pairs, expert, pid_n, N, K,
+               stride_am, stride_be, stride_bn, stride_cm, TOP_K, MUL_ROUTED_WEIGHT, IEEE_FP32,
+               BLOCK_M, BLOCK_N, BLOCK_K, FUSE_SILU)
+
+
+@triton.jit
+def _moe_expert_rows_kernel(
+    topk_ids_ptr,  # int32 (num_pairs,): the expert of each (token, slot) pair
+    rows_ptr,  # int32 (E, max_rows) out: each expert's pairs in pair order
+    counts_ptr,  # int32 (E,) out: each expert's number of pairs
+    num_pairs,
+    max_rows,
+    CHUNK: tl.constexpr,
+):
+    """The align step for decode-sized batches, one program per expert (no atomics, no padding):
+    expert e scans the step's ids and writes the pairs routed to it at their rank.
+        topk_ids [3, 1, 3, 0, 3], expert 3 -> rows[3, :3] = [0, 2, 4], counts[3] = 3"""
+    expert = tl.program_id(0)
+    row_list = rows_ptr + expert.to(tl.int64) * max_rows
+    count = tl.sum(tl.zeros([CHUNK], tl.int32), 0)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs_p = p0 + tl.arange(0, CHUNK)
+        hit = tl.load(topk_ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1) == expert
+        rank = count + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(row_list + rank, offs_p, mask=hit)
+        count += tl.sum(hit.to(tl.int32), 0)
+    tl.store(counts_ptr + expert, count)
+
+
+@triton.jit
+def _fused_moe_rows_kernel(
+    a_ptr,  # as _fused_moe_kernel
+    b_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    rows_ptr,  # int32 (E, max_rows): _moe_expert_rows_kernel's lists
+    counts_ptr,  # int32 (E,)
+    N,
+    K,
+    num_n_blocks,
+    max_rows,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+):
+    """The grouped GEMM over per-expert row lists: program (expert, column block) takes its
+    expert's pairs BLOCK_M at a time. One flat loop over (row block, K tile), the epilogue at each
+    row block's last K tile (the shape of Triton's persistent matmul), so the loads stay pipelined;
+    an expert with more pairs than BLOCK_M (rare: `_scan_config`) reads its weights again."""
+    pid = tl.program_id(0)
+    expert = pid // num_n_blocks
+    pid_n = pid % num_n_blocks
+    count = tl.load(counts_ptr + expert)
+    if count == 0:
+        return
+    row_list = rows_ptr + expert.to(tl.int64) * max_rows
+    offs_r = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    ki = k_tiles - 1  # the first iteration starts row block 0
+    m0 = -BLOCK_M
+    valid = offs_r < 0
+    pair = tl.zeros([BLOCK_M], tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only: the up rows' columns
-    for k0 in range(0, K, BLOCK_K):
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only
+    for _ in range(0, tl.cdiv(count, BLOCK_M) * k_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            m0 += BLOCK_M
+            valid = m0 + offs_r < count
+            pair = tl.load(row_list + m0 + offs_r, mask=valid, other=0).to(tl.int64)
+        k0 = ki * BLOCK_K
         k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_base + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-        if FUSE_SILU:  # the same columns of the up half: weight rows N + offs_n
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FUSE_SILU:
+            b_up = tl.load(b_base + k0 + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if IEEE_FP32:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if FUSE_SILU:
-        # Rounded to the output dtype first, as the unfused path stores [gate | up] before
-        # silu_and_mul (kernels/activation.py): the same values, one launch and buffer fewer.
-        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        if ki == k_tiles - 1:
+            out = acc
+            if FUSE_SILU:  # rounded as _rows_gemm's epilogue
+                gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+                up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+                out = gate / (1.0 + tl.exp(-gate)) * up
+            if MUL_ROUTED_WEIGHT:
+                out = out * tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)[:, None]
+            tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+                     mask=valid[:, None] & n_mask[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -363,6 +491,61 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
     )
 
 
+# Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well.
+_SCAN_ENABLED = kernel_switches().moe_scan
+# The row-list path takes steps of at most this many pairs (Qwen3-30B-A3B: 512 tokens x 8) and at
+# most SCAN_MAX_MEAN_ROWS pairs per expert on average: each list program reads every expert id of
+# the step, and an expert with more pairs than BLOCK_M reads its weights once per extra row block.
+SCAN_MAX_PAIRS = 4096
+SCAN_MAX_MEAN_ROWS = 24
+
+
+def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict | None:
+    """Tiles of the row-list path (`_fused_moe_rows_kernel`), or None where it does not apply.
+    BLOCK_M covers an expert's pairs with room to spare under uniform routing (mean m, sd ~ sqrt(m):
+    BLOCK_M >= m + 4 sd), so nearly every expert is one row block and its weights are read once:
+        mean <= 4 -> 16,  <= 12 -> 32,  else 64  (Qwen3-30B-A3B: 32 tokens -> 16, 128 -> 32, 256 -> 64).
+    GEMM 1 streams 2 x 64 weight rows (gate, up) per program; GEMM 2 128 rows (its K is only the
+    intermediate size, so wider programs are fewer and longer)."""
+    mean = num_pairs / num_experts
+    if not _SCAN_ENABLED or num_pairs > SCAN_MAX_PAIRS or mean > SCAN_MAX_MEAN_ROWS:
+        return None
+    block_m = 16 if mean <= 4 else 32 if mean <= 12 else 64
+    if dtype == torch.float32:  # the exactness tests: tiles that fit shared memory in fp32
+        return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2,
+                    DOWN=dict(BLOCK_N=32))
+    k = 128 if block_m <= 32 else 64
+    return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=k, num_warps=4, num_stages=3,
+                DOWN=dict(BLOCK_N=128, BLOCK_K=k))
+
+
+def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tensor:
+    """fused_experts without the sorted list: each expert's row list (`_moe_expert_rows_kernel`,
+    one program per expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists, then the top-k sum."""
+    t, top_k = topk_ids.shape
+    e, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    rows = torch.empty((e, t), dtype=torch.int32, device=x.device)  # an expert takes a token at most once
+    counts = torch.empty(e, dtype=torch.int32, device=x.device)
+    _moe_expert_rows_kernel[(e,)](ids, rows, counts, t * top_k, t, CHUNK=min(1024, triton.next_power_of_2(t * top_k)),
+                                  num_warps=4)
+    h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    fp32 = w13.dtype == torch.float32
+    for a, w, out, n, k, tk, first, gemm in ((x, w13, h, inter, hidden, top_k, True, cfg),
+                                              (h, w2, down, hidden, inter, 1, False, down_config(cfg))):
+        n_blocks = triton.cdiv(n, gemm["BLOCK_N"])
+        _fused_moe_rows_kernel[(e * n_blocks,)](
+            a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
+            BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
+        )
+    return down.view(t, top_k, hidden).sum(dim=1)
+
+
 def fused_experts(
     x: torch.Tensor,  # (T, hidden)
     w13: torch.Tensor,  # (E, 2 * inter, hidden)
@@ -372,7 +555,9 @@ def fused_experts(
     config: dict | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
     # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above),
     # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M / TMA: see down_config),
-    # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights).
+    # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights), SCAN (per-expert
+    # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass).
+    shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked): not the scan path
 ) -> torch.Tensor:  # (T, hidden)
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
@@ -383,9 +568,11 @@ def fused_experts(
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
         return torch.zeros_like(x)
-    cfg = config or _config(t * top_k, w13.dtype)
-    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
+    cfg = config or (None if shared_experts else _scan_config(t * top_k, e, w13.dtype)) or _config(t * top_k, w13.dtype)
     weights = topk_weights.reshape(-1).float().contiguous()
+    if cfg.get("SCAN"):
+        return _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg)
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):
         h = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w13, h, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg, fuse_silu=True)

@@ -126,6 +126,8 @@ def _record(launches: list) -> None:
         (sampling, "_argmax_partials_kernel"),
         (gemv, "_skinny_linear_kernel"),
         (fused_moe, "_fused_moe_kernel"),
+        (fused_moe, "_fused_moe_rows_kernel"),
+        (fused_moe, "_moe_expert_rows_kernel"),
         (wna16_gemv, "_wna16_gemv_kernel"),
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
@@ -180,7 +182,9 @@ def _record_model_families() -> None:
     window + soft-cap at Gemma-2's head_dim 256; MLA's latent MQA at DeepSeek-V2's width 576."""
     bf16 = torch.bfloat16
     w13, w2 = torch.zeros(128, 2 * 768, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16)
-    for t in (4, 512, 2048):  # the three 16-bit tile configs of fused_moe._config
+    # 4 / 128 / 256 tokens: the align-free decode path's three row blocks (16 / 32 / 64, _scan_config);
+    # 512 and 2048: the align path's two larger tile configs of fused_moe._config.
+    for t in (4, 128, 256, 512, 2048):
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing

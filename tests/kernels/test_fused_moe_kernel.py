@@ -123,3 +123,50 @@ def test_tma_weight_tiles_equal_the_pointer_kernel(fuse_silu):
     # The same tiles and K order; on a GPU the two kernels may still pick different MMA layouts.
     torch.testing.assert_close(tma, pointer, atol=1e-2, rtol=1e-3)
     torch.testing.assert_close(tma.float(), fused_experts_ref(x, w13, w2, weights, ids).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_expert_row_lists_hold_each_experts_pairs_in_order():
+    from pagedllm.kernels.fused_moe import _moe_expert_rows_kernel
+
+    ids = torch.tensor([3, 1, 3, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    rows = torch.full((4, 6), -7, dtype=torch.int32, device=DEVICE)
+    counts = torch.empty(4, dtype=torch.int32, device=DEVICE)
+    _moe_expert_rows_kernel[(4,)](ids, rows, counts, 6, 6, CHUNK=4)  # two chunks: the rank carries over
+    assert counts.tolist() == [1, 2, 0, 3]
+    assert [rows[e, :c].tolist() for e, c in enumerate(counts.tolist())] == [[3], [1, 5], [], [0, 2, 4]]
+
+
+@pytest.mark.parametrize("t, e, top_k, block_m", [
+    (5, 4, 2, 16),    # decode-sized: one row block per expert, some experts idle
+    (1, 8, 2, 16),    # one token
+    (300, 4, 2, 16),  # ~150 pairs per expert: ten row blocks each, weights read once per block
+    (37, 8, 3, 64),
+])
+def test_row_list_path_matches_reference(t, e, top_k, block_m):
+    g = torch.Generator().manual_seed(t)
+    hidden, inter = 32, 48  # inter not a multiple of BLOCK_N
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, DOWN=dict(BLOCK_N=16))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
+    from pagedllm.kernels.fused_moe import _scan_config
+
+    assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 64  # Qwen3-30B-A3B at 256 tokens
+    assert _scan_config(128 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32
+    assert _scan_config(8, 128, torch.bfloat16)["BLOCK_M"] == 16
+    assert _scan_config(1024 * 8, 128, torch.bfloat16) is None  # prefill sizes: the align path
+    # With shared experts (every token on the last S), fused_experts keeps the align path: same result.
+    g = torch.Generator().manual_seed(1)
+    t, e, hidden, inter = 6, 5, 32, 32
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e - 1, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=1)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, shared_experts=1),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
