@@ -362,10 +362,11 @@ def variant_set(name: str, base: dict[int, dict]) -> list[tuple[int, str, dict]]
             (128, "align path 64x64x64", c(64, 64, 64, 4, 3)),
             (8192, "default", dict(base[8192])),
             (8192, "128x128x64 w8 s4 silu-fused TMA", c(128, 128, 64, 8, 4, FUSE_SILU=True, TMA=True)),
-            (256, "rows 64x64x64, down 64x128x128", c(64, 64, 64, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128, BLOCK_K=128))),
             (256, "rows 32x64x128, down 32x128x128", c(32, 64, 128, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128))),
-            (128, "rows 16x64x128, down 16x128x128", c(16, 64, 128, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128))),
             (256, "rows 64x64x64 s4, down 64x64x64", c(64, 64, 64, 4, 4, SCAN=True)),
+            (256, "rows 64x32x64 s4, down 64x64x64", c(64, 32, 64, 4, 4, SCAN=True, DOWN=dict(BLOCK_N=64))),
+            (128, "rows 16x64x128, down 16x128x128", c(16, 64, 128, 4, 3, SCAN=True, DOWN=dict(BLOCK_N=128))),
+            (8192, "128x256x64 w8 s4 TMA", c(128, 256, 64, 8, 4, TMA=True)),
         ]
     raise ValueError(f"unknown variant set {name!r}")
 
@@ -411,6 +412,10 @@ def time_variant(t: int, name: str, cfg: dict, case, w13s, w2s, shape: Shape, bw
 
     x, w, ids = case
     top_k, hidden, inter, copies = shape.top_k, shape.hidden, shape.inter, len(w13s)
+    from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
+
+    err = rel_err(fm.fused_experts(x, w13s[0], w2s[0], w, ids, config=cfg), fused_experts_ref(x, w13s[0], w2s[0], w, ids))
+    name = f"{name} [{'OK' if err < 2e-2 else 'WRONG'} {err:.0e}]"
     us = rotating_graph_us(lambda i: fm.fused_experts(x, w13s[i], w2s[i], w, ids, config=cfg), copies, reps=3 * copies)
     hit = int(torch.unique(ids).numel())
     floor_b = hit * shape.expert_bytes / bw * 1e6
