@@ -36,7 +36,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref"]
+__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref", "moe_sum"]
 
 
 def _max_padded(num_pairs: int, block_m: int, num_experts: int) -> int:
@@ -491,6 +491,39 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
     )
 
 
+@triton.jit
+def _moe_sum_kernel(
+    x_ptr,  # (T, TOP_K, hidden), rows contiguous
+    out_ptr,  # (T, hidden)
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] = sum over the top_k rows of x[t], in fp32, rounded once (as torch's sum of a 16-bit
+    tensor)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + k) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum(down: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(T * top_k, hidden) -> (T, hidden): each token's top_k expert outputs summed. One program per
+    (token, 1024 columns): torch's strided reduction over dim 1 ran at ~1.3 TB/s on the H200 at
+    decode sizes (7 us a layer at 256 tokens x 8 x 2048). Reference: `down.view(T, top_k, -1).sum(1)`."""
+    rows, hidden = down.shape
+    t = rows // top_k
+    if down.stride(1) != 1 or down.stride(0) != hidden:
+        return down.view(t, top_k, hidden).sum(dim=1)
+    out = torch.empty((t, hidden), dtype=down.dtype, device=down.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(t, triton.cdiv(hidden, block))](down, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
 # Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well.
 _SCAN_ENABLED = kernel_switches().moe_scan
 # The row-list path takes steps of at most this many pairs (Qwen3-30B-A3B: 512 tokens x 8) and at
@@ -543,7 +576,7 @@ def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tenso
             TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
             BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
         )
-    return down.view(t, top_k, hidden).sum(dim=1)
+    return moe_sum(down, top_k)
 
 
 def fused_experts(
@@ -582,5 +615,4 @@ def fused_experts(
         h = silu_and_mul(gate_up)  # (T * top_k, inter)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, down_config(cfg))
-    # One reduction kernel: torch accumulates half-precision sums in float32 and rounds once.
-    return down.view(t, top_k, hidden).sum(dim=1)
+    return moe_sum(down, top_k)

@@ -170,3 +170,16 @@ def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     weights, ids = select_experts(torch.randn(t, e - 1, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=1)
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, shared_experts=1),
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_equals_torch_sum(dtype):
+    from pagedllm.kernels.fused_moe import moe_sum
+
+    g = torch.Generator().manual_seed(2)
+    down = torch.randn(7 * 3, 1500, generator=g).to(dtype).to(DEVICE)  # hidden past one 1024-wide block
+    ref = down.view(7, 3, 1500).float().sum(dim=1).to(dtype)
+    # fp32 exactly; bf16 within one unit of the last place (Triton's interpreter rounds fp32 -> bf16
+    # by truncation, the GPU to nearest).
+    tol = 0 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(moe_sum(down, 3), ref, atol=tol, rtol=tol)
