@@ -128,6 +128,7 @@ def _record(launches: list) -> None:
         (fused_moe, "_fused_moe_kernel"),
         (fused_moe, "_fused_moe_rows_kernel"),
         (fused_moe, "_moe_expert_rows_kernel"),
+        (fused_moe, "_moe_sum_kernel"),
         (wna16_gemv, "_wna16_gemv_kernel"),
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
