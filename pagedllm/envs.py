@@ -92,9 +92,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
-    # 0: decode-sized MoE steps sort their (token, expert) pairs with the align kernel before the
-    # expert GEMMs, instead of each GEMM program finding its expert's pairs (kernels/fused_moe.py,
-    # `_fused_moe_scan_kernel`); for comparisons.
+    # 0: decode-sized MoE steps sort their (token, expert) pairs with the one-program align kernel
+    # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
+    # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
