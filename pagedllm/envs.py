@@ -96,6 +96,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
+    # 0: MoE blocks run the router GEMM (cuBLAS) and the softmax top-k as two kernels instead of one
+    # (kernels/moe_router.py `router_topk_softmax`, FusedMoE.forward_gate); for comparisons.
+    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
@@ -197,6 +200,7 @@ class KernelSwitches:
     graph_tuning: bool
     parallel_compile: bool = False
     moe_scan: bool = True
+    fused_router: bool = True
 
 
 def kernel_switches() -> KernelSwitches:
@@ -208,6 +212,7 @@ def kernel_switches() -> KernelSwitches:
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
+        fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
     )
 
 

@@ -34,7 +34,7 @@ class MixtralMoE(nn.Module):
                                 prefix=f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))  # (T, hidden) -> router (T, E) -> (T, hidden)
+        return self.experts.forward_gate(x, self.gate)  # (T, hidden) -> router (T, E) -> (T, hidden)
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

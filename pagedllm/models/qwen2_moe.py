@@ -46,7 +46,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts.forward_gate(x, self.gate)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -138,6 +138,7 @@ def _record(launches: list) -> None:
         (quant_act, "_scale_epilogue_kernel"),
         (fused_moe, "_moe_align_kernel"),
         (moe_router, "_topk_softmax_kernel"),
+        (moe_router, "_router_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
         (mla_prep, "_mla_prep_kernel"),
     ]:
@@ -189,6 +190,7 @@ def _record_model_families() -> None:
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
+        moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False, num_shared=2)  # with its shared experts
     # DeepSeek-V2-Lite's experts (64 routed + 2 shared, 2048 -> 1408), top 6 + 2, decode tiles.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.envs import kernel_switches
 from pagedllm.layers.fused_moe.method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from pagedllm.layers.fused_moe.router import select_experts
 from pagedllm.layers.tp import (
@@ -34,6 +35,8 @@ from pagedllm.layers.tp import (
 from pagedllm.layers.utils import check_shape, divide
 from pagedllm.quantization.base import QuantizationConfig
 
+# Read once at import: PAGEDLLM_FUSED_ROUTER=0 keeps the router GEMM and the top-k apart (forward_gate).
+_FUSED_ROUTER = kernel_switches().fused_router
 # Checkpoint projection -> (our parameter, shard): w1 = gate, w3 = up, w2 = down.
 _SHARDS = ("w1", "w2", "w3")
 
@@ -144,6 +147,29 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
             self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor, self.num_fused_shared_experts,
         )
+        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def forward_gate(self, hidden_states: torch.Tensor, gate: nn.Module) -> torch.Tensor:
+        """forward(hidden_states, gate(hidden_states)), with the router's GEMM and the softmax top-k
+        as one kernel where they can be (kernels/moe_router.py `router_topk_softmax`: CUDA, a 16-bit
+        unquantized bias-free gate, plain softmax routing, no fused shared experts)."""
+        from pagedllm.quantization.base import UnquantizedLinearMethod
+
+        weight = getattr(gate, "weight", None)
+        if not (_FUSED_ROUTER and hidden_states.is_cuda and weight is not None and getattr(gate, "bias", None) is None
+                and isinstance(getattr(gate, "quant_method", None), UnquantizedLinearMethod)
+                and hidden_states.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden_states.dtype
+                and self.scoring_func == "softmax" and self.e_score_correction_bias is None
+                and (self.num_expert_group or 1) <= 1 and not self.num_fused_shared_experts
+                and weight.shape[0] <= 256):
+            return self.forward(hidden_states, gate(hidden_states))
+        from pagedllm.kernels.moe_router import router_topk_softmax
+
+        topk_weights, topk_ids = router_topk_softmax(hidden_states, weight, self.top_k, self.renormalize,
+                                                     self.routed_scaling_factor)
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
