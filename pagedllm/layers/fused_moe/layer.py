@@ -37,6 +37,9 @@ from pagedllm.quantization.base import QuantizationConfig
 
 # Read once at import: PAGEDLLM_FUSED_ROUTER=0 keeps the router GEMM and the top-k apart (forward_gate).
 _FUSED_ROUTER = kernel_switches().fused_router
+# Larger steps keep the two: each of the fused kernel's 16-token programs reads the whole router
+# weight (Qwen3-30B-A3B: 512 KB) from L2, which at prefill sizes outweighs one GEMM's launch.
+FUSED_ROUTER_MAX_TOKENS = 1024
 # Checkpoint projection -> (our parameter, shard): w1 = gate, w3 = up, w2 = down.
 _SHARDS = ("w1", "w2", "w3")
 
@@ -155,7 +158,8 @@ class FusedMoE(nn.Module):
     def forward_gate(self, hidden_states: torch.Tensor, gate: nn.Module) -> torch.Tensor:
         """forward(hidden_states, gate(hidden_states)), with the router's GEMM and the softmax top-k
         as one kernel where they can be (kernels/moe_router.py `router_topk_softmax`: CUDA, a 16-bit
-        unquantized bias-free gate, plain softmax routing, no fused shared experts)."""
+        unquantized bias-free gate, plain softmax routing, no fused shared experts, at most
+        FUSED_ROUTER_MAX_TOKENS tokens)."""
         from pagedllm.quantization.base import UnquantizedLinearMethod
 
         weight = getattr(gate, "weight", None)
@@ -164,7 +168,7 @@ class FusedMoE(nn.Module):
                 and hidden_states.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden_states.dtype
                 and self.scoring_func == "softmax" and self.e_score_correction_bias is None
                 and (self.num_expert_group or 1) <= 1 and not self.num_fused_shared_experts
-                and weight.shape[0] <= 256):
+                and weight.shape[0] <= 256 and hidden_states.shape[0] <= FUSED_ROUTER_MAX_TOKENS):
             return self.forward(hidden_states, gate(hidden_states))
         from pagedllm.kernels.moe_router import router_topk_softmax
 
