@@ -99,6 +99,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: MoE blocks run the router GEMM (cuBLAS) and the softmax top-k as two kernels instead of one
     # (kernels/moe_router.py `router_topk_softmax`, FusedMoE.forward_gate); for comparisons.
     "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", True),
+    # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
+    # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
+    "PAGEDLLM_MOE_SUM_IN_NORM": _flag("PAGEDLLM_MOE_SUM_IN_NORM", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
@@ -201,6 +204,7 @@ class KernelSwitches:
     parallel_compile: bool = False
     moe_scan: bool = True
     fused_router: bool = True
+    moe_sum_in_norm: bool = True
 
 
 def kernel_switches() -> KernelSwitches:
@@ -213,6 +217,7 @@ def kernel_switches() -> KernelSwitches:
         parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
         fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
+        moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )
 
 

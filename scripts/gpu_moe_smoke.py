@@ -1,10 +1,12 @@
 """The fused MoE's default paths on this GPU against the torch reference, at Qwen3-30B-A3B's expert shape
 (bf16): decode sizes (the row-list path), a mid size and a prefill size (the align path), plus the top-k
-sum, and the fused router (GEMM + softmax top-k, timed against the two steps). Exit status 1 if any
-differs or fails to compile, so a round script can fall back (PAGEDLLM_MOE_SCAN=0 PAGEDLLM_FUSED_ROUTER=0)
-before a long run. ~10 s on a cold Triton cache (its compiles are the engine's).
+sum, the fused router (GEMM + softmax top-k, timed against the two steps), and the MoE block's top-k
+outputs left unsummed for the next RMSNorm. Exit status 1 if any differs or fails to compile, so a
+round script can fall back (PAGEDLLM_MOE_SCAN=0 PAGEDLLM_FUSED_ROUTER=0 PAGEDLLM_MOE_SUM_IN_NORM=0) before a
+long run. ~10 s on a cold Triton cache (its compiles are the engine's).
 
-    PYTHONPATH=$PWD python3 scripts/gpu_moe_smoke.py || export PAGEDLLM_MOE_SCAN=0 PAGEDLLM_FUSED_ROUTER=0
+    PYTHONPATH=$PWD python3 scripts/gpu_moe_smoke.py || export PAGEDLLM_MOE_SCAN=0 PAGEDLLM_FUSED_ROUTER=0 \
+        PAGEDLLM_MOE_SUM_IN_NORM=0
 """
 
 from __future__ import annotations
@@ -68,6 +70,40 @@ def main() -> int:
     except Exception:
         traceback.print_exc()
         print("router_topk_softmax: FAILED", flush=True)
+        ok = False
+    # Qwen3-30B-A3B's MoE block on one rank: its top-k outputs left unsummed for the next residual add
+    # + RMSNorm to sum, against the summed block output through the same norm.
+    try:
+        import json
+        import os
+
+        from transformers import Qwen3MoeConfig
+
+        from pagedllm.layers.layernorm import RMSNorm
+        from pagedllm.models.qwen2_moe import Qwen2MoeSparseMoeBlock
+
+        with open(os.path.join("pagedllm", "model_configs", "qwen3-30b-a3b", "config.json")) as f:
+            cfg = Qwen3MoeConfig(**json.load(f))
+        del w13, w2
+        with torch.device("cuda"):
+            block = Qwen2MoeSparseMoeBlock(cfg, None, "model.layers.0.mlp").to(torch.bfloat16)
+            norm = RMSNorm(hidden, cfg.rms_norm_eps).to(torch.bfloat16)
+        for p in block.parameters():
+            p.data.normal_(0, 0.02)
+        for t in (1, 256, 1024):
+            x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+            parts = block(x)
+            a = norm(parts, residual)
+            b = norm(block.experts.forward(x, block.gate(x)), residual)
+            errs = (rel_err(a[0], b[0]), rel_err(a[1], b[1]))
+            good = parts.shape == (t, top_k, hidden) and max(errs) < 2e-2
+            print(f"MoE block, top-k unsummed into the norm, {t} tokens: {tuple(parts.shape)}, rel err "
+                  f"{errs[0]:.1e} / {errs[1]:.1e} {'OK' if good else 'WRONG'}", flush=True)
+            ok &= good
+    except Exception:
+        traceback.print_exc()
+        print("MoE block unsummed: FAILED", flush=True)
         ok = False
     print(f"[smoke {'OK' if ok else 'FAILED'}, {time.monotonic() - t0:.0f} s]", flush=True)
     return 0 if ok else 1

@@ -219,8 +219,10 @@ def w1_steps(llm, runner, requests, temperature: float, shape: Shape, bw: float,
 
 
 FAMILIES = [  # first match wins
-    ("moe gemm", ("_fused_moe_kernel",)),
-    ("moe align", ("_moe_align", "sort", "scatter", "searchsorted", "cumsum", "arange", "index_put", "fill")),
+    ("moe gemm", ("_fused_moe_kernel", "_fused_moe_rows_kernel", "_fused_moe_tma_kernel")),
+    ("moe align", ("_moe_align", "_moe_expert_rows", "sort", "scatter", "searchsorted", "cumsum", "arange",
+                   "index_put", "fill")),
+    ("moe sum", ("_moe_sum",)),
     ("router", ("topk_softmax", "_topk", "softmax")),
     ("attention", ("attn", "attention", "paged", "decode", "merge", "flash", "unified")),
     ("dense gemm", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "xmma", "wgmma", "matmul", "splitk")),

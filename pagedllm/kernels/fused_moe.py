@@ -554,7 +554,7 @@ def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict |
 
 def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tensor:
     """fused_experts without the sorted list: each expert's row list (`_moe_expert_rows_kernel`,
-    one program per expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists, then the top-k sum."""
+    one program per expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden)."""
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -576,7 +576,7 @@ def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tenso
             TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
             BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
         )
-    return moe_sum(down, top_k)
+    return down
 
 
 def fused_experts(
@@ -591,7 +591,9 @@ def fused_experts(
     # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights), SCAN (per-expert
     # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass).
     shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked): not the scan path
-) -> torch.Tensor:  # (T, hidden)
+    sum_topk: bool = True,  # False: each token's top_k expert outputs unsummed, (T, top_k, hidden), for a
+    # consumer that sums them itself (kernels/rmsnorm.py: the next residual add + norm)
+) -> torch.Tensor:  # (T, hidden), or (T, top_k, hidden) with sum_topk=False
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
     if x.shape != (t, hidden) or w2.shape != (e, hidden, two_inter // 2):
@@ -600,11 +602,12 @@ def fused_experts(
     if not (x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if sum_topk else x.new_zeros((0, top_k, hidden))
     cfg = config or (None if shared_experts else _scan_config(t * top_k, e, w13.dtype)) or _config(t * top_k, w13.dtype)
     weights = topk_weights.reshape(-1).float().contiguous()
     if cfg.get("SCAN"):
-        return _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg)
+        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg)
+        return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):
         h = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
@@ -615,4 +618,4 @@ def fused_experts(
         h = silu_and_mul(gate_up)  # (T * top_k, inter)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, down_config(cfg))
-    return moe_sum(down, top_k)
+    return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)

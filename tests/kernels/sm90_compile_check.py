@@ -191,6 +191,8 @@ def _record_model_families() -> None:
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
         moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
+    # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).
+    rmsnorm.rms_norm(torch.zeros(4, 8, 2048, dtype=bf16), torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(4, 2048, dtype=bf16))
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False, num_shared=2)  # with its shared experts
     # DeepSeek-V2-Lite's experts (64 routed + 2 shared, 2048 -> 1408), top 6 + 2, decode tiles.

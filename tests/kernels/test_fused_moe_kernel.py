@@ -183,3 +183,19 @@ def test_moe_sum_equals_torch_sum(dtype):
     # by truncation, the GPU to nearest).
     tol = 0 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(moe_sum(down, 3), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("t", [5, 300])  # the row-list path and the align path
+def test_unsummed_topk_outputs_sum_to_the_summed_call(t):
+    from pagedllm.kernels.fused_moe import moe_sum
+
+    g = torch.Generator().manual_seed(t)
+    e, top_k, hidden, inter = 4, 2, 32, 32
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    parts = fused_experts(x, w13, w2, weights, ids, sum_topk=False)
+    assert parts.shape == (t, top_k, hidden)
+    torch.testing.assert_close(moe_sum(parts.reshape(t * top_k, hidden), top_k), fused_experts(x, w13, w2, weights, ids),
+                               atol=0, rtol=0)
