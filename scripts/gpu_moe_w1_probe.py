@@ -428,7 +428,7 @@ def time_variant(t: int, name: str, cfg: dict, case, w13s, w2s, shape: Shape, bw
     if cfg.get("SCAN"):  # the row lists alone (the GEMMs are the rest of the call)
         rows = torch.empty((shape.experts, t), dtype=torch.int32, device="cuda")
         counts = torch.empty(shape.experts, dtype=torch.int32, device="cuda")
-        chunk = min(1024, 1 << (t * top_k - 1).bit_length())
+        chunk = max(16, min(1024, 1 << (t * top_k - 1).bit_length()))
         lists = rotating_graph_us(lambda i: fm._moe_expert_rows_kernel[(shape.experts,)](
             ids32, rows, counts, t * top_k, t, CHUNK=chunk, num_warps=4), 1, reps=24)
         record(f"variant {t} tokens {name} (row lists)", f"{us:.1f} us/layer ({100 * floor / us:.0f}% of {floor:.1f}); "

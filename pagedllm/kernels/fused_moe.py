@@ -563,7 +563,7 @@ def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tenso
         ids = ids.to(torch.int32).contiguous()
     rows = torch.empty((e, t), dtype=torch.int32, device=x.device)  # an expert takes a token at most once
     counts = torch.empty(e, dtype=torch.int32, device=x.device)
-    _moe_expert_rows_kernel[(e,)](ids, rows, counts, t * top_k, t, CHUNK=min(1024, triton.next_power_of_2(t * top_k)),
+    _moe_expert_rows_kernel[(e,)](ids, rows, counts, t * top_k, t, CHUNK=max(16, min(1024, triton.next_power_of_2(t * top_k))),
                                   num_warps=4)
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
