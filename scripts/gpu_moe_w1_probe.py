@@ -450,6 +450,57 @@ def time_variant(t: int, name: str, cfg: dict, case, w13s, w2s, shape: Shape, bw
            f"{g2:.1f} us ({100 * floor_b / 3 / g2:.0f}%, {100 * floor_f / 3 / g2:.0f}%)")
 
 
+def attn_variants(shape: Shape, bw: float, deadline: float) -> None:
+    """Section 4: the fused decode attention kernel's tiles at this model's heads (GQA groups of
+    num_heads / num_kv_heads), W1-like decode batches, CUDA-graph replay, against its K/V bytes."""
+    import functools
+    import random
+
+    import torch
+    from _gpu_common import graph_time_us, shuffled_decode_metadata
+
+    from pagedllm.kernels import decode_attention as da
+    from pagedllm.kernels.rotary import build_cos_sin_cache
+
+    nh, nkv, hd = shape.heads, shape.kv_heads, shape.head_dim
+    original = da._tile_config
+    # (BLOCK_M, BLOCK_Q, TILE_N, warps, stages) as _tile_config returns them, or None: its own; splits
+    variants = [("default", None, None), ("64 keys s3", (16, 1, 64, 4, 3), None), ("128 keys s4", (16, 1, 128, 4, 4), None),
+                ("64 keys s2", (16, 1, 64, 4, 2), None), ("128 keys s2", (16, 1, 128, 4, 2), None),
+                ("256 keys s2 w8", (16, 1, 256, 8, 2), None), ("default, 2 splits", None, 2)]
+    cos_sin = build_cos_sin_cache(hd, 8192, 1e6, device="cuda")
+    norm_w = torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+    for n, (lo, hi) in {256: (150, 1100), 128: (500, 1800)}.items():  # early and mid-run W1 batches
+        rng = random.Random(n)
+        s_lens = [rng.randint(lo, hi) for _ in range(n)]
+        md, blocks = shuffled_decode_metadata(s_lens, 16, rng)
+        cache = torch.randn(2, blocks, 16, nkv, hd, device="cuda", dtype=torch.bfloat16)
+        qkv = torch.randn(n, (nh + 2 * nkv) * hd, device="cuda", dtype=torch.bfloat16)
+        pos = torch.tensor([s - 1 for s in s_lens], device="cuda")
+        floor = sum(s_lens) * nkv * hd * 2 * 2 / bw * 1e6
+        ref = None
+        for name, tiles, splits in variants:
+            if elapsed() > deadline:
+                record(f"attention {n} requests {name}", "not run: deadline")
+                continue
+            call = functools.partial(da.decode_attention_fused, qkv, pos, cos_sin, cache, md, hd ** -0.5, nh, nkv, hd,
+                                     norm_w, norm_w, num_splits=splits)
+            try:
+                if tiles is not None:
+                    da._tile_config = functools.partial(lambda *a, t, **k: t, t=tiles)
+                out = call().float()
+                ref = out if ref is None else ref
+                us = graph_time_us(call)
+                record(f"attention {n} requests x {lo}-{hi} keys, {name}",
+                       f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f}); max diff from default "
+                       f"{(out - ref).abs().max().item():.1e}")
+            except Exception as exc:
+                record(f"attention {n} requests {name}", f"ERROR {type(exc).__name__}: {str(exc)[:100]}")
+            finally:
+                da._tile_config = original
+        del cache
+
+
 def main() -> int:
     import torch
 
@@ -465,6 +516,8 @@ def main() -> int:
     parser.add_argument("--variants-only", action="store_true",
                         help="no engine: section 3 on 8 layers of random experts of --model's shape")
     parser.add_argument("--variant-set", default="r1")
+    parser.add_argument("--attn", action="store_true", help="section 4: decode attention tiles (after the MoE variants)")
+    parser.add_argument("--attn-deadline", type=float, default=95.0)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda:  # the plumbing only (sections 1 and 2's bookkeeping), e.g. a tiny MoE config with --device cpu
@@ -483,6 +536,10 @@ def main() -> int:
         weights = [moe_expert_weights(shape.experts, shape.hidden, shape.inter) for _ in range(8)]
         moe_variants([w[0] for w in weights], [w[1] for w in weights], shape, dev.bandwidth, dev.flops,
                      args.deadline, args.variant_set)
+        del weights
+        torch.cuda.empty_cache()
+        if args.attn:
+            attn_variants(shape, dev.bandwidth, args.attn_deadline)
         print_results()
         return 0
     llm = tp.make_llm(args)
@@ -505,6 +562,8 @@ def main() -> int:
         sections.append(("variants", lambda: moe_variants([m.w13_weight for m in moe], [m.w2_weight for m in moe],
                                                           shape, dev.bandwidth, dev.flops, args.deadline,
                                                           args.variant_set)))
+    if args.attn:
+        sections.append(("attention", lambda: attn_variants(shape, dev.bandwidth, args.attn_deadline)))
     for name, fn in sections:
         t0 = elapsed()
         try:
