@@ -96,9 +96,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
-    # 0: MoE blocks run the router GEMM (cuBLAS) and the softmax top-k as two kernels instead of one
-    # (kernels/moe_router.py `router_topk_softmax`, FusedMoE.forward_gate); for comparisons.
-    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", True),
+    # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
+    # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
+    # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
+    # the whole router weight through one SM; BENCHMARKS.md, issue 24, branch h45).
+    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", False),
     # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
     # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
     "PAGEDLLM_MOE_SUM_IN_NORM": _flag("PAGEDLLM_MOE_SUM_IN_NORM", True),
@@ -203,7 +205,7 @@ class KernelSwitches:
     graph_tuning: bool
     parallel_compile: bool = False
     moe_scan: bool = True
-    fused_router: bool = True
+    fused_router: bool = False
     moe_sum_in_norm: bool = True
 
 

@@ -35,7 +35,7 @@ from pagedllm.layers.tp import (
 from pagedllm.layers.utils import check_shape, divide
 from pagedllm.quantization.base import QuantizationConfig
 
-# Read once at import: PAGEDLLM_FUSED_ROUTER=0 keeps the router GEMM and the top-k apart (forward_gate).
+# Read once at import: PAGEDLLM_FUSED_ROUTER=1 runs the router GEMM and the top-k as one kernel (forward_gate).
 _FUSED_ROUTER = kernel_switches().fused_router
 _SUM_IN_NORM = kernel_switches().moe_sum_in_norm  # PAGEDLLM_MOE_SUM_IN_NORM=0: the top-k sum as its own kernel
 # Larger steps keep the two: each of the fused kernel's 16-token programs reads the whole router
@@ -166,8 +166,8 @@ class FusedMoE(nn.Module):
                 and type(self.quant_method) is UnquantizedFusedMoEMethod and get_pp_group().world_size == 1)
 
     def forward_gate(self, hidden_states: torch.Tensor, gate: nn.Module, sum_topk: bool = True) -> torch.Tensor:
-        """forward(hidden_states, gate(hidden_states)), with the router's GEMM and the softmax top-k
-        as one kernel where they can be (kernels/moe_router.py `router_topk_softmax`: CUDA, a 16-bit
+        """forward(hidden_states, gate(hidden_states)); with PAGEDLLM_FUSED_ROUTER=1 the router's GEMM
+        and the softmax top-k as one kernel where they can be (`router_topk_softmax`: CUDA, a 16-bit
         unquantized bias-free gate, plain softmax routing, no fused shared experts, at most
         FUSED_ROUTER_MAX_TOKENS tokens). sum_topk=False (only where `can_leave_topk_unsummed`): the
         (T, top_k, hidden) expert outputs unsummed, for the next residual add + RMSNorm to sum."""
