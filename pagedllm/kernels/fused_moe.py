@@ -429,21 +429,27 @@ def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
     scripts/moe_config_sweep.py on the H200 at Qwen3-30B-A3B's expert shape (BENCHMARKS.md, issue 24),
     close to vLLM's tuned H200 table: few rows per expert stream the weights in 128-deep K tiles
     (+10% at 1 token); big prefills take 128 x 256 tiles, 8 warps, 4 stages (+18% at 2,048 tokens).
-    Decode batches keep 64 x 64 x 64: the sweep's 32 x 256 x 128 was 4% faster at 256 tokens but
-    spills registers on sm_90 (tests/kernels/test_compile_sm90.py). fp32 (the exactness tests)
-    keeps small tiles that fit shared memory."""
+    Decode batches take the row-list path (`_scan_config`) unless PAGEDLLM_MOE_SCAN=0 or experts are
+    shared; here they keep 64 x 64 x 64 (the sweep's 32 x 256 x 128 spills registers on sm_90,
+    tests/kernels/test_compile_sm90.py). fp32 (the exactness tests) keeps small tiles that fit
+    shared memory."""
     if dtype == torch.float32:
         return dict(BLOCK_M=16 if num_pairs <= 256 else 64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     if num_pairs <= 256:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     if num_pairs <= 8192:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    if TensorDescriptor is not None:
+        # Prefill sizes: SiLU in GEMM 1 (two 128 x 128 accumulators, the registers of one 128 x 256)
+        # and the weight tiles by TMA. H200, 8192 tokens (h45 rounds 1 and 3): 1553.5 / 1615.8 us a
+        # layer against 1668.9 / 1676.2 for 128 x 256 with SiLU apart; equal to the torch reference.
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, FUSE_SILU=True, TMA=True)
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
 # GEMM 1 computes SiLU-and-mul in its epilogue (two accumulators, gate and up columns) when its tile
-# is at most this many elements: the decode / mid-size tiles (16 x 64, 64 x 64). The prefill tile
-# (128 x 256, 8 warps) would need 2 x 128 KB of fp32 accumulators and keeps the separate kernel.
+# is at most this many elements (the decode / mid-size tiles, 16 x 64, 64 x 64) or its config says
+# FUSE_SILU (the TMA prefill tile, 128 x 128 x 2); the 128 x 256 tile keeps the separate kernel.
 FUSED_SILU_MAX_TILE = 64 * 64
 
 
@@ -530,26 +536,27 @@ _SCAN_ENABLED = kernel_switches().moe_scan
 # most SCAN_MAX_MEAN_ROWS pairs per expert on average: each list program reads every expert id of
 # the step, and an expert with more pairs than BLOCK_M reads its weights once per extra row block.
 SCAN_MAX_PAIRS = 4096
-SCAN_MAX_MEAN_ROWS = 24
+SCAN_MAX_MEAN_ROWS = 16
 
 
 def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict | None:
     """Tiles of the row-list path (`_fused_moe_rows_kernel`), or None where it does not apply.
-    BLOCK_M covers an expert's pairs with room to spare under uniform routing (mean m, sd ~ sqrt(m):
-    BLOCK_M >= m + 4 sd), so nearly every expert is one row block and its weights are read once:
-        mean <= 4 -> 16,  <= 12 -> 32,  else 64  (Qwen3-30B-A3B: 32 tokens -> 16, 128 -> 32, 256 -> 64).
-    GEMM 1 streams 2 x 64 weight rows (gate, up) per program; GEMM 2 128 rows (its K is only the
-    intermediate size, so wider programs are fewer and longer)."""
+    BLOCK_M covers nearly every expert's pairs under uniform routing (mean m, sd ~ sqrt(m)), so its
+    weights are read once: mean <= 8 -> 16 rows, else 32 (Qwen3-30B-A3B: up to 128 tokens -> 16,
+    up to 256 -> 32). GEMM 1 streams 2 x 64 weight rows (gate, up) 128 deep per program; GEMM 2 128
+    rows (its K is only the intermediate size, so wider programs are fewer and longer). On the H200
+    (h45 round 3, CUDA-graph replays over 8 layers' experts, row lists + both GEMMs + sum): 256 tokens
+    307.7 us a layer (92% of the experts' bytes) against the align path's 331.4, 64-row lists 332.3;
+    128 tokens 290.6 us (97%) against 316.0."""
     mean = num_pairs / num_experts
     if not _SCAN_ENABLED or num_pairs > SCAN_MAX_PAIRS or mean > SCAN_MAX_MEAN_ROWS:
         return None
-    block_m = 16 if mean <= 4 else 32 if mean <= 12 else 64
+    block_m = 16 if mean <= 8 else 32
     if dtype == torch.float32:  # the exactness tests: tiles that fit shared memory in fp32
         return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2,
                     DOWN=dict(BLOCK_N=32))
-    k = 128 if block_m <= 32 else 64
-    return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=k, num_warps=4, num_stages=3,
-                DOWN=dict(BLOCK_N=128, BLOCK_K=k))
+    return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3,
+                DOWN=dict(BLOCK_N=128))
 
 
 def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tensor:

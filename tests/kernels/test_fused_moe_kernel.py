@@ -157,9 +157,10 @@ def test_row_list_path_matches_reference(t, e, top_k, block_m):
 def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     from pagedllm.kernels.fused_moe import _scan_config
 
-    assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 64  # Qwen3-30B-A3B at 256 tokens
-    assert _scan_config(128 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32
+    assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32  # Qwen3-30B-A3B at 256 tokens
+    assert _scan_config(128 * 8, 128, torch.bfloat16)["BLOCK_M"] == 16
     assert _scan_config(8, 128, torch.bfloat16)["BLOCK_M"] == 16
+    assert _scan_config(384 * 8, 128, torch.bfloat16) is None  # 24 pairs an expert: the align path
     assert _scan_config(1024 * 8, 128, torch.bfloat16) is None  # prefill sizes: the align path
     # With shared experts (every token on the last S), fused_experts keeps the align path: same result.
     g = torch.Generator().manual_seed(1)
