@@ -356,6 +356,16 @@ def variant_set(name: str, base: dict[int, dict]) -> list[tuple[int, str, dict]]
             (256, "64x64x64 w4 s3 TMA", c(64, 64, 64, 4, 3, TMA=True)),
             (8192, "128x128x64 w8 s4", c(128, 128, 64, 8, 4)),
         ]
+    if name == "r4":  # the defaults after round 3 against the paths they replaced
+        return [
+            (256, "default", dict(base[256])),
+            (256, "align path 64x64x64", c(64, 64, 64, 4, 3)),
+            (128, "default", dict(base[128])),
+            (8192, "default", dict(base[8192])),
+            (8192, "128x256x64 w8 s4, SiLU apart", c(128, 256, 64, 8, 4)),
+            (32, "default", dict(base[32])),
+            (32, "align path 16x64x128", c(16, 64, 128, 4, 3)),
+        ]
     if name == "r2":  # the row-list decode path (default) against the align path it replaced
         return [
             (256, "default (row lists)", dict(base[256])),
@@ -384,7 +394,7 @@ def moe_variants(w13s: list, w2s: list, shape: Shape, bw: float, flops: float, d
     e, top_k, hidden = shape.experts, shape.top_k, shape.hidden
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {}
-    for t in (128, 256, 8192):
+    for t in (32, 128, 256, 8192):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
         w, ids = select_experts(torch.randn(t, e, device="cuda", generator=g), top_k, True)
         cases[t] = (x, w, ids)
@@ -392,7 +402,9 @@ def moe_variants(w13s: list, w2s: list, shape: Shape, bw: float, flops: float, d
     x, w, ids = cases[128]
     err = rel_err(fm.fused_experts(x, w13s[0], w2s[0], w, ids), fused_experts_ref(x, w13s[0], w2s[0], w, ids))
     record("fused_experts 128 tokens == torch reference (layer 0)", f"{'OK' if err < 2e-2 else 'WRONG'} (rel err {err:.1e})")
-    variants = variant_set(which, {t: fm._config(t * top_k, torch.bfloat16) for t in cases})
+    # What fused_experts runs by default: the row lists at decode sizes, else _config's tiles.
+    variants = variant_set(which, {t: fm._scan_config(t * top_k, e, torch.bfloat16) or fm._config(t * top_k, torch.bfloat16)
+                                   for t in cases})
     copies = min(8, len(w13s))  # 8 layers' experts (~10 GB) rotated: every call reads from DRAM
     for t, name, cfg in variants:
         if elapsed() > deadline:
