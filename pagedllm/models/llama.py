@@ -27,10 +27,12 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.decoder import run_cpu_decoder_stack
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import get_pp_indices
+from pagedllm.kernels.quantized_activation import QuantizedActivation
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.quant_fusion import rms_norm_into, silu_and_mul_into
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
@@ -72,9 +74,15 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    @property
+    def input_linear(self) -> nn.Module:
+        """The one linear that reads forward's input (layers/quant_fusion.py)."""
+        return self.gate_up_proj
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden); a W8A8
+        # down_proj gets its input quantized by the activation kernel (layers/quant_fusion.py).
+        return self.down_proj(silu_and_mul_into(self.act_fn, self.gate_up_proj(x), self.down_proj))
 
 
 class LlamaAttention(nn.Module):
@@ -114,7 +122,13 @@ class LlamaAttention(nn.Module):
                               sliding_window=(sliding_window_for_layer(config, layer_index(prefix))
                                               if getattr(config, "sliding_window", None) else None))
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    @property
+    def input_linear(self) -> nn.Module:
+        """The one linear that reads forward's hidden_states (layers/quant_fusion.py); a subclass whose
+        forward reads them otherwise must return None."""
+        return self.qkv_proj
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | QuantizedActivation,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
         # Split, rope, K/V write and attention (one fused prep kernel on the Triton backend).
@@ -159,13 +173,15 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A W8A8 qkv_proj / gate_up_proj gets its input quantized by the norm (layers/quant_fusion.py).
+        attn_in, mlp_in = getattr(self.self_attn, "input_linear", None), getattr(self.mlp, "input_linear", None)
         if residual is None:  # first layer: the residual stream starts as the embeddings
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = rms_norm_into(self.input_layernorm, hidden_states, None, attn_in)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = rms_norm_into(self.input_layernorm, hidden_states, residual, attn_in)
         hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = rms_norm_into(self.post_attention_layernorm, hidden_states, residual, mlp_in)
         return self.mlp(hidden_states), residual
 
 
