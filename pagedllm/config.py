@@ -306,7 +306,7 @@ class CompilationConfig:
                                              token count (worker/mixed_graphs.py). vLLM captures
                                              those piecewise around attention; here the attention
                                              kernel takes fixed grids, so the whole forward is one
-                                             graph, up to 8192 tokens (fewer for large models:
+                                             graph, up to 8192 tokens (fewer for large dense models:
                                              mixed_graphs.mixed_graph_token_cap)
         FULL_DECODE_ONLY                     decode graphs only; other steps run eagerly
         NONE                                 no CUDA graphs (as enforce_eager)

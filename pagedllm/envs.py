@@ -92,6 +92,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
+    # 0: decode-sized MoE steps sort their (token, expert) pairs with the one-program align kernel
+    # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
+    # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
+    "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
+    # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
+    # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
+    # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
+    # the whole router weight through one SM; BENCHMARKS.md, issue 24, branch h45).
+    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", False),
+    # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
+    # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
+    "PAGEDLLM_MOE_SUM_IN_NORM": _flag("PAGEDLLM_MOE_SUM_IN_NORM", True),
     # 0: a dynamic W8A8 linear's input is quantized by its own launch, not by the RMSNorm / SiLU-and-mul
     # kernel that produces it (layers/quant_fusion.py); for A/B timings.
     "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
@@ -209,6 +221,9 @@ class KernelSwitches:
     skinny_gemv: bool
     graph_tuning: bool
     parallel_compile: bool = False
+    moe_scan: bool = True
+    fused_router: bool = False
+    moe_sum_in_norm: bool = True
 
 
 def kernel_switches() -> KernelSwitches:
@@ -219,6 +234,9 @@ def kernel_switches() -> KernelSwitches:
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
+        moe_scan=get["PAGEDLLM_MOE_SCAN"](),
+        fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
+        moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )
 
 

@@ -13,6 +13,11 @@
            GEMM 2: h[pair] @ W2[e]^T * weight    -> (T * top_k, hidden)
     3. combine: the top_k rows of each token summed -> (T, hidden).
 
+Decode-sized steps (`_scan_config`) replace step 1 with one program per expert that lists its own
+pairs (`_moe_expert_rows_kernel`: no atomics, no padding) and GEMMs that take each expert's list
+(`_fused_moe_rows_kernel`): the one-program align took ~23 us at 256 tokens x 8 on the H200, 5% of a
+decode step of Qwen3-30B-A3B.
+
 Each expert's weights are read once per step however many tokens it got (the kernel's floor is the
 bytes of the experts hit). The plain PyTorch reference is `pagedllm.layers.fused_moe.torch_ref`.
 """
@@ -23,9 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import kernel_switches
 from pagedllm.kernels.activation import silu_and_mul
 
-__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref"]
+try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref", "moe_sum"]
 
 
 def _max_padded(num_pairs: int, block_m: int, num_experts: int) -> int:
@@ -146,6 +157,54 @@ def moe_align_block_size_ref(
 
 
 @triton.jit
+def _rows_gemm(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr,
+    pair,  # int64 (BLOCK_M,): the (token, slot) pairs of these rows, all routed to `expert`
+    valid,  # (BLOCK_M,): rows that hold a pair
+    expert,  # int64
+    pid_n, N, K, stride_am, stride_be, stride_bn, stride_cm,
+    TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_SILU: tl.constexpr,
+):
+    """c[pair, n-block] = a[pair // TOP_K] @ b[expert, n-block]^T (the grouped GEMM's one tile), with
+    SiLU-and-mul of the gate and up columns (FUSE_SILU) and the routed weight (MUL_ROUTED_WEIGHT)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only: the up rows' columns
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if FUSE_SILU:  # the same columns of the up half: weight rows N + offs_n
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE_FP32:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if FUSE_SILU:
+        # Rounded to the output dtype first, as the unfused path stores [gate | up] before
+        # silu_and_mul (kernels/activation.py): the same values, one launch and buffer fewer.
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _fused_moe_kernel(
     a_ptr,  # (rows, K): x (GEMM 1, row = pair // TOP_K) or h (GEMM 2, row = pair)
     b_ptr,  # (E, N, K) expert weights
@@ -186,34 +245,175 @@ def _fused_moe_kernel(
         return  # beyond the last expert's padded run
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
-    valid = pair < num_valid_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    _rows_gemm(a_ptr, b_ptr, c_ptr, topk_weights_ptr, pair, pair < num_valid_pairs, expert, pid_n, N, K,
+               stride_am, stride_be, stride_bn, stride_cm, TOP_K, MUL_ROUTED_WEIGHT, IEEE_FP32,
+               BLOCK_M, BLOCK_N, BLOCK_K, FUSE_SILU)
+
+
+@triton.jit
+def _moe_expert_rows_kernel(
+    topk_ids_ptr,  # int32 (num_pairs,): the expert of each (token, slot) pair
+    rows_ptr,  # int32 (E, max_rows) out: each expert's pairs in pair order
+    counts_ptr,  # int32 (E,) out: each expert's number of pairs
+    num_pairs,
+    max_rows,
+    CHUNK: tl.constexpr,
+):
+    """The align step for decode-sized batches, one program per expert (no atomics, no padding):
+    expert e scans the step's ids and writes the pairs routed to it at their rank.
+        topk_ids [3, 1, 3, 0, 3], expert 3 -> rows[3, :3] = [0, 2, 4], counts[3] = 3"""
+    expert = tl.program_id(0)
+    row_list = rows_ptr + expert.to(tl.int64) * max_rows
+    count = tl.sum(tl.zeros([CHUNK], tl.int32), 0)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs_p = p0 + tl.arange(0, CHUNK)
+        hit = tl.load(topk_ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1) == expert
+        rank = count + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(row_list + rank, offs_p, mask=hit)
+        count += tl.sum(hit.to(tl.int32), 0)
+    tl.store(counts_ptr + expert, count)
+
+
+@triton.jit
+def _fused_moe_rows_kernel(
+    a_ptr,  # as _fused_moe_kernel
+    b_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    rows_ptr,  # int32 (E, max_rows): _moe_expert_rows_kernel's lists
+    counts_ptr,  # int32 (E,)
+    N,
+    K,
+    num_n_blocks,
+    max_rows,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+):
+    """The grouped GEMM over per-expert row lists: program (expert, column block) takes its
+    expert's pairs BLOCK_M at a time. One flat loop over (row block, K tile), the epilogue at each
+    row block's last K tile (the shape of Triton's persistent matmul), so the loads stay pipelined;
+    an expert with more pairs than BLOCK_M (rare: `_scan_config`) reads its weights again."""
+    pid = tl.program_id(0)
+    expert = pid // num_n_blocks
+    pid_n = pid % num_n_blocks
+    count = tl.load(counts_ptr + expert)
+    if count == 0:
+        return
+    row_list = rows_ptr + expert.to(tl.int64) * max_rows
+    offs_r = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    ki = k_tiles - 1  # the first iteration starts row block 0
+    m0 = -BLOCK_M
+    valid = offs_r < 0
+    pair = tl.zeros([BLOCK_M], tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only: the up rows' columns
-    for k0 in range(0, K, BLOCK_K):
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only
+    for _ in range(0, tl.cdiv(count, BLOCK_M) * k_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            m0 += BLOCK_M
+            valid = m0 + offs_r < count
+            pair = tl.load(row_list + m0 + offs_r, mask=valid, other=0).to(tl.int64)
+        k0 = ki * BLOCK_K
         k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_base + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-        if FUSE_SILU:  # the same columns of the up half: weight rows N + offs_n
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FUSE_SILU:
+            b_up = tl.load(b_base + k0 + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if IEEE_FP32:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
+        if ki == k_tiles - 1:
+            out = acc
+            if FUSE_SILU:  # rounded as _rows_gemm's epilogue
+                gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+                up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+                out = gate / (1.0 + tl.exp(-gate)) * up
+            if MUL_ROUTED_WEIGHT:
+                out = out * tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)[:, None]
+            tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+                     mask=valid[:, None] & n_mask[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _fused_moe_tma_kernel(
+    a_ptr,  # (rows, K), as _fused_moe_kernel
+    b_desc,  # TMA descriptor over the experts' weights as one (E * N_total, K) matrix, [BLOCK_N, BLOCK_K] tiles
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    N_total,  # weight rows per expert: 2 * inter for GEMM 1 (gate | up), hidden for GEMM 2
+    num_valid_pairs,
+    num_m_blocks,
+    num_n_blocks,
+    stride_am,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FUSE_SILU: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 8,
+):
+    """`_fused_moe_kernel` with the weight tiles fetched by the Hopper TMA unit (the rows' inputs are
+    gathered, pair // TOP_K, so they stay pointer loads). A tile of the last column block may reach
+    into the next expert's rows (or past the matrix, zero-filled): those columns are computed and
+    never stored. K past the weights' width is zero-filled, so only the input loads carry a K mask."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
+    valid = pair < num_valid_pairs
+    expert = tl.load(expert_ids_ptr + pid_m)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    row_b = expert * N_total + pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        b = b_desc.load([row_b, k0])  # (BLOCK_N, BLOCK_K), K contiguous
+        acc = tl.dot(a, tl.trans(b), acc)
+        if FUSE_SILU:
+            b_up = b_desc.load([row_b + N, k0])
+            acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
     if FUSE_SILU:
-        # Rounded to the output dtype first, as the unfused path stores [gate | up] before
-        # silu_and_mul (kernels/activation.py): the same values, one launch and buffer fewer.
         gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * up
@@ -229,22 +429,44 @@ def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
     scripts/moe_config_sweep.py on the H200 at Qwen3-30B-A3B's expert shape (BENCHMARKS.md, issue 24),
     close to vLLM's tuned H200 table: few rows per expert stream the weights in 128-deep K tiles
     (+10% at 1 token); big prefills take 128 x 256 tiles, 8 warps, 4 stages (+18% at 2,048 tokens).
-    Decode batches keep 64 x 64 x 64: the sweep's 32 x 256 x 128 was 4% faster at 256 tokens but
-    spills registers on sm_90 (tests/kernels/test_compile_sm90.py). fp32 (the exactness tests)
-    keeps small tiles that fit shared memory."""
+    Decode batches take the row-list path (`_scan_config`) unless PAGEDLLM_MOE_SCAN=0 or experts are
+    shared; here they keep 64 x 64 x 64 (the sweep's 32 x 256 x 128 spills registers on sm_90,
+    tests/kernels/test_compile_sm90.py). fp32 (the exactness tests) keeps small tiles that fit
+    shared memory."""
     if dtype == torch.float32:
         return dict(BLOCK_M=16 if num_pairs <= 256 else 64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     if num_pairs <= 256:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     if num_pairs <= 8192:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    if TensorDescriptor is not None:
+        # Prefill sizes: SiLU in GEMM 1 (two 128 x 128 accumulators, the registers of one 128 x 256)
+        # and the weight tiles by TMA. H200, 8192 tokens (h45 rounds 1 and 3): 1553.5 / 1615.8 us a
+        # layer against 1668.9 / 1676.2 for 128 x 256 with SiLU apart; equal to the torch reference.
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, FUSE_SILU=True, TMA=True)
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
 # GEMM 1 computes SiLU-and-mul in its epilogue (two accumulators, gate and up columns) when its tile
-# is at most this many elements: the decode / mid-size tiles (16 x 64, 64 x 64). The prefill tile
-# (128 x 256, 8 warps) would need 2 x 128 KB of fp32 accumulators and keeps the separate kernel.
+# is at most this many elements (the decode / mid-size tiles, 16 x 64, 64 x 64) or its config says
+# FUSE_SILU (the TMA prefill tile, 128 x 128 x 2); the 128 x 256 tile keeps the separate kernel.
 FUSED_SILU_MAX_TILE = 64 * 64
+
+
+def down_config(cfg: dict) -> dict:
+    """GEMM 2's tiles: GEMM 1's, with cfg["DOWN"]'s entries over them. The two GEMMs differ in shape
+    (Qwen3-30B-A3B: GEMM 1 N = 2 x 768 over K = 2048, GEMM 2 N = 2048 over K = 768), so a tile that
+    streams one's weights well may not suit the other. BLOCK_M stays GEMM 1's: the sorted rows
+    are padded to it.
+        {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN": {"BLOCK_N": 128}}
+            -> {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}"""
+    down = cfg.get("DOWN")
+    if not down:
+        return cfg
+    if "BLOCK_M" in down and down["BLOCK_M"] != cfg["BLOCK_M"]:
+        raise ValueError(f"fused_experts: DOWN's BLOCK_M {down['BLOCK_M']} must equal BLOCK_M {cfg['BLOCK_M']} "
+                         "(the sorted rows are padded to it)")
+    return {k: v for k, v in {**cfg, **down}.items() if k not in ("DOWN", "FUSE_SILU")}
 
 
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg,
@@ -252,6 +474,19 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
     n, k = w.shape[1] // (2 if fuse_silu else 1), w.shape[2]
     num_m_blocks, num_n_blocks = triton.cdiv(sorted_ids.numel(), cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
     grid = (num_m_blocks * num_n_blocks,)
+    if cfg.get("TMA"):
+        if TensorDescriptor is None or w.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("fused_experts: TMA tiles need Triton's TensorDescriptor and 16-bit weights")
+        e, n_total = w.shape[0], w.shape[1]
+        desc = TensorDescriptor(w.view(e * n_total, k), [e * n_total, k], [k, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        _fused_moe_tma_kernel[grid](
+            a, desc, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, n_total, out.shape[0], num_m_blocks,
+            num_n_blocks, a.stride(0), out.stride(0),
+            TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], FUSE_SILU=fuse_silu, GROUP_M=cfg.get("GROUP_M", 8),
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        )
+        return
     _fused_moe_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, out.shape[0], num_m_blocks, num_n_blocks,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
@@ -262,15 +497,110 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
     )
 
 
+@triton.jit
+def _moe_sum_kernel(
+    x_ptr,  # (T, TOP_K, hidden), rows contiguous
+    out_ptr,  # (T, hidden)
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] = sum over the top_k rows of x[t], in fp32, rounded once (as torch's sum of a 16-bit
+    tensor)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + k) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum(down: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(T * top_k, hidden) -> (T, hidden): each token's top_k expert outputs summed. One program per
+    (token, 1024 columns): torch's strided reduction over dim 1 ran at ~1.3 TB/s on the H200 at
+    decode sizes (7 us a layer at 256 tokens x 8 x 2048). Reference: `down.view(T, top_k, -1).sum(1)`."""
+    rows, hidden = down.shape
+    t = rows // top_k
+    if down.stride(1) != 1 or down.stride(0) != hidden:
+        return down.view(t, top_k, hidden).sum(dim=1)
+    out = torch.empty((t, hidden), dtype=down.dtype, device=down.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(t, triton.cdiv(hidden, block))](down, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
+# Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well.
+_SCAN_ENABLED = kernel_switches().moe_scan
+# The row-list path takes steps of at most this many pairs (Qwen3-30B-A3B: 512 tokens x 8) and at
+# most SCAN_MAX_MEAN_ROWS pairs per expert on average: each list program reads every expert id of
+# the step, and an expert with more pairs than BLOCK_M reads its weights once per extra row block.
+SCAN_MAX_PAIRS = 4096
+SCAN_MAX_MEAN_ROWS = 16
+
+
+def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict | None:
+    """Tiles of the row-list path (`_fused_moe_rows_kernel`), or None where it does not apply.
+    BLOCK_M covers nearly every expert's pairs under uniform routing (mean m, sd ~ sqrt(m)), so its
+    weights are read once: mean <= 8 -> 16 rows, else 32 (Qwen3-30B-A3B: up to 128 tokens -> 16,
+    up to 256 -> 32). GEMM 1 streams 2 x 64 weight rows (gate, up) 128 deep per program; GEMM 2 128
+    rows (its K is only the intermediate size, so wider programs are fewer and longer). On the H200
+    (h45 round 3, CUDA-graph replays over 8 layers' experts, row lists + both GEMMs + sum): 256 tokens
+    307.7 us a layer (92% of the experts' bytes) against the align path's 331.4, 64-row lists 332.3;
+    128 tokens 290.6 us (97%) against 316.0."""
+    mean = num_pairs / num_experts
+    if not _SCAN_ENABLED or num_pairs > SCAN_MAX_PAIRS or mean > SCAN_MAX_MEAN_ROWS:
+        return None
+    block_m = 16 if mean <= 8 else 32
+    if dtype == torch.float32:  # the exactness tests: tiles that fit shared memory in fp32
+        return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2,
+                    DOWN=dict(BLOCK_N=32))
+    return dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3,
+                DOWN=dict(BLOCK_N=128))
+
+
+def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tensor:
+    """fused_experts without the sorted list: each expert's row list (`_moe_expert_rows_kernel`,
+    one program per expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden)."""
+    t, top_k = topk_ids.shape
+    e, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    rows = torch.empty((e, t), dtype=torch.int32, device=x.device)  # an expert takes a token at most once
+    counts = torch.empty(e, dtype=torch.int32, device=x.device)
+    _moe_expert_rows_kernel[(e,)](ids, rows, counts, t * top_k, t, CHUNK=max(16, min(1024, triton.next_power_of_2(t * top_k))),
+                                  num_warps=4)
+    h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    fp32 = w13.dtype == torch.float32
+    for a, w, out, n, k, tk, first, gemm in ((x, w13, h, inter, hidden, top_k, True, cfg),
+                                              (h, w2, down, hidden, inter, 1, False, down_config(cfg))):
+        n_blocks = triton.cdiv(n, gemm["BLOCK_N"])
+        _fused_moe_rows_kernel[(e * n_blocks,)](
+            a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
+            BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
+        )
+    return down
+
+
 def fused_experts(
     x: torch.Tensor,  # (T, hidden)
     w13: torch.Tensor,  # (E, 2 * inter, hidden)
     w2: torch.Tensor,  # (E, hidden, inter)
     topk_weights: torch.Tensor,  # (T, top_k) float32
     topk_ids: torch.Tensor,  # (T, top_k) int32
-    config: dict[str, int] | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
-    # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above).
-) -> torch.Tensor:  # (T, hidden)
+    config: dict | None = None,  # tile sizes (scripts/moe_config_sweep.py); None: _config's.
+    # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above),
+    # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M / TMA: see down_config),
+    # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights), SCAN (per-expert
+    # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass).
+    shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked): not the scan path
+    sum_topk: bool = True,  # False: each token's top_k expert outputs unsummed, (T, top_k, hidden), for a
+    # consumer that sums them itself (kernels/rmsnorm.py: the next residual add + norm)
+) -> torch.Tensor:  # (T, hidden), or (T, top_k, hidden) with sum_topk=False
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
     if x.shape != (t, hidden) or w2.shape != (e, hidden, two_inter // 2):
@@ -279,10 +609,13 @@ def fused_experts(
     if not (x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
-        return torch.zeros_like(x)
-    cfg = config or _config(t * top_k, w13.dtype)
-    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
+        return torch.zeros_like(x) if sum_topk else x.new_zeros((0, top_k, hidden))
+    cfg = config or (None if shared_experts else _scan_config(t * top_k, e, w13.dtype)) or _config(t * top_k, w13.dtype)
     weights = topk_weights.reshape(-1).float().contiguous()
+    if cfg.get("SCAN"):
+        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg)
+        return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):
         h = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w13, h, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg, fuse_silu=True)
@@ -291,6 +624,5 @@ def fused_experts(
         _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, ntpp, top_k, False, cfg)
         h = silu_and_mul(gate_up)  # (T * top_k, inter)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, cfg)
-    # One reduction kernel: torch accumulates half-precision sums in float32 and rounds once.
-    return down.view(t, top_k, hidden).sum(dim=1)
+    _grouped_gemm(h, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, True, down_config(cfg))
+    return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rms_norm_ref"]
+__all__ = ["is_unsummed_parts", "rms_norm", "rms_norm_ref"]
 
 _MAX_HIDDEN = 65536  # one program holds a whole row in registers
 
@@ -32,11 +32,18 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PARTS: tl.constexpr = 1,  # x holds PARTS rows per output row, summed first (an MoE's top-k outputs)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS == 1:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    else:  # the sum in fp32, rounded to x's dtype as a separate sum kernel would store it
+        x = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(PARTS):
+            x += tl.load(x_ptr + (row * PARTS + j) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         summed = (x + r).to(residual_out_ptr.dtype.element_ty)
@@ -57,22 +64,31 @@ def rms_norm(
     x: torch.Tensor,  # (..., hidden)
     weight: torch.Tensor,  # (hidden,)
     eps: float,
-    residual: torch.Tensor | None = None,  # (..., hidden), same shape as x
+    residual: torch.Tensor | None = None,  # (..., hidden), same shape as x, or x's without its dim -2
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of x; with a residual returns (normed, x + residual). Inputs are not modified."""
+    """RMSNorm of x; with a residual returns (normed, x + residual). Inputs are not modified.
+
+    x of shape (T, P, hidden) with a residual of (T, hidden): x's P parts per row are summed first
+    (in fp32, rounded to x's dtype), e.g. an MoE block's top-k expert outputs left unsummed, so the
+    sum costs no kernel of its own (`is_unsummed_parts`)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
+    parts = 1
+    if residual is not None and is_unsummed_parts(x, residual):
+        parts = x.shape[-2]
+        if not x.is_contiguous():
+            x = x.contiguous()
+    elif residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if hidden > _MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} exceeds the kernel's limit {_MAX_HIDDEN}")
     x2 = _rows(x, hidden)
-    out = torch.empty_like(x2)
     has_residual = residual is not None
     r2 = _rows(residual, hidden) if has_residual else x2
-    r_out = torch.empty_like(x2) if has_residual else out
-    rows = x2.shape[0]
+    out = torch.empty_like(r2)
+    r_out = torch.empty_like(r2) if has_residual else out
+    rows = r2.shape[0]
     if rows > 0:
         block_n = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
@@ -89,11 +105,17 @@ def rms_norm(
             eps,
             HAS_RESIDUAL=has_residual,
             BLOCK_N=block_n,
+            PARTS=parts,
             num_warps=min(16, max(1, block_n // 512)),
         )
     if has_residual:
-        return out.view(x.shape), r_out.view(x.shape)
+        return out.view(residual.shape), r_out.view(residual.shape)
     return out.view(x.shape)
+
+
+def is_unsummed_parts(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """x (T, P, hidden) against a residual (T, hidden): P parts of each row, to be summed first."""
+    return x.dim() == residual.dim() + 1 and x.shape[:-2] == residual.shape[:-1] and x.shape[-1] == residual.shape[-1]
 
 
 def rms_norm_ref(
@@ -103,6 +125,8 @@ def rms_norm_ref(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch twin of `rms_norm`."""
+    if residual is not None and is_unsummed_parts(x, residual):
+        x = x.float().sum(dim=-2).to(x.dtype)
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
     xf = x.float()

@@ -26,10 +26,13 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:
-            # One fused Triton kernel (add + norm) instead of ~8 elementwise launches.
+            # One fused Triton kernel (add + norm) instead of ~8 elementwise launches; x may be an MoE
+            # block's unsummed top-k outputs (T, top_k, hidden), summed by the same kernel.
             from pagedllm.kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if residual is not None and x.dim() == residual.dim() + 1:  # unsummed parts (kernels/rmsnorm.py)
+            x = x.float().sum(dim=-2).to(residual.dtype)
         if x.is_cpu and x.dtype == torch.float32:
             fused = self._forward_cpu(x, residual)
             if fused is not None:

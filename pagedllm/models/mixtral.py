@@ -34,7 +34,9 @@ class MixtralMoE(nn.Module):
                                 prefix=f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))  # (T, hidden) -> router (T, E) -> (T, hidden)
+        # (T, hidden) -> router (T, E) -> (T, hidden), or on one CUDA rank the top-k outputs unsummed,
+        # (T, top_k, hidden), summed by the next residual add + RMSNorm (kernels/rmsnorm.py).
+        return self.experts.forward_gate(x, self.gate, sum_topk=not self.experts.can_leave_topk_unsummed(x))
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

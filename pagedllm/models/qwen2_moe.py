@@ -46,7 +46,12 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        """(T, hidden) -> (T, hidden); without a shared expert on one CUDA rank, the experts' top-k
+        outputs unsummed, (T, top_k, hidden): the next layer's residual add + RMSNorm sums them
+        (kernels/rmsnorm.py), so the sum is no kernel of its own."""
+        if self.shared_expert is None and self.experts.can_leave_topk_unsummed(x):
+            return self.experts.forward_gate(x, self.gate, sum_topk=False)
+        out = self.experts.forward_gate(x, self.gate)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

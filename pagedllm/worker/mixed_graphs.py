@@ -19,8 +19,8 @@ covers any split of T tokens among up to R requests; the step's real layout live
 
 A padding token belongs to no request, so attention never reads or writes it; the GEMMs and norms
 compute its row, which is dropped. Steps larger than the largest size run eagerly: that is the
-token budget up to 8192 for small models, less for large ones, whose kernels outlast their eager
-launches anyway (`mixed_graph_token_cap`).
+token budget up to 8192 for small models and mixture-of-experts ones, less for large dense ones,
+whose kernels outlast their eager launches anyway (`mixed_graph_token_cap`).
 
 Not captured (the step runs eagerly as before): MLA layers (their prefill path plans on the host),
 pipeline parallelism (stage sends stay outside graphs; the decode graphs handle them).
@@ -47,11 +47,15 @@ logger = logging.getLogger(__name__)
 # Above this many tokens a step's kernels take long enough that the eager launches hide behind
 # them, and each larger graph would hold activations for that many tokens in the graph pool.
 MAX_MIXED_GRAPH_TOKENS = 8192
-# A graph only pays where the step's kernels are shorter than its eager launches (~20-25 ms: with
-# async scheduling, longer kernels hide the launches behind them). Sizes whose forward is above this
-# many FLOPs (2 x parameters x tokens; ~40 ms of an H200's tensor cores) are not captured:
-#     Qwen3-0.6B: every size up to 8192;  Llama-3.1-8B (8.0e9 parameters): up to 1536 tokens;
-#     Qwen3-30B-A3B (~3.3e9 active: `active_parameters`): up to 3584.
+# A graph only pays where the step's kernels are shorter than its eager launches (~20-25 ms for a
+# dense model: with async scheduling, longer kernels hide the launches behind them). Sizes whose
+# forward is above this many FLOPs (2 x parameters x tokens; ~40 ms of an H200's tensor cores) are
+# not captured:
+#     Qwen3-0.6B: every size up to 8192;  Llama-3.1-8B (8.0e9 parameters): up to 1536 tokens.
+# Mixture-of-experts models capture every size: their eager launches outlast the kernels at all of
+# them (the router, the align and the expert GEMMs are ~30 host calls a layer against a dense MLP's
+# 3; Qwen3-30B-A3B at 8192 tokens on the H200: 132 ms of host launch for 112 ms of kernels, so the
+# 18 such steps of W1 ran at 25% of their floor; BENCHMARKS.md, issue 24, branch h45).
 MIXED_GRAPH_MAX_FLOPS = 2.5e13
 MIN_MIXED_GRAPH_TOKENS = 512
 
@@ -70,8 +74,18 @@ def active_parameters(model: torch.nn.Module) -> int:
     return int(total)
 
 
-def mixed_graph_token_cap(num_params: int) -> int:
-    """The largest step, in tokens, worth a graph for a model of num_params parameters (per rank)."""
+def has_experts(model: torch.nn.Module) -> bool:
+    """Whether the model has a mixture-of-experts layer (FusedMoE)."""
+    from pagedllm.layers.fused_moe.layer import FusedMoE
+
+    return any(isinstance(m, FusedMoE) for m in model.modules())
+
+
+def mixed_graph_token_cap(num_params: int, experts: bool = False) -> int:
+    """The largest step, in tokens, worth a graph for a model of num_params (active) parameters per
+    rank; experts: the model has MoE layers (every size is worth one, see MIXED_GRAPH_MAX_FLOPS)."""
+    if experts:
+        return MAX_MIXED_GRAPH_TOKENS
     return max(MIN_MIXED_GRAPH_TOKENS, min(MAX_MIXED_GRAPH_TOKENS, int(MIXED_GRAPH_MAX_FLOPS / (2 * max(num_params, 1)))))
 
 

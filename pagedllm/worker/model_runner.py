@@ -31,6 +31,7 @@ from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInpu
 from pagedllm.worker.mixed_graphs import (
     MixedGraphRunner,
     active_parameters,
+    has_experts,
     mixed_capture_sizes,
     mixed_graph_token_cap,
 )
@@ -104,7 +105,7 @@ class ModelRunner:
         if self.pp_group.world_size > 1 or any(isinstance(m, MLAAttention) for m in self.model.modules()):
             return None
         sc, mc = self.config.scheduler_config, self.config.model_config
-        cap = mixed_graph_token_cap(active_parameters(self.model))
+        cap = mixed_graph_token_cap(active_parameters(self.model), has_experts(self.model))
         return MixedGraphRunner(self.model, self.device, mixed_capture_sizes(sc.max_num_batched_tokens, cap),
                                 sc.max_num_seqs, mc.max_model_len, self.block_size, pool=pool, capture=capture)
 

@@ -114,6 +114,10 @@ def _stack_bytes(cubin: bytes) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["STACK"])
 
 
+# Recorded (so the wrappers run without a GPU) but not compiled: TMA descriptor arguments.
+_NOT_COMPILED = {"_fused_moe_tma_kernel"}
+
+
 def _record(launches: list) -> None:
     """Call every wrapper in the configurations a model uses."""
     for mod, name in [
@@ -128,6 +132,12 @@ def _record(launches: list) -> None:
         (sampling, "_argmax_partials_kernel"),
         (gemv, "_skinny_linear_kernel"),
         (fused_moe, "_fused_moe_kernel"),
+        # Not compiled here (its descriptor argument has no signature type in this check): the TMA
+        # prefill tile ran on the H200 and equals the torch reference there (BENCHMARKS.md, issue 24).
+        (fused_moe, "_fused_moe_tma_kernel"),
+        (fused_moe, "_fused_moe_rows_kernel"),
+        (fused_moe, "_moe_expert_rows_kernel"),
+        (fused_moe, "_moe_sum_kernel"),
         (wna16_gemv, "_wna16_gemv_kernel"),
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
@@ -142,6 +152,7 @@ def _record(launches: list) -> None:
         (quant_act, "_silu_and_mul_quant_kernel"),
         (fused_moe, "_moe_align_kernel"),
         (moe_router, "_topk_softmax_kernel"),
+        (moe_router, "_router_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
         (mla_prep, "_mla_prep_kernel"),
     ]:
@@ -212,10 +223,15 @@ def _record_model_families() -> None:
     window + soft-cap at Gemma-2's head_dim 256; MLA's latent MQA at DeepSeek-V2's width 576."""
     bf16 = torch.bfloat16
     w13, w2 = torch.zeros(128, 2 * 768, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16)
-    for t in (4, 512, 2048):  # the three 16-bit tile configs of fused_moe._config
+    # 4 / 128 / 256 tokens: the align-free decode path's three row blocks (16 / 32 / 64, _scan_config);
+    # 512 and 2048: the align path's two larger tile configs of fused_moe._config.
+    for t in (4, 128, 256, 512, 2048):
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
+        moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
+    # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).
+    rmsnorm.rms_norm(torch.zeros(4, 8, 2048, dtype=bf16), torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(4, 2048, dtype=bf16))
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False, num_shared=2)  # with its shared experts
     # DeepSeek-V2-Lite's experts (64 routed + 2 shared, 2048 -> 1408), top 6 + 2, decode tiles.
@@ -320,6 +336,8 @@ def main() -> int:
     _record(launches)
     seen = set()
     for kernel, args, kwargs in launches:
+        if kernel.fn.__name__ in _NOT_COMPILED:
+            continue
         sig, consts, attrs = _signature(kernel, args, kwargs)
         options = {k: kwargs[k] for k in _OPTION_KEYS if k in kwargs}
         # Calls that differ only in values the JIT does not specialize on (T=1 vs T=256, say) are

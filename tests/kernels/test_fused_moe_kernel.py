@@ -86,5 +86,117 @@ def test_silu_in_the_first_gemm_equals_the_separate_kernel(t, inter):
     assert fused["BLOCK_M"] * fused["BLOCK_N"] <= FUSED_SILU_MAX_TILE < separate["BLOCK_M"] * separate["BLOCK_N"]
     a = fused_experts(x, w13, w2, weights, ids, config=fused)
     b = fused_experts(x, w13, w2, weights, ids, config=separate)
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # 1e-5: the interpreter's tl.dot (numpy) may sum a 128-wide tile in another order than a 64-wide one.
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a, fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_down_gemm_takes_its_own_tiles():
+    # GEMM 2 with its own BLOCK_N / BLOCK_K (config["DOWN"]) computes the same experts; BLOCK_M must stay.
+    g = torch.Generator().manual_seed(3)
+    t, e, top_k, hidden, inter = 21, 5, 2, 96, 48
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2,
+               DOWN=dict(BLOCK_N=64, BLOCK_K=16, num_stages=3, GROUP_M=1))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        fused_experts(x, w13, w2, weights, ids, config=dict(cfg, DOWN=dict(BLOCK_M=32)))
+
+
+@pytest.mark.parametrize("fuse_silu", [True, False])
+def test_tma_weight_tiles_equal_the_pointer_kernel(fuse_silu):
+    # inter 48 over BLOCK_N 32: the last column block's TMA tile reaches into the next expert's rows
+    # (computed, not stored); GEMM 2's K = 48 over BLOCK_K 32: the descriptor zero-fills past K.
+    g = torch.Generator().manual_seed(5)
+    t, e, top_k, hidden, inter = 40, 4, 2, 64, 48
+    x = torch.randn(t, hidden, generator=g).half().to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).half().to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).half().to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, FUSE_SILU=fuse_silu)
+    pointer = fused_experts(x, w13, w2, weights, ids, config=cfg)
+    tma = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, TMA=True))
+    # The same tiles and K order; on a GPU the two kernels may still pick different MMA layouts.
+    torch.testing.assert_close(tma, pointer, atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(tma.float(), fused_experts_ref(x, w13, w2, weights, ids).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_expert_row_lists_hold_each_experts_pairs_in_order():
+    from pagedllm.kernels.fused_moe import _moe_expert_rows_kernel
+
+    ids = torch.tensor([3, 1, 3, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    rows = torch.full((4, 6), -7, dtype=torch.int32, device=DEVICE)
+    counts = torch.empty(4, dtype=torch.int32, device=DEVICE)
+    _moe_expert_rows_kernel[(4,)](ids, rows, counts, 6, 6, CHUNK=4)  # two chunks: the rank carries over
+    assert counts.tolist() == [1, 2, 0, 3]
+    assert [rows[e, :c].tolist() for e, c in enumerate(counts.tolist())] == [[3], [1, 5], [], [0, 2, 4]]
+
+
+@pytest.mark.parametrize("t, e, top_k, block_m", [
+    (5, 4, 2, 16),    # decode-sized: one row block per expert, some experts idle
+    (1, 8, 2, 16),    # one token
+    (300, 4, 2, 16),  # ~150 pairs per expert: ten row blocks each, weights read once per block
+    (37, 8, 3, 64),
+])
+def test_row_list_path_matches_reference(t, e, top_k, block_m):
+    g = torch.Generator().manual_seed(t)
+    hidden, inter = 32, 48  # inter not a multiple of BLOCK_N
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, DOWN=dict(BLOCK_N=16))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
+    from pagedllm.kernels.fused_moe import _scan_config
+
+    assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32  # Qwen3-30B-A3B at 256 tokens
+    assert _scan_config(128 * 8, 128, torch.bfloat16)["BLOCK_M"] == 16
+    assert _scan_config(8, 128, torch.bfloat16)["BLOCK_M"] == 16
+    assert _scan_config(384 * 8, 128, torch.bfloat16) is None  # 24 pairs an expert: the align path
+    assert _scan_config(1024 * 8, 128, torch.bfloat16) is None  # prefill sizes: the align path
+    # With shared experts (every token on the last S), fused_experts keeps the align path: same result.
+    g = torch.Generator().manual_seed(1)
+    t, e, hidden, inter = 6, 5, 32, 32
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e - 1, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=1)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, shared_experts=1),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_equals_torch_sum(dtype):
+    from pagedllm.kernels.fused_moe import moe_sum
+
+    g = torch.Generator().manual_seed(2)
+    down = torch.randn(7 * 3, 1500, generator=g).to(dtype).to(DEVICE)  # hidden past one 1024-wide block
+    ref = down.view(7, 3, 1500).float().sum(dim=1).to(dtype)
+    # fp32 exactly; bf16 within one unit of the last place (Triton's interpreter rounds fp32 -> bf16
+    # by truncation, the GPU to nearest).
+    tol = 0 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(moe_sum(down, 3), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("t", [5, 300])  # the row-list path and the align path
+def test_unsummed_topk_outputs_sum_to_the_summed_call(t):
+    from pagedllm.kernels.fused_moe import moe_sum
+
+    g = torch.Generator().manual_seed(t)
+    e, top_k, hidden, inter = 4, 2, 32, 32
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    parts = fused_experts(x, w13, w2, weights, ids, sum_topk=False)
+    assert parts.shape == (t, top_k, hidden)
+    torch.testing.assert_close(moe_sum(parts.reshape(t * top_k, hidden), top_k), fused_experts(x, w13, w2, weights, ids),
+                               atol=0, rtol=0)

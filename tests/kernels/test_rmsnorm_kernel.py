@@ -36,3 +36,26 @@ def test_with_residual(device, dtype):
 def test_rejects_wrong_weight(device):
     with pytest.raises(ValueError, match="weight"):
         rms_norm(torch.randn(2, 8, device=device), torch.ones(4, device=device), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unsummed_parts_are_summed_before_the_residual_add(device, dtype):
+    # x (T, P, hidden) against a residual (T, hidden): an MoE's top-k outputs left unsummed. The same
+    # as summing them first (fp32, rounded to x's dtype) and then the residual add + norm.
+    from pagedllm.layers.layernorm import RMSNorm
+
+    parts = torch.randn(5, 3, 96, device=device).to(dtype)
+    residual = torch.randn(5, 96, device=device).to(dtype)
+    w = torch.randn(96, device=device).to(dtype)
+    norm = RMSNorm(96, 1e-5).to(device, dtype)
+    norm.weight.data.copy_(w)
+    summed = parts.float().sum(dim=1).to(dtype)
+    out, new_residual = rms_norm(parts, w, 1e-5, residual=residual)
+    ref_out, ref_residual = rms_norm(summed, w, 1e-5, residual=residual)
+    torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    # The reference and the layer (its torch path off CUDA) take the parts the same way.
+    for got, ref in ((rms_norm_ref(parts, w, 1e-5, residual=residual), rms_norm_ref(summed, w, 1e-5, residual=residual)),
+                     (norm(parts, residual), norm(summed, residual))):
+        torch.testing.assert_close(got[0], ref[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1], ref[1], atol=0, rtol=0)

@@ -17,6 +17,7 @@ from pagedllm.worker.mixed_graphs import (
     MAX_MIXED_GRAPH_TOKENS,
     MIN_MIXED_GRAPH_TOKENS,
     active_parameters,
+    has_experts,
     mixed_capture_sizes,
     mixed_graph_token_cap,
 )
@@ -37,6 +38,8 @@ def test_capture_sizes_pad_a_step_by_at_most_a_quarter_and_end_at_the_budget():
     assert mixed_capture_sizes(8192, mixed_graph_token_cap(8_030_000_000))[-1] == 1536
     assert mixed_graph_token_cap(600_000_000) == MAX_MIXED_GRAPH_TOKENS
     assert mixed_graph_token_cap(10**12) == MIN_MIXED_GRAPH_TOKENS
+    # Mixture-of-experts models: every size (their eager launches outlast the kernels).
+    assert mixed_graph_token_cap(3_300_000_000, experts=True) == MAX_MIXED_GRAPH_TOKENS
 
 
 def test_a_mixture_of_experts_counts_top_k_of_its_experts():
@@ -45,6 +48,7 @@ def test_a_mixture_of_experts_counts_top_k_of_its_experts():
     moe = FusedMoE(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)  # 8 x (2 x 32 + 32) x 16
     model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), moe)
     assert active_parameters(model) == 16 * 16 + 8 * 96 * 16 * 2 // 8
+    assert has_experts(model) and not has_experts(torch.nn.Linear(2, 2))
 
 
 def test_cudagraph_mode_takes_vllms_names_and_refuses_piecewise():

@@ -60,7 +60,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if x.is_cuda:
             from pagedllm.kernels.fused_moe import fused_experts
 
-            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                 shared_experts=layer.num_fused_shared_experts)
         from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
         return fused_experts_ref(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
