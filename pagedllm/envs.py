@@ -128,11 +128,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs AsyncLLM's engine core in its own process, 0 in a
     # thread; unset (None): a process, as vLLM's default (engine/core_client.py).
     "PAGEDLLM_ENABLE_MULTIPROCESSING": _multiprocessing,
-    # 1: `pagedllm serve` on one CUDA device starts its engine process before its config is built, with
-    # its imports, CUDA initialisation, config and model load overlapping the frontend's
-    # (engine/core_proc.py, prestart_engine_process). Off by default until it is measured on a GPU: the
-    # version that is taken was built after the ninth session's last GPU round (BENCHMARKS.md, issue 16).
-    "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", False),
+    # 1 (default): `pagedllm serve` on one CUDA device starts its engine process before its config is
+    # built, with its imports, CUDA initialisation, config and model load overlapping the frontend's
+    # (engine/core_proc.py, prestart_engine_process); 0: the engine process starts once the frontend's
+    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29, h47).
+    "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
     # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
     # every rank and fails the engine (executor/multiproc.py). Default 300.
     "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),

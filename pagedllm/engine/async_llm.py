@@ -74,9 +74,15 @@ class AsyncLLM:
             on_dead=lambda exc: self._outq.put(_EngineFailed(exc)),
         )
         try:
+            t0 = time.monotonic()
             self.tokenizer = load_tokenizer(config)
             self.processor = Processor(config, self.tokenizer)
+            t1 = time.monotonic()
             self.engine_core.wait_ready()
+            # The start-up timeline (scripts/gpu_cold_start.py): the frontend's tokenizer, then how long
+            # it waited for the engine (0 when the engine was ready first).
+            logger.info("start-up: tokenizer and processor took %.2f s; then waited %.2f s for the engine",
+                        t1 - t0, time.monotonic() - t1)
         except BaseException:
             self.engine_core.shutdown(0)
             raise

@@ -76,6 +76,7 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
+    logger.info("start-up: engine process started")  # forked once the fork server had its imports
     t0 = time.monotonic()
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore

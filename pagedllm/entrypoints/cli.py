@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from pagedllm.engine import fork_server
 
@@ -113,8 +114,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    # The start-up timeline (scripts/gpu_cold_start.py): the frontend's own imports, torch among them.
+    logging.getLogger("pagedllm.entrypoints.cli").info("start-up: server modules import took %.2f s",
+                                                       time.monotonic() - t0)
     run_server(args)
     return 0
 

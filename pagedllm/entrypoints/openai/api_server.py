@@ -283,7 +283,9 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
 # -- running -------------------------------------------------------------------------------------------
 async def serve(args: argparse.Namespace, engine: AsyncLLM) -> int:
     """Serve until stopped; returns the exit code (0 after a SIGTERM drain, 1 when the engine died)."""
+    t0 = time.monotonic()
     app = build_app(args, engine)
+    logger.info("start-up: app took %.2f s", time.monotonic() - t0)
     config = uvicorn.Config(
         ResetStalledConnections(app),
         host=args.host if args.host is not None else "0.0.0.0",
