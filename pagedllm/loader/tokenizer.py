@@ -20,15 +20,14 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 import pagedllm.envs as envs
 from pagedllm.loader.gguf_cache import load_or_create
 from pagedllm.loader.gguf_reader import open_gguf, read_field
 from pagedllm.loader.source import ModelSource
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +68,6 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     the generic fast class gives identical ids, special tokens and template (tests compare the two).
     The result is saved with `save_pretrained` in pagedllm's cache and read back next time (~0.3 s).
     """
-    from transformers import PreTrainedTokenizerFast
-
     path = path.resolve()
 
     def create() -> PreTrainedTokenizerBase:
