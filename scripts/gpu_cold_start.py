@@ -162,7 +162,15 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         elif m := re.search(r"engine ready in ([\d.]+) s", line):
             phases.append(f"engine core init {m.group(1)}")
         elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s", line):
-            phases.append(f"capture of {m.group(1)} graphs {m.group(2)}")
+            phases.append(f"capture of {m.group(1)} decode graphs {m.group(2)}")
+        elif m := re.search(r"captured (\d+) mixed-step CUDA graphs .* in ([\d.]+) s", line):
+            phases.append(f"capture of {m.group(1)} mixed-step graphs {m.group(2)}")
+        elif m := re.search(r"Triton variants: (\d+) found in ([\d.]+) s, compiled in parallel in ([\d.]+) s "
+                            r"\((\d+) left", line):
+            phases.append(f"parallel compile: {m.group(1)} variants, collect {m.group(2)}, compile {m.group(3)}, "
+                          f"{m.group(4)} left")
+        elif m := re.search(r"Triton compile processes \((\d+)\): (\d+) variants in ([\d.]+) s, (\d+) failed", line):
+            phases.append(f"{m.group(1)} compile processes: {m.group(2)} variants in {m.group(3)}, {m.group(4)} failed")
     if ready is None:
         print("--- start failed; last lines:\n" + "\n".join(line for _, line in lines[-40:]), flush=True)
     binaries = count_cubins(cache)

@@ -152,8 +152,10 @@ def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, A
 
     own = core = error = None
     if engine_args is not None:
+        t0 = time.monotonic()
         try:
             own = engine_args.create_engine_config()
+            logger.info("start-up: the engine process's own config took %.2f s", time.monotonic() - t0)
         except Exception:  # noqa: BLE001 - the frontend's create_engine_config raises it to the user
             own = None
     if own is not None:
