@@ -26,6 +26,7 @@ to stop) and exits when its input pipe closes (frontend gone).
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import multiprocessing
 import os
@@ -66,6 +67,10 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     Started early (`prestart_engine_process`: config None), it first imports and, with `warm_cuda`,
     initialises CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend
     builds the same config (`_await_config`)."""
+    # What the fork server imported (torch, transformers: ~1/3 of the objects at ready) lives as long
+    # as this process: out of the collector's sight now, so the full pass of freeze_gc_heap at
+    # engine start walks only what this process makes (2-core CPU, tiny model: 0.23 -> 0.08 s).
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
