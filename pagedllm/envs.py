@@ -95,6 +95,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
+    # 1: capture each CUDA graph through torch.cuda.graph, which empties torch's device and pinned-host
+    # caches before every capture (worker/cuda_graphs.py, capture_forward); 0 (default): they are
+    # emptied once, before a runner's first capture, and the next eager pass reuses the cached blocks.
+    "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched. Off by default:
     # the one H200 measurement of it (BENCHMARKS.md, issue 16, 12:55 round) started slower than

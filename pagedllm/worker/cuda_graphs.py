@@ -20,14 +20,16 @@ kept, and a batch may run a larger size that replays clearly faster (worker/grap
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedllm.distributed.pipeline import recv_stage_inputs, send_stage_outputs, stage_input_buffers
@@ -47,6 +49,28 @@ logger = logging.getLogger(__name__)
 ORDER_MIN_BATCH = 128
 
 
+_capture_stream: torch.cuda.Stream | None = None
+
+
+@contextlib.contextmanager
+def _capturing(g: torch.cuda.CUDAGraph, pool: object) -> Iterator[None]:
+    """`torch.cuda.graph(g, pool=pool)` without the `torch.cuda.empty_cache()` and pinned-host cache
+    release it runs before every capture: with ~50 captures at start (decode and mixed-step sizes),
+    each would hand the eager pass's cached blocks back to the driver for the next pass to allocate
+    again (PAGEDLLM_CAPTURE_EMPTY_CACHE=1 keeps torch's way). The same capture otherwise: a side
+    stream of its own, torch's default (global) capture mode."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(_capture_stream):
+        g.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            yield
+        finally:
+            g.capture_end()
+
+
 def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device,
                     pool: object = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """forward() captured as a CUDA graph in `pool` (None: a new pool, then `graph.pool()`), with its
@@ -55,11 +79,15 @@ def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device,
     One eager pass first, so nothing initialises lazily inside the capture: Triton variants load (or
     compile), the BLAS library picks its algorithms for these shapes (a second pass costs a forward
     per size at every start). The first replay uploads the graph to the device, which would
-    otherwise land on a serving step."""
+    otherwise land on a serving step. A new pool (a runner's first capture) starts from emptied
+    caches, as torch.cuda.graph does."""
+    empty_each = envs.PAGEDLLM_CAPTURE_EMPTY_CACHE
+    if pool is None and not empty_each:
+        torch.cuda.empty_cache()
     forward()
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with torch.cuda.graph(g, pool=pool) if empty_each else _capturing(g, pool):
         out = forward()
     g.replay()
     return g, out
