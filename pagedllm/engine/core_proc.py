@@ -92,7 +92,10 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
 
             import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
 
+            t1 = time.monotonic()
             torch.cuda.init()
+            logger.info("start-up: engine process imports took %.2f s, then CUDA init %.2f s", t1 - t0,
+                        time.monotonic() - t1)
         except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
             logger.warning("engine process: early CUDA initialisation failed (%s)", e)
     # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
