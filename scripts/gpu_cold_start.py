@@ -196,8 +196,8 @@ def _print_imports(out: str, err: str, tag: str, title: str, top: int) -> None:
         print(f"  {sec:6.2f} {name}")
 
 
-# The frontend's start, step by step in one process (the order `pagedllm serve` takes them): seconds
-# per step and the heavy modules each step imported first.
+# The frontend's start, step by step in one process (the order `pagedllm serve` takes them, with the
+# engine's fork-server preload after torch): seconds per step and the heavy modules it imported first.
 _PROBE = r"""
 import sys, time
 tok, preset = sys.argv[1], sys.argv[2]
@@ -225,6 +225,8 @@ def ours():
     from pagedllm.loader.tokenizer import load_tokenizer
     load_tokenizer(Path(tok))
 step("import torch", lambda: __import__("torch"))
+for name in ("transformers", "transformers.configuration_utils", "transformers.activations"):
+    step(f"import {name} (the fork server's preload)", lambda name=name: __import__(name))
 step("server modules", server)
 step("AutoConfig of the 8B preset", config)
 step("pagedllm's load_tokenizer", ours)
