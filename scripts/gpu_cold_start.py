@@ -20,8 +20,8 @@ GET /v1/models answers (issue 16's "start to ready"):
     warm2  a third (not with --quick): the spread of warm starts
 
 --probe: first, one process timing the frontend's steps on this machine, in the frontend's order
-(torch, the server modules, the 8B config, the tokenizer through PreTrainedTokenizerFast, then what
-AutoTokenizer would add), with the heavy modules each step imported. --budget S: no start begins
+(torch, the fork server's preload, the server modules, the 8B config, the tokenizer through
+AutoTokenizer and then through its remembered class), with the heavy modules each step imported. --budget S: no start begins
 once the script has run S seconds less the last start of its kind (a GPU round's time limit).
 
 First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
@@ -217,9 +217,6 @@ def config():
 def fast():
     from transformers import PreTrainedTokenizerFast
     PreTrainedTokenizerFast.from_pretrained(tok)
-def auto():
-    from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(tok)
 def ours():
     from pathlib import Path
     from pagedllm.loader.tokenizer import load_tokenizer
@@ -229,9 +226,9 @@ for name in ("transformers", "transformers.configuration_utils", "transformers.a
     step(f"import {name} (the fork server's preload)", lambda name=name: __import__(name))
 step("server modules", server)
 step("AutoConfig of the 8B preset", config)
-step("pagedllm's load_tokenizer", ours)
+step("pagedllm's load_tokenizer, first (AutoTokenizer; its class remembered)", ours)
+step("pagedllm's load_tokenizer, again (the remembered class)", ours)
 step("PreTrainedTokenizerFast.from_pretrained", fast)
-step("AutoTokenizer.from_pretrained (after the above)", auto)
 """
 
 
@@ -239,7 +236,8 @@ def frontend_probe(tree: str, tokenizer: str | None) -> None:
     preset = os.path.join(os.path.abspath(tree), "pagedllm", "model_configs", "llama3-8b")
     t = time.time()
     p = subprocess.run([sys.executable, "-c", _PROBE, tokenizer or "", preset], cwd=tree, capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)))
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.path.abspath(tree),
+                                                        PAGEDLLM_CACHE_ROOT=tempfile.mkdtemp(prefix="probe-")))
     print("\n".join(line for line in p.stdout.splitlines() if line.startswith("PROBE")) or p.stderr[-2000:])
     print(f"(probe {time.time() - t:.1f} s)", flush=True)
 
