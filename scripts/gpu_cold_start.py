@@ -222,10 +222,11 @@ def ours():
     from pagedllm.loader.tokenizer import load_tokenizer
     load_tokenizer(Path(tok))
 step("import torch", lambda: __import__("torch"))
-for name in ("transformers", "transformers.configuration_utils", "transformers.activations"):
+for name in ("transformers", "transformers.configuration_utils"):
     step(f"import {name} (the fork server's preload)", lambda name=name: __import__(name))
+step("AutoConfig of the 8B preset (does it need transformers.activations?)", config)
+step("import transformers.activations (the fork server's preload)", lambda: __import__("transformers.activations"))
 step("server modules", server)
-step("AutoConfig of the 8B preset", config)
 step("pagedllm's load_tokenizer, first (AutoTokenizer; its class remembered)", ours)
 step("pagedllm's load_tokenizer, again (the remembered class)", ours)
 step("PreTrainedTokenizerFast.from_pretrained", fast)
