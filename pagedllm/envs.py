@@ -209,13 +209,19 @@ def kernel_switches() -> KernelSwitches:
     )
 
 
+def triton_cache_dir() -> Path:
+    """Where Triton's kernel cache is or will be (`use_triton_cache_dir`), changing nothing."""
+    user = environment_variables["TRITON_CACHE_DIR"]()
+    return Path(user).expanduser() if user else _cache_root() / "triton"
+
+
 def use_triton_cache_dir() -> Path:
     """Triton's kernel cache directory: the user's TRITON_CACHE_DIR if set, else
     $PAGEDLLM_CACHE_ROOT/triton, which is then written to the environment (Triton reads it at each
     compile; worker processes inherit it). Created if missing. Called once at engine start, before
     any kernel compiles."""
     user = environment_variables["TRITON_CACHE_DIR"]()
-    path = Path(user).expanduser() if user else _cache_root() / "triton"
+    path = triton_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     if not user:
         os.environ["TRITON_CACHE_DIR"] = str(path)

@@ -74,16 +74,31 @@ def leave_to_engine_process() -> None:
     close_compile_pool()
 
 
-def start_compile_pool() -> None:
+def start_compile_pool(early: bool = False) -> None:
     """Start the compile processes now, once per process (later calls do nothing while they run);
-    a failure to start them only means this process compiles instead."""
+    a failure to start them only means this process compiles instead. early: before the engine
+    knows its start-up's variants (the config, the device's start), so only on a Triton cache that
+    holds no start's variants yet (no warm marker, worker/precompile.py: a fresh machine): a warm
+    start would only lose CPU to their imports; a new configuration on a used cache starts them
+    once the worker finds its marker missing."""
     global _pool
     if _pool is not None or _elsewhere:
+        return
+    if early and _has_warm_markers():
         return
     try:
         _pool = CompilePool(min(_MAX_PROCESSES, max((os.cpu_count() or 1) - 1, 1)))
     except Exception as e:  # noqa: BLE001
         logger.info("Triton compile processes not started (%s); compiling in this process", e)
+
+
+def _has_warm_markers() -> bool:
+    from pagedllm import envs
+
+    try:
+        return any((envs.triton_cache_dir() / "pagedllm-warm").iterdir())
+    except OSError:
+        return False
 
 
 def current() -> CompilePool | None:

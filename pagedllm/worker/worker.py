@@ -114,7 +114,7 @@ class Worker:
             self._memory_baseline = startup_baseline(self.device, self.config.cache_config.gpu_memory_utilization)
             logger.info("Triton cache: %s", use_triton_cache_dir())
             if self.kernel_switches.parallel_compile:
-                start_compile_pool()  # unless EngineArgs did already: their imports overlap the model load
+                start_compile_pool(early=True)  # unless EngineArgs did already: their imports overlap the model load
         # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
         torch.manual_seed(self.config.model_config.seed)
 
@@ -228,6 +228,7 @@ class Worker:
             close_compile_pool()
             logger.info("Triton cache holds this start-up's kernel variants (%s): no parallel compile", self._marker)
             return
+        start_compile_pool()  # a new configuration on a cache that holds another's variants (start_compile_pool)
         with start_phase("parallel Triton compile"):
             precompile_startup(self.model, self.kv_cache, self._graph_runner(), self._warmup_shape(),
                                self.config.scheduler_config.max_num_seqs, mc.dtype)

@@ -33,3 +33,19 @@ def test_collect_pass_records_each_variant_once_and_restores_the_hook():
 
 def test_only_cuda_models_are_precompiled():
     assert not can_precompile(torch.nn.Linear(2, 2), torch.device("cpu"))
+
+
+def test_early_compile_processes_only_for_a_cache_without_warm_markers(tmp_path, monkeypatch):
+    """A start that has not built its config yet starts the compile processes only on a Triton
+    cache no start has completed on (a fresh machine): elsewhere they would mostly cost a warm
+    start their imports."""
+    from pagedllm.worker import compile_pool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert not compile_pool._has_warm_markers()  # no cache directory at all
+    (tmp_path / "triton" / "pagedllm-warm").mkdir(parents=True)
+    assert not compile_pool._has_warm_markers()
+    (tmp_path / "triton" / "pagedllm-warm" / "0123abcd").touch()
+    assert compile_pool._has_warm_markers()
+    compile_pool.start_compile_pool(early=True)
+    assert compile_pool.current() is None
