@@ -83,6 +83,12 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
         logging.basicConfig(level=log_level, format=log_format)
     logger.info("start-up: engine process started")  # forked once the fork server had its imports
     t0 = time.monotonic()
+    if warm_cuda:
+        # First, while this process has no thread and no CUDA context: on a fresh machine with
+        # PAGEDLLM_PARALLEL_COMPILE=1, the Triton compile processes forked from it (torch imported).
+        from pagedllm.worker.compile_pool import fork_compile_pool
+
+        fork_compile_pool()
     # CUDA's initialisation in a thread, beside this process's imports and its own config (joined
     # before the EngineCore is built): what the worker would do first, done while the frontend
     # still builds the config.

@@ -49,3 +49,26 @@ def test_early_compile_processes_only_for_a_cache_without_warm_markers(tmp_path,
     assert compile_pool._has_warm_markers()
     compile_pool.start_compile_pool(early=True)
     assert compile_pool.current() is None
+
+
+def test_forked_compile_processes_answer_every_variant_and_are_reaped():
+    """Compile processes forked from this process (the engine process's way on a fresh machine)
+    take their share over a pipe and answer each variant; a variant they cannot compile (here: no
+    GPU target, or no such kernel) is counted as failed, for the parent to compile itself."""
+    import os
+
+    from pagedllm.worker.compile_pool import CompilePool
+
+    pool = CompilePool(2, fork=True)
+    pids = [child.pid for child in pool.children]
+    try:
+        items = [("pagedllm.kernels.rmsnorm", "no_such_kernel", "{}")] * 3
+        assert pool.compile(items, 0, 90) == 3
+    finally:
+        pool.close()
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+            raise AssertionError(f"compile process {pid} was not reaped")
+        except ChildProcessError:
+            pass
