@@ -163,10 +163,10 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             phases.append(f"{m.group(1)} {m.group(2)} (ends {t:.1f})")
         elif m := re.search(r"engine ready in ([\d.]+) s", line):
             phases.append(f"engine core init {m.group(1)}")
-        elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s", line):
-            phases.append(f"capture of {m.group(1)} decode graphs {m.group(2)}")
-        elif m := re.search(r"captured (\d+) mixed-step CUDA graphs .* in ([\d.]+) s", line):
-            phases.append(f"capture of {m.group(1)} mixed-step graphs {m.group(2)}")
+        elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
+            phases.append(f"capture of {m.group(1)} decode graphs {m.group(2)} {m.group(3) or ''}".rstrip())
+        elif m := re.search(r"captured (\d+) mixed-step CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
+            phases.append(f"capture of {m.group(1)} mixed-step graphs {m.group(2)} {m.group(3) or ''}".rstrip())
         elif m := re.search(r"Triton variants: (\d+) found in ([\d.]+) s, compiled in parallel in ([\d.]+) s "
                             r"\((\d+) left", line):
             phases.append(f"parallel compile: {m.group(1)} variants, collect {m.group(2)}, compile {m.group(3)}, "
