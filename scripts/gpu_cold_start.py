@@ -161,6 +161,8 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             phases.append(f"tokenizer {m.group(1)}, frontend waited for the engine {m.group(2)} (ends {t:.1f})")
         elif m := re.search(r"start-up: (.+?) took ([\d.]+) s", line):
             phases.append(f"{m.group(1)} {m.group(2)} (ends {t:.1f})")
+        elif m := re.search(r"memory profile: .*KV cache ([\d.]+) GiB \(forward ([\d.]+) s, sampler ([\d.]+) s\)", line):
+            phases.append(f"profile's forward {m.group(2)}, sampler {m.group(3)} ({m.group(1)} GiB KV)")
         elif m := re.search(r"engine ready in ([\d.]+) s", line):
             phases.append(f"engine core init {m.group(1)}")
         elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
