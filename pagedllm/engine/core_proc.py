@@ -60,13 +60,14 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 
 
-def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Connection, env: dict[str, str],
+def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connection, env: dict[str, str],
                  log_level: int, log_format: str | None, fail_at_step: int | None, warm_cuda: bool = False,
                  engine_args: Any = None) -> None:
     """The engine process: build the EngineCore, then serve commands and step until told to stop.
-    Started early (`prestart_engine_process`: config None), it first imports and, with `warm_cuda`,
-    initialises CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend
-    builds the same config (`_await_config`)."""
+    config_blob: the pickled EngineConfig, unpickled here (`_load_config`). Started early
+    (`prestart_engine_process`: no config yet), it first imports and, with `warm_cuda`, initialises
+    CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend builds the
+    same config (`_await_config`)."""
     # What the fork server imported (torch, transformers: ~1/3 of the objects at ready) lives as long
     # as this process: out of the collector's sight now, so the full pass of freeze_gc_heap at
     # engine start walks only what this process makes (2-core CPU, tiny model: 0.23 -> 0.08 s).
@@ -105,6 +106,7 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     logger.info("start-up: engine process imports took %.2f s", time.monotonic() - t0)
     core: EngineCore | None = None
     early_error: BaseException | None = None
+    config = _load_config(config_blob) if config_blob is not None else None
     if config is None:
         try:
             config, core, early_error, fail_at_step = _await_config(inputs, engine_args, cuda_init)
@@ -184,6 +186,16 @@ class _BackgroundCudaInit:
                     "for it", self._took, time.monotonic() - t0)
 
 
+def _load_config(blob: bytes) -> EngineConfig:
+    """The frontend's pickled EngineConfig. Unpickled here, not by multiprocessing before this
+    process's code runs: its model config's transformers class is imported without generated
+    docstrings, so without transformers' auto-model modules (loader/hf_configs.py: seconds)."""
+    from pagedllm.loader.hf_configs import without_generated_docstrings
+
+    with without_generated_docstrings():
+        return pickle.loads(blob)
+
+
 def _await_config(inputs: Connection, engine_args: Any, cuda_init: _BackgroundCudaInit | None = None
                   ) -> tuple[EngineConfig, Any, BaseException | None, int | None]:
     """A prestarted engine process's config and core: (config, EngineCore or None, its start-up
@@ -213,7 +225,8 @@ def _await_config(inputs: Connection, engine_args: Any, cuda_init: _BackgroundCu
             core = EngineCore(own)
         except BaseException as e:  # noqa: BLE001 - reported once the frontend's config agrees
             error = e
-    config, fail_at_step, env = pickle.loads(inputs.recv_bytes())
+    config_blob, fail_at_step, env = pickle.loads(inputs.recv_bytes())
+    config = _load_config(config_blob)
     os.environ.clear()  # the frontend's environment now (_env_fits: only variables nothing read yet differ)
     os.environ.update(env)
     if own is not None and config != own:
@@ -300,15 +313,18 @@ def discard_prestarted_engine_process() -> None:
 
 # Variables read when torch, Triton or CUDA start (or by pagedllm, envs.py): a prestarted engine
 # process has read them, so one that differs now makes the frontend start a new process.
-_READ_AT_START = ("PAGEDLLM_", "TRITON_", "CUDA_", "TORCH", "PYTORCH_", "NCCL_", "NVIDIA_", "LD_", "PYTHON",
-                  "HF_", "TRANSFORMERS_", "OMP_", "MKL_")
+# Only pagedllm's and the device stack's own switches: a program (or a test) that sets one after the
+# process started means it. Libraries' import side effects are not among them (below).
+_READ_AT_START = ("PAGEDLLM_", "TRITON_", "CUDA_", "PYTORCH_", "NCCL_", "NVIDIA_", "LD_")
 
 
 def _env_fits(then: dict[str, str], now: dict[str, str]) -> bool:
     """Whether a process started with environment `then` can serve a frontend whose environment is
-    `now`: equal, but for variables added since that nothing of the engine has read at start (the
-    frontend's own imports set some: scikit-learn, imported by transformers' generation utilities
-    where installed, sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK)."""
+    `now`: equal, but for variables added since that are not the engine's switches. The frontend's
+    own imports add some while it builds its config, and the engine process meets the same imports
+    building its own: on the H200 host scikit-learn (through transformers' generation utilities) set
+    KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK, and torch's inductor TORCHINDUCTOR_CACHE_DIR, which
+    made the process unfit (BENCHMARKS.md, issue 16, h47)."""
     if any(now.get(k) != v for k, v in then.items()):
         return False
     return not any(k.startswith(_READ_AT_START) for k in now.keys() - then.keys())
@@ -326,7 +342,7 @@ class EngineCoreProc:
             one_cuda_device = config.device_config.device == "cuda" and config.parallel_config.world_size == 1
             now = dict(os.environ)
             if _env_fits(early.env, now) and early.warm_cuda == one_cuda_device and early.process.is_alive():
-                early._inputs.send_bytes(pickle.dumps((config, fail_at_step, now)))
+                early._inputs.send_bytes(pickle.dumps((pickle.dumps(config), fail_at_step, now)))
                 early._configured = True
                 return early
             changed = sorted(k for k in early.env.keys() | now.keys() if early.env.get(k) != now.get(k))
@@ -347,7 +363,8 @@ class EngineCoreProc:
         self._configured = config is not None
         self.process = ctx.Process(
             target=_engine_main, name="pagedllm-engine-core", daemon=True,
-            args=(config, self._inputs_recv, self._outputs_send, self.env, root.level, fmt, fail_at_step, warm_cuda,
+            args=(None if config is None else pickle.dumps(config), self._inputs_recv, self._outputs_send, self.env,
+                  root.level, fmt, fail_at_step, warm_cuda,
                   engine_args),
         )
         self.process.start()
