@@ -20,8 +20,9 @@ GET /v1/models answers (issue 16's "start to ready"):
     warm2  a third (not with --quick): the spread of warm starts
 
 --probe: first, one process timing the frontend's steps on this machine, in the frontend's order
-(torch, the fork server's preload, the server modules, the 8B config, the tokenizer through
-AutoTokenizer and then through its remembered class), with the heavy modules each step imported. --budget S: no start begins
+(torch, the fork server's preload, the 8B config as pagedllm loads it and what AutoConfig would add,
+the server modules, the tokenizer through AutoTokenizer and then through its remembered class), with
+the heavy modules each step imported, and whether torch's and transformers' byte-code caches exist. --budget S: no start begins
 once the script has run S seconds less the last start of its kind (a GPU round's time limit).
 
 First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
@@ -216,6 +217,16 @@ def server():
 def config():
     from transformers import AutoConfig
     AutoConfig.from_pretrained(preset)
+def ours_config():
+    from pathlib import Path
+    from pagedllm.loader.source import load_hf_config
+    load_hf_config(Path(preset))
+def pyc():
+    import importlib.util, os, torch, transformers
+    for m in (torch, transformers):
+        c = importlib.util.cache_from_source(m.__file__)
+        print(f"PROBE {m.__name__} {m.__version__}: byte-code cache {'present' if os.path.exists(c) else 'MISSING'} "
+              f"({c}); site-packages writable: {os.access(os.path.dirname(m.__file__), os.W_OK)}", flush=True)
 def fast():
     from transformers import PreTrainedTokenizerFast
     PreTrainedTokenizerFast.from_pretrained(tok)
@@ -226,8 +237,10 @@ def ours():
 step("import torch", lambda: __import__("torch"))
 for name in ("transformers", "transformers.configuration_utils"):
     step(f"import {name} (the fork server's preload)", lambda name=name: __import__(name))
-step("AutoConfig of the 8B preset (does it need transformers.activations?)", config)
+step("pagedllm's load_hf_config of the 8B preset (the class directly, no generated docstrings)", ours_config)
 step("import transformers.activations (the fork server's preload)", lambda: __import__("transformers.activations"))
+step("AutoConfig of the 8B preset (after the above: what it adds)", config)
+pyc()
 step("server modules", server)
 step("pagedllm's load_tokenizer, first (AutoTokenizer; its class remembered)", ours)
 step("pagedllm's load_tokenizer, again (the remembered class)", ours)
