@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 import pagedllm.envs as envs
 from pagedllm.loader.gguf_cache import load_or_create
 from pagedllm.loader.gguf_reader import open_gguf, read_field
+from pagedllm.loader.hf_configs import without_generated_docstrings
 from pagedllm.loader.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ def load_tokenizer_dir(path: Path, trust_remote_code: bool = False, use_fast: bo
     if record is not None and record.is_file():
         try:
             module, qualname = json.loads(record.read_text())["class"]
-            cls: Any = importlib.import_module(module)
+            with without_generated_docstrings():  # loader/hf_configs.py: no auto-model registry with it
+                cls: Any = importlib.import_module(module)
             for part in qualname.split("."):
                 cls = getattr(cls, part)
         except Exception as e:  # noqa: BLE001 - a damaged record or another transformers: ask AutoTokenizer
