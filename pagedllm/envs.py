@@ -99,6 +99,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # caches before every capture (worker/cuda_graphs.py, capture_forward); 0 (default): they are
     # emptied once, before a runner's first capture, and the next eager pass reuses the cached blocks.
     "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
+    # 1 (default): every decode graph's capture follows an eager pass of its size (worker/cuda_graphs.py);
+    # 0: only the first size of each Triton variant and BLAS library gets one (an A/B of the capture time).
+    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched. Off by default:
     # the one H200 measurement of it (BENCHMARKS.md, issue 16, 12:55 round) started slower than

@@ -72,7 +72,8 @@ def _capturing(g: torch.cuda.CUDAGraph, pool: object) -> Iterator[None]:
 
 
 def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device, pool: object = None,
-                    clock: dict[str, float] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                    clock: dict[str, float] | None = None, eager: bool = True
+                    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """forward() captured as a CUDA graph in `pool` (None: a new pool, then `graph.pool()`), with its
     output tensor. The static buffers forward reads must hold padding only (nothing is written).
 
@@ -81,12 +82,14 @@ def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device, p
     per size at every start). The first replay uploads the graph to the device, which would
     otherwise land on a serving step. A new pool (a runner's first capture) starts from emptied
     caches, as torch.cuda.graph does. clock: seconds added up per part ("eager" pass and its sync,
-    "capture", first "replay"), for the start-up log."""
+    "capture", first "replay"), for the start-up log. eager=False: no eager pass, for a forward whose
+    Triton variants and BLAS library an earlier eager pass of the same start met already."""
     empty_each = envs.PAGEDLLM_CAPTURE_EMPTY_CACHE
     t0 = time.monotonic()
     if pool is None and not empty_each:
         torch.cuda.empty_cache()
-    forward()
+    if eager:
+        forward()
     torch.cuda.synchronize(device)
     t1 = time.monotonic()
     g = torch.cuda.CUDAGraph()
@@ -174,10 +177,10 @@ class CudaGraphRunner:
         rows = IntermediateTensors({k: v[:bs] for k, v in self.intermediate.tensors.items()})
         return self.input_ids[:bs], self.positions[:bs], rows
 
-    def _capture_one(self, bs: int, md: AttentionMetadata, clock: dict[str, float] | None = None
-                     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, bs: int, md: AttentionMetadata, clock: dict[str, float] | None = None,
+                     eager: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, pos, *rows = self._stage_inputs(bs)
-        g, out = capture_forward(lambda: self.model(ids, pos, md, *rows), self.device, self.pool, clock)
+        g, out = capture_forward(lambda: self.model(ids, pos, md, *rows), self.device, self.pool, clock, eager)
         if self.pool is None:
             self.pool = g.pool()
         return g, out
@@ -199,15 +202,18 @@ class CudaGraphRunner:
         bs's low bits; beyond those, on whether the graph orders its programs and how it splits
         and tiles attention. Default sizes 1, 2, 4, 8, 16, 24, ..., 256 -> 1, 2, 4, 8, 16, 24 and
         the first sizes past each attention-kind and ordering boundary."""
-        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
-
         picked: dict[tuple, int] = {}
         for bs in self.sizes:
-            splits, few = decode_kind(bs, self.num_kv_heads, self.max_seq_len)
-            key = (bs == 1, tuple(bs % m == 0 for m in (2, 4, 8, 16)), (bs + 1) % 16 == 0, bs >= ORDER_MIN_BATCH,
-                   splits > 1, few)
-            picked.setdefault(key, bs)
+            picked.setdefault(self._variant_key(bs), bs)
         return sorted(picked.values())
+
+    def _variant_key(self, bs: int) -> tuple:
+        """What a batch size is to Triton's specialisation and the attention's choices (variant_sizes)."""
+        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
+
+        splits, few = decode_kind(bs, self.num_kv_heads, self.max_seq_len)
+        return (bs == 1, tuple(bs % m == 0 for m in (2, 4, 8, 16)), (bs + 1) % 16 == 0, bs >= ORDER_MIN_BATCH,
+                splits > 1, few)
 
     @torch.inference_mode()
     def dry_run(self) -> None:
@@ -229,6 +235,10 @@ class CudaGraphRunner:
         kept = graph_plan.load_plan(plan_file, self.sizes, list(candidates)) if plan_file else None
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         clock: dict[str, float] = {}
+        # PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE=0: an eager pass only for the first size of each Triton
+        # variant and library (what it initialises is then loaded for the others).
+        every_size = envs.PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE
+        met: set[tuple] = set()
         try:
             # Largest first, so smaller graphs reuse the big one's memory pool.
             for bs in reversed(self.sizes):
@@ -237,7 +247,9 @@ class CudaGraphRunner:
                     if kept is not None and kept[bs][0] != lib:
                         continue  # a kept plan: the library it chose for this size only
                     torch.backends.cuda.preferred_blas_library(value)
-                    captured[bs, lib] = self._capture_one(bs, md, clock)
+                    key = (self._variant_key(bs), lib)
+                    captured[bs, lib] = self._capture_one(bs, md, clock, eager=every_size or key not in met)
+                    met.add(key)
         finally:
             torch.backends.cuda.preferred_blas_library(default)
         torch.cuda.synchronize(self.device)
