@@ -89,7 +89,7 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         # PAGEDLLM_PARALLEL_COMPILE=1, the Triton compile processes forked from it (torch imported).
         from pagedllm.worker.compile_pool import fork_compile_pool
 
-        fork_compile_pool()
+        fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))
     # CUDA's initialisation in a thread, beside this process's imports and its own config (joined
     # before the EngineCore is built): what the worker would do first, done while the frontend
     # still builds the config.

@@ -55,13 +55,18 @@ class _ForkedChild:
     a new interpreter's. Only forked from a single-threaded process without a CUDA context (the
     engine process as it starts: `fork_compile_pool`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, close_in_child: tuple[int, ...] = ()) -> None:
         parent, child = multiprocessing.Pipe()
         pid = os.fork()
         if pid == 0:  # the child: compile, then leave without running the parent's exit handlers
             code = 0
             try:
                 parent.close()
+                for fd in close_in_child:  # e.g. the engine's pipes: its frontend must see them close with it
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
                 from pagedllm.worker.compile_child import serve_connection
 
                 serve_connection(child)
@@ -97,10 +102,10 @@ class CompilePool:
     model load. `compile` hands each a share of the variants and waits; `close` ends them.
     fork: children forked from this process (`_ForkedChild`), else new interpreters."""
 
-    def __init__(self, processes: int, fork: bool = False) -> None:
+    def __init__(self, processes: int, fork: bool = False, close_in_child: tuple[int, ...] = ()) -> None:
         self.children: list[_SubprocessChild | _ForkedChild]
         if fork:
-            self.children = [_ForkedChild() for _ in range(processes)]
+            self.children = [_ForkedChild(close_in_child) for _ in range(processes)]
             return
         import pagedllm
         from pagedllm import envs
@@ -163,18 +168,19 @@ def _processes() -> int:
     return min(_MAX_PROCESSES, max((os.cpu_count() or 1) - 1, 1))
 
 
-def fork_compile_pool() -> None:
+def fork_compile_pool(close_in_child: tuple[int, ...] = ()) -> None:
     """The engine process's first act on a CUDA device, with PAGEDLLM_PARALLEL_COMPILE=1 and a
     Triton cache no start has completed on: fork the compile processes now, while this process is
     still a single-threaded copy of its fork server (torch imported, no CUDA context, no threads),
-    so they skip a new interpreter's imports (engine/core_proc.py)."""
+    so they skip a new interpreter's imports (engine/core_proc.py). close_in_child: descriptors the
+    children must not keep open (the engine's pipes to its frontend)."""
     global _pool
     from pagedllm import envs
 
     if _pool is not None or _elsewhere or not envs.PAGEDLLM_PARALLEL_COMPILE or _has_warm_markers():
         return
     try:
-        _pool = CompilePool(_processes(), fork=True)
+        _pool = CompilePool(_processes(), fork=True, close_in_child=close_in_child)
     except Exception as e:  # noqa: BLE001 - start_compile_pool starts them the other way later
         logger.info("Triton compile processes not forked (%s)", e)
 

@@ -56,10 +56,15 @@ def test_forked_compile_processes_answer_every_variant_and_are_reaped():
     take their share over a pipe and answer each variant; a variant they cannot compile (here: no
     GPU target, or no such kernel) is counted as failed, for the parent to compile itself."""
     import os
+    import select
 
     from pagedllm.worker.compile_pool import CompilePool
 
-    pool = CompilePool(2, fork=True)
+    r, w = os.pipe()
+    pool = CompilePool(2, fork=True, close_in_child=(w,))  # w: like the engine's pipe to its frontend
+    os.close(w)
+    assert select.select([r], [], [], 10)[0] and os.read(r, 1) == b""  # EOF: no child kept the write end
+    os.close(r)
     pids = [child.pid for child in pool.children]
     try:
         items = [("pagedllm.kernels.rmsnorm", "no_such_kernel", "{}")] * 3
