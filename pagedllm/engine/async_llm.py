@@ -39,6 +39,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.output_pump import OutputPump
 from pagedllm.engine.output_stream import LiveRequest, RequestOutputCollector, RequestOutputStream
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.loader import hf_configs
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -88,6 +89,9 @@ class AsyncLLM:
             # caller's work), then how long it waited for the engine (0 when the engine was ready first).
             logger.info("start-up: tokenizer and processor took %.2f s; then waited %.2f s for the engine",
                         t1 - t0, time.monotonic() - t1)
+            # The start completed: the model config built here is kept for the next start
+            # (loader/hf_configs.py; the engine process keeps the one it built itself).
+            hf_configs.remember()
         except BaseException:
             self.engine_core.shutdown(0)
             raise

@@ -19,11 +19,10 @@ import multiprocessing.forkserver
 # Imported once by the fork server. Of pagedllm only a module that reads no environment variable:
 # its other modules may read the environment at import, and a fork server lives as long as its
 # process (a test that sets a variable later must not get modules that read the old one). The
-# transformers modules are the ones every model config's module imports (in transformers 5: type
-# validators -> activations -> hub kernels -> distributed tensors, seconds), paid here instead of
-# when the engine process builds or unpickles its config, and imported without transformers'
-# generated docstrings (loader/preload_transformers.py: their generator imports the auto-model
-# registry). A module a transformers version lacks is skipped.
+# transformers modules are the ones every engine process imports, without transformers' generated
+# docstrings (loader/preload_transformers.py: their generator imports the auto-model registry; why
+# not the config classes' heavier imports is said there). A module a transformers version lacks is
+# skipped.
 PRELOAD = ["torch", "pagedllm.loader.preload_transformers"]
 
 

@@ -1,10 +1,12 @@
 """Config classes taken directly (loader/hf_configs.py, loader/source.py load_hf_config) are the ones
 AutoConfig builds: the same class and the same values for every bundled preset and for a
-config.json of each listed model type; anything else still goes to AutoConfig."""
+config.json of each listed model type; anything else still goes to AutoConfig. A kept snapshot of a
+config reads back every attribute, and the engine generates the same tokens from it."""
 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ import transformers
 from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
 
-from pagedllm.loader.hf_configs import CONFIG_CLASSES, config_class, without_generated_docstrings
-from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config
+from pagedllm.loader import hf_configs
+from pagedllm.loader.hf_configs import CONFIG_CLASSES, ConfigSnapshot, config_class, without_generated_docstrings
+from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config, resolve_model
 
 
 def test_the_table_is_transformers_mapping():
@@ -63,3 +66,67 @@ def test_generated_docstrings_come_back_after_the_context():
     with without_generated_docstrings():
         assert transformers.utils.auto_docstring is not original
     assert transformers.utils.auto_docstring is original
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PAGEDLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    hf_configs._pending.clear()
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_a_kept_snapshot_reads_back_every_attribute(preset: str, cache_root: Path):
+    """After a completed start (remember), the same config.json loads as a ConfigSnapshot whose every
+    attribute (methods aside) equals the transformers config's, type included; what could not be
+    kept raises instead of passing for missing."""
+    path = MODEL_CONFIGS_DIR / preset
+    real = load_hf_config(path, keep=True)
+    assert not isinstance(real, ConfigSnapshot)
+    assert isinstance(load_hf_config(path, keep=True), type(real))  # nothing kept before remember()
+    hf_configs.remember()
+    kept = load_hf_config(path, keep=True)
+    assert isinstance(kept, ConfigSnapshot)
+    assert not isinstance(load_hf_config(path), ConfigSnapshot)  # keep=False: always transformers
+    data = hf_configs.snapshot(real)
+    for name in data["values"]:
+        value = getattr(real, name)
+        assert getattr(kept, name) == value and type(getattr(kept, name)) is type(value), name
+    for name in data["unavailable"]:
+        with pytest.raises(RuntimeError, match="not kept"):
+            getattr(kept, name)
+    assert getattr(kept, "no_such_attribute", "default") == "default"
+    assert pickle.loads(pickle.dumps(kept)) == kept
+
+
+def test_a_snapshot_is_taken_before_overrides_and_follows_the_file(cache_root: Path, tmp_path: Path):
+    src = MODEL_CONFIGS_DIR / "llama3-8b" / "config.json"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(src.read_text())
+    first = resolve_model(str(folder), hf_overrides={"rms_norm_eps": 1e-3})
+    assert first.hf_config.rms_norm_eps == 1e-3
+    hf_configs.remember()
+    again = resolve_model(str(folder))
+    assert isinstance(again.hf_config, ConfigSnapshot) and again.hf_config.rms_norm_eps == 1e-5
+    text = (folder / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06')
+    (folder / "config.json").write_text(text)  # an edited file: another key, transformers again
+    edited = resolve_model(str(folder))
+    assert not isinstance(edited.hf_config, ConfigSnapshot) and edited.hf_config.rms_norm_eps == 1e-6
+
+
+def test_the_engine_generates_the_same_tokens_from_a_snapshot(cache_root: Path, tmp_path: Path):
+    from pagedllm import LLM, SamplingParams
+    from tests.entrypoints.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [100, 200, 300]]
+    outs = []
+    for _ in range(2):  # the first engine start keeps the snapshot, the second reads it back
+        llm = LLM(str(folder), max_model_len=128, num_gpu_blocks_override=64)
+        outs.append((type(llm.llm_engine.config.model_config.hf_config),
+                     [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]))
+        del llm
+    assert outs[0][0] is not ConfigSnapshot and outs[1][0] is ConfigSnapshot
+    assert outs[0][1] == outs[1][1]
