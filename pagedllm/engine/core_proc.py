@@ -136,6 +136,12 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which raises it
         emit(StartupFailed(ErrorInfo.from_exception(e)))
         return
+    # The start completed (a prestarted process's own config agreed with the frontend's, which was
+    # built before this): the next start reads the model config back (loader/hf_configs.py). Not
+    # before: a frontend still building its config would read a snapshot this process's differs from.
+    from pagedllm.loader import hf_configs
+
+    hf_configs.remember()
     emit(Ready(core.num_gpu_blocks))
     try:
         EngineCoreLoop(core, emit, fail_at_step).run(next_commands)

@@ -19,7 +19,6 @@ from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
-from pagedllm.loader import hf_configs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
 
@@ -94,9 +93,6 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(config)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
-        # The start completed: the next one reads its model config back without transformers'
-        # config modules (loader/hf_configs.py).
-        hf_configs.remember()
         freeze_gc_heap()
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
