@@ -68,7 +68,7 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
     (`prestart_engine_process`: no config yet), it first imports and, with `warm_cuda`, initialises
     CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend builds the
     same config (`_await_config`)."""
-    # What the fork server imported (torch, transformers: ~1/3 of the objects at ready) lives as long
+    # What the fork server imported (torch: about a third of the objects at ready) lives as long
     # as this process: out of the collector's sight now, so the full pass of freeze_gc_heap at
     # engine start walks only what this process makes (2-core CPU, tiny model: 0.23 -> 0.08 s).
     gc.freeze()

@@ -23,16 +23,18 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from transformers import PretrainedConfig
 
 from pagedllm.loader import hf_configs
 from pagedllm.loader.gguf_cache import load_or_create
 from pagedllm.loader.gguf_reader import open_gguf, read_field
 from pagedllm.loader.hf_cache import describe_search, find_cached_snapshot, looks_like_hub_id
 from pagedllm.loader.hf_configs import CONFIG_CLASSES, config_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ModelKind = Literal["hf_dir", "gguf", "preset"]
 
