@@ -95,10 +95,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
-    # 1: capture each CUDA graph through torch.cuda.graph, which empties torch's device and pinned-host
-    # caches before every capture (worker/cuda_graphs.py, capture_forward); 0 (default): they are
-    # emptied once, before a runner's first capture, and the next eager pass reuses the cached blocks.
-    "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
+    # 1 (default): capture each CUDA graph through torch.cuda.graph, which empties torch's device and
+    # pinned-host caches before every capture (worker/cuda_graphs.py, capture_forward); 0: they are
+    # emptied once, before a runner's first capture, and the next eager pass reuses the cached blocks
+    # (not measured on a GPU yet, so not the default).
+    "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", True),
     # 1 (default): every decode graph's capture follows an eager pass of its size (worker/cuda_graphs.py);
     # 0: only the first size of each Triton variant and BLAS library gets one (an A/B of the capture time).
     "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),

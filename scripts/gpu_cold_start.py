@@ -156,8 +156,8 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         for label, pat in MARKS:
             if label not in marks and re.search(pat, line):
                 marks[label] = t
-        if m := re.search(r"start-up: CUDA init took ([\d.]+) s in a thread .*; waited ([\d.]+) s", line):
-            phases.append(f"CUDA init {m.group(1)} in a thread, waited for {m.group(2)} (ends {t:.1f})")
+        if m := re.search(r"start-up: engine process imports took ([\d.]+) s, then CUDA init ([\d.]+) s", line):
+            phases.append(f"engine process imports {m.group(1)}, CUDA init {m.group(2)} (ends {t:.1f})")
         elif m := re.search(r"start-up: tokenizer and processor took ([\d.]+) s; then waited ([\d.]+) s", line):
             phases.append(f"tokenizer {m.group(1)}, frontend waited for the engine {m.group(2)} (ends {t:.1f})")
         elif m := re.search(r"start-up: (.+?) took ([\d.]+) s", line):

@@ -90,26 +90,30 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         from pagedllm.worker.compile_pool import fork_compile_pool
 
         fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))
-    # CUDA's initialisation in a thread, beside this process's imports and its own config (joined
-    # before the EngineCore is built): what the worker would do first, done while the frontend
-    # still builds the config.
-    cuda_init = _BackgroundCudaInit() if warm_cuda else None
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
 
-    if warm_cuda:
+    if warm_cuda:  # what the worker would do first, done while the frontend still builds the config
         try:
+            import torch
+
             import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
-        except Exception as e:  # noqa: BLE001 - the worker imports it again and reports what fails
-            logger.warning("engine process: early import of the Triton backend failed (%s)", e)
-    # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
-    logger.info("start-up: engine process imports took %.2f s", time.monotonic() - t0)
+
+            t1 = time.monotonic()
+            torch.cuda.init()
+            logger.info("start-up: engine process imports took %.2f s, then CUDA init %.2f s", t1 - t0,
+                        time.monotonic() - t1)
+        except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
+            logger.warning("engine process: early CUDA initialisation failed (%s)", e)
+    else:
+        # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
+        logger.info("start-up: engine process imports took %.2f s", time.monotonic() - t0)
     core: EngineCore | None = None
     early_error: BaseException | None = None
     config = _load_config(config_blob) if config_blob is not None else None
     if config is None:
         try:
-            config, core, early_error, fail_at_step = _await_config(inputs, engine_args, cuda_init)
+            config, core, early_error, fail_at_step = _await_config(inputs, engine_args)
         except EOFError:
             return  # the frontend did not need this process (a bad flag, a busy port)
 
@@ -130,8 +134,6 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         if early_error is not None:
             raise early_error
         if core is None:
-            if cuda_init is not None:
-                cuda_init.wait()
             core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which raises it
         emit(StartupFailed(ErrorInfo.from_exception(e)))
@@ -157,41 +159,6 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         core.shutdown()
 
 
-class _BackgroundCudaInit:
-    """torch.cuda.init() in a thread of its own, started now; `wait` joins it before the first CUDA
-    work. The driver's part of it (device and context set-up) need not hold the GIL, so the imports
-    and the config that run meanwhile on the main thread may overlap it (measured: BENCHMARKS.md,
-    issue 16, h47). A failure is only logged: the worker initialises CUDA again and reports it."""
-
-    def __init__(self) -> None:
-        self._t0 = time.monotonic()
-        self._took = 0.0
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._run, name="pagedllm-cuda-init",
-                                                                 daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            import torch
-
-            torch.cuda.init()
-        except BaseException as e:  # noqa: BLE001 - logged by wait()
-            self._error = e
-        self._took = time.monotonic() - self._t0
-
-    def wait(self) -> None:
-        if self._thread is None:
-            return
-        t0 = time.monotonic()
-        self._thread.join()
-        self._thread = None
-        if self._error is not None:
-            logger.warning("engine process: early CUDA initialisation failed (%s)", self._error)
-        logger.info("start-up: CUDA init took %.2f s in a thread beside the imports and the config; waited %.2f s "
-                    "for it", self._took, time.monotonic() - t0)
-
-
 def _load_config(blob: bytes) -> EngineConfig:
     """The frontend's pickled EngineConfig. Unpickled here, not by multiprocessing before this
     process's code runs: its model config's transformers class is imported without generated
@@ -202,8 +169,7 @@ def _load_config(blob: bytes) -> EngineConfig:
         return pickle.loads(blob)
 
 
-def _await_config(inputs: Connection, engine_args: Any, cuda_init: _BackgroundCudaInit | None = None
-                  ) -> tuple[EngineConfig, Any, BaseException | None, int | None]:
+def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, Any, BaseException | None, int | None]:
     """A prestarted engine process's config and core: (config, EngineCore or None, its start-up
     error, fail_at_step).
 
@@ -224,8 +190,6 @@ def _await_config(inputs: Connection, engine_args: Any, cuda_init: _BackgroundCu
             logger.info("start-up: the engine process's own config took %.2f s", time.monotonic() - t0)
         except Exception:  # noqa: BLE001 - the frontend's create_engine_config raises it to the user
             own = None
-    if cuda_init is not None:
-        cuda_init.wait()
     if own is not None:
         try:
             core = EngineCore(own)

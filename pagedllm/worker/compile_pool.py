@@ -23,7 +23,10 @@ import time
 logger = logging.getLogger(__name__)
 
 _MAX_PROCESSES = 8
-_POOL_TIMEOUT_S = 180.0  # a child that hangs must not hang the start: the engine then compiles itself
+# A child that hangs must not hang the start: past 20 s + 2 s per variant of the largest share the
+# engine compiles what is left itself (16 variants over 8 processes took 3.9 s on the H200 host: BENCHMARKS.md, h16).
+_POOL_TIMEOUT_S = 20.0
+_POOL_TIMEOUT_PER_VARIANT_S = 2.0
 
 
 class _SubprocessChild:
@@ -123,7 +126,7 @@ class CompilePool:
             child.submit(header + "".join(json.dumps({"module": m, "qualname": q, "spec": s}) + "\n"
                                           for m, q, s in share))
         failed = 0
-        deadline = time.monotonic() + _POOL_TIMEOUT_S
+        deadline = time.monotonic() + _POOL_TIMEOUT_S + _POOL_TIMEOUT_PER_VARIANT_S * max(map(len, shares), default=0)
         for child, share in zip(self.children, shares):
             answers = child.answers(max(deadline - time.monotonic(), 1.0))
             failed += len(share) - sum(line == "ok" for line in answers)

@@ -5,7 +5,6 @@ dead engine process seen as a dead engine, and no process left after shutdown.""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 
 import pytest
@@ -130,17 +129,3 @@ def test_a_prestarted_process_fits_an_environment_with_unread_additions():
     assert not _env_fits(then, {"PATH": "/bin"})  # removed
     assert not _env_fits(then, {**then, "TRITON_INTERPRET": "1"})  # added, but read at import
 
-
-def test_the_background_cuda_init_only_logs_a_failure(caplog: pytest.LogCaptureFixture):
-    """The prestarted engine process initialises CUDA in a thread beside its imports; where that
-    fails (no CUDA here) the worker does it again and reports the error, so waiting only logs it."""
-    import torch
-
-    from pagedllm.engine import core_proc
-
-    with caplog.at_level(logging.INFO, logger="pagedllm.engine.core_proc"):
-        init = core_proc._BackgroundCudaInit()
-        init.wait()
-        init.wait()  # joined once; later calls return at once
-    assert caplog.text.count("start-up: CUDA init took") == 1
-    assert ("early CUDA initialisation failed" in caplog.text) == (not torch.cuda.is_available())
