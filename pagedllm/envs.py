@@ -104,10 +104,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: only the first size of each Triton variant and BLAS library gets one (an A/B of the capture time).
     "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
-    # (worker/precompile.py) instead of one after another as each is first launched. Off by default:
-    # the one H200 measurement of it (BENCHMARKS.md, issue 16, 12:55 round) started slower than
-    # without (27.3 vs 22.2 s cold), and its rework after that run is not measured yet.
-    "PAGEDLLM_PARALLEL_COMPILE": _flag("PAGEDLLM_PARALLEL_COMPILE", False),
+    # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
+    # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
+    # no start has completed on (a fresh machine), whose compile processes are forked from it
+    # (worker/compile_pool.py fork_compile_pool); 0: never. The one H200 measurement of the old form
+    # (new interpreters as compile processes, BENCHMARKS.md, issue 16, 12:55 round) started slower
+    # than without (27.3 vs 22.2 s cold); see h47's section for the forked form.
+    "PAGEDLLM_PARALLEL_COMPILE": lambda: _optional_flag("PAGEDLLM_PARALLEL_COMPILE"),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", False),
@@ -209,7 +212,7 @@ def kernel_switches() -> KernelSwitches:
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
-        parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
+        parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
     )
 
 

@@ -85,8 +85,8 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
     logger.info("start-up: engine process started")  # forked once the fork server had its imports
     t0 = time.monotonic()
     if warm_cuda:
-        # First, while this process has no thread and no CUDA context: on a fresh machine with
-        # PAGEDLLM_PARALLEL_COMPILE=1, the Triton compile processes forked from it (torch imported).
+        # First, while this process has no thread and no CUDA context: on a fresh machine (unless
+        # PAGEDLLM_PARALLEL_COMPILE=0), the Triton compile processes forked from it (torch imported).
         from pagedllm.worker.compile_pool import fork_compile_pool
 
         fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))

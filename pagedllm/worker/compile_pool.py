@@ -172,15 +172,15 @@ def _processes() -> int:
 
 
 def fork_compile_pool(close_in_child: tuple[int, ...] = ()) -> None:
-    """The engine process's first act on a CUDA device, with PAGEDLLM_PARALLEL_COMPILE=1 and a
-    Triton cache no start has completed on: fork the compile processes now, while this process is
+    """The prestarted engine process's first act (one CUDA device), unless PAGEDLLM_PARALLEL_COMPILE=0,
+    on a Triton cache no start has completed on: fork the compile processes now, while this process is
     still a single-threaded copy of its fork server (torch imported, no CUDA context, no threads),
     so they skip a new interpreter's imports (engine/core_proc.py). close_in_child: descriptors the
     children must not keep open (the engine's pipes to its frontend)."""
     global _pool
     from pagedllm import envs
 
-    if _pool is not None or _elsewhere or not envs.PAGEDLLM_PARALLEL_COMPILE or _has_warm_markers():
+    if _pool is not None or _elsewhere or envs.PAGEDLLM_PARALLEL_COMPILE is False or _has_warm_markers():
         return
     try:
         _pool = CompilePool(_processes(), fork=True, close_in_child=close_in_child)

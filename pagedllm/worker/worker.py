@@ -34,6 +34,7 @@ from pagedllm.envs import KernelSwitches, kernel_switches, use_triton_cache_dir
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.worker import compile_pool
 from pagedllm.worker.compile_pool import close_compile_pool, start_compile_pool
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
@@ -207,13 +208,17 @@ class Worker:
 
     def _precompile(self) -> None:
         """Once: the start-up's Triton variants compiled in parallel (worker/precompile.py), for a
-        generating CUDA model without routed experts, with PAGEDLLM_PARALLEL_COMPILE=1."""
+        generating CUDA model without routed experts, with PAGEDLLM_PARALLEL_COMPILE=1 or the compile
+        processes a prestarted engine process forked on a fresh machine."""
         assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
         if self._precompiled:
             return
         self._precompiled = True
         mc = self.config.model_config
-        if not (self.kernel_switches.parallel_compile and mc.runner_type == "generate"
+        # PAGEDLLM_PARALLEL_COMPILE=1, or compile processes forked by the prestarted engine process
+        # (compile_pool.fork_compile_pool: a fresh machine).
+        wanted = self.kernel_switches.parallel_compile or compile_pool.current() is not None
+        if not (wanted and mc.runner_type == "generate"
                 and self.kv_cache.attn_layers and can_precompile(self.model, self.kv_cache.device)):
             close_compile_pool()
             return

@@ -77,3 +77,24 @@ def test_forked_compile_processes_answer_every_variant_and_are_reaped():
             raise AssertionError(f"compile process {pid} was not reaped")
         except ChildProcessError:
             pass
+
+
+def test_the_prestarted_engine_forks_compile_processes_unless_told_not_to(tmp_path, monkeypatch):
+    """PAGEDLLM_PARALLEL_COMPILE unset: the prestarted engine process forks its compile processes on a
+    cache without warm markers; =0 never; a cache with a marker never (a warm start)."""
+    from pagedllm.worker import compile_pool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    for setting, forks in ((None, True), ("0", False), ("1", True)):
+        if setting is None:
+            monkeypatch.delenv("PAGEDLLM_PARALLEL_COMPILE", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDLLM_PARALLEL_COMPILE", setting)
+        compile_pool.fork_compile_pool()
+        assert (compile_pool.current() is not None) == forks, setting
+        compile_pool.close_compile_pool()
+    (tmp_path / "triton" / "pagedllm-warm").mkdir(parents=True)
+    (tmp_path / "triton" / "pagedllm-warm" / "0123abcd").touch()
+    monkeypatch.delenv("PAGEDLLM_PARALLEL_COMPILE", raising=False)
+    compile_pool.fork_compile_pool()
+    assert compile_pool.current() is None
