@@ -1,7 +1,8 @@
 """`pagedllm serve` start to ready, Llama-3.1-8B shape (dummy bf16 weights), cold and warm, per phase (issue 16).
 
     python3 scripts/gpu_cold_start.py [--model M] [--tokenizer T] [--max-model-len N] [--root DIR] [--quick]
-                                      [--no-profile] [--probe] [--budget S] [TREE[@VAR=V,...][#KIND,...] ...]
+                                      [--no-profile] [--probe] [--budget S] [--kill]
+                                      [TREE[@VAR=V,...][#KIND,...] ...]
 
 TREE: checkout roots to compare (default: this one), each optionally with environment variables set
 for its starts (`.@PAGEDLLM_ENABLE_MULTIPROCESSING=0`: the engine core in a thread) and the starts to
@@ -23,7 +24,9 @@ GET /v1/models answers (issue 16's "start to ready"):
 (torch, the fork server's preload, the 8B config as pagedllm loads it and what AutoConfig would add,
 the server modules, the tokenizer through AutoTokenizer and then through its remembered class), with
 the heavy modules each step imported, and whether torch's and transformers' byte-code caches exist. --budget S: no start begins
-once the script has run S seconds less the last start of its kind (a GPU round's time limit).
+once the script has run S seconds less the last start of its kind (35 s cold, 15 s warm before any
+ran: a GPU round's time limit). --kill: end each server with SIGKILL instead of a drain (seconds
+less per start; every cache a start writes is written before it is ready).
 
 First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
 process's (after its fork server's preload): the slowest modules on this machine.
@@ -96,7 +99,8 @@ def count_cubins(cache: str) -> int:
     return sum(n.endswith(".cubin") for _, _, files in os.walk(cache + "/triton") for n in files)
 
 
-def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict) -> dict:
+def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict,
+          kill: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=cache + "/triton",
                PAGEDLLM_CACHE_ROOT=cache + "/root", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra_env)
     port = free_port()
@@ -137,12 +141,12 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         except Exception as e:  # noqa: BLE001 - reported in the table
             tokens = f"request failed: {e}"
     try:
-        os.killpg(p.pid, 15)
+        os.killpg(p.pid, 9 if kill else 15)  # --kill: no drain (the caches are written before ready)
         p.wait(20)
     except Exception:  # noqa: BLE001
         os.killpg(p.pid, 9)
         p.wait()
-    reader.join(5)
+    reader.join(1 if kill else 5)
     for _ in range(100):  # the engine process (same group) must let go of the GPU before the next start
         try:
             os.killpg(p.pid, 0)
@@ -302,7 +306,7 @@ def main() -> None:
     if tokenizer is not None:
         tokenizer = os.path.abspath(tokenizer)  # the servers run in each tree's folder
     budget = float(option("--budget", "inf"))
-    flags = ("--quick", "--no-profile", "--probe")
+    flags = ("--quick", "--no-profile", "--probe", "--kill")
     quick = "--quick" in args
     trees = [a for a in args if a not in flags] or ["."]
     began = time.time()
@@ -321,7 +325,7 @@ def main() -> None:
         frontend_probe(first_tree, tokenizer)
     if "--no-profile" not in args:
         import_profile(first_tree)
-    rows, ref, last = [], None, {"cold": 0.0, "warm": 0.0}
+    rows, ref, last = [], None, {"cold": 35.0, "warm": 15.0}  # expected seconds until a start of the kind ran
     cache = ""
     for ti, spec in enumerate(trees):
         # TREE[@VAR=VALUE,...][#KIND,...]: that checkout with those environment variables (an A/B of a
@@ -339,7 +343,7 @@ def main() -> None:
                 print(f"{spec} {kind}: skipped (the budget of {budget:.0f} s)", flush=True)
                 rows.append((spec, kind, "skipped", "", "", "", "", ""))
                 continue
-            r = start(tree, model, tokenizer, max_len, cache, extra_env)
+            r = start(tree, model, tokenizer, max_len, cache, extra_env, kill="--kill" in args)
             last["cold" if kind == "cold" else "warm"] = r["ready"] or 60.0
             ready = "FAILED" if r["ready"] is None else f"{r['ready']:.1f}"
             if isinstance(r["tokens"], list):
