@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import io
 import logging
 import multiprocessing
 import os
@@ -159,14 +160,25 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         core.shutdown()
 
 
-def _load_config(blob: bytes) -> EngineConfig:
-    """The frontend's pickled EngineConfig. Unpickled here, not by multiprocessing before this
-    process's code runs: its model config's transformers class is imported without generated
-    docstrings, so without transformers' auto-model modules (loader/hf_configs.py: seconds)."""
-    from pagedllm.loader.hf_configs import without_generated_docstrings
+class _ConfigUnpickler(pickle.Unpickler):
+    """Imports a transformers class (a model config built by transformers) without generated
+    docstrings, so without transformers' auto-model modules (loader/hf_configs.py: seconds); imports
+    nothing of transformers for a config that holds none (a kept ConfigSnapshot: on the H200 host the
+    patch's own `import transformers` was the 1.5 s between a warm engine's ready and its Ready)."""
 
-    with without_generated_docstrings():
-        return pickle.loads(blob)
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "transformers" or module.startswith("transformers."):
+            from pagedllm.loader.hf_configs import without_generated_docstrings
+
+            with without_generated_docstrings():
+                return super().find_class(module, name)
+        return super().find_class(module, name)
+
+
+def _load_config(blob: bytes) -> EngineConfig:
+    """The frontend's pickled EngineConfig, unpickled here (not by multiprocessing before this
+    process's code runs) by `_ConfigUnpickler`."""
+    return _ConfigUnpickler(io.BytesIO(blob)).load()
 
 
 def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, Any, BaseException | None, int | None]:

@@ -130,3 +130,26 @@ def test_the_engine_generates_the_same_tokens_from_a_snapshot(cache_root: Path, 
         del llm
     assert outs[0][0] is not ConfigSnapshot and outs[1][0] is ConfigSnapshot
     assert outs[0][1] == outs[1][1]
+
+
+def test_the_engine_process_unpickles_either_kind_of_config(cache_root: Path):
+    """The engine process's unpickler (engine/core_proc.py) gives back an equal EngineConfig whether
+    its model config is a transformers class or a kept snapshot."""
+    import subprocess
+    import sys
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.core_proc import _load_config
+
+    args = EngineArgs(model="llama3-8b", load_format="dummy", max_model_len=512, device="cpu")
+    real = args.create_engine_config()
+    hf_configs.remember()
+    kept = args.create_engine_config()
+    assert isinstance(kept.model_config.hf_config, ConfigSnapshot)
+    for config in (real, kept):
+        assert _load_config(pickle.dumps(config)) == config
+    # A snapshot's config needs no transformers at all in a process that has not imported it.
+    code = ("import pickle, sys; from pagedllm.engine.core_proc import _load_config; "
+            "_load_config(sys.stdin.buffer.read()); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(kept), capture_output=True, check=True)
+    assert out.stdout.strip() == b"False"
