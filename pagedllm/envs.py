@@ -107,9 +107,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
     # no start has completed on (a fresh machine), whose compile processes are forked from it
-    # (worker/compile_pool.py fork_compile_pool); 0: never. The one H200 measurement of the old form
-    # (new interpreters as compile processes, BENCHMARKS.md, issue 16, 12:55 round) started slower
-    # than without (27.3 vs 22.2 s cold); see h47's section for the forked form.
+    # (worker/compile_pool.py fork_compile_pool); 0: never. The old form (new interpreters as compile
+    # processes) started slower than without on the H200 (27.3 vs 22.2 s cold, BENCHMARKS.md, issue 16,
+    # 12:55 round); the forked form compiled the 8B start's 17 variants in 1.9 s (h47, round 3).
     "PAGEDLLM_PARALLEL_COMPILE": lambda: _optional_flag("PAGEDLLM_PARALLEL_COMPILE"),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
@@ -142,7 +142,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 1 (default): `pagedllm serve` on one CUDA device starts its engine process before its config is
     # built, with its imports, CUDA initialisation, config and model load overlapping the frontend's
     # (engine/core_proc.py, prestart_engine_process); 0: the engine process starts once the frontend's
-    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29, h47).
+    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29; h47:
+    # on the H200 taken, the engine process started at 4.1-4.4 s of a 9.5 s warm / 19.4 s cold start).
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
     # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
     # every rank and fails the engine (executor/multiproc.py). Default 300.
