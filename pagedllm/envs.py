@@ -92,6 +92,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
+    # 0: a dynamic W8A8 linear's input is quantized by its own launch, not by the RMSNorm / SiLU-and-mul
+    # kernel that produces it (layers/quant_fusion.py); for A/B timings.
+    "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
+    # 1: decode attention over an fp8 KV cache rounds q to e4m3 and runs QK on fp8 tensor cores with the
+    # keys as the MMA's rows (decode_attention.py variant 2) instead of fp16 dots with the query heads as
+    # rows (variant 0). Off by default: 8% faster per call on the H200 but ~3x variant 0's error against
+    # the fp32 reference on random data, and its perplexity on a GPU is not measured yet (BENCHMARKS.md, h43).
+    "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", False),
+    # 1: the W8A8 Triton GEMM splits K where its tiles leave SMs idle, and FP8 linears up to 8192 outputs take
+    # it instead of cuBLAS up to 128 rows (kernels/scaled_mm.py SPLIT_K). Off: W1 with it was no faster on the
+    # H200 (12,706 vs 12,683 tok/s, BENCHMARKS.md h43); per-linear timings not taken yet.
+    "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
@@ -161,6 +173,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # one); unset: 2 on a host of 12 or more cores (6 xgrammar threads each unless
     # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
+    # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
+    # with its launch and waits on the device for its bitmask. 1 turns it on; unset or 0 off (the step
+    # samples in a call of its own once its bitmask is filled). Opt-in: its last H200 round printed no
+    # rows (a hang not ruled out) and its final code has not run on a GPU (BENCHMARKS.md, h42).
+    "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

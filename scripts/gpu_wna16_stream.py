@@ -218,15 +218,19 @@ def use_best_configs() -> str:
             best[(n, k)] = min(row, key=row.get)
     stream = wg.wna16_stream_linear
 
-    def one_row(x, qweight, scales, zeros, group_size, bias=None, perm=None):
-        n, k = qweight.shape[1], x.shape[1]
+    def one_row(x, qweight, scales, zeros, group_size, bias=None, perm=None, config=None, act=None):
+        n, k = qweight.shape[1], qweight.shape[0] * 8
         name = best.get((n, k))
         if name in STREAM:
-            return stream(x, qweight, scales, zeros, group_size, bias, perm, config=STREAM[name])
+            return stream(x, qweight, scales, zeros, group_size, bias, perm, config=STREAM[name], act=act)
         if name is not None and name != "dispatch":
+            if act is not None:  # the variants take the activation's output (SwiGLU's down projection)
+                from pagedllm.kernels.activation import silu_and_mul
+
+                x = silu_and_mul(x)
             out = variants(n, k)[name](x, qweight, scales, zeros, perm)
             return out if bias is None else out + bias
-        return stream(x, qweight, scales, zeros, group_size, bias, perm)
+        return stream(x, qweight, scales, zeros, group_size, bias, perm, config=config, act=act)
 
     wg.wna16_stream_linear = one_row
     return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "defaults"

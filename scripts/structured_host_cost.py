@@ -31,6 +31,7 @@ import numpy as np
 from pagedllm.benchmarks.null_executor import NullExecutor, _Done
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.structured_output.gate import host_wait
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from scripts.gpu_structured_bench import SCHEMA  # noqa: E402  (the GPU benchmark's schema)
@@ -53,6 +54,8 @@ class DocumentExecutor(NullExecutor):
     refused = 0
     checked = 0
     check = True
+    spent: dict[str, float] = {}  # instrument()'s: a gated step's wait for its gate counts as "wait"
+    shares_scheduler_output = True  # the engine core may gate its constrained steps (--gate)
 
     def _init_executor(self) -> None:
         super()._init_executor()
@@ -69,6 +72,8 @@ class DocumentExecutor(NullExecutor):
         doc, plen = self.doc, self._prompt_len
         sampled = [doc[(computed[r] + so.num_scheduled_tokens[r] - plen[r]) % len(doc)] for r in req_ids]
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        if so.grammar_gate is not None:  # gated sampling: "sampled" once the gate is open
+            return _Gated(self, output, so.grammar_gate)
         if so.has_structured_output_requests:
             self._deferred = output
             return None
@@ -77,15 +82,37 @@ class DocumentExecutor(NullExecutor):
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> _Done:
         output, self._deferred = self._deferred, None
         assert output is not None
-        if grammar_output is not None and self.check:
-            row_of = {rid: i for i, rid in enumerate(output.req_ids)}
-            ids = grammar_output.structured_output_request_ids
-            toks = np.array([output.sampled_token_ids[row_of[r]] for r in ids])
-            mask = grammar_output.grammar_bitmask.numpy().view(np.uint32)  # (k, W)
-            ok = (mask[np.arange(len(ids)), toks >> 5] >> (toks & 31).astype(np.uint32)) & 1
-            type(self).refused += int(len(ids) - ok.sum())
-            type(self).checked += len(ids)
+        if grammar_output is not None:
+            self.check_rows(output, grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask)
         return _Done(output)
+
+    def check_rows(self, output: ModelRunnerOutput, ids: list[str], bitmask) -> None:
+        if not self.check:
+            return
+        row_of = {rid: i for i, rid in enumerate(output.req_ids)}
+        toks = np.array([output.sampled_token_ids[row_of[r]] for r in ids])
+        mask = bitmask.numpy().view(np.uint32)  # (k, W)
+        ok = (mask[np.arange(len(ids)), toks >> 5] >> (toks & 31).astype(np.uint32)) & 1
+        type(self).refused += int(len(ids) - ok.sum())
+        type(self).checked += len(ids)
+
+
+class _Gated:
+    """A gated step's handle (structured_output/gate.py): get() waits for the gate, as the device
+    would, then checks the rows against the bitmask the filler wrote. The wait counts as the
+    executor's own time (device_sample), not the host's."""
+
+    def __init__(self, executor: DocumentExecutor, output: ModelRunnerOutput, gate) -> None:
+        self.executor, self.output, self.gate, self.done = executor, output, gate, False
+
+    def get(self) -> ModelRunnerOutput:
+        if not self.done:
+            self.done = True
+            t = time.perf_counter()
+            host_wait(self.gate)
+            self.executor.spent["wait"] += time.perf_counter() - t
+            self.executor.check_rows(self.output, self.gate.request_ids, self.gate.bitmask)
+        return self.output
 
 
 PHASES = ("schedule", "execute_model", "device_sample", "collect", "advance", "prepare", "submit", "wait",
@@ -114,6 +141,7 @@ def instrument(llm) -> dict[str, float]:
         setattr(obj, name, run)
 
     ex = core.model_executor
+    ex.spent = spent
     timed(core.scheduler, "schedule", "schedule")
     timed(ex, "execute_model", "execute_model")
     timed(ex, "sample_tokens", "device_sample")
@@ -121,6 +149,8 @@ def instrument(llm) -> dict[str, float]:
     timed(manager, "advance", "advance")
     timed(manager, "_prepare", "prepare")
     timed(manager, "submit_grammar_bitmask", "submit")
+    timed(manager, "gate_step", "prepare")  # gated sampling: its rows and bitmask, before the launch
+    timed(manager, "submit_gate", "submit")  # and its job, after the collect (accept + hand-off)
     timed(engine.output_processor, "process_outputs", "process_outputs")
     sample = core._sample_deferred
 
@@ -260,6 +290,9 @@ def main() -> None:
                     help="diagnostic: skip xgrammar's fill (all tokens allowed), to see what else a schema step costs")
     ap.add_argument("--manager", action="store_true", help="time the grammar manager alone (no engine)")
     ap.add_argument("--no-calls", action="store_true", help="skip the sys.setprofile call count")
+    ap.add_argument("--gate", action="store_true", help="also the schema with gated sampling (gate.py)")
+    ap.add_argument("--accept-on-thread", action="store_true",
+                    help="with --gate: also the gated schema with the batch accept on the bitmask thread")
     args = ap.parse_args()
     if args.manager:
         manager_only(args)
@@ -294,25 +327,38 @@ def main() -> None:
         kinds["schema, fill in the loop"] = kinds["schema"]
     if args.before_launch:
         kinds["schema, job before the launch"] = kinds["schema"]
+    if args.gate:
+        kinds["schema, gated"] = kinds["schema"]
+        if args.accept_on_thread:
+            kinds["schema, gated, accept on the thread"] = kinds["schema"]
     if args.no_fill:  # a diagnostic: everything but xgrammar's fill (the bitmask stays all ones)
         backend = manager.backend()
         backend.fill_job = lambda grammars, bitmask: (lambda: None)
         backend.fill_bitmasks = lambda grammars, bitmask, rows: None  # older trees call this one
         DocumentExecutor.check = False
-    for params in kinds.values():  # warm-up: compile the grammar, touch every path
+    def configure(kind: str) -> None:
+        manager.submit_grammar_bitmask = Inline if kind.endswith("loop") else threaded
+        llm.llm_engine.engine_core.submit_before_launch = kind.endswith("launch")
+        llm.llm_engine.engine_core.gate_sampling = "gated" in kind
+        manager.accept_on_thread = kind.endswith("thread")
+
+    for kind, params in kinds.items():  # warm-up: compile the grammar, touch every path
+        configure(kind)
         run_once(llm, prompts, params, spent)
     per_run: dict[str, list[dict[str, float]]] = defaultdict(list)
     for r in range(args.rounds):
         for kind, params in kinds.items():
-            manager.submit_grammar_bitmask = Inline if kind.endswith("loop") else threaded
-            llm.llm_engine.engine_core.submit_before_launch = kind.endswith("launch")
+            configure(kind)
             rows = run_once(llm, prompts, params, spent)
             med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
             med["host"] = statistics.median([s - d for s, d in zip(rows["step"], rows["device_sample"], strict=True)]) * 1e3
             per_run[kind].append(med)
             print(f"round {r} {kind}: " + " ".join(f"{k}={v:.3f}" for k, v in med.items()), flush=True)
-    manager.submit_grammar_bitmask = threaded
-    calls = {} if args.no_calls else {k: count_calls(llm, prompts, kinds[k]) for k in ("plain", "schema")}
+    calls = {}
+    for kind in ([] if args.no_calls else kinds):
+        configure(kind)
+        calls[kind] = count_calls(llm, prompts, kinds[kind])
+    configure("plain")
 
     def mid(kind, key):
         return statistics.median(m[key] for m in per_run[kind])
@@ -346,8 +392,8 @@ def main() -> None:
               + " / ".join(f"{1e3 * stats[k] / stats['jobs']:.3f}" for k in ("wake_s", "accept_s", "fill_s", "back_s"))
               + " |")
     if calls:
-        print(f"| Python calls a step | {calls['plain']:.0f} | {calls['schema']:.0f} | "
-              f"{calls['schema'] - calls['plain']:+.0f} |")
+        print(f"| Python calls a step | {calls['plain']:.0f} | "
+              + " | ".join(f"{calls[k]:.0f} ({calls[k] - calls['plain']:+.0f})" for k in others) + " |")
 
 
 if __name__ == "__main__":

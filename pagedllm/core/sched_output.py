@@ -7,6 +7,7 @@ only carries what changed: new requests in full, running ones as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,11 @@ class SchedulerOutput:
     # Some request that samples this step has a grammar (set by the engine core): the runner stops
     # before sampling and waits for `sample_tokens(grammar_output)` (vLLM's split).
     has_structured_output_requests: bool = False
+    # Gated sampling (structured_output/gate.py; in-process executors only): the step samples with
+    # its launch, its bitmask rows waited for on the device; has_structured_output_requests is then False.
+    # A GrammarGate (host tensors), typed Any: the mp executor's msgspec decoder types every field,
+    # and it only ever carries None.
+    grammar_gate: Any = None
     # Swap preemption: (gpu block, cpu block) to copy out and (cpu block, gpu block) to copy in,
     # before this step's forward pass.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

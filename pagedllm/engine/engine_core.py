@@ -14,12 +14,14 @@ import gc
 import logging
 import time
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,11 @@ class EngineCore:
         # Async scheduling, constrained rows: submit the bitmask job before this step's launch (its
         # fill then overlaps the launch too; the step in flight is collected first) or after it.
         self.submit_before_launch = False
+        # Async scheduling, constrained rows whose grammars are active: the step samples with its
+        # launch and the device waits for the bitmask (structured_output/gate.py); needs the runner
+        # in this process (it reads the gate's host memory). Opt-in: PAGEDLLM_GRAMMAR_GATE=1.
+        self.gate_sampling = (self.async_scheduling and self.batch_queue is None
+                              and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is True)
         self.structured_output_manager = StructuredOutputManager(config)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -172,6 +179,10 @@ class EngineCore:
             self._wait_for_a_grammar()
         if so is not None:
             manager = self.structured_output_manager
+            if self.gate_sampling and not self.submit_before_launch and manager.requests:
+                gate = manager.gate_step(so)
+                if gate is not None:
+                    return outputs + self._step_gated(so, gate)
             so.has_structured_output_requests = bool(manager.sampling_request_ids(so))
             job = None
             if self.submit_before_launch and so.has_structured_output_requests and self.async_scheduling:
@@ -198,6 +209,29 @@ class EngineCore:
             self.inflight = (so, pending)
             if not self.async_scheduling:
                 outputs += self._collect_inflight()
+        return outputs
+
+    def _step_gated(self, so: SchedulerOutput, gate: GrammarGate) -> list[EngineCoreOutput]:
+        """Launch forward and sampling of a gated step, collect the step in flight (its tokens
+        advance the grammars), and submit the bitmask job, whose filler opens the gate:
+
+            step k:  schedule k | launch forward k + gate k + sample k | collect k-1 | submit fill k | return
+            filler:                                                                 [accept k-1, fill k] -> open k
+            device:  ... forward k | (waits for gate k) | sample k | forward k+1 ...
+
+        The gate is opened whatever fails here (manager.submit_gate too), never left shut."""
+        so.grammar_gate = gate
+        outputs: list[EngineCoreOutput] = []
+        try:
+            pending = self.model_executor.execute_model(so)
+            self.step_count += 1
+            if self.inflight is not None:
+                outputs = self._collect_inflight()
+        except BaseException:
+            gate.open()
+            raise
+        self.structured_output_manager.submit_gate(gate)
+        self.inflight = (so, pending)
         return outputs
 
     def _sample_deferred(self) -> None:

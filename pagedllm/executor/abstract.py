@@ -73,6 +73,10 @@ def _import_executor(qualname: str) -> type[Executor]:
 
 
 class Executor(ABC):
+    # The worker runs in this process and gets the engine core's SchedulerOutput object itself, so a
+    # step can carry host memory the runner reads later (gated sampling: structured_output/gate.py).
+    shares_scheduler_output = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._init_executor()

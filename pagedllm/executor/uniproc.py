@@ -11,6 +11,8 @@ from pagedllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    shares_scheduler_output = True
+
     def _init_executor(self) -> None:
         if self.config.parallel_config.world_size != 1:
             raise ValueError(

@@ -88,6 +88,54 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_tile_keys_m(
+    qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, scale_log2,
+    stride_c_blk, stride_c_slot,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_attend_tile` for a decode row group with the keys as the MMA's M dimension (transposed):
+
+        s^T (TILE_N, BLOCK_M)   = K (TILE_N, D) @ q^T (D, BLOCK_M)
+        acc^T (D, BLOCK_M)     += V^T (D, TILE_N) @ p^T (TILE_N, BLOCK_M)
+
+    so a GQA group of 4 query heads pads the MMA's N (16) instead of its M (64 for Hopper's wgmma),
+    and K is the left operand, read from shared memory in its stored (key, d) order, which fp8 wgmma
+    needs (K-major); V is converted to fp16 (fp8 operands must be K-major, V's keys are not).
+    qt (HEAD_DIM_PAD, BLOCK_M): q^T in e4m3 (scale_log2 then (1, BLOCK_M): the row scales folded in)
+    or in the cache's 16-bit dtype. Every key below kv_hi is visible (decode: q_pos = context).
+    m_i, l_i (BLOCK_M,) fp32; acc_t (HEAD_DIM_PAD, BLOCK_M) fp32.
+    """
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k_pos = start_n + offs_n
+    k_valid = k_pos < kv_hi
+    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
+    kv_mask = k_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (TILE_N, D)
+    if qt.dtype == tl.float8e4nv:
+        s = tl.dot(k, qt, out_dtype=tl.float32) * scale_log2  # (TILE_N, BLOCK_M)
+    else:
+        s = tl.dot(k.to(qt.dtype), qt, input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(k_valid[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: a tile holds >= 1 valid key
+    p = tl.math.exp2(s - m_new[None, :])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (TILE_N, D)
+    if v.dtype == tl.float8e4nv:
+        pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16))
+    else:
+        pv = tl.dot(tl.trans(v.to(qt.dtype)), p.to(qt.dtype), input_precision=DOT_PRECISION)
+    acc_t = acc_t * alpha[None, :] + pv
+    return m_new, l_i, acc_t
+
+
 def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool,
                  few_programs: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages), tuned on the H200 with

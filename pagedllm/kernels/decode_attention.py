@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _tile_config
+from pagedllm.envs import environment_variables
+from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_keys_m, _tile_config
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import paged_attention_ref
 from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
@@ -47,7 +48,20 @@ from pagedllm.kernels.split_k import (
     store_partials,
 )
 
-__all__ = ["decode_attention_fused", "decode_attention_fused_ref"]
+__all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_ref"]
+
+# The decode loop's formulations (`_decode_fused_kernel` VARIANT):
+#   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache widened to fp16)
+#   2  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
+#      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
+# (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
+DECODE_VARIANTS = (0, 2)
+# An fp8 cache's opt-in loop (PAGEDLLM_FP8_KV_DOTS=1; otherwise variant 0) and its tiles (BLOCK_M, TILE_N,
+# warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
+# (BENCHMARKS.md, h43).
+FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
+FP8_KV_VARIANT = 2
+FP8_KV_CONFIG = (16, 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_slots", "num_splits", "stride_bt"])
@@ -94,6 +108,7 @@ def _decode_fused_kernel(
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 query rows as the MMA's M, 2 keys
 ):
     if ORDERED:
         seq_idx = tl.load(order_ptr + tl.program_id(0))
@@ -137,12 +152,32 @@ def _decode_fused_kernel(
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_h
     q_pos = tl.zeros([BLOCK_M], tl.int32) + context_len
-    for start_n in range(kv_lo, kv_hi, TILE_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
-            stride_c_blk, stride_c_slot, scale_log2, 0, 0.0,  # no window, no soft-cap (the backend's rule)
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
-        )
+    if VARIANT == 2:
+        # An fp8 cache: q quantized per row to e4m3 (q ~= q8 * q_scale) for the e4m3 QK dot, the row scales
+        # folded into the score scale; a 16-bit cache keeps q.
+        if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            qf = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)  # (BLOCK_M,)
+            q8 = tl.minimum(tl.maximum(qf / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            col_scale = (scale_log2 * q_scale)[None, :]
+        else:
+            q8 = q
+            col_scale = tl.zeros([1, BLOCK_M], tl.float32) + scale_log2
+        acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
+        qt = tl.trans(q8)
+        for start_n in range(kv_lo, kv_hi, TILE_N):
+            m_i, l_i, acc_t = _attend_tile_keys_m(
+                qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
+                stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+            )
+        acc = tl.trans(acc_t)
+    else:
+        for start_n in range(kv_lo, kv_hi, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, q_pos,
+                stride_c_blk, stride_c_slot, scale_log2, 0, 0.0,  # no window, no soft-cap (the backend's rule)
+                HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+            )
 
     # The new key: one more online-softmax update, from registers (the last split takes it).
     if split == num_splits - 1:
@@ -178,11 +213,15 @@ def decode_attention_fused(
     eps: float = 1e-6,
     *,
     num_splits: int | None = None,
+    variant: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """`fused_qkv_prep` followed by `paged_attention`, for a decode-only batch, in one launch (see
     the module doc). Writes this step's K/V to the cache like the pair does. Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
-    No host sync, a grid from host ints only: CUDA-graph capturable."""
+    No host sync, a grid from host ints only: CUDA-graph capturable.
+    variant (DECODE_VARIANTS) / config (BLOCK_M, TILE_N, warps, stages): None = the defaults (an fp8 cache:
+    FP8_KV_VARIANT with FP8_KV_CONFIG when PAGEDLLM_FP8_KV_DOTS=1)."""
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
                       k_norm_weight)
@@ -214,6 +253,15 @@ def decode_attention_fused(
     # x 900-1500 keys: 112 vs 93 us, BENCHMARKS.md issue 19).
     few = not use_split and n * num_kv_heads <= FEW_DECODE_PROGRAMS and kv_cache.element_size() > 1
     block_m, _, tile_n, num_warps, num_stages = _tile_config(queries_per_kv, head_dim_pad, True, few_programs=few)
+    fp8_cache = kv_cache.dtype == torch.float8_e4m3fn
+    if variant is None:
+        variant = FP8_KV_VARIANT if fp8_cache and FP8_KV_DOTS and head_dim_pad <= 128 else 0
+        if variant != 0 and config is None:
+            config = FP8_KV_CONFIG
+    if config is not None:  # (BLOCK_M, TILE_N, num_warps, num_stages): the sweeps' override
+        block_m, tile_n, num_warps, num_stages = config
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"decode attention variant must be one of {DECODE_VARIANTS}, got {variant}")
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)
     else:
@@ -263,6 +311,7 @@ def decode_attention_fused(
         ORDERED=order is not None,
         USE_SPLIT=use_split,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        VARIANT=variant,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -12,6 +12,14 @@
     scale_epilogue  acc (M_pad, N) int32/bf16/fp32 -> out (M, N) = acc * x_scale * w_scale[None] + bias
         after a GEMM that could not apply the scales itself (torch._int_mm; per-tensor _scaled_mm).
 
+    rms_norm_quant       (residual add +) RMSNorm and the dynamic quantization of its output in one program
+                         a row: the normed row is rounded to x's dtype (what the unfused norm stores and
+                         the quantizer reads) and quantized from registers; = quantize_activation(rms_norm(..))
+    silu_and_mul_quant   SwiGLU's silu(gate) * up, rounded to x's dtype, then quantized the same way: one
+                         launch and no (M, I) 16-bit intermediate in memory
+The two fused ones feed a W8A8 linear (scaled_mm.QuantizedActivation) in place of the norm or activation
+kernel followed by the quantizer: one launch instead of two at every linear they precede.
+
 Replaces what was five to eight torch ops over the activations (x.float(), abs, amax, divide, clamp,
 cast): at M = 2048, K = 14336 those passes cost more than the FP8 GEMM they fed (BENCHMARKS.md).
 Reference: `scaled_mm.quantize_activation` (torch) and `scaled_mm.scaled_mm_ref`.
@@ -23,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_activation_triton", "scale_epilogue"]
+__all__ = ["quantize_activation_triton", "rms_norm_quant", "rms_norm_quant_ref", "scale_epilogue", "silu_and_mul_quant",
+           "silu_and_mul_quant_ref"]
 
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds an fp32 to an integer, ties to even
 
@@ -139,3 +148,137 @@ def scale_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tens
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _quant_store_row(y, mask, q_row, scale_ptr, row, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+    """Dynamic per-row quantization of y (BLOCK,) fp32 (already rounded to the activation dtype)."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), QMAX), 1e-12)
+    tl.store(scale_ptr + row, scale)
+    tl.store(q_row + tl.arange(0, y.shape[0]), _quantize(y, scale, QMAX, IS_INT).to(q_row.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, residual_ptr, weight_ptr, xq_ptr, scale_ptr, residual_out_ptr,
+    hidden, eps, stride_x, stride_r, stride_q, stride_ro,
+    QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per row; the arithmetic of rmsnorm._rms_norm_kernel, then the quantizer's.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    act_dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd * w).to(act_dtype).to(tl.float32)  # the normed activation as the unfused norm stores it
+    _quant_store_row(y, mask, xq_ptr + row * stride_q, scale_ptr, row, QMAX, IS_INT)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, xq_ptr, scale_ptr, inter, stride_x, stride_q,
+    QMAX: tl.constexpr, IS_INT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per row (the whole intermediate row in registers: the per-row amax needs all of it);
+    # the arithmetic of activation._silu_and_mul_kernel, then the quantizer's.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    act_dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(act_dtype).to(tl.float32)
+    _quant_store_row(y, mask, xq_ptr + row * stride_q, scale_ptr, row, QMAX, IS_INT)
+
+
+_FUSED_MAX_WIDTH = 16384  # a row in one program's registers (16 warps: 32 values a thread)
+
+
+def _check_fused(x: torch.Tensor, width: int, qdtype: torch.dtype, what: str) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{what}: expected a row-major (M, K) activation, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if qdtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"{what}: activations quantize to int8 or float8_e4m3fn, not {qdtype}")
+    if width > _FUSED_MAX_WIDTH:
+        raise ValueError(f"{what}: rows of {width} values exceed the fused kernel's {_FUSED_MAX_WIDTH}")
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: torch.dtype,
+                   residual: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x (M, K) [+ residual (M, K)] -> (xq (M, K) qdtype, scale (M, 1) fp32, x + residual or None):
+    `rms_norm_quant_ref`, in one launch."""
+    _check_fused(x, x.shape[-1], qdtype, "rms_norm_quant")
+    m, k = x.shape
+    if weight.shape != (k,):
+        raise ValueError(f"rms_norm_quant: weight must have shape ({k},), got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"rms_norm_quant: residual {tuple(residual.shape)} must be a row-major {tuple(x.shape)}")
+    xq = torch.empty((m, k), dtype=qdtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else None
+    if m:
+        block = triton.next_power_of_2(k)
+        is_int = qdtype == torch.int8
+        _rms_norm_quant_kernel[(m,)](
+            x, residual if residual is not None else x, weight, xq, scale, r_out if r_out is not None else x,
+            k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, xq.stride(0),
+            r_out.stride(0) if r_out is not None else 0,
+            QMAX=127.0 if is_int else 448.0, IS_INT=is_int, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return xq, scale, r_out
+
+
+def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, 2 * I) = [gate | up] -> (xq (M, I) qdtype, scale (M, 1) fp32): `silu_and_mul_quant_ref`, in one
+    launch."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul_quant: last dim must be even (gate and up halves), got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    _check_fused(x, inter, qdtype, "silu_and_mul_quant")
+    m = x.shape[0]
+    xq = torch.empty((m, inter), dtype=qdtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(inter)
+        is_int = qdtype == torch.int8
+        _silu_and_mul_quant_kernel[(m,)](
+            x, xq, scale, inter, x.stride(0), xq.stride(0), QMAX=127.0 if is_int else 448.0, IS_INT=is_int,
+            BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        )
+    return xq, scale
+
+
+def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: torch.dtype,
+                       residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The unfused pair: rmsnorm.rms_norm_ref, then scaled_mm.quantize_activation (dynamic)."""
+    from pagedllm.kernels.rmsnorm import rms_norm_ref
+    from pagedllm.kernels.scaled_mm import quantize_activation
+
+    if residual is None:
+        normed, r_out = rms_norm_ref(x, weight, eps), None
+    else:
+        normed, r_out = rms_norm_ref(x, weight, eps, residual)
+    xq, scale = quantize_activation(normed, qdtype)
+    return xq, scale, r_out
+
+
+def silu_and_mul_quant_ref(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused pair: activation.silu_and_mul_ref, then scaled_mm.quantize_activation (dynamic)."""
+    from pagedllm.kernels.activation import silu_and_mul_ref
+    from pagedllm.kernels.scaled_mm import quantize_activation
+
+    return quantize_activation(silu_and_mul_ref(x), qdtype)

@@ -28,12 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
-from pagedllm.kernels.w8a8_gemm import w8a8_gemm
+from pagedllm.kernels.quantized_activation import QuantizedActivation
+from pagedllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_config
 from pagedllm.kernels.w8a16_gemv import KERNEL_MAX_M, w8a16_linear
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "choose_path", "quantize_activation", "rowwise_scaled_mm_supported",
-           "scaled_gemm_triton", "scaled_mm_ref", "w8a8_linear"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "choose_path", "prequantized_path",
+           "quantize_activation", "rowwise_scaled_mm_supported", "scaled_gemm_triton", "scaled_mm_ref", "w8a8_linear"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -185,17 +187,36 @@ PATHS = ("w8a16", "triton", "cublas")
 W8A16_MAX_M = 16
 W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
 TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
+# PAGEDLLM_W8A8_SPLIT_K=1 (off by default: not yet measured on the H200): the Triton GEMM cuts K where its
+# tiles leave SMs idle (w8a8_gemm_config split_k), and FP8 linears of N <= SPLIT_K_MAX_N (q/k/v, o, down
+# of the 8B shape) take it up to SPLIT_K_MAX_M rows instead of cuBLAS (whose 128 x 128 tiles give those
+# 32-48 programs there: the profile of BENCHMARKS.md's issue 19 h43 section).
+SPLIT_K = environment_variables["PAGEDLLM_W8A8_SPLIT_K"]()
+SPLIT_K_MAX_M = 128
+SPLIT_K_MAX_N = 8192
 
 
 def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
     """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
     if m == 1 or (m <= W8A16_MAX_M and n <= W8A16_MAX_N[qdtype]):
         return "w8a16"
+    if SPLIT_K and m <= SPLIT_K_MAX_M and n <= SPLIT_K_MAX_N:
+        return "triton"
     return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
 
 
-def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
+    """Whether a producer should hand an (m, k) activation to a dynamic W8A8 linear with (n, k) weights
+    already quantized (`QuantizedActivation`): on the paths that quantize it first anyway, "triton" and
+    FP8's "cublas" (INT8's cuBLAS path pads rows, which a producer's tensor lacks), K and N multiples of 16."""
+    if k % 16 or n % 16:
+        return False
+    path = choose_path(m, n, k, qdtype)
+    return path == "triton" or (path == "cublas" and qdtype == FP8_DTYPE)
+
+
+def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale: torch.Tensor,
+                input_scale: torch.Tensor | None, bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
     """x (M, K) float -> (M, N) in x's dtype through the fastest path for the device:
 
     CPU              quantize_activation + scaled_mm_ref (torch)
@@ -207,9 +228,12 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
     K or N not a multiple of 16: the Triton GEMM (`scaled_gemm_triton`) after the quant kernel.
     `path` (one of PATHS) overrides `choose_path` (the sweep and the tests use it).
     No host syncs on CUDA (graph-capturable). w_scale (N,) fp32; input_scale (1,) or None (dynamic).
+    x a `QuantizedActivation` (CUDA, dynamic scales, `prequantized_path` true): straight to the GEMM.
     """
     if path is not None and path not in PATHS:
         raise ValueError(f"w8a8_linear path must be one of {PATHS}, got {path!r}")
+    if isinstance(x, QuantizedActivation):
+        return _prequantized_linear(x, wq, w_scale, input_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
@@ -227,8 +251,9 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
         return w8a16_linear(x2, wq, w_scale, bias).reshape(*lead, n)
     if aligned and path == "triton":
         xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale)
-        return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype).reshape(*lead, n)
-    pad = max(32, triton.cdiv(m, 8) * 8) if is_int and aligned else m
+        return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype,
+                         config=w8a8_gemm_config(m, n, k, SPLIT_K)).reshape(*lead, n)
+    pad = max(32, triton.cdiv(m, 8) * 8) if is_int and aligned else m  # _int_mm needs M > 16
     xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale, rows=pad)
     if not aligned:
         out = scaled_gemm_triton(xq, wq, x_scale, w_scale, bias, x.dtype)
@@ -237,3 +262,19 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, input_
     else:
         out = _fp8_cuda(xq, x_scale, wq, w_scale, bias, m, x.dtype)
     return out.reshape(*lead, n)
+
+
+def _prequantized_linear(x: QuantizedActivation, wq: torch.Tensor, w_scale: torch.Tensor,
+                         input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.xq.shape
+    n = wq.shape[0]
+    if input_scale is not None or x.xq.dtype != wq.dtype or not prequantized_path(m, n, k, wq.dtype):
+        raise ValueError(
+            f"a pre-quantized {x.xq.dtype} activation ({m} x {k}) does not fit this linear ({wq.dtype} weights "
+            f"{n} x {wq.shape[1]}, {'static' if input_scale is not None else 'dynamic'} input scale): its "
+            "producer must check scaled_mm.prequantized_path")
+    if not x.is_cuda:  # the reference (a test's interpreted producer kernels hand CPU tensors)
+        return scaled_mm_ref(x.xq, wq, x.scale, w_scale, bias, x.dtype)
+    if choose_path(m, n, k, wq.dtype) == "triton":
+        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype, config=w8a8_gemm_config(m, n, k, SPLIT_K))
+    return _fp8_cuda(x.xq, x.scale, wq, w_scale, bias, m, x.dtype)

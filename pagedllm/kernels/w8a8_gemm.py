@@ -51,6 +51,7 @@ class W8A8Config(NamedTuple):
     num_warps: int
     num_stages: int
     TMA: bool = False  # operand tiles by the TMA copy engine (`_w8a8_gemm_tma_kernel`)
+    SPLIT_K: int = 1  # K cut into this many slices, one program each, summed by `_split_k_sum_kernel`
 
 
 @triton.jit
@@ -59,7 +60,11 @@ def _w8a8_gemm_kernel(
     M, N, K, stride_am, stride_bn, stride_om,
     HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
+    # SPLIT_K > 1: program (pid, s) sums K slice s (whole BLOCK_K steps; the last slice ragged) and
+    # writes its scaled fp32 partial to out_ptr = the (SPLIT_K, M, N) workspace, row stride stride_om;
+    # `_split_k_sum_kernel` adds the slices and the bias.
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -77,13 +82,20 @@ def _w8a8_gemm_kernel(
     # the loop's loads carry no masks unless K itself is ragged.
     rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]  # (BLOCK_N, BLOCK_K), K contiguous
+    if SPLIT_K > 1:
+        steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+        k_begin = tl.program_id(1) * steps * BLOCK_K
+        k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
+    else:
+        k_begin = 0
+        k_end = K
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_begin + offs_k)[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_begin + offs_k)[None, :]  # (BLOCK_N, BLOCK_K), K contiguous
     if IS_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -103,10 +115,30 @@ def _w8a8_gemm_kernel(
     a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
     b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if SPLIT_K > 1:
+        ws_ptrs = (out_ptr + (tl.program_id(1) * M + offs_m).to(tl.int64)[:, None] * stride_om + offs_n[None, :])
+        tl.store(ws_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+        return
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    # out[m, n] = sum_s ws[s, m, n] (+ bias[n]): one program per (row, BLOCK_N columns); ws is (SPLIT_K, M, N)
+    # fp32, contiguous.
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -153,7 +185,7 @@ def _w8a8_gemm_tma_kernel(
 _SMS = 132  # an H200's SMs: a tile that gives fewer programs than this leaves SMs idle
 
 
-def w8a8_gemm_config(m: int, n: int, k: int) -> W8A8Config:
+def w8a8_gemm_config(m: int, n: int, k: int, split_k: bool = False) -> W8A8Config:
     """The launch configuration (int8 and fp8 alike: both are 1-byte operands), from the H200 sweep
     of scripts/gpu_w8a8_sweep.py (2026-12-01, Llama-3.1-8B linears, CUDA graphs; BENCHMARKS.md):
 
@@ -164,6 +196,11 @@ def w8a8_gemm_config(m: int, n: int, k: int) -> W8A8Config:
     each the largest tile whose grid still fills the SMs; otherwise the next smaller one:
     (64, 128, 128) TMA, then (64, 64, 256) (e.g. M = 256 on o / down: 256 programs, not 32), or at
     M <= 16 (16, 64, 256).
+
+    split_k (M > 16): where even that tile leaves SMs idle (N = 4096 / 6144 linears at M <= 256), the
+    (64, 128, 128) tile with K cut into 2-8 slices (each >= 4 BLOCK_K steps) so programs x slices fill
+    the SMs; the slices' fp32 partials are summed by a second small kernel. Not yet the default
+    (scaled_mm.SPLIT_K): unmeasured on the H200.
     """
     def programs(bm: int, bn: int) -> int:
         return triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -176,6 +213,13 @@ def w8a8_gemm_config(m: int, n: int, k: int) -> W8A8Config:
         cfg = W8A8Config(128, 256, 128, 8, 8, 4, True)
     else:
         cfg = W8A8Config(64, 128, 128, 8, 4, 4, True)
+    if split_k and m > 16 and programs(cfg.BLOCK_M, cfg.BLOCK_N) < _SMS:
+        tiles = programs(64, 128)
+        split = 1
+        while split < 8 and tiles * split < _SMS and k // (2 * split) >= 4 * 128:
+            split *= 2
+        if split > 1:
+            cfg = W8A8Config(64, 128, 128, 8, 4, 4, False, split)
     return _fit_k(cfg, k)
 
 
@@ -207,7 +251,7 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
         return out
     cfg = _fit_k(config, k) if config is not None else w8a8_gemm_config(m, n, k)
     grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
-    if cfg.TMA and TensorDescriptor is None:
+    if cfg.TMA and (TensorDescriptor is None or cfg.SPLIT_K > 1):  # split-K: the pointer kernel
         cfg = cfg._replace(TMA=False)
     if cfg.TMA:
         if k % 16 or xq.stride(0) % 16 or wq.stride(0) % 16:
@@ -222,11 +266,19 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
-    _w8a8_gemm_kernel[grid](
-        xq, wq, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
-        m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+    split = max(1, min(cfg.SPLIT_K, triton.cdiv(k, cfg.BLOCK_K)))
+    target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
+    _w8a8_gemm_kernel[(grid[0], split)](
+        xq, wq, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, target,
+        m, n, k, xq.stride(0), wq.stride(0), target.stride(-2),
         HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8, EVEN_K=k % cfg.BLOCK_K == 0,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT_K=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split > 1:
+        block_n = min(1024, triton.next_power_of_2(n))
+        _split_k_sum_kernel[(m, triton.cdiv(n, block_n))](
+            target, bias if bias is not None else w_scale, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
+            SPLIT_K=split, BLOCK_N=block_n, num_warps=4,
+        )
     return out

@@ -19,8 +19,8 @@ for k = 0..7; scales [[0.5], [0.25]], zeros [[8], [8]] -> w = [-3.5, -3, 1, -2.5
 
 CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between calls:
     M == 1, int4, G % 128 == 0              kernels/wna16_stream.py: short unrolled programs, many in
-                   flight (split-K with an ordered one-launch reduce), fp32 magic-number unpack; its
-                   (N, K) table sends shapes where the tensor-core kernel measured faster there
+                   flight (split-K with an ordered one-launch reduce), fp32 magic-number unpack or
+                   packed fp16 math on pairs of values (MATH="f16x2"); its (N, K) table picks per shape
     M < 128, int4, G % 128 == 0, 16-bit x   kernels/wna16_tc.py: LOP3-unpacked words straight into
                    tensor-core dots, split-K for skinny batches (act-order: x read through perm)
     M <= 16        (other int4 groups, 8-bit) kernels/wna16_gemv.py: the words streamed once, unpacked
@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.envs import environment_variables
+from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
 from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
 from pagedllm.kernels.wna16_stream import stream_supported, wna16_stream_linear
@@ -208,7 +209,7 @@ def tc_max_m(n: int, k: int) -> int:
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bits: int, group_size: int, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
-                 dequant_min_m: int | None = None) -> torch.Tensor:
+                 dequant_min_m: int | None = None, act: str | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
     One row, int4 g128: `wna16_stream_linear`. Int4 g128 with 16-bit x: `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
@@ -218,7 +219,16 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     rows (default DEQUANT_MIN_M) a dequantized scratch and cuBLAS.
     `config` (tests, tuning) forces the tile kernel: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K[, num_warps,
     num_stages]).
+    act "silu_and_mul": x is (M, 2K) = [gate | up] and the inputs are silu(gate) * up (SwiGLU's down
+    projection): the one-row kernel computes them in its prologue, other paths run the activation first.
     """
+    if act is not None:
+        if x.shape[0] == 1 and config is None and STREAM_ENABLED and bits == 4 and stream_supported(
+                x, bits, group_size, qweight.shape[0] * 8):
+            return wna16_stream_linear(x, qweight, scales, zeros, group_size, bias, perm, act=act)
+        if act != "silu_and_mul":
+            raise ValueError(f"activation {act!r} not built (silu_and_mul)")
+        x = silu_and_mul(x)
     m, k = x.shape
     n = qweight.shape[1]
     pf = 32 // bits

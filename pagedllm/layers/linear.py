@@ -178,6 +178,22 @@ class ColumnParallelLinear(LinearBase):
             out = tensor_model_parallel_all_gather(out, group=self.tp_group)
         return out
 
+    def fuses_rms_norm(self, x: torch.Tensor) -> bool:
+        """Whether `forward_rms_norm(x, residual, norm)` folds the residual add + RMSNorm before this
+        layer into its GEMV (the quant method says so: int4 one-row decode)."""
+        fuses = getattr(self.quant_method, "fuses_rms_norm", None)
+        return fuses is not None and fuses(self, x)
+
+    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """(forward(norm(x, residual)[0]), x + residual) with `norm` an RMSNorm (weight, variance_epsilon),
+        the norm computed inside the quant method's GEMV (no launch of its own)."""
+        out, new_residual = self.quant_method.apply_rms_norm(self, x, residual, norm.weight, norm.variance_epsilon,
+                                                             self.bias)
+        if self.gather_output:
+            out = tensor_model_parallel_all_gather(out, group=self.tp_group)
+        return out, new_residual
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel layers with the same input, fused into one matmul.
@@ -344,6 +360,21 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         out = self.quant_method.apply(self, x, bias)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out, group=self.tp_group)
+        return out
+
+    def fuses_silu_and_mul(self, gate_up: torch.Tensor) -> bool:
+        """Whether `forward_silu_and_mul(gate_up)` folds SwiGLU's activation into this layer's GEMV (the
+        quant method says so: int4 one-row decode)."""
+        fuses = getattr(self.quant_method, "fuses_silu_and_mul", None)
+        return fuses is not None and fuses(self, gate_up)
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gate_up = [gate | up] (T, 2 * input_size_per_partition), the
+        activation computed inside the quant method's GEMV (no launch of its own)."""
+        bias = self.bias if self.tp_rank == 0 else None
+        out = self.quant_method.apply_silu_and_mul(self, gate_up, bias)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, group=self.tp_group)
         return out

@@ -27,10 +27,12 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.decoder import run_cpu_decoder_stack
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import get_pp_indices
+from pagedllm.kernels.quantized_activation import QuantizedActivation
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.quant_fusion import rms_norm_into, silu_and_mul_into
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.tp import get_tensor_model_parallel_world_size
 from pagedllm.layers.utils import divide
@@ -75,9 +77,20 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_linear(self) -> nn.Module:
+        """The one linear that reads forward's input (layers/quant_fusion.py)."""
+        return self.gate_up_proj
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.forward_from_gate_up(self.gate_up_proj(x))
+
+    def forward_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.down_proj.fuses_silu_and_mul(gate_up):  # int4 batch-1 decode: the activation in the GEMV
+            return self.down_proj.forward_silu_and_mul(gate_up)
+        # a W8A8 down_proj gets its input quantized by the activation kernel (layers/quant_fusion.py)
+        return self.down_proj(silu_and_mul_into(self.act_fn, gate_up, self.down_proj))
 
 
 class LlamaAttention(nn.Module):
@@ -117,10 +130,20 @@ class LlamaAttention(nn.Module):
                               sliding_window=(sliding_window_for_layer(config, layer_index(prefix))
                                               if getattr(config, "sliding_window", None) else None))
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    @property
+    def input_linear(self) -> nn.Module:
+        """The one linear that reads forward's hidden_states (layers/quant_fusion.py); a subclass whose
+        forward reads them otherwise must return None."""
+        return self.qkv_proj
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | QuantizedActivation,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # (T, q_size + 2 * kv_size)
-        # Split, rope, K/V write and attention (one fused prep kernel on the Triton backend).
+        return self.forward_from_qkv(positions, self.qkv_proj(hidden_states), attn_metadata)
+
+    def forward_from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
+                         attn_metadata: AttentionMetadata) -> torch.Tensor:
+        # qkv (T, q_size + 2 * kv_size): split, rope, K/V write and attention (one fused prep kernel on
+        # the Triton backend), then o_proj
         attn_output = self.attn.forward_qkv(qkv, positions, self.rotary_emb, attn_metadata)  # (T, q_size)
         return self.o_proj(attn_output)
 
@@ -162,14 +185,27 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # int4 batch-1 decode: each residual add + RMSNorm runs inside the GEMV after it (qkv_proj,
+        # gate_up_proj) where the layers are the plain Llama ones and the quant method fuses it; a W8A8
+        # qkv_proj / gate_up_proj gets its input quantized by the norm (layers/quant_fusion.py)
+        attn, mlp = self.self_attn, self.mlp
+        attn_in, mlp_in = getattr(attn, "input_linear", None), getattr(mlp, "input_linear", None)
         if residual is None:  # first layer: the residual stream starts as the embeddings
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = attn(positions, rms_norm_into(self.input_layernorm, hidden_states, None, attn_in),
+                                 attn_metadata)
+        elif type(attn).forward is LlamaAttention.forward and attn.qkv_proj.fuses_rms_norm(hidden_states):
+            qkv, residual = attn.qkv_proj.forward_rms_norm(hidden_states, residual, self.input_layernorm)
+            hidden_states = attn.forward_from_qkv(positions, qkv, attn_metadata)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            hidden_states, residual = rms_norm_into(self.input_layernorm, hidden_states, residual, attn_in)
+            hidden_states = attn(positions, hidden_states, attn_metadata)
+        if type(mlp).forward is LlamaMLP.forward and mlp.gate_up_proj.fuses_rms_norm(hidden_states):
+            gate_up, residual = mlp.gate_up_proj.forward_rms_norm(hidden_states, residual,
+                                                                   self.post_attention_layernorm)
+            return mlp.forward_from_gate_up(gate_up), residual
+        hidden_states, residual = rms_norm_into(self.post_attention_layernorm, hidden_states, residual, mlp_in)
+        return mlp(hidden_states), residual
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):

@@ -123,6 +123,47 @@ class WNA16LinearMethod(LinearMethodBase):
         add_param(layer, "wna16_zeros", zeros.to(torch.uint8).contiguous(), {})
         layer.wna16_perm = perm
 
+    def fuses_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply_silu_and_mul` saves the activation's launch for x = [gate | up]: one row of
+        int4 on the GPU (the one-row kernel computes silu(gate) * up in its prologue)."""
+        return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.bits == 4
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """apply(layer, silu_and_mul(x), bias), x = (T, 2 * input_size) [gate | up]."""
+        if not x.is_cuda:
+            from pagedllm.kernels.activation import silu_and_mul_ref
+
+            return self.apply(layer, silu_and_mul_ref(x), bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = wna16_linear(x2, layer.wna16_qweight, layer.wna16_scales, layer.wna16_zeros, self.bits,
+                           layer.wna16_group, layer.wna16_perm, bias, act="silu_and_mul")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def fuses_rms_norm(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply_rms_norm` saves the norm's launch: one row of int4 on the GPU where the layer's
+        one-row launch is the packed fp16 path (whose x prologue computes the norm)."""
+        if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.bits == 4):
+            return False
+        from pagedllm.kernels.wna16_stream import StreamConfig, stream_config, stream_supported
+
+        k = layer.wna16_qweight.shape[0] * 8
+        cfg = stream_config(layer.wna16_qweight.shape[1], k)
+        return (stream_supported(x, self.bits, layer.wna16_group, k) and isinstance(cfg, StreamConfig)
+                and cfg.MATH == "f16x2" and cfg.FUSE_NORM)
+
+    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply(layer, rms_norm(x + residual) * norm_weight, bias), x + residual) for one row."""
+        if not x.is_cuda:
+            from pagedllm.kernels.rmsnorm import rms_norm_ref
+
+            normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
+            return self.apply(layer, normed, bias), new_residual
+        from pagedllm.kernels.wna16_stream import wna16_stream_linear_rms_norm
+
+        return wna16_stream_linear_rms_norm(x, residual, norm_weight, eps, layer.wna16_qweight, layer.wna16_scales,
+                                            layer.wna16_zeros, layer.wna16_group, bias, layer.wna16_perm)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -38,9 +39,12 @@ import torch
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+from pagedllm.structured_output.gate import FlagWords
+from pagedllm.structured_output.grammar_worker import ERROR_WORDS, FLAG_WORDS
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+WATCHDOG_PERIOD_S = 0.2  # gated sampling: how often the watchdog looks for a dead worker
 START_TIMEOUT_S = 120.0  # the worker imports torch and xgrammar: seconds on a loaded host
 NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask says why two)
 
@@ -116,10 +120,12 @@ class _Lane:
         except OSError:
             raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
 
-    def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int) -> None:
+    def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int,
+                  flag: tuple[int, int] | None = None) -> None:
+        """flag: (word, seq) of a gated job: the worker sets flag word `word` to `seq` after its fill."""
         removed = self.removed
         gone = [removed.popleft() for _ in range(len(removed))] if removed else []
-        msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer)
+        msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer, flag)
         self.one_slots, self.one_tokens, self.more = [], [], []
         self.send(msg)
 
@@ -196,7 +202,8 @@ def _pin(buffer: torch.Tensor) -> int | None:
         return None
     ptr = buffer.data_ptr()
     try:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)
+        # Portable | mapped (3): the gate's flag words are read by the device at their mapped address.
+        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 3)
         failed = int(getattr(err, "value", err)) != 0
     except (AttributeError, RuntimeError, TypeError) as e:  # a torch without the binding
         err, failed = e, True
@@ -216,20 +223,34 @@ class ProcessBackend(StructuredOutputBackend):
         self.rows, self.words = rows, (vocab_size + 31) // 32
         # The workers' own times (summed over their jobs) and matchers after the last jobs.
         self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
-        shm = SharedMemory(create=True, size=NUM_BUFFERS * rows * self.words * 4)
+        if num_workers > ERROR_WORDS:
+            raise ValueError(f"at most {ERROR_WORDS} grammar workers, not {num_workers}")
+        self.num_workers = num_workers
+        size = NUM_BUFFERS * rows * self.words * 4
+        shm = SharedMemory(create=True, size=size + FLAG_WORDS * 4)
         self.buffers: list[torch.Tensor] = []
         workers = None
         try:
             flat = np.ndarray((NUM_BUFFERS, rows, self.words), dtype=np.int32, buffer=shm.buf)
             flat.fill(-1)
-            whole = torch.from_numpy(flat)
+            whole = torch.from_numpy(np.ndarray((size // 4 + FLAG_WORDS,), dtype=np.int32, buffer=shm.buf))
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
-            self.buffers = [whole[i] for i in range(NUM_BUFFERS)]
+            self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
+            # Gated sampling: the workers' flag words (one each) and their error words.
+            self.flags = whole[size // 4: size // 4 + num_workers]
+            self.flags.numpy().fill(0)
+            errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers]
+            errors.numpy().fill(0)
+            self._errors = memoryview(errors.numpy()).cast("B").cast("i")  # read per step: no numpy call
             self._lanes: list[_Lane] = []
+            # All started first, then each one's "ready" read: they import torch and xgrammar side by side.
+            info = self.local.tokenizer_info.serialize_json()
             for _ in range(num_workers):
-                proc, conn = self._start(max_threads, shm.name)
+                proc, conn = self._spawn(max_threads, shm.name, info)
                 workers.procs.append(proc)
                 workers.conns.append(conn)
+            for proc, conn in zip(workers.procs, workers.conns, strict=True):
+                self._await_ready(proc, conn)
                 self._lanes.append(_Lane(self, proc, conn))
         except BaseException:
             self.buffers = []
@@ -244,9 +265,30 @@ class ProcessBackend(StructuredOutputBackend):
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._next_buffer = 0
+        # Gated sampling: a worker that dies leaves its flag word short of the step the device waits
+        # for, and the step loop blocked in that step's collect; the watchdog then opens the gates
+        # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
+        self._watchdog: threading.Thread | None = None
 
-    def _start(self, max_threads: int, shm_name: str) -> tuple[subprocess.Popen, Connection]:
-        """One worker process, started and initialized (its "ready" read)."""
+    def watch_gates(self, flags: FlagWords) -> None:
+        """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag word):
+        once a worker is dead it opens the newest gate issued (the older ones are open already)."""
+        if self._watchdog is not None:
+            return
+        procs, finalizer = list(self._workers.procs), self._finalizer
+
+        def watch() -> None:
+            while finalizer.alive:
+                if any(p.poll() is not None for p in procs):
+                    flags.words[:] = flags.seq  # >= every gate issued so far
+                    return
+                time.sleep(WATCHDOG_PERIOD_S)
+
+        self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _spawn(self, max_threads: int, shm_name: str, info_json: str) -> tuple[subprocess.Popen, Connection]:
+        """One worker process, started and sent its "init" (`_await_ready` reads its answer)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)  # the worker gets this process's environment, handed over whole
         root = str(Path(__file__).resolve().parents[2])  # the worker imports this process's pagedllm
@@ -261,20 +303,23 @@ class ProcessBackend(StructuredOutputBackend):
             theirs.close()
         conn = Connection(ours.detach())
         try:
-            conn.send(("init", self.local.tokenizer_info.serialize_json(), self.vocab_size, max_threads, shm_name,
-                       NUM_BUFFERS, self.rows, self.words))
-            if not conn.poll(START_TIMEOUT_S):
-                raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:.0f} s")
-            reply = conn.recv()
-            if reply[0] != "ready":
-                raise RuntimeError(f"the grammar worker failed to start: {reply[1]}")
+            conn.send(("init", info_json, self.vocab_size, max_threads, shm_name, NUM_BUFFERS, self.rows, self.words))
         except BaseException:
             conn.close()
             proc.kill()
             proc.wait()
             raise
-        logger.info("grammar worker started (pid %d)", proc.pid)
         return proc, conn
+
+    @staticmethod
+    def _await_ready(proc: subprocess.Popen, conn: Connection) -> None:
+        """The worker's "ready" (it stops the start on anything else; the caller's cleanup ends it)."""
+        if not conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:.0f} s")
+        reply = conn.recv()
+        if reply[0] != "ready":
+            raise RuntimeError(f"the grammar worker failed to start: {reply[1]}")
+        logger.info("grammar worker started (pid %d)", proc.pid)
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, params: StructuredOutputsParams) -> None:
@@ -360,6 +405,57 @@ class ProcessBackend(StructuredOutputBackend):
         for i, lane in enumerate(lanes):
             lane.send_step(slots[i], rows[i], buffer)
         return lanes
+
+    # -- gated sampling (gate.py) ------------------------------------------------------------------
+    def gate_flag_memory(self) -> torch.Tensor:
+        """The workers' flag words in the shared block, int32 (num_workers,) (registered with CUDA as
+        mapped memory on a GPU)."""
+        return self.flags
+
+    def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
+                 seq: int) -> tuple[Callable[[], None], list[tuple[list[int], list[int]]]]:
+        """Send a gated job now: every worker accepts its queued tokens, fills its rows of `rows`
+        (bitmask row of each grammar) and then sets its flag word to `seq`, whether or not it has rows. No reply comes back; the returned call (the manager makes it
+        before its next job) raises if a worker failed the job. Also returns the rows' layout, per
+        worker (slots, rows), which `send_gated` takes for a next step of the same rows."""
+        n = len(self._lanes)
+        layout: list[tuple[list[int], list[int]]] = [([], []) for _ in range(n)]
+        for row, g in zip(rows, grammars, strict=True):
+            slots_i, rows_i = layout[g.slot % n]  # slot s lives in worker s % n
+            slots_i.append(g.slot)
+            rows_i.append(row)
+        return self.send_gated(layout, bitmask, seq), layout
+
+    def send_gated(self, layout: list[tuple[list[int], list[int]]], bitmask: torch.Tensor,
+                   seq: int) -> Callable[[], None]:
+        """`gate_job`'s send, from a layout it returned."""
+        buffer = self._buffer_of(bitmask)
+        self.stats["steps"] += 1
+        for i, (lane, (slots_i, rows_i)) in enumerate(zip(self._lanes, layout, strict=True)):
+            lane.send_step(slots_i, rows_i, buffer, (i, seq))
+        return self._check_gated
+
+    def _check_gated(self) -> None:
+        """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
+        if any(self._errors):
+            failed = [i for i, seq in enumerate(self._errors) if seq]
+            for i in failed:
+                self._errors[i] = 0
+            raise RuntimeError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
+
+    def gated_stats(self) -> dict[str, float]:
+        """The gated jobs' times in the workers since the last call (each worker's jobs summed; the
+        call resets them): asked outside steps (a benchmark's), one round trip per worker."""
+        out = {"jobs": 0, "accept_s": 0.0, "fill_s": 0.0}
+        for lane in self._lanes:
+            lane.send(("stats",))
+            reply = lane.conn.recv()
+            if reply[0] != "stats":  # a reply left unread would mean the loop and the worker disagree
+                raise RuntimeError(f"the grammar worker answered {reply[0]!r} to a stats request")
+            out["jobs"] = max(out["jobs"], reply[1])
+            out["accept_s"] += reply[2]
+            out["fill_s"] += reply[3]
+        return out
 
     def shutdown(self) -> None:
         self.buffers = []

@@ -199,6 +199,13 @@ class XgrammarBackend(StructuredOutputBackend):
             return None if all(oks) else oks
         return super().accept_tokens_batch(grammars, tokens)
 
+    def accept_job(self, grammars: list[StructuredOutputGrammar], tokens: list[int]):
+        """The batch accept as a call with no arguments (run on the bitmask thread): returns one
+        0 / 1 per row, 1 accepted."""
+        if _CORE_BATCH is not None:
+            return functools.partial(_CORE_BATCH.batch_accept_token, [g.handle for g in grammars], tokens, False)
+        return lambda: [int(ok) for ok in (self.accept_tokens_batch(grammars, tokens) or [True] * len(tokens))]
+
     def validate(self, params: StructuredOutputsParams) -> None:
         self._compile(params)
 

@@ -16,10 +16,13 @@ the whole job runs beside the loop, which only pickles one small message a step 
 Messages (multiprocessing Connection over a socket pair; fd in argv, the first message pickled):
     ("init", tokenizer_info_json, vocab_size, max_threads, shm_name, num_buffers, rows, words)
     ("add", slot, StructuredOutputsParams, stop_token_ids)      compiled on this process's pool
-    ("step", removed_slots, one_slots, one_tokens, more, fill_slots, fill_rows | None, buffer)
+    ("step", removed_slots, one_slots, one_tokens, more, fill_slots, fill_rows | None, buffer, flag | None)
         -> ("ok", refused_slots, accept_s, fill_s, live_matchers, t_received, t_done) | ("error", message)
     ("close",)
-A slot is the engine's number for one request's grammar (never reused). With several workers
+flag: (word, seq) of a gated job (gate.py): after the fill, flag word `word` (after the buffers in
+the shared block) is set to seq; the device samples the step once every worker's word is >= seq.
+A gated job gets no reply (a failure sets error word ERROR_WORDS + word; "stats" -> ("stats", jobs, accept_s, fill_s)
+sums the gated jobs' times since the last "stats"). A slot is the engine's number for one request's grammar (never reused). With several workers
 (PAGEDLLM_GRAMMAR_WORKERS) slot s lives in worker s % n, which fills its rows of the shared buffer
 (fill_rows); with one, fill_rows is None (rows 0..n-1). The worker ends on
 "close" or when the engine's end of the socket closes (EOF): it never outlives the engine.
@@ -37,6 +40,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
+# Gated sampling (gate.py): after the bitmask buffers, FLAG_WORDS int32 words: word i worker i's flag
+# (set to a gated job's sequence number once its rows are filled; the device waits until every
+# worker's word has it), words ERROR_WORDS.. the workers' error words (set when a job failed).
+FLAG_WORDS = 16
+ERROR_WORDS = 8
 
 
 def shm_path(name: str) -> str:
@@ -62,12 +70,17 @@ class GrammarWorker:
         # The engine created the buffer; mapping the file (not SharedMemory(name)) keeps this
         # process out of the resource tracker, which would unlink the buffer when this process ends.
         fd = os.open(shm_path(shm_name), os.O_RDWR)
+        size = num_buffers * rows * words * 4
         try:
-            self._mmap = mmap.mmap(fd, num_buffers * rows * words * 4)
+            self._mmap = mmap.mmap(fd, size + FLAG_WORDS * 4)
         finally:
             os.close(fd)
-        flat = np.frombuffer(self._mmap, dtype=np.int32).reshape(num_buffers, rows, words)
+        flat = np.frombuffer(self._mmap, dtype=np.int32, count=size // 4).reshape(num_buffers, rows, words)
         self.buffers = [torch.from_numpy(flat[i]) for i in range(num_buffers)]  # (rows, words) each
+        # Gated sampling, after the buffers (FLAG_WORDS int32 words): word i is worker i's flag, words
+        # ERROR_WORDS.. the workers' error words.
+        self.flags = np.frombuffer(self._mmap, dtype=np.int32, count=FLAG_WORDS, offset=size)
+        self.gated = [0, 0.0, 0.0]  # gated jobs since the engine last asked ("stats"): count, accept s, fill s
 
     def _grammar(self, slot: int):
         g = self.compiled.get(slot)
@@ -78,7 +91,7 @@ class GrammarWorker:
         return g
 
     def step(self, msg: tuple) -> tuple[list[int], float, float, int]:
-        _, removed, one_slots, one_tokens, more, fill_slots, fill_rows, buf = msg
+        _, removed, one_slots, one_tokens, more, fill_slots, fill_rows, buf, _flag = msg
         t0 = time.perf_counter()
         refused: list[int] = []
         get, slow = self.compiled.get, self._grammar
@@ -109,13 +122,33 @@ class GrammarWorker:
             except (EOFError, OSError):
                 return  # the engine is gone
             kind = msg[0]
-            if kind == "step":
+            if kind == "step" and msg[8] is not None:
+                # A gated job: no reply (the step loop reads none). Refusals are logged here, a
+                # failure also marks this worker's error word, which the loop checks at its next job.
+                word, seq = msg[8]
+                try:
+                    refused, accept_s, fill_s, _ = self.step(msg)
+                except Exception:  # noqa: BLE001 - reported through the error word
+                    self.flags[ERROR_WORDS + word] = seq  # before the flag: the loop looks once the gate is open
+                    self.flags[word] = seq
+                    logger.exception("grammar worker: gated step failed")
+                    continue
+                self.flags[word] = seq  # after the fill's stores: the device may copy the rows now
+                self.gated[0] += 1
+                self.gated[1] += accept_s
+                self.gated[2] += fill_s
+                for slot in refused:
+                    logger.error("grammar slot %d: a sampled token was refused", slot)
+            elif kind == "step":
                 try:
                     reply = ("ok", *self.step(msg), t_recv, time.perf_counter())
                 except Exception as e:  # noqa: BLE001 - the engine raises it in its step loop
                     logger.exception("grammar worker: step failed")
                     reply = ("error", f"{type(e).__name__}: {e}")
                 conn.send(reply)
+            elif kind == "stats":
+                conn.send(("stats", *self.gated))
+                self.gated = [0, 0.0, 0.0]
             elif kind == "add":
                 _, slot, params, stop_ids = msg
                 self.matchers[slot] = self.pool.submit(backend.compile_grammar, params, stop_ids)

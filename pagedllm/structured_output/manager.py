@@ -36,6 +36,7 @@ from pagedllm import envs
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.fill_thread import FillThread
+from pagedllm.structured_output.gate import FlagWords, GrammarGate
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -98,6 +99,17 @@ class StructuredOutputManager:
         self._bitmask_views: list[dict[int, torch.Tensor]] = []
         self._next_bitmask = 0
         self._remote = False  # the backend is the grammar worker process (backend_process.py)
+        # Gated sampling (gate.py): the flag words, and the last gated job (waited for before the next job).
+        self._flags: FlagWords | None = None
+        self._gate_job: Callable[[], None] | None = None
+        # Gated, bitmask thread: the batch accept on the thread before the fill, not in the step
+        # loop. The thread needs the GIL between the two C++ calls, which a busy step loop gives up
+        # only after the switch interval (sys.setswitchinterval): an A/B of scripts/gpu_h42_gate.py.
+        self.accept_on_thread = False
+        # Grammar workers: the last gated step's rows laid out per worker, (version, request ids,
+        # layout); `_layout_version` moves whenever a request leaves or a grammar may have ended.
+        self._gate_layout: tuple[int, list[str], list] | None = None
+        self._layout_version = 0
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -128,6 +140,7 @@ class StructuredOutputManager:
         return sor
 
     def remove(self, request_ids) -> None:
+        self._layout_version += 1
         for rid in request_ids:
             sor = self.requests.pop(rid, None)
             if sor is not None:
@@ -160,6 +173,7 @@ class StructuredOutputManager:
                 continue
             if out.finish_reason is not None:
                 del requests[out.request_id]
+                self._layout_version += 1
                 many.pop(sor, None)
                 one.pop(sor, None)
                 if self._remote:
@@ -191,6 +205,7 @@ class StructuredOutputManager:
                         sor.accepted([], ok=False, refused=[token])
         if many:
             self._to_accept = {}
+            self._layout_version += 1  # a stop token among them may end a grammar
             for sor, new in many.items():
                 sor.advance(new)
 
@@ -223,6 +238,8 @@ class StructuredOutputManager:
         """In the caller's thread: advance by the queued tokens (one xgrammar batch call), pick the
         rows whose next token is constrained, take a bitmask. Returns the fill (a call with no
         arguments) and the output it fills; None when no row is constrained."""
+        if self._gate_job is not None:
+            self._wait_gate_job()
         if self._to_accept_one or self._to_accept:
             self._accept_queued()
         requests = self.requests
@@ -267,7 +284,122 @@ class StructuredOutputManager:
         self._fill_thread.submit(fill)
         return BitmaskJob(self._fill_thread, job[1])
 
+    # -- gated sampling (gate.py) ----------------------------------------------------------------
+    def gate_step(self, so: SchedulerOutput) -> GrammarGate | None:
+        """Before the launch: the step's gate, if it can sample with its launch, i.e. every
+        constrained request that samples has its grammar active already (or ended for good). A
+        request still reasoning is not gated: the token in flight may end its reasoning, and only
+        the fill after it knows. None also when no row is constrained."""
+        ids = self.sampling_request_ids(so)
+        if not ids:
+            return None
+        requests = self.requests
+        rows = []
+        for rid in ids:
+            sor = requests[rid]
+            if sor.active_grammar is None and sor.activate() is None:
+                if sor.ended:
+                    continue  # its grammar took its stop token: free from now on
+                return None
+            rows.append(rid)
+        if not rows:
+            return None
+        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)))
+
+    def _gate_flags(self) -> FlagWords:
+        if self._flags is None:
+            backend = self.backend()
+            cuda = self.config.device_config.device == "cuda"
+            if self._remote:  # one flag word per worker, in the shared block
+                memory = backend.gate_flag_memory()
+            else:
+                memory = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+            self._flags = FlagWords(memory, torch.device("cuda") if cuda else None)
+            if self._remote:
+                backend.watch_gates(self._flags)
+        return self._flags
+
+    def submit_gate(self, gate: GrammarGate) -> None:
+        """After the step in flight was collected (its tokens queued by `advance`): feed the queued
+        tokens and fill the gate's rows beside the step loop; the filler opens the gate. A row
+        whose request finished or whose grammar ended meanwhile is all ones (its token is dropped,
+        or free). If anything here fails, the gate is opened before the error propagates: a shut
+        gate would stop the device's stream for good."""
+        try:
+            if self._gate_job is not None:
+                self._wait_gate_job()
+            requests, bitmask = self.requests, gate.bitmask
+            accept = None
+            if self._remote:
+                layout = self._gate_layout
+                if (layout is not None and not self._to_accept and layout[0] == self._layout_version
+                        and layout[1] == gate.request_ids):
+                    # The same rows as the last gated step, none finished or ended since: its layout.
+                    if self._to_accept_one:
+                        self._accept_queued()  # only queues them into the workers' next messages
+                    self._gate_job = self.backend().send_gated(layout[2], bitmask, gate.seq)
+                    return
+                if self._to_accept_one or self._to_accept:
+                    self._accept_queued()
+            elif self.accept_on_thread and self._to_accept_one and not self._to_accept:
+                # The batch accept goes to the thread too, its C++ call bound here (the fast path's
+                # tokens are no stop tokens: nothing the step loop reads changes).
+                one, self._to_accept_one = self._to_accept_one, {}
+                accept = self.backend().accept_job([sor.active_grammar for sor in one], list(one.values()))
+            elif self._to_accept_one or self._to_accept:
+                self._accept_queued()  # xgrammar's batch accept, here (see accept_on_thread)
+            grammars, rows = [], []
+            for row, rid in enumerate(gate.request_ids):
+                sor = requests.get(rid)
+                g = sor.active_grammar if sor is not None else None
+                if g is None:
+                    bitmask[row] = -1  # finished (its token is dropped) or ended (free)
+                    continue
+                grammars.append(g)
+                rows.append(row)
+            backend = self.backend()
+            if self._remote:
+                self._gate_job, layout = backend.gate_job(grammars, bitmask, rows, gate.seq)
+                # Kept for the next step while its rows are these (a row all ones is rewritten each
+                # step, in the other buffer: not kept).
+                full = len(rows) == len(gate.request_ids)
+                self._gate_layout = (self._layout_version, list(gate.request_ids), layout) if full else None
+                return
+            fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
+            words, seq = gate.flags, gate.seq
+
+            def fill_and_open() -> None:
+                try:
+                    if accept is not None:
+                        refused = accept()
+                        if 0 in refused:
+                            logger.error("the grammar refused %d sampled tokens", list(refused).count(0))
+                    if grammars:
+                        fill()
+                finally:
+                    words[0] = seq  # after the fill's stores: the device may copy the rows now
+
+            if self._fill_thread is None:
+                self._fill_thread = FillThread()
+            self._fill_thread.submit(fill_and_open)
+            self._gate_job = self._fill_thread.wait
+        except BaseException:
+            gate.open()
+            raise
+
+    def _wait_gate_job(self) -> None:
+        """The last gated job's end before another job uses the thread or the grammars (the thread's
+        return; for the grammar workers, which send no reply, their error words), re-raising its error."""
+        wait, self._gate_job = self._gate_job, None
+        if wait is not None:
+            wait()
+
     def shutdown(self) -> None:
+        if self._gate_job is not None:
+            try:
+                self._wait_gate_job()
+            except Exception:  # noqa: BLE001 - shutting down; the job's error was the step's to report
+                logger.exception("structured outputs: the last gated bitmask job failed")
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._fill_thread is not None:

@@ -25,6 +25,7 @@ from pagedllm.host_copy import host_tensor, to_device_async
 from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
+from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.mixed_graphs import (
@@ -56,6 +57,12 @@ class ModelRunner:
         self._uncollected: list[PendingOutput] = []
         # (membership, sampling req ids) -> the SamplingMetadata built for them (_sampling_metadata).
         self._smd_cache: tuple[tuple[int, list[str]], SamplingMetadata] | None = None
+        # Gated sampling (structured_output/gate.py): the device copy of the bitmask rows, and on the
+        # CPU the gated step whose sampling waits until its output or its tokens are first needed.
+        self._gate_mask: torch.Tensor | None = None
+        self._gate_pinned: set[int] = set()  # host bitmask addresses found pinned
+        self._gated_cpu: _GatedCpuSample | None = None
+        self.gate_waits: dict[str, int] = {}  # which device wait each gated step used (counts)
 
     def make_graph_runner(self, tuning: bool = True) -> CudaGraphRunner | None:
         """The decode-graph runner, not captured yet; None where no graphs are captured (CPU,
@@ -173,6 +180,8 @@ class ModelRunner:
         """Launch one step. On a GPU this returns as soon as the work is queued; `get()` on the
         result waits for the sampled ids (the step's one host sync). None when the step has
         constrained requests: sampling then waits for `sample_tokens(grammar_output)`."""
+        if self._gated_cpu is not None:
+            self._gated_cpu.sample()  # its tokens are this step's inputs (CPU: no stream orders it)
         self._take_collected()
         self.input_batch.update_states(so)
         self.step_id += 1
@@ -188,6 +197,8 @@ class ModelRunner:
             # SchedulerOutput). The engine never reads this output.
             return PendingOutput(self.step_id, inp.req_ids, [], None, None, [])
         logits = self.model.compute_logits(hidden)
+        if so.grammar_gate is not None:
+            return self._sample_gated(inp, logits, so.grammar_gate)
         if so.has_structured_output_requests:
             # The grammar bitmask needs the tokens of the step in flight: the caller collects it
             # (while this forward runs) and then calls sample_tokens.
@@ -233,6 +244,48 @@ class ModelRunner:
         self._smd_cache = None if smd.min_tokens else (key, smd)
         return smd
 
+    def _sample_gated(self, inp: StepInputs, logits: torch.Tensor, gate: GrammarGate) -> PendingOutput:
+        """Sample a gated step now, in stream order: wait for its flag words on the device, copy its
+        bitmask rows up, sample under them (structured_output/gate.py). On the CPU the same, when
+        the step's output or tokens are first needed (`_GatedCpuSample`)."""
+        states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
+        ids = gate.request_ids
+        all_rows = ids == [st.req_id for st in states]
+        if not logits.is_cuda:
+            pending = self._finish_sample(inp, states, None, None)
+            self._gated_cpu = _GatedCpuSample(self, pending, inp, states, logits, gate, all_rows)
+            return pending
+        # Everything that could copy from pageable memory comes before the wait: after it, a copy
+        # that waited for the stream would wait for a fill this thread has not submitted yet.
+        md = self._sampling_metadata(inp, states)
+        rows = None
+        if not all_rows:
+            row_of = {st.req_id: j for j, st in enumerate(states)}
+            rows = host_tensor([row_of[r] for r in ids], torch.int32, logits.device)
+        k, words = gate.bitmask.shape
+        if gate.bitmask.data_ptr() not in self._gate_pinned:  # the manager's few buffers, asked once each
+            if not gate.bitmask.is_pinned():
+                raise RuntimeError("gated sampling needs its bitmask in pinned (or registered) host memory: a "
+                                   "pageable copy would read the buffer before its fill")
+            self._gate_pinned.add(gate.bitmask.data_ptr())
+        if self._gate_mask is None or self._gate_mask.shape[0] < k or self._gate_mask.shape[1] != words:
+            self._gate_mask = torch.empty((max(k, self.config.scheduler_config.max_num_seqs), words),
+                                          dtype=torch.int32, device=logits.device)
+        from pagedllm.structured_output.gate import device_wait
+
+        how = device_wait(gate)
+        self.gate_waits[how] = self.gate_waits.get(how, 0) + 1
+        mask = self._gate_mask[:k]
+        mask.copy_(gate.bitmask, non_blocking=True)  # queued behind the wait: reads the filled rows
+        if all_rows:
+            out = self.sampler(logits, md, mask)
+        else:
+            from pagedllm.kernels.grammar_bitmask import apply_bitmask_inplace
+
+            out = self.sampler(apply_bitmask_inplace(logits if logits.stride(1) == 1 else logits.contiguous(),
+                                                     mask, rows), md, None)
+        return self._finish_sample(inp, states, out.sampled_token_ids, out.logprobs)
+
     def _sample(self, inp: StepInputs, logits: torch.Tensor, grammar_output: GrammarOutput | None) -> PendingOutput:
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
         mask = None
@@ -246,18 +299,58 @@ class ModelRunner:
                 row_of = {st.req_id: j for j, st in enumerate(states)}
                 logits = apply_grammar_bitmask(logits, grammar_output.grammar_bitmask, [row_of[r] for r in ids])
         out = self.sampler(logits, self._sampling_metadata(inp, states), mask)
-        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, out.sampled_token_ids, out.logprobs,
+        return self._finish_sample(inp, states, out.sampled_token_ids, out.logprobs)
+
+    def _finish_sample(self, inp: StepInputs, states: list[CachedRequestState], sampled: torch.Tensor | None,
+                       logprobs: LogprobsTensors | None) -> PendingOutput:
+        """The step's PendingOutput and the states' in-flight marks (sampled None: a gated CPU
+        step, whose tokens `_GatedCpuSample.sample` sets later)."""
+        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, sampled, logprobs,
                                 [st.sampling_params.logprobs for st in states])
         if self.pp_group.world_size > 1:
             # Pipeline parallel: every stage, this one too, takes the tokens from the scheduler's
             # next step for the request (CachedRequestData.new_token_ids); none is in flight.
             return pending
-        self.last_sampled = out.sampled_token_ids
+        self.last_sampled = sampled
         step_id = self.step_id
         for j, st in enumerate(states):  # InputBatch.mark_pending, on the states at hand
             st.pending_step, st.pending_row = step_id, j
         self._uncollected.append(pending)
         return pending
+
+
+class _GatedCpuSample:
+    """A gated step on the CPU: sampled once its bitmask is filled, when first needed (its output's
+    `get()`, or the next launch, whose inputs are its tokens), as a device's stream would."""
+
+    def __init__(self, runner: ModelRunner, pending: PendingOutput, inp: StepInputs,
+                 states: list[CachedRequestState], logits: torch.Tensor, gate: GrammarGate, all_rows: bool) -> None:
+        self.runner, self.pending, self.inp, self.states = runner, pending, inp, states
+        self.logits, self.gate, self.all_rows = logits, gate, all_rows
+        pending.before_read = self.sample
+
+    @torch.inference_mode()
+    def sample(self) -> None:
+        runner = self.runner
+        if runner._gated_cpu is self:
+            runner._gated_cpu = None
+        self.pending.before_read = None
+        if self.logits is None:
+            return
+        from pagedllm.structured_output.gate import host_wait
+
+        host_wait(self.gate)
+        runner.gate_waits["host"] = runner.gate_waits.get("host", 0) + 1
+        logits, self.logits = self.logits, None
+        if self.all_rows:
+            rows = list(range(len(self.states)))
+        else:
+            row_of = {st.req_id: j for j, st in enumerate(self.states)}
+            rows = [row_of[r] for r in self.gate.request_ids]
+        logits = apply_grammar_bitmask(logits, self.gate.bitmask, rows)
+        out = runner.sampler(logits, runner._sampling_metadata(self.inp, self.states), None)
+        self.pending.sampled, self.pending.logprobs = out.sampled_token_ids, out.logprobs
+        runner.last_sampled = out.sampled_token_ids  # the newest step: a later launch samples this one first
 
 
 class PendingOutput:
@@ -290,9 +383,12 @@ class PendingOutput:
         self.logprobs = logprobs
         self.sampled_ids: list[int] | None = None  # one per sample row, once read
         self._output: ModelRunnerOutput | None = None
+        self.before_read = None  # a gated CPU step: samples it (model_runner._GatedCpuSample)
 
     def get(self) -> ModelRunnerOutput:
         if self._output is None:
+            if self.before_read is not None:
+                self.before_read()
             self._output = self._read()
         return self._output
 

@@ -30,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from pagedllm.attention.metadata import build_metadata  # noqa: E402
 from pagedllm.kernels import (  # noqa: E402
     activation,
+    decode_attention,
     fused_moe,
     gemv,
     kv_cache_write,
@@ -43,6 +44,7 @@ from pagedllm.kernels import (  # noqa: E402
     rotary,
     sampling,
     split_k,
+    w8a8_gemm,
     wna16_gemm,
     wna16_gemv,
     wna16_stream,
@@ -133,6 +135,11 @@ def _record(launches: list) -> None:
         (wna16_stream, "_wna16_stream_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
+        (decode_attention, "_decode_fused_kernel"),
+        (w8a8_gemm, "_w8a8_gemm_kernel"),
+        (w8a8_gemm, "_split_k_sum_kernel"),
+        (quant_act, "_rms_norm_quant_kernel"),
+        (quant_act, "_silu_and_mul_quant_kernel"),
         (fused_moe, "_moe_align_kernel"),
         (moe_router, "_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
@@ -162,6 +169,16 @@ def _record_quant() -> None:
     # wna16_linear call there would run a (256 x 14336) @ (14336 x 4096) bf16 matmul on the CPU (~70 s).
     for m in (1, 8, 64):
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
+    # the packed fp16 math of the one-row kernel (MATH="f16x2"), plain, with SwiGLU's activation and with
+    # residual add + RMSNorm in its x prologue (the norm at qkv / gate_up's K: hidden 4096)
+    for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
+                wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=4, X_SCRATCH=True, SZ_TILE=True)):
+        wna16_stream.wna16_stream_linear(torch.zeros(1, k, dtype=bf16), qw, s, z, 128, config=cfg)
+        wna16_stream.wna16_stream_linear(torch.zeros(1, 2 * k, dtype=bf16), qw, s, z, 128, config=cfg,
+                                         act="silu_and_mul")
+        xk, qk = torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, n, dtype=torch.int32)
+        wna16_stream.wna16_stream_linear_rms_norm(xk, xk, torch.ones(4096, dtype=bf16), 1e-5, qk, s[:32], z[:32], 128,
+                                                  config=cfg)
     wna16_gemm.wna16_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(512, 28672, dtype=torch.int32),
                             torch.zeros(32, 28672, dtype=bf16), torch.zeros(32, 28672, dtype=torch.uint8), 4, 128)
     # 8-bit weights keep the FMA GEMV (M 1) and the tile kernel (M 64): the tensor-core kernel is 4-bit.
@@ -171,6 +188,21 @@ def _record_quant() -> None:
     wna16_gemm.dequantize_wna16_triton(qw, s, z, 4, 128, bf16)
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         quant_act.quantize_activation_triton(torch.zeros(2, k, dtype=bf16), qdtype)
+    # The W8A8 GEMM's split-K launch (PAGEDLLM_W8A8_SPLIT_K=1) at Llama-3.1-8B's down projection, fp8, 64 rows:
+    # the (64, 128, 128) pointer kernel in 8 K slices and the slices' sum.
+    fp8 = torch.float8_e4m3fn
+    w8a8_gemm.w8a8_gemm(torch.zeros(64, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(64, 1),
+                        torch.ones(n), None, bf16, config=w8a8_gemm.w8a8_gemm_config(64, n, k, split_k=True))
+    # The fused producers of a W8A8 linear's input (layers/quant_fusion.py) at Llama-3.1-8B's widths.
+    x = torch.zeros(2, 4096, dtype=bf16)
+    quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x)
+    quant_act.silu_and_mul_quant(torch.zeros(2, 2 * k, dtype=bf16), torch.float8_e4m3fn)
+    # An fp8 KV cache's decode loop (decode_attention.FP8_KV_VARIANT: fp8 wgmma, 238 registers at Llama's heads).
+    md = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
+    decode_attention.decode_attention_fused(torch.zeros(2, 48 * 128, dtype=bf16), torch.arange(2),
+                                            rotary.build_cos_sin_cache(128, 64),
+                                            torch.zeros(2, 8, 16, 8, 128, dtype=torch.float8_e4m3fn), md, 0.1, 32, 8,
+                                            128, num_splits=1)
     quant_act.scale_epilogue(torch.zeros(32, n, dtype=torch.int32), torch.zeros(32, 1), torch.zeros(n), None, 2, bf16)
 
 

@@ -83,3 +83,17 @@ def test_w8a8_linear_cuda_paths_and_graph_capture(qdtype, m, path):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(captured, w8a8_linear(x, wq, ws, None, bias, path=path), atol=0, rtol=0)
+
+
+def test_split_k_switch_moves_narrow_fp8_linears_to_triton(monkeypatch):
+    # PAGEDLLM_W8A8_SPLIT_K=1: FP8 linears of <= 8192 outputs take the Triton (split-K) GEMM up to 128 rows;
+    # off (the default) they go to cuBLAS above 64 rows. gate_up-wide weights stay on cuBLAS either way.
+    import pagedllm.kernels.scaled_mm as sm
+
+    assert choose_path(128, 4096, 14336, FP8_DTYPE) == "cublas"
+    monkeypatch.setattr(sm, "SPLIT_K", True)
+    assert choose_path(128, 4096, 14336, FP8_DTYPE) == "triton"
+    assert choose_path(128, 6144, 4096, FP8_DTYPE) == "triton"
+    assert choose_path(256, 6144, 4096, FP8_DTYPE) == "cublas"
+    assert choose_path(128, 28672, 4096, FP8_DTYPE) == "cublas"
+    assert choose_path(8, 4096, 4096, FP8_DTYPE) == "w8a16"

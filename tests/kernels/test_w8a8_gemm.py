@@ -15,6 +15,9 @@ from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
     (3, 40, 96, W8A8Config(16, 32, 32, 2, 4, 2)),  # ragged M and N, 3 K steps, 2 column groups
     (37, 64, 80, W8A8Config(16, 32, 64, 2, 4, 2)),  # 3 row blocks in groups of 2; K ragged (80 % 64)
     (37, 40, 80, W8A8Config(16, 32, 32, 2, 4, 2, True)),  # TMA: edges zero-filled by the descriptors
+    (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, False, 3)),  # split-K: 7 K steps in slices of 3, 3, 1
+    (20, 64, 200, W8A8Config(16, 32, 64, 2, 4, 2, True, 4)),  # split-K asked with TMA: the pointer kernel
+    (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6)),  # 7 steps in slices of 2: the last ragged, two empty
 ])
 def test_matches_reference(device, qdtype, m, n, k, cfg):
     x = torch.randn(m, k, device=device) * 2
@@ -47,3 +50,8 @@ def test_config_buckets():
     assert w8a8_gemm_config(256, 6144, 4096)[:3] == (64, 128, 128)  # 48 programs of (128, 256)
     assert w8a8_gemm_config(256, 4096, 14336)[:3] == (64, 64, 256)  # 128 of (64, 128), 256 of these
     assert w8a8_gemm_config(1, 64, 40).BLOCK_K == 64
+    # split_k: only where the tile leaves SMs idle, slices of >= 4 BLOCK_K steps.
+    assert w8a8_gemm_config(64, 4096, 14336, split_k=True) == W8A8Config(64, 128, 128, 8, 4, 4, False, 8)
+    assert w8a8_gemm_config(128, 6144, 4096, split_k=True).SPLIT_K == 1  # 192 programs of (64, 64)
+    assert w8a8_gemm_config(64, 28672, 4096, split_k=True).SPLIT_K == 1
+    assert w8a8_gemm_config(8, 4096, 14336, split_k=True).SPLIT_K == 1  # M <= 16 keeps its tiles

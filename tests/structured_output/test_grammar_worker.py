@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.backend_process import ProcessGrammar
 from pagedllm.structured_output.manager import StructuredOutputManager, make_backend
 from tests.structured_output.schemas import PERSON_SCHEMA as SCHEMA
 
@@ -208,3 +209,79 @@ def test_engine_outputs_equal_the_thread_path(monkeypatch):
         return [o.outputs[0].token_ids for o in outs]
 
     assert run("1") == run("0")
+
+
+def test_gated_jobs_fill_the_thread_paths_bitmasks_and_set_every_workers_flag(tokenizer, two_workers):
+    # Gated sampling (gate.py): the job goes out after the launch; each worker fills its rows, then
+    # sets its own flag word, and the gate opens only once both have.
+    from pagedllm.structured_output.gate import host_wait
+
+    manager, ref = manager_with(two_workers, rows=2), manager_with(make_backend(tokenizer, VOCAB), rows=2)
+    try:
+        for m in (manager, ref):
+            add(m, "g1").future.result()
+            add(m, "g2").future.result()
+        for t in tokenizer.encode(DOC, add_special_tokens=False)[:6]:
+            gate = manager.gate_step(step("g1", "g2"))
+            assert gate.request_ids == ["g1", "g2"] and len(gate.flags) == 2 and not gate.is_open()
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1", "g2")).grammar_bitmask)
+            for m in (manager, ref):
+                m.advance([EngineCoreOutput("g1", [t]), EngineCoreOutput("g2", [t])])
+        # Hundreds of gated steps (a JSON array of numbers, one token each): nothing piles up in the
+        # sockets (an unread message a step would block the workers within a few hundred), and the
+        # workers counted every job.
+        two_workers.gated_stats()
+        arr = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+        for m in (manager, ref):
+            add(m, "n1", arr).future.result()
+            add(m, "n2", arr).future.result()
+        digits = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("[", "1", ",")]
+        for i in range(600):
+            gate = manager.gate_step(step("n1", "n2"))
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            t = digits[0] if i == 0 else digits[1] if i % 2 else digits[2]  # [ 1 , 1 , 1 ...
+            assert all((int(gate.bitmask[r, t >> 5]) >> (t & 31)) & 1 for r in (0, 1))  # both rows allow it
+            manager.advance([EngineCoreOutput("n1", [t]), EngineCoreOutput("n2", [t])])
+        manager._wait_gate_job()
+        assert two_workers.gated_stats()["jobs"] == 600
+        manager.remove(["n1", "n2"])
+        manager.remove(["g2"])  # finished between the launch and the job: its row is all ones
+        gate = manager.gate_step(step("g1"))
+        manager.submit_gate(gate)
+        host_wait(gate, timeout_s=30)
+        assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1")).grammar_bitmask)
+        # A gated job gets no reply: a worker's failure (here a slot it never had) still raises its
+        # flag, and the next job raises.
+        manager._wait_gate_job()
+        gate = manager.gate_step(step("g1"))
+        stranger = ProcessGrammar(1001, frozenset(), two_workers._lanes[1])
+        manager._gate_job, _ = two_workers.gate_job([stranger], gate.bitmask, [0], gate.seq)
+        host_wait(gate, timeout_s=30)
+        with pytest.raises(RuntimeError, match=r"grammar worker\(s\) \[1\] failed a gated step"):
+            manager._wait_gate_job()
+    finally:
+        manager.remove(["g1", "g2"])
+        manager._wait_gate_job()
+        ref.shutdown()
+
+
+def test_a_dead_worker_opens_a_waiting_gate(tokenizer):
+    # A gate the device waits on must not stay shut when its worker dies: the watchdog opens it
+    # (and the next job raises, as for any dead worker).
+    from pagedllm.structured_output.gate import host_wait
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2)
+    manager = manager_with(backend, rows=2)
+    try:
+        add(manager, "a").future.result()
+        gate = manager.gate_step(step("a"))
+        assert not gate.is_open()
+        backend._workers.procs[0].kill()
+        host_wait(gate, timeout_s=10)
+        with pytest.raises(RuntimeError, match="grammar worker"):
+            manager.submit_gate(gate)
+    finally:
+        manager.shutdown()

@@ -1,0 +1,179 @@
+"""Gated sampling: a constrained step's sampling is queued with its forward pass, and waits on the
+device for its grammar bitmask, which the host fills while the forward runs.
+
+    host, step k:  schedule k | launch forward k, [gate k], mask copy, sample k | collect k-1 ->
+                   accept k-1's tokens, fill mask k (thread / grammar worker) -> open gate k | return
+    device:        ... sample k-1 | forward k | waits for gate k | mask k -> device | sample k | forward k+1 ...
+
+Step k's forward needs step k-1's tokens (on the device already), not step k's bitmask; only its
+sampling does. So the launch queues the whole step, with a wait in the stream before the mask's
+copy: the device waits for a flag word in host memory to reach the step's sequence number, which
+whoever fills the bitmask writes after the fill (the bitmask thread, or each grammar worker process
+its own word: backend_process.py). The step loop never waits for the fill; it waits, in the next
+step's collect, for the sampled tokens, as an unconstrained step does.
+
+The wait on CUDA is `cuStreamWaitValue32` (the driver's stream memory operation, called through
+ctypes: torch does not bind it) on the flag's device address (host memory mapped into the device's
+address space: pinned by torch's allocator or registered with `cudaHostRegisterMapped`); where the
+driver refuses stream memory operations, a one-program Triton kernel spins on the word instead.
+On the CPU there is no stream: the runner samples a gated step when its output is first needed
+(its `get()`, or the next launch, which reads its tokens), after the flag is up (`host_wait`).
+
+Why the order is safe: the bitmask's copy is queued behind the wait, so it reads the buffer only
+after the fill's last store (the flag is written after it; x86 stores reach the device in order),
+and the buffer's next fill is two steps later, after that step's tokens were collected, i.e. after
+its copy ran. The step loop must open every gate it launched, whatever happens: a gate left shut
+stops the device's stream for good (engine_core.py opens it in a `finally`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+HOST_WAIT_TIMEOUT_S = 120.0  # a CPU step's wait for its bitmask: a hung filler is an error, not a hang
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0
+
+
+@dataclass(eq=False)
+class GrammarGate:
+    """One gated step, as the engine core hands it to the runner (in `SchedulerOutput.grammar_gate`).
+
+    request_ids: the constrained requests that sample in the step, in batch order; bitmask row i is
+    request_ids[i]'s (a row whose grammar has ended by the fill is all ones). bitmask: int32 (k, W)
+    host view, pinned on a GPU, filled after the launch. flags: int32 host words, one per filler;
+    the step may sample once every flags[i] >= seq."""
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+    flags: np.ndarray
+    seq: int
+    device_flags: int | None = None  # the flags' device address (CUDA), from FlagWords
+    opened: bool = field(default=False)
+
+    def open(self) -> None:
+        """Let the step sample with whatever the buffer holds (the fillers open it themselves; the
+        step loop calls this only to release a gate whose job failed)."""
+        self.flags[:] = self.seq
+        self.opened = True
+
+    def is_open(self) -> bool:
+        return bool((self.flags.astype(np.int64) >= self.seq).all())
+
+
+class FlagWords:
+    """The flag words of one filler set, in host memory the device can read: a numpy view, and on a
+    GPU its device address. `memory` is int32 host memory, pinned (torch) or registered mapped."""
+
+    def __init__(self, memory: torch.Tensor, device: torch.device | None) -> None:
+        assert memory.dtype == torch.int32 and memory.dim() == 1
+        self.memory = memory
+        self.words = memory.numpy()
+        self.words[:] = 0
+        self.seq = 0
+        self.device_address: int | None = None
+        if device is not None and device.type == "cuda":
+            self.device_address = device_pointer(memory.data_ptr())
+
+    def next_seq(self) -> int:
+        # 2**31 gated steps (weeks at 1 ms) would wrap the int32 word; the engine refuses to.
+        if self.seq >= 2**31 - 1:
+            raise RuntimeError("gated sampling: the flag words' sequence is exhausted")
+        self.seq += 1
+        return self.seq
+
+    def next_gate(self, request_ids: list[str], bitmask: torch.Tensor) -> GrammarGate:
+        return GrammarGate(request_ids, bitmask, self.words, self.next_seq(), self.device_address)
+
+
+# -- CUDA -----------------------------------------------------------------------------------------
+@functools.cache
+def _libcuda():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return lib
+
+
+def device_pointer(host_ptr: int) -> int:
+    """The device address of mapped host memory (cuMemHostGetDevicePointer); with unified addressing
+    it is usually the host address itself, which is the answer when the driver call is missing."""
+    lib = _libcuda()
+    fn = getattr(lib, "cuMemHostGetDevicePointer_v2", None) if lib is not None else None
+    if fn is None:
+        return host_ptr
+    out = ctypes.c_uint64(0)
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    err = fn(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
+    if err != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed ({err}): the gate's flag words are not mapped "
+                           "host memory")
+    return out.value
+
+
+@functools.cache
+def _wait_value_fn():
+    lib = _libcuda()
+    if lib is None:
+        return None
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    return None
+
+
+_stream_ops_refused = False
+
+
+def device_wait(gate: GrammarGate, stream: torch.cuda.Stream | None = None) -> str:
+    """Queue on `stream` (the current one) a wait until every flag word of `gate` is >= its seq.
+    Returns which mechanism queued it ("stream_op" or "spin")."""
+    global _stream_ops_refused
+    assert gate.device_flags is not None, "a CUDA gate needs its flags' device address"
+    stream = stream or torch.cuda.current_stream()
+    fn = None if _stream_ops_refused else _wait_value_fn()
+    if fn is not None:
+        handle = ctypes.c_void_p(stream.cuda_stream)
+        for i in range(len(gate.flags)):
+            err = fn(handle, gate.device_flags + 4 * i, gate.seq, CU_STREAM_WAIT_VALUE_GEQ)
+            if err != 0:
+                if i:
+                    raise RuntimeError(f"cuStreamWaitValue32 failed ({err}) after {i} flag words were queued")
+                logger.warning("cuStreamWaitValue32 refused (%d): gated sampling waits with a spinning kernel", err)
+                _stream_ops_refused = True
+                break
+        else:
+            return "stream_op"
+    from pagedllm.kernels.grammar_gate import spin_until_geq
+
+    spin_until_geq(gate.device_flags, len(gate.flags), gate.seq, stream)
+    return "spin"
+
+
+# -- CPU ------------------------------------------------------------------------------------------
+def host_wait(gate: GrammarGate, timeout_s: float = HOST_WAIT_TIMEOUT_S) -> None:
+    """Block (the GIL released) until the gate is open; the fillers write the flags from another
+    thread or process."""
+    if gate.is_open():
+        return
+    deadline = time.monotonic() + timeout_s
+    delay = 1e-5
+    while not gate.is_open():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the grammar bitmask of a gated step (seq {gate.seq}) was not filled within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)

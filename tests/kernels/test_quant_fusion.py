@@ -1,0 +1,109 @@
+"""layers/quant_fusion.py: a dynamic W8A8 linear's input quantized by the RMSNorm / SiLU-and-mul kernel that
+produces it (kernels/quant_act.py), against the unfused path (norm or activation, then the linear's own
+quantization). On a CPU-only machine the kernels run in Triton's interpreter (conftest), the producer is
+told its CPU tensors run kernels, and the linear takes the QuantizedActivation through scaled_mm_ref.
+INT8 weights: the interpreter rounds int8 exactly (e4m3 not always: test_kv_cache_fp8_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pagedllm.kernels.quant_act as quant_act
+from pagedllm.kernels.quantized_activation import QuantizedActivation
+from pagedllm.layers import quant_fusion
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.models.llama import LlamaMLP
+from pagedllm.quantization.w8a8 import W8A8LinearMethod
+
+
+def _to_w8a8(linear: nn.Module, static: bool = False) -> None:
+    """Give a linear int8 per-channel weights (from its random float ones) and a dynamic W8A8 method."""
+    w = torch.randn(linear.weight.shape, device=linear.weight.device) * 0.05
+    scale = w.abs().amax(1) / 127.0
+    linear.weight = nn.Parameter(torch.round(w / scale[:, None]).to(torch.int8), requires_grad=False)
+    linear.weight_scale = nn.Parameter(scale, requires_grad=False)
+    linear.input_scale = nn.Parameter(torch.tensor([0.02], device=w.device), requires_grad=False) if static else None
+    linear.quant_method = W8A8LinearMethod(torch.int8, static_input=static)
+
+
+@pytest.fixture
+def fused(monkeypatch, device):
+    """Fusion on, the test's tensors counted as kernel tensors, and the fused kernels' calls counted."""
+    calls = {"norm": 0, "act": 0}
+    norm_q, act_q = quant_act.rms_norm_quant, quant_act.silu_and_mul_quant
+
+    def counted_norm(*a, **k):
+        calls["norm"] += 1
+        return norm_q(*a, **k)
+
+    def counted_act(*a, **k):
+        calls["act"] += 1
+        return act_q(*a, **k)
+
+    monkeypatch.setattr(quant_fusion, "ENABLED", True)
+    monkeypatch.setattr(quant_fusion, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(quant_act, "rms_norm_quant", counted_norm)
+    monkeypatch.setattr(quant_act, "silu_and_mul_quant", counted_act)
+    return calls
+
+
+def test_norm_quantizes_for_its_linear(device, fused, monkeypatch):
+    norm = RMSNorm(64).to(device)
+    norm.weight.data = 1.0 + 0.2 * torch.randn(64, device=device)
+    linear = ReplicatedLinear(64, 48, bias=False).to(device)
+    _to_w8a8(linear)
+    x, residual = torch.randn(24, 64, device=device), torch.randn(24, 64, device=device)
+    qa, r_out = quant_fusion.rms_norm_into(norm, x, residual, linear)
+    assert isinstance(qa, QuantizedActivation) and qa.xq.dtype == torch.int8 and fused["norm"] == 1
+    monkeypatch.setattr(quant_fusion, "ENABLED", False)
+    normed, ref_r = quant_fusion.rms_norm_into(norm, x, residual, linear)  # the unfused path
+    assert isinstance(normed, torch.Tensor) and fused["norm"] == 1
+    torch.testing.assert_close(r_out, ref_r, atol=1e-6, rtol=1e-6)
+    out, ref = linear(qa), linear(normed)
+    assert out.dtype == ref.dtype == x.dtype
+    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
+
+
+def test_silu_and_mul_quantizes_for_down_proj(device, fused, monkeypatch):
+    mlp = LlamaMLP(64, 96, "silu").to(device)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        _to_w8a8(lin)
+    x = torch.randn(20, 64, device=device)
+    out = mlp(x)
+    assert fused["act"] == 1
+    monkeypatch.setattr(quant_fusion, "ENABLED", False)
+    ref = mlp(x)
+    assert fused["act"] == 1
+    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
+
+
+def test_no_fusion_where_the_linear_takes_16_bits(device, fused):
+    norm = RMSNorm(64).to(device)
+    linear = ReplicatedLinear(64, 48, bias=False).to(device)
+    _to_w8a8(linear)
+    # Few rows: the W8A16 kernel reads the unquantized input (scaled_mm.choose_path).
+    assert isinstance(quant_fusion.rms_norm_into(norm, torch.randn(4, 64, device=device), None, linear),
+                      torch.Tensor)
+    # A static input scale, an unquantized linear, no consumer: the plain norm.
+    static = ReplicatedLinear(64, 48, bias=False).to(device)
+    _to_w8a8(static, static=True)
+    plain = ReplicatedLinear(64, 48, bias=False).to(device)
+    for lin in (static, plain, None):
+        assert isinstance(quant_fusion.rms_norm_into(norm, torch.randn(24, 64, device=device), None, lin),
+                          torch.Tensor)
+    assert fused["norm"] == 0
+
+
+def test_a_mismatched_quantized_input_is_refused(device):
+    from pagedllm.kernels.scaled_mm import w8a8_linear
+
+    qa = QuantizedActivation(torch.zeros(24, 64, dtype=torch.int8, device=device), torch.ones(24, 1, device=device),
+                             torch.float32)
+    wq, ws = torch.zeros(48, 64, dtype=torch.int8, device=device), torch.ones(48, device=device)
+    with pytest.raises(ValueError, match="prequantized_path"):
+        w8a8_linear(qa, wq, ws, torch.tensor([0.5], device=device), None)  # a static-scale linear
+    with pytest.raises(ValueError, match="prequantized_path"):
+        w8a8_linear(qa, wq.to(torch.float8_e4m3fn), ws, None, None)  # fp8 weights, int8 codes
