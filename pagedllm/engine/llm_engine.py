@@ -13,6 +13,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.introspection import SchedulerView
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.loader import hf_configs
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -32,6 +33,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.engine_core = EngineCore(config)
+        # The start completed: the next one reads its model config back without transformers'
+        # config modules (loader/hf_configs.py).
+        hf_configs.remember()
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Core requests added and not yet scheduled: the step that schedules one sets its

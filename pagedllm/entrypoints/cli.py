@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from pagedllm.engine import fork_server
+
+_T0 = time.monotonic()  # the start-up timeline's "server modules" line counts from here
 
 # The rest of pagedllm (torch, transformers, the server) is imported inside the functions: `serve`
 # starts its engine's fork server before those imports (main), so that they overlap.
@@ -115,6 +118,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    # The start-up timeline (scripts/gpu_cold_start.py): the frontend's own imports (torch among them,
+    # mostly in build_parser) since this module was imported.
+    logging.getLogger("pagedllm.entrypoints.cli").info("start-up: server modules import took %.2f s",
+                                                       time.monotonic() - _T0)
     run_server(args)
     return 0
 

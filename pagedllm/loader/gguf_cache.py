@@ -22,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import transformers
-
 import pagedllm.envs as envs
 
 logger = logging.getLogger(__name__)
@@ -32,6 +30,13 @@ T = TypeVar("T")
 
 # Bump when the content written under a key changes shape (e.g. a new file in it).
 _CACHE_FORMAT = 1
+
+
+def _transformers_version() -> str:
+    """transformers' version without importing it (a warm engine start imports none of it)."""
+    import importlib.metadata
+
+    return importlib.metadata.version("transformers")
 
 
 def cache_root() -> Path:
@@ -43,7 +48,7 @@ def gguf_cache_dir(gguf_path: Path, what: str) -> Path:
     """Where `what` ("config", "tokenizer", ...) derived from `gguf_path` lives; may not exist yet."""
     path = gguf_path.resolve()
     stat = path.stat()
-    ident = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}\0{_CACHE_FORMAT}"
+    ident = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_transformers_version()}\0{_CACHE_FORMAT}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return cache_root() / "gguf" / key / what
 

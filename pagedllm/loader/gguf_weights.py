@@ -15,14 +15,17 @@ from __future__ import annotations
 import re
 from collections.abc import Container, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from gguf import dequantize
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
 
 from pagedllm.loader.gguf_reader import open_gguf, read_field
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",

@@ -23,14 +23,18 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from transformers import AutoConfig, PretrainedConfig
 
+from pagedllm.loader import hf_configs
 from pagedllm.loader.gguf_cache import load_or_create
 from pagedllm.loader.gguf_reader import open_gguf, read_field
 from pagedllm.loader.hf_cache import describe_search, find_cached_snapshot, looks_like_hub_id
+from pagedllm.loader.hf_configs import CONFIG_CLASSES, config_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ModelKind = Literal["hf_dir", "gguf", "preset"]
 
@@ -61,6 +65,36 @@ _GGUF_SAMPLING_KEYS = {
     "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
+
+
+def load_hf_config(path: Path, trust_remote_code: bool = False, keep: bool = False) -> PretrainedConfig:
+    """`AutoConfig.from_pretrained(path)` for a checkpoint directory: for a config.json of a model type
+    in hf_configs.CONFIG_CLASSES without remote code (no auto_map), that class's own `from_pretrained`
+    (what AutoConfig ends with: the same config dict, `from_dict`), without transformers' auto-model
+    modules (loader/hf_configs.py: seconds of every start). Anything else, and every file AutoConfig
+    would refuse, goes to AutoConfig and its errors. keep: such a config is kept as a snapshot once
+    an engine start completed (hf_configs.note / remember), and a later start reads the snapshot
+    back instead (hf_configs.recall: no config class imported at all)."""
+    try:
+        data = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        data = None
+    direct = isinstance(data, dict) and "auto_map" not in data
+    if direct and data.get("model_type") == "mistral" and "layer_types" in data:
+        direct = False  # AutoConfig reads this as "ministral"
+    if direct and keep and data.get("model_type") in CONFIG_CLASSES:
+        kept = hf_configs.recall(path / "config.json")
+        if kept is not None:
+            return kept  # type: ignore[return-value] - read as a config everywhere (attributes only)
+    cls = config_class(data.get("model_type")) if direct else None
+    if cls is not None:
+        config = cls.from_pretrained(path, name_or_path=path)  # AutoConfig names the config after its path too
+        if keep:
+            hf_configs.note(path / "config.json", config)
+        return config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 @dataclass(frozen=True)
@@ -187,7 +221,7 @@ def _is_gguf_file(path: Path) -> bool:
 
 def _dir_source(path: Path, name: str, trust_remote_code: bool) -> ModelSource:
     if (path / "config.json").is_file():
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = load_hf_config(path, trust_remote_code, keep=True)
         _ensure_architectures(config)
         return ModelSource(
             kind="hf_dir",
@@ -212,7 +246,7 @@ def _dir_source(path: Path, name: str, trust_remote_code: bool) -> ModelSource:
 
 def _preset_source(preset: str, name: str) -> ModelSource:
     path = MODEL_CONFIGS_DIR / preset
-    config = AutoConfig.from_pretrained(path)
+    config = load_hf_config(path, keep=True)
     _ensure_architectures(config)
     return ModelSource(
         kind="preset",
@@ -228,6 +262,8 @@ def _gguf_source(path: Path, name: str) -> ModelSource:
     path = path.resolve()
 
     def create() -> tuple[PretrainedConfig, dict[str, Any]]:
+        from transformers import AutoConfig
+
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         _ensure_architectures(config)
         reader = open_gguf(path)
@@ -243,7 +279,7 @@ def _gguf_source(path: Path, name: str) -> ModelSource:
         (entry / "generation_config.json").write_text(json.dumps(value[1], indent=2))
 
     def load(entry: Path) -> tuple[PretrainedConfig, dict[str, Any]]:
-        return AutoConfig.from_pretrained(entry), read_generation_config(entry)
+        return load_hf_config(entry), read_generation_config(entry)
 
     config, sampling = load_or_create(path, "config", load=load, create=create, save=save)
     config.name_or_path = str(path)  # the same whether built now or read from the cache

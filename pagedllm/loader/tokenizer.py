@@ -2,17 +2,35 @@
 
 Presets have no tokenizer: `get_tokenizer` returns None, and the engine then takes token ids only
 (vLLM's `skip_tokenizer_init`), which is what `--load-format dummy` benchmarks need.
+
+A directory's tokenizer is AutoTokenizer's, whose choice of class is remembered on disk
+(`$PAGEDLLM_CACHE_ROOT/tokenizer_classes/`): the next start loads that class directly. Why: in some
+transformers versions AutoTokenizer's module alone brings transformers' generation, masking and
+FSDP modules (scikit-learn, torch._dynamo, torch.distributed.tensor: seconds of a server's start,
+BENCHMARKS.md, issue 16), which a tokenizer never uses.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+import pagedllm.envs as envs
 from pagedllm.loader.gguf_cache import load_or_create
 from pagedllm.loader.gguf_reader import open_gguf, read_field
+from pagedllm.loader.hf_configs import without_generated_docstrings
 from pagedllm.loader.source import ModelSource
+
+logger = logging.getLogger(__name__)
 
 
 def get_tokenizer(
@@ -33,7 +51,7 @@ def get_tokenizer(
 def load_tokenizer(path: Path, trust_remote_code: bool = False, use_fast: bool = True) -> PreTrainedTokenizerBase:
     """AutoTokenizer from a directory, or from the metadata of a .gguf file (cached on disk)."""
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=use_fast)
+        return load_tokenizer_dir(path, trust_remote_code, use_fast)
     if path.is_file():
         return load_gguf_tokenizer(path)
     raise ValueError(
@@ -65,7 +83,60 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return load_or_create(
         path,
         "tokenizer",
-        load=AutoTokenizer.from_pretrained,
+        load=load_tokenizer_dir,
         create=create,
         save=lambda tok, entry: tok.save_pretrained(entry),
     )
+
+
+def load_tokenizer_dir(path: Path, trust_remote_code: bool = False, use_fast: bool = True) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained(path)`, or, when an earlier load of the same files with the same
+    transformers remembered the class AutoTokenizer picked, that class's own `from_pretrained(path)`:
+    the call AutoTokenizer ends with (it hands its keyword arguments on unchanged), without importing
+    AutoTokenizer's module. Classes from remote code are never remembered."""
+    record = _class_record(path, trust_remote_code, use_fast)
+    if record is not None and record.is_file():
+        try:
+            module, qualname = json.loads(record.read_text())["class"]
+            with without_generated_docstrings():  # loader/hf_configs.py: no auto-model registry with it
+                cls: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except Exception as e:  # noqa: BLE001 - a damaged record or another transformers: ask AutoTokenizer
+            logger.debug("tokenizer class record %s not usable (%s)", record, e)
+        else:
+            return cls.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=use_fast)
+    cls = type(tok)
+    if record is not None and cls.__module__.startswith("transformers.") and "<locals>" not in cls.__qualname__:
+        _write_record(record, {"class": [cls.__module__, cls.__qualname__]})
+    return tok
+
+
+def _class_record(path: Path, trust_remote_code: bool, use_fast: bool) -> Path | None:
+    """The record file for this directory's tokenizer: keyed by the directory, its top-level files
+    (name, size, mtime: an edited tokenizer_config.json or config.json makes a new key), the
+    transformers version and the arguments. None when the directory cannot be listed."""
+    try:
+        path = path.resolve()
+        files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
+        version = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    ident = json.dumps([str(path), files, version, trust_remote_code, use_fast])
+    key = hashlib.sha256(ident.encode()).hexdigest()[:24]
+    return envs.PAGEDLLM_CACHE_ROOT / "tokenizer_classes" / f"{key}.json"
+
+
+def _write_record(record: Path, content: dict[str, Any]) -> None:
+    """Written whole (a temporary file renamed into place); a cache that cannot be written is skipped."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".class-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(content, f)
+        os.replace(tmp, record)
+    except OSError as e:
+        logger.debug("tokenizer class record %s not written (%s)", record, e)

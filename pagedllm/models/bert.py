@@ -16,17 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.dense import dense, dense_into
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.models.utils import StackedParamsMapping, load_weights_with_mapping
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass

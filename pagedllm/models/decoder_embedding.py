@@ -10,16 +10,19 @@ its generation class directly (the LM head is loaded and never called).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Qwen2DecoderLayer
 from pagedllm.models.qwen3 import Qwen3DecoderLayer
 from pagedllm.models.utils import load_weights_with_mapping
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class LlamaEmbeddingModel(nn.Module):

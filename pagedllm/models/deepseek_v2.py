@@ -19,10 +19,10 @@ output computes x @ W^T: the same products as transformers' fp32 GEMM, without t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla import MLAAttention
@@ -40,6 +40,9 @@ from pagedllm.layers.utils import divide
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, layer_index
 from pagedllm.models.utils import load_weights_with_mapping, single_stage
 from pagedllm.quantization.base import QuantizationConfig, UnquantizedLinearMethod
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 

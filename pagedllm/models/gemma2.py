@@ -19,10 +19,10 @@ cache as on a global layer (core/kv_cache_manager.py frees blocks only when ever
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
@@ -34,6 +34,9 @@ from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, get_head_dim, layer_index
 from pagedllm.models.utils import single_stage, sliding_window_for_layer
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 

@@ -6,13 +6,14 @@ The multimodal Gemma3ForConditionalGeneration is not registered."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
 from pagedllm.models.llama import get_head_dim
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Gemma3Attention(Gemma2Attention):

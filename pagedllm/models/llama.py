@@ -17,10 +17,10 @@ states and residual) for the next one, which passes them back in as `intermediat
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
@@ -45,6 +45,9 @@ from pagedllm.models.utils import (
     sliding_window_for_layer,
 )
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def get_head_dim(config: PretrainedConfig) -> int:

@@ -10,16 +10,19 @@ Mixtral's sliding window (none in 8x7B / 8x22B configs) is applied like Mistral'
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.utils import load_weights_with_mapping
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class MixtralMoE(nn.Module):

@@ -9,16 +9,19 @@ other layers keep a dense MLP of intermediate_size.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_index
 from pagedllm.models.utils import load_weights_with_mapping
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:

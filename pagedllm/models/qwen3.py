@@ -3,14 +3,18 @@ and head_dim taken from the config (Qwen3-0.6B: 16 heads x 128 = 2048 != hidden 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen3Attention(LlamaAttention):

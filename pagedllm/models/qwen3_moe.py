@@ -3,10 +3,13 @@ and Qwen2-MoE's sparse blocks without the shared expert (renormalised top-k: nor
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from pagedllm.models.qwen2_moe import Qwen2MoeDecoderLayer, Qwen2MoeForCausalLM
 from pagedllm.models.qwen3 import Qwen3Attention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen3MoeDecoderLayer(Qwen2MoeDecoderLayer):

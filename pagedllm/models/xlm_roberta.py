@@ -9,12 +9,16 @@ Differences from BERT (models/bert.py), all in the embeddings and the classifier
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.models.bert import BertEmbeddings, BertModel
 from pagedllm.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class XLMRobertaEmbeddings(BertEmbeddings):

@@ -9,7 +9,9 @@ through `JITFunction.preload` into the shared TRITON_CACHE_DIR and answers one l
 
 Run as `python -m pagedllm.worker.compile_child`; the first stdin line names the device and its
 compute capability, so no CUDA context is needed: Triton is told the target instead of asking the
-driver (if that fails with another Triton, the child asks the device).
+driver (if that fails with another Triton, the child asks the device). Or forked from the engine
+process before it touches CUDA (`serve_connection`: torch is imported already), the same lines
+over a pipe.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import importlib
 import json
 import select
 import sys
+from collections.abc import Iterable, Iterator
+from multiprocessing.connection import Connection
 
 _IDLE_S = 300.0
 _WARM_MODULES = ("paged_attention", "decode_attention", "qkv_prep", "rmsnorm", "activation", "gemv", "sampling",
@@ -42,9 +46,12 @@ def _kernel(module: str, qualname: str):
     return obj
 
 
-def main() -> None:
-    # Imports first (they overlap the parent's config and model loading), then the header line
-    # {"device": index, "capability": e.g. 90} that the parent sends with the variants.
+def _import_kernels() -> None:
+    """The kernel modules and Triton's driver, before any variant arrives (they overlap the parent's
+    config and model loading); the compiled variants go to the engine's Triton cache directory."""
+    from pagedllm import envs
+
+    envs.use_triton_cache_dir()  # the path the engine's worker uses (its TRITON_CACHE_DIR, set or derived)
     for name in _WARM_MODULES:
         importlib.import_module(f"pagedllm.kernels.{name}")
     try:  # Triton's driver (on a cold cache it builds its C helpers with the C compiler): no CUDA context yet
@@ -53,6 +60,35 @@ def main() -> None:
         driver.active.get_current_target  # noqa: B018 - touching it builds the driver
     except Exception:  # noqa: BLE001 - then it is built after the header, or the variants fail and the parent compiles
         pass
+
+
+def compile_lines(header: str, lines: Iterable[str]) -> Iterator[str]:
+    """Compile each variant line after the header line; one answer per variant, "ok" or "err ..."."""
+    target = json.loads(header)
+    try:
+        _pin_target(int(target["device"]), int(target["capability"]))
+    except Exception:  # noqa: BLE001 - another Triton's driver: ask the device (a CUDA context)
+        try:
+            import torch
+
+            torch.cuda.set_device(int(target["device"]))
+        except Exception as e:  # noqa: BLE001 - no target at all: every variant is left to the parent
+            yield from ("err no compile target: " + f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
+                        for line in lines if line.strip())
+            return
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            _kernel(item["module"], item["qualname"]).preload(item["spec"])
+            yield "ok"
+        except Exception as e:  # noqa: BLE001 - reported; the parent compiles that variant itself
+            yield "err " + f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+
+
+def main() -> None:
+    _import_kernels()
     # A parent that never compiles (its engine runs in another process, a warm start that forgot
     # to end us) does not keep us: give up after _IDLE_S.
     if not select.select([sys.stdin], [], [], _IDLE_S)[0]:
@@ -60,21 +96,22 @@ def main() -> None:
     header = sys.stdin.readline()
     if not header:
         return  # the parent ended without compiling (a warm start, a CPU run)
-    target = json.loads(header)
+    for answer in compile_lines(header, sys.stdin):
+        print(answer, flush=True)
+
+
+def serve_connection(conn: Connection) -> None:
+    """The same work for a child forked from the engine process (worker/compile_pool.py): the
+    variants arrive as one message (the header line, then one line per variant), the answers go
+    back as one message; EOF (the parent is gone or closed us) ends it."""
+    _import_kernels()
     try:
-        _pin_target(int(target["device"]), int(target["capability"]))
-    except Exception:  # noqa: BLE001 - another Triton's driver: ask the device (a CUDA context)
-        import torch
-
-        torch.cuda.set_device(int(target["device"]))
-    for line in sys.stdin:
-        try:
-            item = json.loads(line)
-            _kernel(item["module"], item["qualname"]).preload(item["spec"])
-            print("ok", flush=True)
-        except Exception as e:  # noqa: BLE001 - reported; the parent compiles that variant itself
-            print("err " + f"{type(e).__name__}: {e}".replace("\n", " ")[:300], flush=True)
-
+        if not conn.poll(_IDLE_S):
+            return
+        header, _, rest = conn.recv_bytes().decode().partition("\n")
+        conn.send_bytes("\n".join(compile_lines(header, rest.splitlines())).encode())
+    except (EOFError, OSError):
+        return
 
 if __name__ == "__main__":
     main()

@@ -20,14 +20,16 @@ kept, and a batch may run a larger size that replays clearly faster (worker/grap
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedllm.distributed.pipeline import recv_stage_inputs, send_stage_outputs, stage_input_buffers
@@ -47,22 +49,64 @@ logger = logging.getLogger(__name__)
 ORDER_MIN_BATCH = 128
 
 
-def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device,
-                    pool: object = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+_capture_stream: torch.cuda.Stream | None = None
+
+
+@contextlib.contextmanager
+def _capturing(g: torch.cuda.CUDAGraph, pool: object) -> Iterator[None]:
+    """`torch.cuda.graph(g, pool=pool)` without the `torch.cuda.empty_cache()` and pinned-host cache
+    release it runs before every capture: with ~50 captures at start (decode and mixed-step sizes),
+    each would hand the eager pass's cached blocks back to the driver for the next pass to allocate
+    again (PAGEDLLM_CAPTURE_EMPTY_CACHE=1 keeps torch's way). The same capture otherwise: a side
+    stream of its own, torch's default (global) capture mode."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(_capture_stream):
+        g.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            yield
+        finally:
+            g.capture_end()
+
+
+def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device, pool: object = None,
+                    clock: dict[str, float] | None = None, eager: bool = True
+                    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """forward() captured as a CUDA graph in `pool` (None: a new pool, then `graph.pool()`), with its
     output tensor. The static buffers forward reads must hold padding only (nothing is written).
 
     One eager pass first, so nothing initialises lazily inside the capture: Triton variants load (or
     compile), the BLAS library picks its algorithms for these shapes (a second pass costs a forward
     per size at every start). The first replay uploads the graph to the device, which would
-    otherwise land on a serving step."""
-    forward()
+    otherwise land on a serving step. A new pool (a runner's first capture) starts from emptied
+    caches, as torch.cuda.graph does. clock: seconds added up per part ("eager" pass and its sync,
+    "capture", first "replay"), for the start-up log. eager=False: no eager pass, for a forward whose
+    Triton variants and BLAS library an earlier eager pass of the same start met already."""
+    empty_each = envs.PAGEDLLM_CAPTURE_EMPTY_CACHE
+    t0 = time.monotonic()
+    if pool is None and not empty_each:
+        torch.cuda.empty_cache()
+    if eager:
+        forward()
     torch.cuda.synchronize(device)
+    t1 = time.monotonic()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with torch.cuda.graph(g, pool=pool) if empty_each else _capturing(g, pool):
         out = forward()
+    t2 = time.monotonic()
     g.replay()
+    if clock is not None:
+        for part, seconds in (("eager", t1 - t0), ("capture", t2 - t1), ("replay", time.monotonic() - t2)):
+            clock[part] = clock.get(part, 0.0) + seconds
     return g, out
+
+
+def describe_clock(clock: dict[str, float]) -> str:
+    """' (eager passes 0.41 s, captures 0.90 s, first replays 0.20 s)' for a capture's log line."""
+    names = {"eager": "eager passes", "capture": "captures", "replay": "first replays"}
+    return " (" + ", ".join(f"{names[k]} {v:.2f} s" for k, v in clock.items()) + ")" if clock else ""
 
 
 class CudaGraphRunner:
@@ -133,9 +177,10 @@ class CudaGraphRunner:
         rows = IntermediateTensors({k: v[:bs] for k, v in self.intermediate.tensors.items()})
         return self.input_ids[:bs], self.positions[:bs], rows
 
-    def _capture_one(self, bs: int, md: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, bs: int, md: AttentionMetadata, clock: dict[str, float] | None = None,
+                     eager: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, pos, *rows = self._stage_inputs(bs)
-        g, out = capture_forward(lambda: self.model(ids, pos, md, *rows), self.device, self.pool)
+        g, out = capture_forward(lambda: self.model(ids, pos, md, *rows), self.device, self.pool, clock, eager)
         if self.pool is None:
             self.pool = g.pool()
         return g, out
@@ -157,15 +202,18 @@ class CudaGraphRunner:
         bs's low bits; beyond those, on whether the graph orders its programs and how it splits
         and tiles attention. Default sizes 1, 2, 4, 8, 16, 24, ..., 256 -> 1, 2, 4, 8, 16, 24 and
         the first sizes past each attention-kind and ordering boundary."""
-        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
-
         picked: dict[tuple, int] = {}
         for bs in self.sizes:
-            splits, few = decode_kind(bs, self.num_kv_heads, self.max_seq_len)
-            key = (bs == 1, tuple(bs % m == 0 for m in (2, 4, 8, 16)), (bs + 1) % 16 == 0, bs >= ORDER_MIN_BATCH,
-                   splits > 1, few)
-            picked.setdefault(key, bs)
+            picked.setdefault(self._variant_key(bs), bs)
         return sorted(picked.values())
+
+    def _variant_key(self, bs: int) -> tuple:
+        """What a batch size is to Triton's specialisation and the attention's choices (variant_sizes)."""
+        from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
+
+        splits, few = decode_kind(bs, self.num_kv_heads, self.max_seq_len)
+        return (bs == 1, tuple(bs % m == 0 for m in (2, 4, 8, 16)), (bs + 1) % 16 == 0, bs >= ORDER_MIN_BATCH,
+                splits > 1, few)
 
     @torch.inference_mode()
     def dry_run(self) -> None:
@@ -186,6 +234,11 @@ class CudaGraphRunner:
         plan_file = graph_plan.plan_path(self._plan_key()) if len(candidates) > 1 else None
         kept = graph_plan.load_plan(plan_file, self.sizes, list(candidates)) if plan_file else None
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        clock: dict[str, float] = {}
+        # PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE=0: an eager pass only for the first size of each Triton
+        # variant and library (what it initialises is then loaded for the others).
+        every_size = envs.PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE
+        met: set[tuple] = set()
         try:
             # Largest first, so smaller graphs reuse the big one's memory pool.
             for bs in reversed(self.sizes):
@@ -194,7 +247,9 @@ class CudaGraphRunner:
                     if kept is not None and kept[bs][0] != lib:
                         continue  # a kept plan: the library it chose for this size only
                     torch.backends.cuda.preferred_blas_library(value)
-                    captured[bs, lib] = self._capture_one(bs, md)
+                    key = (self._variant_key(bs), lib)
+                    captured[bs, lib] = self._capture_one(bs, md, clock, eager=every_size or key not in met)
+                    met.add(key)
         finally:
             torch.backends.cuda.preferred_blas_library(default)
         torch.cuda.synchronize(self.device)
@@ -227,8 +282,9 @@ class CudaGraphRunner:
             # for a batch, and each timed its own replays. TP rank 0's plan for all of them.
             plan = torch.tensor(self.dispatch, dtype=torch.int64, device=self.device)
             self.dispatch = tp.broadcast(plan, src=0).tolist()
-        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], time.monotonic() - t0, f" (plan kept in {plan_file})" if kept else "")
+        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s%s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], time.monotonic() - t0, f" (plan kept in {plan_file})" if kept else "",
+                    describe_clock(clock))
         if times:
             others = [bs for bs in self.sizes if self.backends[bs] != default_name]
             logger.info("decode graphs: %s for sizes %s (else %s); padded up: %s",

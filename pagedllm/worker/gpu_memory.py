@@ -16,6 +16,7 @@ free >= 56 GiB asked, so this engine starts and gets 56 GiB less its weights and
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,6 +98,7 @@ def profile_available_kv_bytes(
 
     kv_cache.allocate(num_tmp_blocks)
     tmp_cache_bytes = torch.cuda.memory_allocated(device) - allocated_before
+    t0 = time.monotonic()
     md = build_metadata(q_lens, q_lens, tables, block_size, device)
     rng = np.random.default_rng(0)
     input_ids = torch.from_numpy(rng.integers(0, vocab_size, num_tokens)).to(device)
@@ -105,11 +107,15 @@ def profile_available_kv_bytes(
     logits = None
     if hidden is not None:
         logits = model.compute_logits(hidden[md.query_start_loc[1:].long() - 1])
+    torch.cuda.synchronize(device)
+    t1 = time.monotonic()  # the start-up log's split: the forward, then the sampler
+    if logits is not None:
         # The costliest sampling path: temperature, top-k and top-p (a full sort) and logprobs.
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=max_logprobs)
         rows = [RowInputs(params, [], [], None) for _ in range(num_reqs)]
         sampler(logits, SamplingMetadata.build(rows, vocab_size, device))
     torch.cuda.synchronize(device)
+    t2 = time.monotonic()
 
     peak_activations = torch.cuda.max_memory_allocated(device) - allocated_before - tmp_cache_bytes
     del hidden, logits
@@ -122,9 +128,9 @@ def profile_available_kv_bytes(
     available = budget - allocated_before - max(non_torch, 0) - peak_activations
     logger.info(
         "memory profile: total %.1f GiB x %.2f = %.1f GiB; weights %.2f GiB, activations peak %.2f GiB, "
-        "non-torch %.2f GiB -> KV cache %.2f GiB",
+        "non-torch %.2f GiB -> KV cache %.2f GiB (forward %.2f s, sampler %.2f s)",
         total / GiB, gpu_memory_utilization, budget / GiB, allocated_before / GiB, peak_activations / GiB,
-        non_torch / GiB, available / GiB,
+        non_torch / GiB, available / GiB, t1 - t0, t2 - t1,
     )
     if available <= 0:
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.worker.cuda_graphs import capture_forward
+from pagedllm.worker.cuda_graphs import capture_forward, describe_clock
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import StepInputs
@@ -177,17 +177,19 @@ class MixedGraphRunner:
             return
         t0 = time.monotonic()
         before = torch.cuda.memory_reserved(self.device)
+        clock: dict[str, float] = {}
         for size in reversed(self.sizes):
             ids, pos, md = self.input_ids[:size], self.positions[:size], self._metadata(size)
             # The buffers hold no request's token yet: the passes write nothing.
-            g, out = capture_forward(lambda ids=ids, pos=pos, md=md: self.model(ids, pos, md), self.device, self.pool)
+            g, out = capture_forward(lambda ids=ids, pos=pos, md=md: self.model(ids, pos, md), self.device, self.pool,
+                                     clock)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[size], self.outputs[size] = g, out
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens, %d request slots) in %.1f s, %.2f GiB",
+        logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens, %d request slots) in %.1f s, %.2f GiB%s",
                     len(self.sizes), self.sizes[0], self.sizes[-1], self.max_reqs, time.monotonic() - t0,
-                    (torch.cuda.memory_reserved(self.device) - before) / 2**30)
+                    (torch.cuda.memory_reserved(self.device) - before) / 2**30, describe_clock(clock))
 
     def can_run(self, inp: StepInputs) -> bool:
         return (

@@ -34,6 +34,7 @@ from pagedllm.envs import KernelSwitches, kernel_switches, use_triton_cache_dir
 from pagedllm.loader.model_loader import load_model
 from pagedllm.pooling.runner import encoder_num_blocks, make_model_runner
 from pagedllm.structured_output.bitmask import GrammarOutput
+from pagedllm.worker import compile_pool
 from pagedllm.worker.compile_pool import close_compile_pool, start_compile_pool
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.kv_cache import KVCache, kv_cache_bytes_per_block, resolve_kv_cache_dtype
@@ -114,7 +115,7 @@ class Worker:
             self._memory_baseline = startup_baseline(self.device, self.config.cache_config.gpu_memory_utilization)
             logger.info("Triton cache: %s", use_triton_cache_dir())
             if self.kernel_switches.parallel_compile:
-                start_compile_pool()  # unless EngineArgs did already: their imports overlap the model load
+                start_compile_pool(early=True)  # unless EngineArgs did already: their imports overlap the model load
         # vLLM's set_random_seed: dummy weights and unseeded sampling follow `seed`.
         torch.manual_seed(self.config.model_config.seed)
 
@@ -207,13 +208,17 @@ class Worker:
 
     def _precompile(self) -> None:
         """Once: the start-up's Triton variants compiled in parallel (worker/precompile.py), for a
-        generating CUDA model without routed experts, with PAGEDLLM_PARALLEL_COMPILE=1."""
+        generating CUDA model without routed experts, with PAGEDLLM_PARALLEL_COMPILE=1 or the compile
+        processes a prestarted engine process forked on a fresh machine."""
         assert self.model is not None and self.kv_cache is not None and self.model_runner is not None
         if self._precompiled:
             return
         self._precompiled = True
         mc = self.config.model_config
-        if not (self.kernel_switches.parallel_compile and mc.runner_type == "generate"
+        # PAGEDLLM_PARALLEL_COMPILE=1, or compile processes forked by the prestarted engine process
+        # (compile_pool.fork_compile_pool: a fresh machine).
+        wanted = self.kernel_switches.parallel_compile or compile_pool.current() is not None
+        if not (wanted and mc.runner_type == "generate"
                 and self.kv_cache.attn_layers and can_precompile(self.model, self.kv_cache.device)):
             close_compile_pool()
             return
@@ -228,6 +233,7 @@ class Worker:
             close_compile_pool()
             logger.info("Triton cache holds this start-up's kernel variants (%s): no parallel compile", self._marker)
             return
+        start_compile_pool()  # a new configuration on a cache that holds another's variants (start_compile_pool)
         with start_phase("parallel Triton compile"):
             precompile_startup(self.model, self.kv_cache, self._graph_runner(), self._warmup_shape(),
                                self.config.scheduler_config.max_num_seqs, mc.dtype)

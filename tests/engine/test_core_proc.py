@@ -124,6 +124,8 @@ def test_a_prestarted_process_fits_an_environment_with_unread_additions():
     then = {"PATH": "/bin", "PAGEDLLM_FUSED_QKV": "1"}
     assert _env_fits(then, dict(then))
     assert _env_fits(then, {**then, "KMP_DUPLICATE_LIB_OK": "True"})  # set by an import since: never read
+    assert _env_fits(then, {**then, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})  # the same (seen on the H200 host)
     assert not _env_fits(then, {**then, "PAGEDLLM_FUSED_QKV": "0"})  # changed
     assert not _env_fits(then, {"PATH": "/bin"})  # removed
     assert not _env_fits(then, {**then, "TRITON_INTERPRET": "1"})  # added, but read at import
+

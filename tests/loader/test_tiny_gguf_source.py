@@ -10,7 +10,6 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pagedllm.loader import get_tokenizer, iter_weights, resolve_model
-from pagedllm.loader import source as source_mod
 from pagedllm.loader import tokenizer as tokenizer_mod
 from pagedllm.loader.gguf_cache import gguf_cache_dir
 
@@ -69,7 +68,7 @@ def test_config_generation_config_and_cache(
         return real(*args, **kwargs)
 
     real = AutoConfig.from_pretrained
-    monkeypatch.setattr(source_mod.AutoConfig, "from_pretrained", no_gguf_parse)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", no_gguf_parse)
     again = resolve_model(str(path))
     assert again.hf_config.to_dict() == cfg.to_dict() and again.generation_config == src.generation_config
 

@@ -1,0 +1,155 @@
+"""Config classes taken directly (loader/hf_configs.py, loader/source.py load_hf_config) are the ones
+AutoConfig builds: the same class and the same values for every bundled preset and for a
+config.json of each listed model type; anything else still goes to AutoConfig. A kept snapshot of a
+config reads back every attribute, and the engine generates the same tokens from it."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import transformers
+from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+from pagedllm.loader import hf_configs
+from pagedllm.loader.hf_configs import CONFIG_CLASSES, ConfigSnapshot, config_class, without_generated_docstrings
+from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config, resolve_model
+
+
+def test_the_table_is_transformers_mapping():
+    for model_type, (module, name) in CONFIG_CLASSES.items():
+        assert CONFIG_MAPPING_NAMES[model_type] == name
+        assert model_type_to_module_name(model_type) == module
+        assert config_class(model_type) is getattr(transformers, name)
+    assert config_class("no-such-type") is None and config_class(None) is None
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_presets_load_as_autoconfig_does(preset: str):
+    path = MODEL_CONFIGS_DIR / preset
+    ours, auto = load_hf_config(path), AutoConfig.from_pretrained(path)
+    assert type(ours) is type(auto)
+    assert ours.to_dict() == auto.to_dict()
+
+
+def _outcome(load, path: Path) -> tuple[str, object]:
+    try:
+        config = load(path)
+    except Exception as e:  # noqa: BLE001 - the error is the outcome
+        return type(e).__name__, str(e)
+    return type(config).__name__, config.to_dict()
+
+
+def test_other_configs_get_autoconfigs_outcome(tmp_path: Path):
+    """Remote code, a mistral config AutoConfig reads as ministral, a type outside the table, a
+    broken file: the result, or the error, is AutoConfig's."""
+    cases = {
+        "remote": json.dumps({"model_type": "llama", "auto_map": {"AutoConfig": "x.Y"}}),
+        "ministral": json.dumps({"model_type": "mistral", "layer_types": ["full_attention"] * 2,
+                                 "num_hidden_layers": 2}),
+        "gpt2": json.dumps({"model_type": "gpt2", "n_layer": 2}),
+        "no_type": json.dumps({"hidden_size": 8}),
+        "broken": "{not json",
+    }
+    for name, text in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        assert _outcome(load_hf_config, folder) == _outcome(AutoConfig.from_pretrained, folder), name
+
+
+def test_generated_docstrings_come_back_after_the_context():
+    original = transformers.utils.auto_docstring
+    with without_generated_docstrings():
+        assert transformers.utils.auto_docstring is not original
+    assert transformers.utils.auto_docstring is original
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PAGEDLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    hf_configs._pending.clear()
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_a_kept_snapshot_reads_back_every_attribute(preset: str, cache_root: Path):
+    """After a completed start (remember), the same config.json loads as a ConfigSnapshot whose every
+    attribute (methods aside) equals the transformers config's, type included; what could not be
+    kept raises instead of passing for missing."""
+    path = MODEL_CONFIGS_DIR / preset
+    real = load_hf_config(path, keep=True)
+    assert not isinstance(real, ConfigSnapshot)
+    assert isinstance(load_hf_config(path, keep=True), type(real))  # nothing kept before remember()
+    hf_configs.remember()
+    kept = load_hf_config(path, keep=True)
+    assert isinstance(kept, ConfigSnapshot)
+    assert not isinstance(load_hf_config(path), ConfigSnapshot)  # keep=False: always transformers
+    data = hf_configs.snapshot(real)
+    for name in data["values"]:
+        value = getattr(real, name)
+        assert getattr(kept, name) == value and type(getattr(kept, name)) is type(value), name
+    for name in data["unavailable"]:
+        with pytest.raises(RuntimeError, match="not kept"):
+            getattr(kept, name)
+    assert getattr(kept, "no_such_attribute", "default") == "default"
+    assert pickle.loads(pickle.dumps(kept)) == kept
+
+
+def test_a_snapshot_is_taken_before_overrides_and_follows_the_file(cache_root: Path, tmp_path: Path):
+    src = MODEL_CONFIGS_DIR / "llama3-8b" / "config.json"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(src.read_text())
+    first = resolve_model(str(folder), hf_overrides={"rms_norm_eps": 1e-3})
+    assert first.hf_config.rms_norm_eps == 1e-3
+    hf_configs.remember()
+    again = resolve_model(str(folder))
+    assert isinstance(again.hf_config, ConfigSnapshot) and again.hf_config.rms_norm_eps == 1e-5
+    text = (folder / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06')
+    (folder / "config.json").write_text(text)  # an edited file: another key, transformers again
+    edited = resolve_model(str(folder))
+    assert not isinstance(edited.hf_config, ConfigSnapshot) and edited.hf_config.rms_norm_eps == 1e-6
+
+
+def test_the_engine_generates_the_same_tokens_from_a_snapshot(cache_root: Path, tmp_path: Path):
+    from pagedllm import LLM, SamplingParams
+    from tests.entrypoints.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [100, 200, 300]]
+    outs = []
+    for _ in range(2):  # the first engine start keeps the snapshot, the second reads it back
+        llm = LLM(str(folder), max_model_len=128, num_gpu_blocks_override=64)
+        outs.append((type(llm.llm_engine.config.model_config.hf_config),
+                     [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]))
+        del llm
+    assert outs[0][0] is not ConfigSnapshot and outs[1][0] is ConfigSnapshot
+    assert outs[0][1] == outs[1][1]
+
+
+def test_the_engine_process_unpickles_either_kind_of_config(cache_root: Path):
+    """The engine process's unpickler (engine/core_proc.py) gives back an equal EngineConfig whether
+    its model config is a transformers class or a kept snapshot."""
+    import subprocess
+    import sys
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.core_proc import _load_config
+
+    args = EngineArgs(model="llama3-8b", load_format="dummy", max_model_len=512, device="cpu")
+    real = args.create_engine_config()
+    hf_configs.remember()
+    kept = args.create_engine_config()
+    assert isinstance(kept.model_config.hf_config, ConfigSnapshot)
+    for config in (real, kept):
+        assert _load_config(pickle.dumps(config)) == config
+    # A snapshot's config needs no transformers at all in a process that has not imported it.
+    code = ("import pickle, sys; from pagedllm.engine.core_proc import _load_config; "
+            "_load_config(sys.stdin.buffer.read()); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(kept), capture_output=True, check=True)
+    assert out.stdout.strip() == b"False"
