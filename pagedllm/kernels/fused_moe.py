@@ -157,6 +157,24 @@ def moe_align_block_size_ref(
 
 
 @triton.jit
+def _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm,
+                       FUSE_SILU: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """The grouped GEMMs' epilogue: c[pair, offs_n] = silu(gate) * up (FUSE_SILU; else acc) x the
+    routed weight (MUL_ROUTED_WEIGHT). gate and up are rounded to the output dtype first, as the
+    unfused path stores [gate | up] before silu_and_mul (kernels/activation.py): the same values,
+    one launch and buffer fewer."""
+    out = acc
+    if FUSE_SILU:
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+    if MUL_ROUTED_WEIGHT:
+        out = out * tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _rows_gemm(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr,
     pair,  # int64 (BLOCK_M,): the (token, slot) pairs of these rows, all routed to `expert`
@@ -191,17 +209,8 @@ def _rows_gemm(
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if FUSE_SILU:
-        # Rounded to the output dtype first, as the unfused path stores [gate | up] before
-        # silu_and_mul (kernels/activation.py): the same values, one launch and buffer fewer.
-        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm, FUSE_SILU,
+                       MUL_ROUTED_WEIGHT)
 
 
 @triton.jit
@@ -344,15 +353,8 @@ def _fused_moe_rows_kernel(
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
         if ki == k_tiles - 1:
-            out = acc
-            if FUSE_SILU:  # rounded as _rows_gemm's epilogue
-                gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-                up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
-                out = gate / (1.0 + tl.exp(-gate)) * up
-            if MUL_ROUTED_WEIGHT:
-                out = out * tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)[:, None]
-            tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
-                     mask=valid[:, None] & n_mask[None, :])
+            _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm,
+                               FUSE_SILU, MUL_ROUTED_WEIGHT)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -413,15 +415,8 @@ def _fused_moe_tma_kernel(
             b_up = b_desc.load([row_b + N, k0])
             acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         a_ptrs += BLOCK_K
-    if FUSE_SILU:
-        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm, FUSE_SILU,
+                       MUL_ROUTED_WEIGHT)
 
 
 def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
