@@ -29,18 +29,25 @@ def _weights(k: int, n: int, group: int, device):
     return pack_along_k(q, 4), scales, zeros
 
 
+def one_nibble_case(i: int, x_value: float, device):
+    """K = 128 inputs, N = 16, one group: q = 15 at input i alone, zero point 5, scale 0.5, x = x_value
+    * e_i, so y = (15 - 5) * 0.5 * x_value exactly. -> (x (1, K), packed weights, scales, zeros)."""
+    k, n = 128, 16
+    q = torch.zeros(k, n, dtype=torch.int64, device=device)
+    q[i] = 15
+    zeros = torch.full((1, n), 5, dtype=torch.uint8, device=device)
+    scales = torch.full((1, n), 0.5, dtype=torch.float16, device=device)
+    x = torch.zeros(1, k, device=device)
+    x[0, i] = x_value
+    return x, pack_along_k(q, 4), scales, zeros
+
+
 def test_every_nibble_position(device):
     """q = 15 (the word's sign bit for nibble 7) at input i alone, x = e_i: y = (15 - z) * s exactly."""
-    k, n, group = 128, 16, 128
     for i in range(8):
-        q = torch.zeros(k, n, dtype=torch.int64, device=device)
-        q[i] = 15
-        zeros = torch.full((1, n), 5, dtype=torch.uint8, device=device)
-        scales = torch.full((1, n), 0.5, dtype=torch.float16, device=device)
-        x = torch.zeros(1, k, device=device)
-        x[0, i] = 1.0
-        out = wna16_stream_linear(x, pack_along_k(q, 4), scales, zeros, group, config=StreamConfig(16, 1, 4))
-        assert torch.equal(out, torch.full((1, n), 5.0, device=device)), (i, out)
+        x, packed, scales, zeros = one_nibble_case(i, 1.0, device)
+        out = wna16_stream_linear(x, packed, scales, zeros, 128, config=StreamConfig(16, 1, 4))
+        assert torch.equal(out, torch.full((1, 16), 5.0, device=device)), (i, out)
 
 
 # one program per N block (no split); 2 splits of 2 steps; 8 splits of 32-input steps (group 128 =
@@ -170,18 +177,12 @@ def _packed_kernel_case(device, k: int, config: StreamConfig, n: int) -> None:
 def test_packed_every_nibble_and_refusals(device):
     """q = 15 at input i alone (each nibble position, the word's sign bit for nibble 7), x = e_i:
     y = (15 - z) * s exactly; then the configurations not built."""
-    k, n, group = 128, 16, 128
     for i in range(8):
-        q = torch.zeros(k, n, dtype=torch.int64, device=device)
-        q[i] = 15
-        zeros = torch.full((1, n), 5, dtype=torch.uint8, device=device)
-        scales = torch.full((1, n), 0.5, dtype=torch.float16, device=device)
-        x = torch.zeros(1, k, device=device)
-        x[0, i] = 3.0
+        x, packed, scales, zeros = one_nibble_case(i, 3.0, device)
         x = x.bfloat16() if device.type == "cuda" else x
-        out = wna16_stream_linear(x, pack_along_k(q, 4), scales, zeros, group,
-                                  config=StreamConfig(16, 1, 4, MATH="f16x2", ROWS=2))
-        assert torch.equal(out.float(), torch.full((1, n), 15.0, device=device)), (i, out)
+        out = wna16_stream_linear(x, packed, scales, zeros, 128, config=StreamConfig(16, 1, 4, MATH="f16x2", ROWS=2))
+        assert torch.equal(out.float(), torch.full((1, 16), 15.0, device=device)), (i, out)
+    k, n, group = 128, 16, 128
     qweight, scales, zeros = _weights(k, n, group, device)
     x = torch.randn(1, k, device=device)
     for bad in (StreamConfig(16, 1, 4, MATH="bf16x2"), StreamConfig(16, 1, 4, MATH="f16x2", ROWS=3)):
