@@ -40,7 +40,9 @@ try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-__all__ = ["W8A8Config", "w8a8_gemm", "w8a8_gemm_config"]
+from pagedllm.kernels.gemv import split_k_workspace
+
+__all__ = ["W8A8Config", "ensure_workspace", "w8a8_gemm", "w8a8_gemm_config"]
 
 
 class W8A8Config(NamedTuple):
@@ -52,19 +54,25 @@ class W8A8Config(NamedTuple):
     num_stages: int
     TMA: bool = False  # operand tiles by the TMA copy engine (`_w8a8_gemm_tma_kernel`)
     SPLIT_K: int = 1  # K cut into this many slices, one program each, summed by `_split_k_sum_kernel`
+    # split-K summed in the same launch: the last of a tile's SPLIT_K programs to arrive (a self-resetting
+    # counter per tile) adds the slices' partials, in slice order, and writes the output (no second kernel)
+    SERIAL: bool = False
 
 
 @triton.jit
 def _w8a8_gemm_kernel(
-    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_am, stride_bn, stride_om,
     HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1,
+    SPLIT: tl.constexpr = False, SERIAL: tl.constexpr = False,
 ):
-    # SPLIT_K > 1: program (pid, s) sums K slice s (whole BLOCK_K steps; the last slice ragged) and
-    # writes its scaled fp32 partial to out_ptr = the (SPLIT_K, M, N) workspace, row stride stride_om;
-    # `_split_k_sum_kernel` adds the slices and the bias.
+    # SPLIT: K cut into SPLIT_K = the grid's second axis slices (a runtime count: one compiled kernel for
+    # every split); program (pid, s) sums K slice s (whole BLOCK_K steps; the last slice ragged) and
+    # writes its scaled fp32 partial to ws_ptr = the (SPLIT_K, M, N) workspace (contiguous). Then either
+    # `_split_k_sum_kernel` adds the slices and the bias (SERIAL False), or (SERIAL) the tile's last
+    # program to arrive does, here: counter_ptr holds one arrival count per tile (pid), reset to 0 by
+    # that program, so the counters stay zero between calls and no memset is launched.
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -82,8 +90,8 @@ def _w8a8_gemm_kernel(
     # the loop's loads carry no masks unless K itself is ragged.
     rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    if SPLIT_K > 1:
-        steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    if SPLIT:
+        steps = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(1))
         k_begin = tl.program_id(1) * steps * BLOCK_K
         k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
     else:
@@ -115,10 +123,30 @@ def _w8a8_gemm_kernel(
     a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
     b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if SPLIT_K > 1:
-        ws_ptrs = (out_ptr + (tl.program_id(1) * M + offs_m).to(tl.int64)[:, None] * stride_om + offs_n[None, :])
-        tl.store(ws_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
-        return
+    if SPLIT:
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        ws_ptrs = ws_ptr + (tl.program_id(1) * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, out, mask=tile_mask)
+        if SERIAL:
+            # Every thread's partial is stored (block barrier) before the release-acquire increment
+            # publishes it at GPU scope; the last arrival reads all SPLIT_K partials back through L2 (.cg:
+            # not from a stale L1) in slice order, so the sum has the same bits whoever arrives last.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, tl.num_programs(1)):
+                    part_ptrs = ws_ptr + (s * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+                    total += tl.load(part_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS)
+                tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call
+    else:
+        _store_tile(out, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(out, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr):
+    """out (BLOCK_M, BLOCK_N) fp32, scaled: + bias, cast, stored at rows offs_m / columns offs_n."""
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -180,6 +208,19 @@ def _w8a8_gemm_tma_kernel(
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# The one-launch split-K's scratch, per device (made once, outside any capture: `ensure_workspace`):
+# fp32 partials (SPLIT_K, M, N), 32 MB (M = 256, N = 6144 in 4 slices: 25 MB), and one arrival counter a tile.
+_WS_FLOATS = 1 << 23
+_WS_COUNTERS = 1 << 14
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def ensure_workspace(device: torch.device) -> None:
+    """Make the device's one-launch split-K scratch now (a W8A8 layer calls it after loading), so that a
+    first split-K GEMM inside a CUDA-graph capture finds it."""
+    split_k_workspace(_workspaces, device, _WS_FLOATS, _WS_COUNTERS)
 
 
 _SMS = 132  # an H200's SMs: a tile that gives fewer programs than this leaves SMs idle
@@ -267,18 +308,28 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
         )
         return out
     split = max(1, min(cfg.SPLIT_K, triton.cdiv(k, cfg.BLOCK_K)))
-    target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
+    serial = cfg.SERIAL and split > 1
+    ws = counters = None
+    if serial:
+        made = split_k_workspace(_workspaces, xq.device, _WS_FLOATS, _WS_COUNTERS)
+        if made is not None and split * m * n <= _WS_FLOATS and grid[0] <= _WS_COUNTERS:
+            ws, counters = made
+        else:  # none yet (first asked inside a capture) or too small: the two-launch sum
+            serial = False
+    if split > 1 and ws is None:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
     _w8a8_gemm_kernel[(grid[0], split)](
-        xq, wq, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, target,
-        m, n, k, xq.stride(0), wq.stride(0), target.stride(-2),
+        xq, wq, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
+        ws if ws is not None else out, counters if counters is not None else out,
+        m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8, EVEN_K=k % cfg.BLOCK_K == 0,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT_K=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT=split > 1,
+        SERIAL=serial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
+    if split > 1 and not serial:
         block_n = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block_n))](
-            target, bias if bias is not None else w_scale, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
+            ws, bias if bias is not None else w_scale, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
             SPLIT_K=split, BLOCK_N=block_n, num_warps=4,
         )
     return out

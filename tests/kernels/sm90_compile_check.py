@@ -204,6 +204,11 @@ def _record_quant() -> None:
     fp8 = torch.float8_e4m3fn
     w8a8_gemm.w8a8_gemm(torch.zeros(64, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(64, 1),
                         torch.ones(n), None, bf16, config=w8a8_gemm.w8a8_gemm_config(64, n, k, split_k=True))
+    # ... and the one-launch split-K (SERIAL: the last arrival sums the slices), 4 and 2 slices, 64 / 128-row tiles.
+    for cfg in (w8a8_gemm.W8A8Config(64, 128, 128, 8, 4, 4, False, 4, True),
+                w8a8_gemm.W8A8Config(128, 128, 128, 8, 8, 3, False, 2, True)):
+        w8a8_gemm.w8a8_gemm(torch.zeros(128, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(128, 1),
+                            torch.ones(n), None, bf16, config=cfg)
     # The fused producers of a W8A8 linear's input (layers/quant_fusion.py) at Llama-3.1-8B's widths.
     x = torch.zeros(2, 4096, dtype=bf16)
     quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x)

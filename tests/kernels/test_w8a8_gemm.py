@@ -18,6 +18,8 @@ from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
     (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, False, 3)),  # split-K: 7 K steps in slices of 3, 3, 1
     (20, 64, 200, W8A8Config(16, 32, 64, 2, 4, 2, True, 4)),  # split-K asked with TMA: the pointer kernel
     (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6)),  # 7 steps in slices of 2: the last ragged, two empty
+    (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, False, 3, True)),  # one-launch split-K: the last arrival sums
+    (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6, True)),  # ... with two empty slices
 ])
 def test_matches_reference(device, qdtype, m, n, k, cfg):
     x = torch.randn(m, k, device=device) * 2
@@ -29,6 +31,24 @@ def test_matches_reference(device, qdtype, m, n, k, cfg):
     out = w8a8_gemm(xq, wq, xs, ws.flatten(), bias, torch.float32, config=cfg)
     assert out.shape == (m, n)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_serial_split_k_counters_reset(device):
+    # The one-launch split-K leaves its per-tile counters at zero (the next call, e.g. a graph replay, finds
+    # them so) and sums the slices in slice order: two calls give the same bits as each other, and match
+    # the reference.
+    from pagedllm.kernels import w8a8_gemm as mod
+
+    mod.ensure_workspace(device)
+    cfg = W8A8Config(16, 32, 32, 2, 4, 2, False, 4, True)
+    xq, xs = quantize_activation(torch.randn(40, 256, device=device), FP8_DTYPE)
+    wq, ws = quantize_activation(torch.randn(96, 256, device=device) * 0.05, FP8_DTYPE)
+    first = w8a8_gemm(xq, wq, xs, ws.flatten(), None, torch.float32, config=cfg)
+    assert int(mod._workspaces[torch.device(device)][1].abs().sum()) == 0
+    second = w8a8_gemm(xq, wq, xs, ws.flatten(), None, torch.float32, config=cfg)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, scaled_mm_ref(xq, wq, xs, ws.flatten(), None, torch.float32),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_padded_rows_and_no_bias(device):
