@@ -213,11 +213,12 @@ def section_quant(budget: float) -> None:
 # ---------------------------------------------------------------------------------------------- gemm
 GEMM_MS = (128, 256, 64, 192, 32)
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
-# Triton tiles timed on the narrow linears (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages), each with K
-# unsplit and in 2 / 4 / 8 slices (slices of >= 4 BLOCK_K steps), the slices summed in the same launch
+# Triton tiles timed on the narrow linears (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), each with
+# K unsplit and in 2 / 4 / 8 slices (slices of >= 4 BLOCK_K steps), the slices summed in the same launch
 # (W8A8Config.SERIAL); "split2l" = the two-launch sum (PAGEDLLM_W8A8_SPLIT_K=1's kernel) at its own config.
-GEMM_TILES = {"64x128": (64, 128, 128, 8, 4, 4), "128x128": (128, 128, 128, 8, 8, 3),
-              "64x64x256": (64, 64, 256, 8, 4, 3), "128x64": (128, 64, 128, 8, 4, 4)}
+GEMM_TILES = {"64x128": (64, 128, 128, 8, 4, 4, False), "64x128 tma": (64, 128, 128, 8, 4, 4, True),
+              "128x128": (128, 128, 128, 8, 8, 3, False), "128x128 tma": (128, 128, 128, 8, 8, 3, True),
+              "64x64x256": (64, 64, 256, 8, 4, 3, False), "128x64": (128, 64, 128, 8, 4, 4, False)}
 GEMM_SPLITS = (1, 2, 4, 8)
 
 
@@ -225,12 +226,12 @@ def gemm_tile_jobs(m: int, n: int, k: int) -> list[tuple[str, tuple]]:
     """(tag, W8A8Config fields) of the Triton variants timed at (m, n, k): every tile of GEMM_TILES with
     the splits whose slices keep >= 4 BLOCK_K steps and whose programs x splits stay <= 4 waves of 132."""
     jobs = []
-    for tag, (bm, bn, bk, g, w, st) in GEMM_TILES.items():
+    for tag, (bm, bn, bk, g, w, st, tma) in GEMM_TILES.items():
         tiles = -(-m // bm) * -(-n // bn)
         for split in GEMM_SPLITS:
             if split > 1 and (k // (split * bk) < 4 or tiles * split > 4 * 132):
                 continue
-            jobs.append((f"{tag} k/{split}", (bm, bn, bk, g, w, st, False, split, split > 1)))
+            jobs.append((f"{tag} k/{split}", (bm, bn, bk, g, w, st, tma, split, split > 1)))
     return jobs
 
 
@@ -258,8 +259,8 @@ def precompile_gemm() -> None:
     import multiprocessing as mp
 
     jobs = []
-    for bm, bn, bk, g, w, st in GEMM_TILES.values():
-        jobs += [(bm, bn, bk, g, w, st, False, 1, False), (bm, bn, bk, g, w, st, False, 2, True)]
+    for bm, bn, bk, g, w, st, tma in GEMM_TILES.values():
+        jobs += [(bm, bn, bk, g, w, st, tma, 1, False), (bm, bn, bk, g, w, st, tma, 2, True)]
     jobs.append((64, 128, 128, 8, 4, 4, False, 2, False))
     t = time.monotonic()
     with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 4) - 2))) as pool:

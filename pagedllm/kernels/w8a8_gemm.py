@@ -90,13 +90,7 @@ def _w8a8_gemm_kernel(
     # the loop's loads carry no masks unless K itself is ragged.
     rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    if SPLIT:
-        steps = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(1))
-        k_begin = tl.program_id(1) * steps * BLOCK_K
-        k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
-    else:
-        k_begin = 0
-        k_end = K
+    k_begin, k_end = _k_range(K, BLOCK_K, SPLIT)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_begin + offs_k)[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_begin + offs_k)[None, :]  # (BLOCK_N, BLOCK_K), K contiguous
     if IS_INT:
@@ -118,6 +112,31 @@ def _w8a8_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
+    _epilogue(acc, pid, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om,
+              HAS_BIAS, SPLIT, SERIAL, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _k_range(K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """[k_begin, k_end) of this program's K slice: whole BLOCK_K steps, cdiv(steps, SPLIT_K) a slice (the
+    grid's second axis), the last ragged, trailing ones empty; all of K unsplit."""
+    if SPLIT:
+        steps = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(1))
+        k_begin = tl.program_id(1) * steps * BLOCK_K
+        k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
+    else:
+        k_begin = K * 0
+        k_end = K
+    return k_begin, k_end
+
+
+@triton.jit
+def _epilogue(acc, pid, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om,
+              HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scale the (BLOCK_M, BLOCK_N) accumulator of tile `pid` by x_scale (rows) and w_scale (columns);
+    unsplit: + bias, store. SPLIT: store the fp32 partial as slice program_id(1) of the (SPLIT_K, M, N)
+    workspace; SERIAL: the tile's last program to arrive sums the slices (see `_w8a8_gemm_kernel`)."""
     m_mask = offs_m < M
     n_mask = offs_n < N
     a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
@@ -171,13 +190,14 @@ def _split_k_sum_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl
 
 @triton.jit
 def _w8a8_gemm_tma_kernel(
-    a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+    a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, IS_INT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr = False, SERIAL: tl.constexpr = False,
 ):
     """`_w8a8_gemm_kernel` with the operand tiles fetched by the Hopper TMA unit (host-built tensor
     descriptors; out-of-range rows, columns and K are zero-filled by the copy engine, so no masks and
-    no address arithmetic in the loop)."""
+    no address arithmetic in the loop); SPLIT / SERIAL as there."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -186,11 +206,12 @@ def _w8a8_gemm_tma_kernel(
     group_rows = tl.minimum(grid_m - first_m, GROUP_M)
     pm = first_m + (pid % per_group) % group_rows
     pn = (pid % per_group) // group_rows
+    k_begin, k_end = _k_range(K, BLOCK_K, SPLIT)
     if IS_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         a = a_desc.load([pm * BLOCK_M, k0])
         b = b_desc.load([pn * BLOCK_N, k0])  # (BLOCK_N, BLOCK_K): K-major, as 8-bit wgmma takes B
         if IS_INT:
@@ -199,15 +220,8 @@ def _w8a8_gemm_tma_kernel(
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
-    b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
-    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _epilogue(acc, pid, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om,
+              HAS_BIAS, SPLIT, SERIAL, BLOCK_M, BLOCK_N)
 
 
 # The one-launch split-K's scratch, per device (made once, outside any capture: `ensure_workspace`):
@@ -292,21 +306,6 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
         return out
     cfg = _fit_k(config, k) if config is not None else w8a8_gemm_config(m, n, k)
     grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
-    if cfg.TMA and (TensorDescriptor is None or cfg.SPLIT_K > 1):  # split-K: the pointer kernel
-        cfg = cfg._replace(TMA=False)
-    if cfg.TMA:
-        if k % 16 or xq.stride(0) % 16 or wq.stride(0) % 16:
-            raise ValueError("the TMA path needs 16-byte aligned rows (K and the row strides multiples of 16)")
-        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
-        b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
-        _w8a8_gemm_tma_kernel[grid](
-            a_desc, b_desc, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
-            m, n, k, out.stride(0),
-            HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out
     split = max(1, min(cfg.SPLIT_K, triton.cdiv(k, cfg.BLOCK_K)))
     serial = cfg.SERIAL and split > 1
     ws = counters = None
@@ -316,6 +315,22 @@ def w8a8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
             ws, counters = made
         else:  # none yet (first asked inside a capture) or too small: the two-launch sum
             serial = False
+    # TMA only unsplit or with the one-launch sum (the two-launch sum: the pointer kernel)
+    if cfg.TMA and (TensorDescriptor is None or (split > 1 and not serial)):
+        cfg = cfg._replace(TMA=False)
+    if cfg.TMA:
+        if k % 16 or xq.stride(0) % 16 or wq.stride(0) % 16:
+            raise ValueError("the TMA path needs 16-byte aligned rows (K and the row strides multiples of 16)")
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
+        b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
+        _w8a8_gemm_tma_kernel[(grid[0], split)](
+            a_desc, b_desc, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
+            ws if ws is not None else out, counters if counters is not None else out, m, n, k, out.stride(0),
+            HAS_BIAS=bias is not None, IS_INT=xq.dtype == torch.int8,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT=split > 1,
+            SERIAL=serial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     if split > 1 and ws is None:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
     _w8a8_gemm_kernel[(grid[0], split)](

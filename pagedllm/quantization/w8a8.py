@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.scaled_mm import FP8_DTYPE, FP8_MAX, INT8_MAX, rowwise_scaled_mm_supported, w8a8_linear
+from pagedllm.kernels.w8a8_gemm import ensure_workspace
 from pagedllm.quantization.base import LinearMethodBase
 from pagedllm.quantization.utils import (
     FLOAT_DTYPES,
@@ -92,6 +93,8 @@ class W8A8LinearMethod(LinearMethodBase):
             layer.input_scale.data = scales.max().reshape(1)
         if layer.weight.is_cuda and self.qdtype == FP8_DTYPE:
             rowwise_scaled_mm_supported(layer.weight.device)  # probed now, before any CUDA-graph capture
+        if layer.weight.is_cuda:
+            ensure_workspace(layer.weight.device)  # the one-launch split-K's scratch, made before any capture
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale,

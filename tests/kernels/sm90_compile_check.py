@@ -204,7 +204,8 @@ def _record_quant() -> None:
     fp8 = torch.float8_e4m3fn
     w8a8_gemm.w8a8_gemm(torch.zeros(64, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(64, 1),
                         torch.ones(n), None, bf16, config=w8a8_gemm.w8a8_gemm_config(64, n, k, split_k=True))
-    # ... and the one-launch split-K (SERIAL: the last arrival sums the slices), 4 and 2 slices, 64 / 128-row tiles.
+    # ... and the one-launch split-K (SERIAL: the last arrival sums the slices), 4 and 2 slices, 64 / 128-row tiles
+    # (the pointer kernel: the recorder takes no TMA descriptors).
     for cfg in (w8a8_gemm.W8A8Config(64, 128, 128, 8, 4, 4, False, 4, True),
                 w8a8_gemm.W8A8Config(128, 128, 128, 8, 8, 3, False, 2, True)):
         w8a8_gemm.w8a8_gemm(torch.zeros(128, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(128, 1),

@@ -20,6 +20,7 @@ from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
     (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6)),  # 7 steps in slices of 2: the last ragged, two empty
     (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, False, 3, True)),  # one-launch split-K: the last arrival sums
     (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6, True)),  # ... with two empty slices
+    (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, True, 3, True)),  # ... on the TMA kernel, edges zero-filled
 ])
 def test_matches_reference(device, qdtype, m, n, k, cfg):
     x = torch.randn(m, k, device=device) * 2
