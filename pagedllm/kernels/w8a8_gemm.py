@@ -40,7 +40,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from pagedllm.kernels.gemv import split_k_workspace
+from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
 
 __all__ = ["W8A8Config", "ensure_workspace", "w8a8_gemm", "w8a8_gemm_config"]
 
@@ -72,7 +72,7 @@ def _w8a8_gemm_kernel(
     # writes its scaled fp32 partial to ws_ptr = the (SPLIT_K, M, N) workspace (contiguous). Then either
     # `_split_k_sum_kernel` adds the slices and the bias (SERIAL False), or (SERIAL) the tile's last
     # program to arrive does, here: counter_ptr holds one arrival count per tile (pid), reset to 0 by
-    # that program, so the counters stay zero between calls and no memset is launched.
+    # that program, so the counters stay zero between calls and no memset is launched (as kernels/gemv.py).
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -135,41 +135,20 @@ def _epilogue(acc, pid, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, 
               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scale the (BLOCK_M, BLOCK_N) accumulator of tile `pid` by x_scale (rows) and w_scale (columns);
-    unsplit: + bias, store. SPLIT: store the fp32 partial as slice program_id(1) of the (SPLIT_K, M, N)
-    workspace; SERIAL: the tile's last program to arrive sums the slices (see `_w8a8_gemm_kernel`)."""
+    unsplit: + bias, store. SPLIT: the fp32 partial of slice program_id(1) goes to the (SPLIT_K, M, N)
+    workspace, for `_split_k_sum_kernel`, or (SERIAL) for the tile's last program to arrive, which sums
+    the slices in slice order (gemv.store_split_k_output: the same bits whoever arrives last)."""
     m_mask = offs_m < M
     n_mask = offs_n < N
     a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
     b_s = tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if SPLIT:
-        tile_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT and not SERIAL:
         ws_ptrs = ws_ptr + (tl.program_id(1) * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs, out, mask=tile_mask)
-        if SERIAL:
-            # Every thread's partial is stored (block barrier) before the release-acquire increment
-            # publishes it at GPU scope; the last arrival reads all SPLIT_K partials back through L2 (.cg:
-            # not from a stale L1) in slice order, so the sum has the same bits whoever arrives last.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(0, tl.num_programs(1)):
-                    part_ptrs = ws_ptr + (s * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
-                    total += tl.load(part_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
-                _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS)
-                tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call
+        tl.store(ws_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
     else:
-        _store_tile(out, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _store_tile(out, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr):
-    """out (BLOCK_M, BLOCK_N) fp32, scaled: + bias, cast, stored at rows offs_m / columns offs_n."""
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        store_split_k_output(out, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
+                             M, N, tl.program_id(1), pid, tl.num_programs(1), HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
