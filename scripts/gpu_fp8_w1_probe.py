@@ -310,24 +310,22 @@ def section_gemm(budget: float) -> None:
                 lambda i, xq=xq, xs=xs, ws=ws, c=auto_cfg: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None, torch.bfloat16,
                                                                    config=c), len(ws))
             errs = {}
-            if name != "gate_up":
-                h43 = w8a8_gemm_config(m, n, k, True)
-                if h43.SPLIT_K > 1:
-                    times[f"split2l {h43.BLOCK_M}x{h43.BLOCK_N} k/{h43.SPLIT_K}"] = rotating_graph_us(
-                        lambda i, xq=xq, xs=xs, ws=ws, c=h43: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None,
+            h43 = w8a8_gemm_config(m, n, k, True)
+            if name != "gate_up" and h43.SPLIT_K > 1:
+                times[f"split2l {h43.BLOCK_M}x{h43.BLOCK_N} k/{h43.SPLIT_K}"] = rotating_graph_us(
+                    lambda i, xq=xq, xs=xs, ws=ws, c=h43: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None,
+                                                                  torch.bfloat16, config=c), len(ws))
+            for tag, fields in gemm_tile_jobs(m, n, k):  # gate_up: its many tiles leave only small splits
+                if left(budget) < 2:
+                    break
+                cfg = W8A8Config(*fields)
+                try:
+                    errs[tag] = rel_err(w8a8_gemm(xq, ws[0][0], xs, ws[0][1], None, torch.bfloat16, config=cfg), ref)
+                    times[tag] = rotating_graph_us(
+                        lambda i, xq=xq, xs=xs, ws=ws, c=cfg: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None,
                                                                       torch.bfloat16, config=c), len(ws))
-                for tag, fields in gemm_tile_jobs(m, n, k):
-                    if left(budget) < 2:
-                        break
-                    cfg = W8A8Config(*fields)
-                    try:
-                        errs[tag] = rel_err(w8a8_gemm(xq, ws[0][0], xs, ws[0][1], None, torch.bfloat16, config=cfg),
-                                            ref)
-                        times[tag] = rotating_graph_us(
-                            lambda i, xq=xq, xs=xs, ws=ws, c=cfg: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None,
-                                                                          torch.bfloat16, config=c), len(ws))
-                    except Exception as e:  # noqa: BLE001 - a tile over the shared memory etc.
-                        log(f"gemm {name} M={m} {tag}: {type(e).__name__} {str(e)[:100]}")
+                except Exception as e:  # noqa: BLE001 - a tile over the shared memory etc.
+                    log(f"gemm {name} M={m} {tag}: {type(e).__name__} {str(e)[:100]}")
             floor = max(fb, ff)
             cells = ", ".join(f"{t} {u:.1f}" for t, u in times.items())
             worst = max(errs.values()) if errs else float("nan")
