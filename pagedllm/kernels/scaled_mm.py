@@ -31,7 +31,7 @@ import triton.language as tl
 from pagedllm.envs import environment_variables
 from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
 from pagedllm.kernels.quantized_activation import QuantizedActivation
-from pagedllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_config
+from pagedllm.kernels.w8a8_gemm import W8A8Config, decode_config, w8a8_gemm, w8a8_gemm_config
 from pagedllm.kernels.w8a16_gemv import KERNEL_MAX_M, w8a16_linear
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "choose_path", "prequantized_path",
@@ -187,22 +187,34 @@ PATHS = ("w8a16", "triton", "cublas")
 W8A16_MAX_M = 16
 W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
 TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
-# PAGEDLLM_W8A8_SPLIT_K=1 (off by default: not yet measured on the H200): the Triton GEMM cuts K where its
-# tiles leave SMs idle (w8a8_gemm_config split_k), and FP8 linears of N <= SPLIT_K_MAX_N (q/k/v, o, down
-# of the 8B shape) take it up to SPLIT_K_MAX_M rows instead of cuBLAS (whose 128 x 128 tiles give those
-# 32-48 programs there: the profile of BENCHMARKS.md's issue 19 h43 section).
+# PAGEDLLM_W8A8_SPLIT_K (on by default; 0: the thresholds above alone): FP8 linears of the shapes that
+# w8a8_gemm.DECODE_TABLE has take its measured pick at 17-256 rows (a Triton tile, K split in one launch where
+# that was faster, or cuBLAS): a Llama-3.1-8B layer's four at M = 32 / 64 / 128 / 192 / 256 in 78.7 / 76.1 /
+# 81.4 / 107.6 / 111.1 us against 113.7 / 77.2 / 99.8 / 115.4 / 116.7 before (H200, BENCHMARKS.md h51).
 SPLIT_K = environment_variables["PAGEDLLM_W8A8_SPLIT_K"]()
-SPLIT_K_MAX_M = 128
-SPLIT_K_MAX_N = 8192
+
+
+def _table_config(m: int, n: int, k: int, qdtype: torch.dtype) -> tuple[bool, W8A8Config | None]:
+    """decode_config where the switch is on and the weights are FP8 (the table is FP8's), else (False, None)."""
+    if SPLIT_K and qdtype == FP8_DTYPE:
+        return decode_config(m, n, k)
+    return False, None
 
 
 def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
     """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
     if m == 1 or (m <= W8A16_MAX_M and n <= W8A16_MAX_N[qdtype]):
         return "w8a16"
-    if SPLIT_K and m <= SPLIT_K_MAX_M and n <= SPLIT_K_MAX_N:
-        return "triton"
+    found, cfg = _table_config(m, n, k, qdtype)
+    if found:
+        return "triton" if cfg is not None else "cublas"
     return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
+
+
+def triton_config(m: int, n: int, k: int, qdtype: torch.dtype) -> W8A8Config:
+    """The Triton W8A8 GEMM's launch for a linear on the "triton" path: the table's pick, else the M buckets."""
+    found, cfg = _table_config(m, n, k, qdtype)
+    return cfg if found and cfg is not None else w8a8_gemm_config(m, n, k)
 
 
 def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
@@ -252,7 +264,7 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
     if aligned and path == "triton":
         xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale)
         return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype,
-                         config=w8a8_gemm_config(m, n, k, SPLIT_K)).reshape(*lead, n)
+                         config=triton_config(m, n, k, wq.dtype)).reshape(*lead, n)
     pad = max(32, triton.cdiv(m, 8) * 8) if is_int and aligned else m  # _int_mm needs M > 16
     xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale, rows=pad)
     if not aligned:
@@ -276,5 +288,5 @@ def _prequantized_linear(x: QuantizedActivation, wq: torch.Tensor, w_scale: torc
     if not x.is_cuda:  # the reference (a test's interpreted producer kernels hand CPU tensors)
         return scaled_mm_ref(x.xq, wq, x.scale, w_scale, bias, x.dtype)
     if choose_path(m, n, k, wq.dtype) == "triton":
-        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype, config=w8a8_gemm_config(m, n, k, SPLIT_K))
+        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype, config=triton_config(m, n, k, wq.dtype))
     return _fp8_cuda(x.xq, x.scale, wq, w_scale, bias, m, x.dtype)

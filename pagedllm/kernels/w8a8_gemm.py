@@ -232,9 +232,9 @@ def w8a8_gemm_config(m: int, n: int, k: int, split_k: bool = False) -> W8A8Confi
     M <= 16 (16, 64, 256).
 
     split_k (M > 16): where even that tile leaves SMs idle (N = 4096 / 6144 linears at M <= 256), the
-    (64, 128, 128) tile with K cut into 2-8 slices (each >= 4 BLOCK_K steps) so programs x slices fill
-    the SMs; the slices' fp32 partials are summed by a second small kernel. Not yet the default
-    (scaled_mm.SPLIT_K): unmeasured on the H200.
+    (64, 128, 128) TMA tile with K cut into 2-8 slices (each >= 4 BLOCK_K steps) so programs x slices fill
+    the SMs, summed in the same launch (SERIAL). The dispatch uses `decode_config`'s measured table for
+    the shapes it has; this rule is the sweep's generic candidate (scripts/gpu_fp8_w1_probe.py).
     """
     def programs(bm: int, bn: int) -> int:
         return triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -253,8 +253,43 @@ def w8a8_gemm_config(m: int, n: int, k: int, split_k: bool = False) -> W8A8Confi
         while split < 8 and tiles * split < _SMS and k // (2 * split) >= 4 * 128:
             split *= 2
         if split > 1:
-            cfg = W8A8Config(64, 128, 128, 8, 4, 4, False, split)
+            cfg = W8A8Config(64, 128, 128, 8, 4, 4, True, split, True)
     return _fit_k(cfg, k)
+
+
+# FP8 decode GEMMs of the Llama-3.1-8B linears, 17-256 rows: per (N, K), (largest M of the bucket, the config
+# or None = cuBLAS's row-wise _scaled_mm), each the fastest of cuBLAS and 26 Triton tile / split variants at
+# the bucket's measured row count (M = 32, 64, 128, 192, 256; H200, CUDA-graph replays rotating over >= 160
+# MB of weight copies, activations already quantized; BENCHMARKS.md, issue 19, h51 round 1). Microseconds,
+# the pick against cuBLAS:
+#   qkv  6144 x 4096    13.0 / 14.1, 10.5 / 14.0, 12.9 / 14.0, cuBLAS 14.6, cuBLAS 14.6
+#   o    4096 x 4096    11.0 / 13.6,  9.1 / 13.7,  9.2 / 13.8, 12.2 / 14.2, 12.6 / 13.9
+#   down 4096 x 14336   22.0 / 36.5, 23.3 / 36.6, 24.5 / 37.1, 32.1 / 37.8, 33.3 / 37.6
+#   gate_up 28672 x 4096  32.7 / 36.3, 33.2 / 37.8, then cuBLAS (34.8, 48.7, 50.6)
+# A layer's four: 78.7 / 100.5 us at M = 32 (the dispatch before: 113.7), 76.1 / 102.2 (77.2), 81.4 / 99.8,
+# 107.6 / 115.4, 111.1 / 116.7.
+_S = W8A8Config
+DECODE_TABLE: dict[tuple[int, int], tuple[tuple[int, W8A8Config | None], ...]] = {
+    (6144, 4096): ((48, _S(64, 128, 128, 8, 4, 4, True, 2, True)), (96, _S(64, 64, 256, 8, 4, 4)),
+                   (160, _S(64, 64, 256, 8, 4, 3)), (256, None)),
+    (4096, 4096): ((48, _S(64, 128, 128, 8, 4, 4, True, 4, True)), (160, _S(64, 64, 256, 8, 4, 4)),
+                   (256, _S(64, 64, 256, 8, 4, 3))),
+    (4096, 14336): ((48, _S(64, 128, 128, 8, 4, 4, True, 4, True)), (96, _S(64, 64, 256, 8, 4, 3, False, 4, True)),
+                    (160, _S(64, 64, 256, 8, 4, 4)), (256, _S(64, 128, 128, 8, 4, 4, True, 2, True))),
+    (28672, 4096): ((96, _S(64, 128, 128, 8, 4, 4, True)), (256, None)),
+}
+DECODE_MIN_M = 17  # below: the W8A16 GEMV / 16-row tiles (scaled_mm.choose_path)
+
+
+def decode_config(m: int, n: int, k: int) -> tuple[bool, W8A8Config | None]:
+    """(whether DECODE_TABLE has this (m, n, k), its config: None = cuBLAS). Example: (100, 4096, 14336)
+    -> (True, the 64 x 64 x 256 unsplit tile of the M <= 160 bucket); (300, 4096, 14336) -> (False, None)."""
+    if m < DECODE_MIN_M:
+        return False, None
+    for max_m, cfg in DECODE_TABLE.get((n, k), ()):
+        if m <= max_m:
+            return True, cfg
+    return False, None
 
 
 def _fit_k(cfg: W8A8Config, k: int) -> W8A8Config:

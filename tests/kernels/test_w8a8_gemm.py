@@ -72,7 +72,7 @@ def test_config_buckets():
     assert w8a8_gemm_config(256, 4096, 14336)[:3] == (64, 64, 256)  # 128 of (64, 128), 256 of these
     assert w8a8_gemm_config(1, 64, 40).BLOCK_K == 64
     # split_k: only where the tile leaves SMs idle, slices of >= 4 BLOCK_K steps.
-    assert w8a8_gemm_config(64, 4096, 14336, split_k=True) == W8A8Config(64, 128, 128, 8, 4, 4, False, 8)
+    assert w8a8_gemm_config(64, 4096, 14336, split_k=True) == W8A8Config(64, 128, 128, 8, 4, 4, True, 8, True)
     assert w8a8_gemm_config(128, 6144, 4096, split_k=True).SPLIT_K == 1  # 192 programs of (64, 64)
     assert w8a8_gemm_config(64, 28672, 4096, split_k=True).SPLIT_K == 1
     assert w8a8_gemm_config(8, 4096, 14336, split_k=True).SPLIT_K == 1  # M <= 16 keeps its tiles
