@@ -7,6 +7,9 @@ run, back to back, inside a wall budget: each run is TAG[:ENV=V,ENV=V][:extra fl
 (flags with '=' so they stay one token; the switches name the path a run takes: PAGEDLLM_FP8_KV_DOTS=0 and
 PAGEDLLM_FUSED_ACT_QUANT=0 together are main's fp8 path before branch h43). A run starts only if the time
 left covers a run (`--run-s`); the table last: tok/s, elapsed, engine start, the floor and the fraction.
+`--warm` first compiles the Triton launches of kernels/w8a8_gemm.py's DECODE_TABLE (both row-count
+specializations, M % 16 == 0 and != 0) in worker processes at once, into the engine's Triton cache, so that
+the runs' engines do not compile them one after another at start.
 """
 
 from __future__ import annotations
@@ -31,13 +34,57 @@ def parse_run(spec: str) -> tuple[str, dict[str, str], list[str]]:
     return tag, env, [f for f in flags.split(" ") if f]
 
 
+def _warm_one(job: tuple[int, int, int, tuple]) -> str:
+    """A worker: one DECODE_TABLE launch at (m, n, k) as the engine makes it (fp8 rows already quantized,
+    bf16 out, no bias)."""
+    import torch
+
+    from pagedllm.kernels.w8a8_gemm import W8A8Config, ensure_workspace, w8a8_gemm
+
+    m, n, k, fields = job
+    t = time.monotonic()
+    fp8 = torch.float8_e4m3fn
+    ensure_workspace(torch.device("cuda"))
+    try:
+        w8a8_gemm(torch.zeros(m, k, device="cuda").to(fp8), torch.zeros(n, k, device="cuda").to(fp8),
+                  torch.ones(m, 1, device="cuda"), torch.ones(n, device="cuda"), None, torch.bfloat16,
+                  config=W8A8Config(*fields))
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported; the engine then compiles (or fails) it itself
+        return f"{m}x{n}x{k} FAILED {type(e).__name__}: {str(e)[:120]}"
+    return f"{m}x{n}x{k} {time.monotonic() - t:.1f}s"
+
+
+def warm_decode_table() -> None:
+    import multiprocessing as mp
+
+    from pagedllm.envs import use_triton_cache_dir
+    from pagedllm.kernels.w8a8_gemm import DECODE_TABLE
+
+    use_triton_cache_dir()  # the engine's cache; the workers inherit it
+    jobs = []
+    for (n, k), buckets in DECODE_TABLE.items():
+        lo = 17
+        for max_m, cfg in buckets:
+            if cfg is not None:
+                jobs += [(m, n, k, tuple(cfg)) for m in (max(lo, 24), 32 if lo <= 32 else lo + 15 - (lo + 15) % 16)]
+            lo = max_m + 1
+    t = time.monotonic()
+    with mp.get_context("spawn").Pool(min(len(jobs), 14)) as pool:
+        done = pool.map(_warm_one, jobs, chunksize=1)
+    print(f"[warm] {len(done)} DECODE_TABLE launches in {time.monotonic() - t:.1f} s: " + "; ".join(done), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--budget", type=float, default=95.0)
     ap.add_argument("--run-s", type=float, default=30.0, help="seconds a run needs (start + W1)")
+    ap.add_argument("--warm", action="store_true", help="compile the DECODE_TABLE launches first (see above)")
     args = ap.parse_args()
     t0 = time.monotonic()
+    if args.warm:
+        warm_decode_table()
     rows = []
     for spec in args.runs:
         tag, env, flags = parse_run(spec)
