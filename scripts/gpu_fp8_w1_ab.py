@@ -44,8 +44,8 @@ def _warm_one(job: tuple[int, int, int, tuple]) -> str:
     m, n, k, fields = job
     t = time.monotonic()
     fp8 = torch.float8_e4m3fn
-    ensure_workspace(torch.device("cuda"))
     try:
+        ensure_workspace(torch.device("cuda"))
         w8a8_gemm(torch.zeros(m, k, device="cuda").to(fp8), torch.zeros(n, k, device="cuda").to(fp8),
                   torch.ones(m, 1, device="cuda"), torch.ones(n, device="cuda"), None, torch.bfloat16,
                   config=W8A8Config(*fields))
