@@ -76,3 +76,25 @@ def test_config_buckets():
     assert w8a8_gemm_config(128, 6144, 4096, split_k=True).SPLIT_K == 1  # 192 programs of (64, 64)
     assert w8a8_gemm_config(64, 28672, 4096, split_k=True).SPLIT_K == 1
     assert w8a8_gemm_config(8, 4096, 14336, split_k=True).SPLIT_K == 1  # M <= 16 keeps its tiles
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model-sized GEMMs: too slow for the interpreter")
+def test_decode_table_configs_match_reference():
+    # Every pick of DECODE_TABLE at its bucket's largest and smallest row counts (M % 16 == 0 and != 0: the two
+    # compiled forms), on the real Llama-3.1-8B shapes, within 2e-2 of max |ref| (fp8 fast accumulation).
+    from pagedllm.kernels.w8a8_gemm import DECODE_MIN_M, DECODE_TABLE, ensure_workspace
+
+    ensure_workspace(torch.device("cuda"))
+    for (n, k), buckets in DECODE_TABLE.items():
+        wq, ws = quantize_activation(torch.randn(n, k, device="cuda") * 0.05, FP8_DTYPE)
+        lo = DECODE_MIN_M
+        for max_m, cfg in buckets:
+            for m in {lo, max_m}:
+                if cfg is None:
+                    continue
+                xq, xs = quantize_activation(torch.randn(m, k, device="cuda"), FP8_DTYPE)
+                ref = scaled_mm_ref(xq, wq, xs, ws.flatten(), None, torch.float32)
+                out = w8a8_gemm(xq, wq, xs, ws.flatten(), None, torch.bfloat16, config=cfg)
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, f"{(m, n, k)} {cfg}: {err:.2e}"
+            lo = max_m + 1
