@@ -116,6 +116,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
     # tile with K split in one launch, or cuBLAS); for A/B timings (BENCHMARKS.md h51).
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
+    # 1: an FP8 o_proj / down_proj (plain Llama layers, TP 1) at 17-256 rows runs cuBLASLt's per-tensor FP8 GEMM
+    # with unit scales and the following residual add + RMSNorm kernel applies the per-token and per-channel
+    # scales (kernels/scaled_mm.py DEFER_SCALES). Off: built and interpreter-tested, not yet timed in a W1.
+    "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

@@ -75,16 +75,54 @@ def warm_decode_table() -> None:
     print(f"[warm] {len(done)} DECODE_TABLE launches in {time.monotonic() - t:.1f} s: " + "; ".join(done), flush=True)
 
 
+def check_defer() -> str:
+    """PAGEDLLM_FP8_DEFER_SCALES' two halves on the GPU at Llama-3.1-8B's down projection, 64 and 200 rows:
+    the unit-scale cuBLASLt GEMM + materialize against the scaled GEMM, and the norm applying the scales
+    against materialize + the norm (bit for bit)."""
+    import torch
+
+    from pagedllm.kernels.quant_act import rms_norm_quant
+    from pagedllm.kernels.scaled_mm import FP8_DTYPE, ensure_unit_scale, materialize, w8a8_linear
+
+    ensure_unit_scale(torch.device("cuda"))
+    w = torch.randn(4096, 14336, device="cuda") * 0.05
+    ws = w.abs().amax(1) / 448.0
+    wq = (w / ws[:, None]).to(FP8_DTYPE)
+    cells = []
+    for m in (64, 200):
+        x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+        y = w8a8_linear(x, wq, ws, None, None, defer_scales=True)
+        ref = w8a8_linear(x, wq, ws, None, None)
+        err = ((materialize(y).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        r = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        nw = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+        a = rms_norm_quant(y.acc, nw, 1e-5, FP8_DTYPE, r, in_scales=(y.row_scale, y.col_scale))
+        b = rms_norm_quant(materialize(y), nw, 1e-5, FP8_DTYPE, r)
+        same = all(torch.equal(u.view(torch.uint8) if u.dtype == FP8_DTYPE else u,
+                               v.view(torch.uint8) if v.dtype == FP8_DTYPE else v) for u, v in zip(a, b))
+        cells.append(f"M={m}: GEMM err {err:.1e} ({type(y).__name__}), norm {'bitwise equal' if same else 'DIFFERS'}")
+    return "; ".join(cells)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--budget", type=float, default=95.0)
     ap.add_argument("--run-s", type=float, default=30.0, help="seconds a run needs (start + W1)")
     ap.add_argument("--warm", action="store_true", help="compile the DECODE_TABLE launches first (see above)")
+    ap.add_argument("--check-defer", action="store_true", help="check PAGEDLLM_FP8_DEFER_SCALES' kernels first")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.warm:
         warm_decode_table()
+    if args.check_defer:  # in a child process: this one holds no GPU memory while the runs' engines start
+        import multiprocessing as mp
+
+        try:
+            with mp.get_context("spawn").Pool(1) as pool:
+                print(f"[defer check] {pool.apply(check_defer)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported; the runs still go
+            print(f"[defer check] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     rows = []
     for spec in args.runs:
         tag, env, flags = parse_run(spec)

@@ -30,11 +30,12 @@ import triton.language as tl
 
 from pagedllm.envs import environment_variables
 from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
-from pagedllm.kernels.quantized_activation import QuantizedActivation
+from pagedllm.kernels.quantized_activation import QuantizedActivation, ScaledOutput
 from pagedllm.kernels.w8a8_gemm import W8A8Config, decode_config, w8a8_gemm, w8a8_gemm_config
 from pagedllm.kernels.w8a16_gemv import KERNEL_MAX_M, w8a16_linear
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "choose_path", "prequantized_path",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "ScaledOutput", "choose_path",
+           "defers_scales", "ensure_unit_scale", "materialize", "prequantized_path",
            "quantize_activation", "rowwise_scaled_mm_supported", "scaled_gemm_triton", "scaled_mm_ref", "w8a8_linear"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -227,8 +228,52 @@ def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
     return path == "triton" or (path == "cublas" and qdtype == FP8_DTYPE)
 
 
+# PAGEDLLM_FP8_DEFER_SCALES=1 (off by default: built and interpreter-tested, not yet timed in a W1): an FP8
+# linear whose output feeds a residual add + RMSNorm (o_proj, down_proj of the plain Llama layers, TP 1) runs
+# 17-256 rows through cuBLASLt's per-tensor FP8 GEMM with unit scales and returns a `ScaledOutput`; the norm's
+# kernel applies the per-token and per-channel scales (layers/quant_fusion.rms_norm_into). cuBLASLt there:
+# o 7.5-9.8 us, down 18.1-27.2 us against the table's 9.1-12.6 / 22.0-33.3 (H200, BENCHMARKS.md h51).
+DEFER_SCALES = environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]()
+DEFER_MIN_M, DEFER_MAX_M = 17, 256
+_unit_scales: dict[torch.device, torch.Tensor] = {}
+
+
+def ensure_unit_scale(device: torch.device) -> torch.Tensor | None:
+    """The device's fp32 1.0 for the unit-scale GEMM (made once, outside any capture; None if first asked
+    inside one)."""
+    one = _unit_scales.get(device)
+    if one is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        one = _unit_scales[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def defers_scales(m: int, n: int, k: int, qdtype: torch.dtype, act_dtype: torch.dtype, dynamic: bool,
+                  has_bias: bool) -> bool:
+    """Whether an FP8 linear asked to defer its scales does: dynamic per-token activations, bf16, no bias,
+    DEFER_MIN_M..DEFER_MAX_M rows, K and N multiples of 16 (elsewhere it returns its scaled output)."""
+    return (qdtype == FP8_DTYPE and act_dtype == torch.bfloat16 and dynamic and not has_bias
+            and DEFER_MIN_M <= m <= DEFER_MAX_M and k % 16 == 0 and n % 16 == 0)
+
+
+def materialize(y: ScaledOutput) -> torch.Tensor:
+    """y.acc * y.row_scale * y.col_scale in fp32, rounded to y's dtype: what the linear would have returned."""
+    return scale_epilogue(y.acc, y.row_scale, y.col_scale, None, y.acc.shape[0], y.acc.dtype)
+
+
+def _deferred_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                   act_dtype: torch.dtype) -> ScaledOutput | None:
+    """cuBLASLt's FP8 GEMM with unit per-tensor scales, the scales left to the consumer; None without a
+    unit-scale tensor (first asked inside a capture)."""
+    one = ensure_unit_scale(xq.device)
+    if one is None:
+        return None
+    acc = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=act_dtype, use_fast_accum=FAST_ACCUM)
+    return ScaledOutput(acc, x_scale, w_scale)
+
+
 def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale: torch.Tensor,
-                input_scale: torch.Tensor | None, bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+                input_scale: torch.Tensor | None, bias: torch.Tensor | None, path: str | None = None,
+                defer_scales: bool = False) -> torch.Tensor | ScaledOutput:
     """x (M, K) float -> (M, N) in x's dtype through the fastest path for the device:
 
     CPU              quantize_activation + scaled_mm_ref (torch)
@@ -241,10 +286,16 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
     `path` (one of PATHS) overrides `choose_path` (the sweep and the tests use it).
     No host syncs on CUDA (graph-capturable). w_scale (N,) fp32; input_scale (1,) or None (dynamic).
     x a `QuantizedActivation` (CUDA, dynamic scales, `prequantized_path` true): straight to the GEMM.
+    defer_scales (the caller's consumer applies them): a `ScaledOutput` where `defers_scales` holds (CUDA).
     """
     if path is not None and path not in PATHS:
         raise ValueError(f"w8a8_linear path must be one of {PATHS}, got {path!r}")
     if isinstance(x, QuantizedActivation):
+        if defer_scales and x.is_cuda and defers_scales(x.xq.shape[0], wq.shape[0], x.xq.shape[1], wq.dtype,
+                                                        x.dtype, input_scale is None, bias is not None):
+            out = _deferred_gemm(x.xq, x.scale, wq, w_scale, x.dtype)
+            if out is not None:
+                return out
         return _prequantized_linear(x, wq, w_scale, input_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -256,6 +307,13 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
     if m == 0:
         return x.new_empty(*lead, n)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    if defer_scales and x.dim() == 2 and defers_scales(m, n, k, wq.dtype, x.dtype, input_scale is None,
+                                                       bias is not None):
+        xq, x_scale = quantize_activation_triton(x2, wq.dtype)
+        out = _deferred_gemm(xq, x_scale, wq, w_scale, x.dtype)
+        if out is not None:
+            return out
+        return _fp8_cuda(xq, x_scale, wq, w_scale, None, m, x.dtype)
     aligned = k % 16 == 0 and n % 16 == 0
     is_int = wq.dtype == torch.int8
     path = path or choose_path(m, n, k, wq.dtype)

@@ -212,6 +212,8 @@ def _record_quant() -> None:
     # The fused producers of a W8A8 linear's input (layers/quant_fusion.py) at Llama-3.1-8B's widths.
     x = torch.zeros(2, 4096, dtype=bf16)
     quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x)
+    quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x,  # a ScaledOutput's
+                             in_scales=(torch.ones(2, 1), torch.ones(4096)))
     quant_act.silu_and_mul_quant(torch.zeros(2, 2 * k, dtype=bf16), torch.float8_e4m3fn)
     # An fp8 KV cache's decode loop (decode_attention.FP8_KV_VARIANT: fp8 wgmma, 238 registers at Llama's heads).
     md = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
