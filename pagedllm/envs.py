@@ -118,7 +118,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
     # 1: an FP8 o_proj / down_proj (plain Llama layers, TP 1) at 17-256 rows runs cuBLASLt's per-tensor FP8 GEMM
     # with unit scales and the following residual add + RMSNorm kernel applies the per-token and per-channel
-    # scales (kernels/scaled_mm.py DEFER_SCALES). Off: built and interpreter-tested, not yet timed in a W1.
+    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (W1 +2.1% there).
     "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).

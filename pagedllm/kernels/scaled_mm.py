@@ -191,7 +191,8 @@ TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
 # PAGEDLLM_W8A8_SPLIT_K (on by default; 0: the thresholds above alone): FP8 linears of the shapes that
 # w8a8_gemm.DECODE_TABLE has take its measured pick at 17-256 rows (a Triton tile, K split in one launch where
 # that was faster, or cuBLAS): a Llama-3.1-8B layer's four at M = 32 / 64 / 128 / 192 / 256 in 78.7 / 76.1 /
-# 81.4 / 107.6 / 111.1 us against 113.7 / 77.2 / 99.8 / 115.4 / 116.7 before (H200, BENCHMARKS.md h51).
+# 81.4 / 107.6 / 111.1 us against 113.7 / 77.2 / 99.8 / 115.4 / 116.7 before; W1 12,618 against 12,313 tok/s
+# (H200, one call, BENCHMARKS.md h51).
 SPLIT_K = environment_variables["PAGEDLLM_W8A8_SPLIT_K"]()
 
 
@@ -228,7 +229,8 @@ def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
     return path == "triton" or (path == "cublas" and qdtype == FP8_DTYPE)
 
 
-# PAGEDLLM_FP8_DEFER_SCALES=1 (off by default: built and interpreter-tested, not yet timed in a W1): an FP8
+# PAGEDLLM_FP8_DEFER_SCALES=1 (off by default until a model's output with real weights is compared on a GPU;
+# W1 on the H200: 12,885 tok/s against the table's 12,618, its kernels checked there, BENCHMARKS.md h51): an FP8
 # linear whose output feeds a residual add + RMSNorm (o_proj, down_proj of the plain Llama layers, TP 1) runs
 # 17-256 rows through cuBLASLt's per-tensor FP8 GEMM with unit scales and returns a `ScaledOutput`; the norm's
 # kernel applies the per-token and per-channel scales (layers/quant_fusion.rms_norm_into). cuBLASLt there:
