@@ -112,10 +112,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # rows (variant 0). Off by default: 8% faster per call on the H200 but ~3x variant 0's error against
     # the fp32 reference on random data, and its perplexity on a GPU is not measured yet (BENCHMARKS.md, h43).
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", False),
-    # 1: the W8A8 Triton GEMM splits K where its tiles leave SMs idle, and FP8 linears up to 8192 outputs take
-    # it instead of cuBLAS up to 128 rows (kernels/scaled_mm.py SPLIT_K). Off: W1 with it was no faster on the
-    # H200 (12,706 vs 12,683 tok/s, BENCHMARKS.md h43); per-linear timings not taken yet.
-    "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", False),
+    # 0: FP8 linears of the measured shapes (kernels/w8a8_gemm.py DECODE_TABLE: the Llama-3.1-8B linears) at
+    # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
+    # tile with K split in one launch, or cuBLAS); for A/B timings (BENCHMARKS.md h51).
+    "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
+    # 1: an FP8 o_proj / down_proj (plain Llama layers, TP 1) at 17-256 rows runs cuBLASLt's per-tensor FP8 GEMM
+    # with unit scales and the following residual add + RMSNorm kernel applies the per-token and per-channel
+    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (W1 +2.1% there).
+    "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

@@ -7,6 +7,9 @@ run, back to back, inside a wall budget: each run is TAG[:ENV=V,ENV=V][:extra fl
 (flags with '=' so they stay one token; the switches name the path a run takes: PAGEDLLM_FP8_KV_DOTS=0 and
 PAGEDLLM_FUSED_ACT_QUANT=0 together are main's fp8 path before branch h43). A run starts only if the time
 left covers a run (`--run-s`); the table last: tok/s, elapsed, engine start, the floor and the fraction.
+`--warm` first compiles the Triton launches of kernels/w8a8_gemm.py's DECODE_TABLE (both row-count
+specializations, M % 16 == 0 and != 0) in worker processes at once, into the engine's Triton cache, so that
+the runs' engines do not compile them one after another at start.
 """
 
 from __future__ import annotations
@@ -31,13 +34,95 @@ def parse_run(spec: str) -> tuple[str, dict[str, str], list[str]]:
     return tag, env, [f for f in flags.split(" ") if f]
 
 
+def _warm_one(job: tuple[int, int, int, tuple]) -> str:
+    """A worker: one DECODE_TABLE launch at (m, n, k) as the engine makes it (fp8 rows already quantized,
+    bf16 out, no bias)."""
+    import torch
+
+    from pagedllm.kernels.w8a8_gemm import W8A8Config, ensure_workspace, w8a8_gemm
+
+    m, n, k, fields = job
+    t = time.monotonic()
+    fp8 = torch.float8_e4m3fn
+    try:
+        ensure_workspace(torch.device("cuda"))
+        w8a8_gemm(torch.zeros(m, k, device="cuda").to(fp8), torch.zeros(n, k, device="cuda").to(fp8),
+                  torch.ones(m, 1, device="cuda"), torch.ones(n, device="cuda"), None, torch.bfloat16,
+                  config=W8A8Config(*fields))
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported; the engine then compiles (or fails) it itself
+        return f"{m}x{n}x{k} FAILED {type(e).__name__}: {str(e)[:120]}"
+    return f"{m}x{n}x{k} {time.monotonic() - t:.1f}s"
+
+
+def warm_decode_table() -> None:
+    import multiprocessing as mp
+
+    from pagedllm.envs import use_triton_cache_dir
+    from pagedllm.kernels.w8a8_gemm import DECODE_TABLE
+
+    use_triton_cache_dir()  # the engine's cache; the workers inherit it
+    jobs = []
+    for (n, k), buckets in DECODE_TABLE.items():
+        lo = 17
+        for max_m, cfg in buckets:
+            if cfg is not None:
+                jobs += [(m, n, k, tuple(cfg)) for m in (max(lo, 24), 32 if lo <= 32 else lo + 15 - (lo + 15) % 16)]
+            lo = max_m + 1
+    t = time.monotonic()
+    with mp.get_context("spawn").Pool(min(len(jobs), 14)) as pool:
+        done = pool.map(_warm_one, jobs, chunksize=1)
+    print(f"[warm] {len(done)} DECODE_TABLE launches in {time.monotonic() - t:.1f} s: " + "; ".join(done), flush=True)
+
+
+def check_defer() -> str:
+    """PAGEDLLM_FP8_DEFER_SCALES' two halves on the GPU at Llama-3.1-8B's down projection, 64 and 200 rows:
+    the unit-scale cuBLASLt GEMM + materialize against the scaled GEMM, and the norm applying the scales
+    against materialize + the norm (bit for bit)."""
+    import torch
+
+    from pagedllm.kernels.quant_act import rms_norm_quant
+    from pagedllm.kernels.scaled_mm import FP8_DTYPE, ensure_unit_scale, materialize, w8a8_linear
+
+    ensure_unit_scale(torch.device("cuda"))
+    w = torch.randn(4096, 14336, device="cuda") * 0.05
+    ws = w.abs().amax(1) / 448.0
+    wq = (w / ws[:, None]).to(FP8_DTYPE)
+    cells = []
+    for m in (64, 200):
+        x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+        y = w8a8_linear(x, wq, ws, None, None, defer_scales=True)
+        ref = w8a8_linear(x, wq, ws, None, None)
+        err = ((materialize(y).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        r = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        nw = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+        a = rms_norm_quant(y.acc, nw, 1e-5, FP8_DTYPE, r, in_scales=(y.row_scale, y.col_scale))
+        b = rms_norm_quant(materialize(y), nw, 1e-5, FP8_DTYPE, r)
+        same = all(torch.equal(u.view(torch.uint8) if u.dtype == FP8_DTYPE else u,
+                               v.view(torch.uint8) if v.dtype == FP8_DTYPE else v) for u, v in zip(a, b))
+        cells.append(f"M={m}: GEMM err {err:.1e} ({type(y).__name__}), norm {'bitwise equal' if same else 'DIFFERS'}")
+    return "; ".join(cells)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--budget", type=float, default=95.0)
     ap.add_argument("--run-s", type=float, default=30.0, help="seconds a run needs (start + W1)")
+    ap.add_argument("--warm", action="store_true", help="compile the DECODE_TABLE launches first (see above)")
+    ap.add_argument("--check-defer", action="store_true", help="check PAGEDLLM_FP8_DEFER_SCALES' kernels first")
     args = ap.parse_args()
     t0 = time.monotonic()
+    if args.warm:
+        warm_decode_table()
+    if args.check_defer:  # in a child process: this one holds no GPU memory while the runs' engines start
+        import multiprocessing as mp
+
+        try:
+            with mp.get_context("spawn").Pool(1) as pool:
+                print(f"[defer check] {pool.apply(check_defer)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported; the runs still go
+            print(f"[defer check] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     rows = []
     for spec in args.runs:
         tag, env, flags = parse_run(spec)

@@ -212,64 +212,138 @@ def section_quant(budget: float) -> None:
 
 # ---------------------------------------------------------------------------------------------- gemm
 GEMM_MS = (128, 256, 64, 192, 32)
-# Other Triton tiles for the narrow linears at M = 128 / 256 (W8A8Config: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-# warps, stages, TMA, SPLIT_K).
-GEMM_ALT = {"64x128 k/2": (64, 128, 128, 8, 4, 4, False, 2), "64x128 k/4": (64, 128, 128, 8, 4, 4, False, 4),
-            "128x128 k/2": (128, 128, 128, 8, 8, 3, False, 2), "64x64x256 k/2": (64, 64, 256, 8, 4, 4, False, 2)}
-LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
+# Triton tiles timed on the narrow linears (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), each with
+# K unsplit and in 2 / 4 / 8 slices (slices of >= 4 BLOCK_K steps), the slices summed in the same launch
+# (W8A8Config.SERIAL); "split2l" = the two-launch sum (PAGEDLLM_W8A8_SPLIT_K=1's kernel) at its own config.
+GEMM_TILES = {"64x128": (64, 128, 128, 8, 4, 4, False), "64x128 tma": (64, 128, 128, 8, 4, 4, True),
+              "128x128": (128, 128, 128, 8, 8, 3, False), "128x128 tma": (128, 128, 128, 8, 8, 3, True),
+              "64x64x256": (64, 64, 256, 8, 4, 3, False), "128x64": (128, 64, 128, 8, 4, 4, False)}
+GEMM_SPLITS = (1, 2, 4, 8)
+
+
+def gemm_tile_jobs(m: int, n: int, k: int) -> list[tuple[str, tuple]]:
+    """(tag, W8A8Config fields) of the Triton variants timed at (m, n, k): every tile of GEMM_TILES with
+    the splits whose slices keep >= 4 BLOCK_K steps and whose programs x splits stay <= 4 waves of 132."""
+    jobs = []
+    for tag, (bm, bn, bk, g, w, st, tma) in GEMM_TILES.items():
+        tiles = -(-m // bm) * -(-n // bn)
+        for split in GEMM_SPLITS:
+            if split > 1 and (k // (split * bk) < 4 or tiles * split > 4 * 132):
+                continue
+            jobs.append((f"{tag} k/{split}", (bm, bn, bk, g, w, st, tma, split, split > 1)))
+    return jobs
+
+
+def _warm_gemm(fields: tuple) -> str:
+    """A worker: compile one Triton W8A8 variant (as the timing calls it: 128 fp8 rows, K 4096, bf16 out)."""
+    from pagedllm.kernels.w8a8_gemm import W8A8Config, ensure_workspace, w8a8_gemm
+
+    t = time.monotonic()
+    fp8 = torch.float8_e4m3fn
+    ensure_workspace(torch.device("cuda"))
+    try:
+        x = torch.zeros(128, 4096, device="cuda").to(fp8)
+        w8a8_gemm(x, torch.zeros(4096, 4096, device="cuda").to(fp8), torch.ones(128, 1, device="cuda"),
+                  torch.ones(4096, device="cuda"), None, torch.bfloat16, config=W8A8Config(*fields))
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported; the timing then reports it again
+        return f"{fields} FAILED {type(e).__name__}: {str(e)[:120]}"
+    return f"{fields[:3]} split {fields[7]} {time.monotonic() - t:.1f}s"
+
+
+def precompile_gemm() -> None:
+    """Compile every Triton variant of section_gemm in worker processes at once (Triton's disk cache
+    then serves the timing process): one compile per tile unsplit, one split (the split count is a
+    runtime value), and the two-launch split-K kernel."""
+    import multiprocessing as mp
+
+    jobs = []
+    for bm, bn, bk, g, w, st, tma in GEMM_TILES.values():
+        jobs += [(bm, bn, bk, g, w, st, tma, 1, False), (bm, bn, bk, g, w, st, tma, 2, True)]
+    jobs.append((64, 128, 128, 8, 4, 4, False, 2, False))
+    t = time.monotonic()
+    with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 4) - 2))) as pool:
+        done = pool.map(_warm_gemm, jobs, chunksize=1)
+    log(f"gemm: precompiled {len(done)} variants in {time.monotonic() - t:.1f} s: " + "; ".join(done))
 
 
 def section_gemm(budget: float) -> None:
-    from _gpu_common import rotating_graph_us
+    """The fp8 decode GEMMs without the activation quantizer (the fused RMSNorm / SiLU kernels hand them
+    quantized rows): cuBLAS row-wise `_scaled_mm` (the dispatch above 64 rows), cuBLASLt with per-tensor
+    scales (what vLLM's online fp8 runs; the scales here are not the per-token ones, so only its speed
+    counts), and the Triton W8A8 GEMM at each tile / split; the best per (linear, M) last."""
+    from _gpu_common import rel_err, rotating_graph_us
 
-    from pagedllm.kernels.quant_act import quantize_activation_triton
-    from pagedllm.kernels.scaled_mm import choose_path, w8a8_linear
-    from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
+    from pagedllm.kernels.scaled_mm import _fp8_cuda, choose_path, quantize_activation, scaled_mm_ref
+    from pagedllm.kernels.w8a8_gemm import W8A8Config, ensure_workspace, w8a8_gemm, w8a8_gemm_config
 
-    def split_k(x, wq, ws, cfg=None):  # the Triton path with its split-K config (PAGEDLLM_W8A8_SPLIT_K=1)
-        xq, xs = quantize_activation_triton(x, wq.dtype)
-        cfg = cfg or w8a8_gemm_config(x.shape[0], wq.shape[0], wq.shape[1], True)
-        return w8a8_gemm(xq, wq, xs, ws, None, x.dtype, config=cfg)
-
+    precompile_gemm()
     fp8 = torch.float8_e4m3fn
+    ensure_workspace(torch.device("cuda"))
+    one = torch.ones((), device="cuda")
     weights = {}
     for name, (n, k) in LINEARS.items():
         copies = max(1, -(-160_000_000 // (n * k)))  # >= 160 MB of copies: L2 cannot serve a repeat
         weights[name] = [((torch.randn(n, k, device="cuda") * 0.05).to(fp8), torch.rand(n, device="cuda") * 1e-3)
                          for _ in range(copies)]
+    best_rows = []
     for m in GEMM_MS:
-        total = {"auto": 0.0, "triton": 0.0, "split": 0.0}
-        floor_b = floor_f = 0.0
+        layer = defaultdict(float)
         for name, (n, k) in LINEARS.items():
-            if left(budget) < 1:
+            if left(budget) < 2:
+                log("gemm: budget spent")
+                ROWS.extend(best_rows)
                 return
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ws = weights[name]
-            auto = rotating_graph_us(lambda i, x=x, ws=ws: w8a8_linear(x, ws[i][0], ws[i][1], None, None), len(ws))
-            tri = rotating_graph_us(lambda i, x=x, ws=ws: w8a8_linear(x, ws[i][0], ws[i][1], None, None,
-                                                                      path="triton"), len(ws))
-            spl = rotating_graph_us(lambda i, x=x, ws=ws: split_k(x, ws[i][0], ws[i][1]), len(ws))
-            cfg = w8a8_gemm_config(m, n, k, True)
-            fb, ff = (n * k + m * k * 2 + m * n * 2) / 4.2e12 * 1e6, 2 * m * n * k / 1.6e15 * 1e6
-            total["auto"] += auto
-            total["triton"] += tri
-            total["split"] += spl
-            floor_b += fb
-            floor_f += ff
-            row = (f"| gemm {name} M={m}: {choose_path(m, n, k, fp8)} {auto:.1f}, triton {tri:.1f}, split-K "
-                   f"{cfg.SPLIT_K} {spl:.1f} | floor bytes {fb:.1f} / flops {ff:.1f} us | "
-                   f"{max(fb, ff) / min(auto, tri, spl):.0%} of floor | |")
+            xq, xs = quantize_activation(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), fp8)
+            ref = scaled_mm_ref(xq, ws[0][0], xs, ws[0][1], None, torch.bfloat16)
+            fb, ff = (n * k + m * k + m * n * 2) / 4.2e12 * 1e6, 2 * m * n * k / 1.6e15 * 1e6
+            times = {"cublas": rotating_graph_us(
+                lambda i, xq=xq, xs=xs, ws=ws, m=m: _fp8_cuda(xq, xs, ws[i][0], ws[i][1], None, m, torch.bfloat16),
+                len(ws))}
+            times["cublasLt per-tensor"] = rotating_graph_us(
+                lambda i, xq=xq, ws=ws: torch._scaled_mm(xq, ws[i][0].t(), scale_a=one, scale_b=one,
+                                                        out_dtype=torch.bfloat16, use_fast_accum=True), len(ws))
+            auto_cfg = w8a8_gemm_config(m, n, k)
+            times["triton auto"] = rotating_graph_us(
+                lambda i, xq=xq, xs=xs, ws=ws, c=auto_cfg: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None, torch.bfloat16,
+                                                                   config=c), len(ws))
+            errs = {}
+            h43 = w8a8_gemm_config(m, n, k, True)
+            if name != "gate_up" and h43.SPLIT_K > 1:
+                times[f"split2l {h43.BLOCK_M}x{h43.BLOCK_N} k/{h43.SPLIT_K}"] = rotating_graph_us(
+                    lambda i, xq=xq, xs=xs, ws=ws, c=h43: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None,
+                                                                  torch.bfloat16, config=c), len(ws))
+            for tag, fields in gemm_tile_jobs(m, n, k):  # gate_up: its many tiles leave only small splits
+                if left(budget) < 2:
+                    break
+                cfg = W8A8Config(*fields)
+                try:
+                    errs[tag] = rel_err(w8a8_gemm(xq, ws[0][0], xs, ws[0][1], None, torch.bfloat16, config=cfg), ref)
+                    times[tag] = rotating_graph_us(
+                        lambda i, xq=xq, xs=xs, ws=ws, c=cfg: w8a8_gemm(xq, ws[i][0], xs, ws[i][1], None,
+                                                                      torch.bfloat16, config=c), len(ws))
+                except Exception as e:  # noqa: BLE001 - a tile over the shared memory etc.
+                    log(f"gemm {name} M={m} {tag}: {type(e).__name__} {str(e)[:100]}")
+            floor = max(fb, ff)
+            cells = ", ".join(f"{t} {u:.1f}" for t, u in times.items())
+            worst = max(errs.values()) if errs else float("nan")
+            row = (f"| gemm {name} M={m} (dispatch: {choose_path(m, n, k, fp8)}) | {cells} | floor {floor:.1f} "
+                   f"(bytes {fb:.1f}, flops {ff:.1f}) | max err {worst:.1e} |")
             ROWS.append(row)
             log(row)
-            if m in (128, 256) and n <= 8192 and left(budget) > 4:
-                alts = {tag: rotating_graph_us(lambda i, x=x, ws=ws, c=c: split_k(x, ws[i][0], ws[i][1], W8A8Config(*c)),
-                                               len(ws)) for tag, c in GEMM_ALT.items()}
-                row = f"| gemm {name} M={m} other tiles: " + ", ".join(f"{t} {u:.1f}" for t, u in alts.items()) + " | | | |"
-                ROWS.append(row)
-                log(row)
-        ROWS.append(f"| gemm layer M={m}: auto {total['auto']:.1f}, triton {total['triton']:.1f}, split-K "
-                    f"{total['split']:.1f} | floor "
-                    f"{max(floor_b, floor_f):.1f} us | | |")
+            tri = {t: u for t, u in times.items() if not t.startswith("cublas")}
+            bt = min(tri, key=tri.get)
+            best_rows.append(f"| best {name} M={m} | triton {bt} {tri[bt]:.1f} vs cublas {times['cublas']:.1f} "
+                             f"({times['cublas'] / tri[bt]:.2f}x) | floor {floor:.1f} | |")
+            layer["cublas"] += times["cublas"]
+            layer["best"] += min(times["cublas"], tri[bt])
+            layer["floor"] += floor
+        best_rows.append(f"| best layer M={m} | cublas {layer['cublas']:.1f}, best of all {layer['best']:.1f} | "
+                         f"floor {layer['floor']:.1f} | |")
+        log(best_rows[-1])
+    ROWS.extend(best_rows)
     del weights
     torch.cuda.empty_cache()
 

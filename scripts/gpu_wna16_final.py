@@ -2,12 +2,14 @@
 dummy model's batch-1 decode step with the dispatch as committed (kernels/wna16_stream.py's table, the
 residual add + RMSNorm and SwiGLU's activation in the one-row GEMVs' prologues), no sweep.
 
-    python3 scripts/gpu_wna16_final.py [--only compile step layer]
+    python3 scripts/gpu_wna16_final.py [--only compile step step_gptq layer]
 
 compile  worker processes compile the table's one-row launches at the four Llama-3.1-8B shapes (plain,
          with the norm in the prologue at qkv / gate_up, with the activation at down), in parallel,
          into the engine's Triton cache (the engine would otherwise compile them one by one at load)
 step     128 in / 257 out, 3 iterations after one warm-up, as `bench latency` times decode steps
+         (gpu_wna16_stream.batch1_steps, the loop all three int4 scripts share)
+step_gptq  the same as GPTQ int4 g128 (desc_act false, sym): the same kernels after its load-time repack
 layer    (if time is left) qkv / gate_up with the norm and down with the activation, each apart and
          fused, timed in the same run
 """
@@ -15,12 +17,10 @@ layer    (if time is left) qkv / gate_up with the norm and down with the activat
 # ruff: noqa: B023 - the lambdas are called within the iteration that made them
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -69,31 +69,12 @@ def precompile() -> None:
     print("table: " + "; ".join(f"{s} {stream_config(*SHAPES[s])}" for s in SHAPES), flush=True)
 
 
-def step() -> None:
-    from pagedllm.benchmarks.datasets import random_requests
-    from pagedllm.benchmarks.latency import time_batch
-    from pagedllm.entrypoints.llm import LLM
-
-    cfg_dir = tempfile.mkdtemp()
-    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                     "version": "gemm"}
-    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
-    t0 = time.monotonic()
-    llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=1)
-    print(f"[8B AWQ ready in {time.monotonic() - t0:.0f} s]", flush=True)
-
-    def prompts(i: int) -> list[list[int]]:
-        return [r.prompt_token_ids for r in random_requests(1, (128, 128), (257, 257), 10000, i)]
-
-    time_batch(llm, prompts(0), 33, 1.0, "warm")  # the graphs are captured at load: a short warm-up
-    steps = []
-    for i in range(3):
-        steps += time_batch(llm, prompts(1 + i), 257, 1.0, f"it{i}").decode_steps
-        print(f"  iteration {i}: mean decode step {statistics.fmean(steps) * 1e3:.3f} ms so far", flush=True)
-    record("batch-1 decode step, 8B AWQ g128 (128 in / 257 out, 3 iters, the committed dispatch)",
+def step(method: str = "awq") -> None:
+    # the graphs are captured at load: a short warm-up; the engine in its own process, as committed
+    _, steps = base.batch1_steps(method, warm_tokens=33, in_process=False)
+    record(f"batch-1 decode step, 8B {method.upper()} g128 (128 in / 257 out, 3 iters, the committed dispatch)",
            f"mean {statistics.fmean(steps) * 1e3:.3f} ms, p50 {statistics.median(steps) * 1e3:.3f} ms "
-           f"(h40: 3.242; round 1 of h44: 2.689; target 2.2)")
+           f"(h40: 3.242; h44 final: AWQ 2.660; target 2.2)")
 
 
 LAYER_BY_S = 47.0  # the fused / unfused timings only when the step is done by then (the round's 55 s)
@@ -126,4 +107,4 @@ def layer() -> None:
 
 
 if __name__ == "__main__":
-    run_sections({"compile": precompile, "step": step, "layer": layer})
+    run_sections({"compile": precompile, "step": step, "step_gptq": lambda: step("gptq"), "layer": layer})

@@ -318,11 +318,6 @@ PROFILE_BY_S = float(os.environ.get("H44_PROFILE_BY_S", "60"))
 GPTQ_START_BY_S = 70.0  # the GPTQ model's load and batches, ~25 s
 
 
-QUANT = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-                  "checkpoint_format": "gptq"}}
-
-
 def step() -> None:
     if time.monotonic() - T_START > STEP_START_BY_S:
         record("batch-1 decode step", f"skipped: {time.monotonic() - T_START:.0f} s gone before it")
@@ -335,32 +330,13 @@ def step() -> None:
 def step_gptq() -> None:
     """The GPTQ int4 g128 model (same packed layout and kernels after its load-time repack): decode
     steps only, no profile."""
-    import json
     import statistics
-    import tempfile
-
-    from pagedllm.benchmarks.datasets import random_requests
-    from pagedllm.benchmarks.latency import time_batch
-    from pagedllm.entrypoints.llm import LLM
 
     if time.monotonic() - T_START > GPTQ_START_BY_S:
         record("batch-1 decode step, gptq", "skipped: no time left")
         return
-    os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     table = use_best_configs()
-    cfg_dir = tempfile.mkdtemp()
-    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    config["quantization_config"] = QUANT["gptq"]
-    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
-    llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=1)
-
-    def prompts(i: int) -> list[list[int]]:
-        return [r.prompt_token_ids for r in random_requests(1, (128, 128), (257, 257), 10000, i)]
-
-    time_batch(llm, prompts(0), 257, 1.0, "warm")
-    steps = []
-    for i in range(3):
-        steps += time_batch(llm, prompts(1 + i), 257, 1.0, f"it{i}").decode_steps
+    _, steps = base.batch1_steps("gptq")
     record(f"batch-1 decode step, 8B GPTQ g128 (128 in / 257 out, 3 iters; {table})",
            f"mean {statistics.fmean(steps) * 1e3:.3f} ms, p50 {statistics.median(steps) * 1e3:.3f} ms (target 2.2)")
 

@@ -236,31 +236,50 @@ def use_best_configs() -> str:
     return ", ".join(f"{n}x{k}: {nm}" for (n, k), nm in best.items()) or "defaults"
 
 
-def step() -> None:
+# The 8B dummy model's quantization_config per int4 method (the same packed layout and kernels after load).
+QUANT = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+                  "checkpoint_format": "gptq"}}
+
+
+def batch1_steps(method: str, warm_tokens: int = 257, iters: int = 3, in_process: bool = True):
+    """(llm, decode step seconds) of the Llama-3.1-8B dummy model quantized by `method` (QUANT), batch 1,
+    max_num_seqs 1 (one captured decode graph), the engine in this process where `in_process` (so that
+    use_best_configs' routing reaches it), else in its own as by default: one warm-up batch of
+    `warm_tokens` outputs, then `iters` batches of 128 in / 257 out timed as `bench latency` times decode
+    steps. The timing loop of this script, gpu_wna16_packed.py and gpu_wna16_final.py."""
     from pagedllm.benchmarks.datasets import random_requests
     from pagedllm.benchmarks.latency import time_batch
     from pagedllm.entrypoints.llm import LLM
 
-    os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"  # the engine in this process: see use_best_configs
-    table = use_best_configs()
-    print(f"one-row int4 linears in the step: {table}", flush=True)
-
+    if in_process:
+        os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     cfg_dir = tempfile.mkdtemp()
-    base = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    base["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                   "version": "gemm"}
-    json.dump(base, open(os.path.join(cfg_dir, "config.json"), "w"))
+    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
+    config["quantization_config"] = QUANT[method]
+    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
     t0 = time.monotonic()
     llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=1)
-    print(f"[8B AWQ ready in {time.monotonic() - t0:.0f} s]", flush=True)
+    print(f"[8B {method.upper()} ready in {time.monotonic() - t0:.0f} s]", flush=True)
 
     def prompts(i: int) -> list[list[int]]:
         return [r.prompt_token_ids for r in random_requests(1, (128, 128), (257, 257), 10000, i)]
 
-    time_batch(llm, prompts(0), 257, 1.0, "warm")
+    time_batch(llm, prompts(0), warm_tokens, 1.0, "warm")
     steps = []
-    for i in range(3):
+    for i in range(iters):
         steps += time_batch(llm, prompts(1 + i), 257, 1.0, f"it{i}").decode_steps
+        print(f"  {method} iteration {i}: mean decode step {statistics.fmean(steps) * 1e3:.3f} ms so far", flush=True)
+    return llm, steps
+
+
+def step() -> None:
+    from pagedllm.benchmarks.datasets import random_requests
+    from pagedllm.benchmarks.latency import time_batch
+
+    table = use_best_configs()
+    print(f"one-row int4 linears in the step: {table}", flush=True)
+    llm, steps = batch1_steps("awq")
     mean = statistics.fmean(steps)
     record(f"batch-1 decode step, 8B AWQ g128 (128 in / 257 out, 3 iters; {table})",
            f"mean {mean * 1e3:.3f} ms, p50 {statistics.median(steps) * 1e3:.3f} ms (before: 3.302; target 2.2)")
@@ -269,8 +288,9 @@ def step() -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
+    prompt = [r.prompt_token_ids for r in random_requests(1, (128, 128), (257, 257), 10000, 9)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time_batch(llm, prompts(9), 33, 1.0, "prof")
+        t = time_batch(llm, prompt, 33, 1.0, "prof")
     n_dec = len(t.decode_steps)
     rows = []
     for ev in prof.key_averages():

@@ -161,17 +161,23 @@ def _quant_store_row(y, mask, q_row, scale_ptr, row, QMAX: tl.constexpr, IS_INT:
 
 @triton.jit
 def _rms_norm_quant_kernel(
-    x_ptr, residual_ptr, weight_ptr, xq_ptr, scale_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, xq_ptr, scale_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr,
     hidden, eps, stride_x, stride_r, stride_q, stride_ro,
-    QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IN_SCALES: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # One program per row; the arithmetic of rmsnorm._rms_norm_kernel, then the quantizer's.
+    # One program per row; the arithmetic of rmsnorm._rms_norm_kernel, then the quantizer's. IN_SCALES: x is
+    # a ScaledOutput's unscaled sums, scaled here by the row's and the columns' scales and rounded to the
+    # activation dtype, as kernels/scaled_mm.materialize would store it.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     act_dtype = x.dtype
     x = x.to(tl.float32)
+    if IN_SCALES:
+        cs = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        x = (x * tl.load(row_scale_ptr + row) * cs).to(act_dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         summed = (x + r).to(residual_out_ptr.dtype.element_ty)
@@ -215,12 +221,17 @@ def _check_fused(x: torch.Tensor, width: int, qdtype: torch.dtype, what: str) ->
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: torch.dtype,
-                   residual: torch.Tensor | None = None
+                   residual: torch.Tensor | None = None,
+                   in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x (M, K) [+ residual (M, K)] -> (xq (M, K) qdtype, scale (M, 1) fp32, x + residual or None):
-    `rms_norm_quant_ref`, in one launch."""
+    `rms_norm_quant_ref`, in one launch. in_scales (row (M, 1), col (K,) fp32): x is a ScaledOutput's unscaled
+    sums, x * row * col the activation."""
     _check_fused(x, x.shape[-1], qdtype, "rms_norm_quant")
     m, k = x.shape
+    if in_scales is not None and (in_scales[0].numel() != m or in_scales[1].shape != (k,)):
+        raise ValueError(f"rms_norm_quant: in_scales must be ({m}, 1) and ({k},), got "
+                         f"{tuple(in_scales[0].shape)} and {tuple(in_scales[1].shape)}")
     if weight.shape != (k,):
         raise ValueError(f"rms_norm_quant: weight must have shape ({k},), got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
@@ -231,12 +242,13 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: to
     if m:
         block = triton.next_power_of_2(k)
         is_int = qdtype == torch.int8
+        rs, cs = in_scales if in_scales is not None else (scale, scale)
         _rms_norm_quant_kernel[(m,)](
             x, residual if residual is not None else x, weight, xq, scale, r_out if r_out is not None else x,
-            k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, xq.stride(0),
+            rs, cs, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, xq.stride(0),
             r_out.stride(0) if r_out is not None else 0,
-            QMAX=127.0 if is_int else 448.0, IS_INT=is_int, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=max(1, min(16, block // 256)),
+            QMAX=127.0 if is_int else 448.0, IS_INT=is_int, HAS_RESIDUAL=residual is not None,
+            IN_SCALES=in_scales is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
         )
     return xq, scale, r_out
 
@@ -262,11 +274,16 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
 
 
 def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: torch.dtype,
-                       residual: torch.Tensor | None = None
+                       residual: torch.Tensor | None = None,
+                       in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The unfused pair: rmsnorm.rms_norm_ref, then scaled_mm.quantize_activation (dynamic)."""
+    """The unfused pair: rmsnorm.rms_norm_ref, then scaled_mm.quantize_activation (dynamic); in_scales
+    applied to x first (x * row * col in fp32, rounded to x's dtype)."""
     from pagedllm.kernels.rmsnorm import rms_norm_ref
     from pagedllm.kernels.scaled_mm import quantize_activation
+
+    if in_scales is not None:
+        x = (x.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(x.dtype)
 
     if residual is None:
         normed, r_out = rms_norm_ref(x, weight, eps), None

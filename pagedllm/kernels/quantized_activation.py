@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantizedActivation"]
+__all__ = ["QuantizedActivation", "ScaledOutput"]
 
 
 @dataclass(frozen=True)
@@ -28,3 +28,28 @@ class QuantizedActivation:
     @property
     def is_cuda(self) -> bool:
         return self.xq.is_cuda
+
+
+@dataclass(frozen=True)
+class ScaledOutput:
+    """A W8A8 linear's output with its scales not yet applied (PAGEDLLM_FP8_DEFER_SCALES=1): the GEMM ran with
+    unit scales (cuBLASLt's per-tensor FP8 call, the fastest for the narrow decode linears), and the kernel
+    that consumes the output applies them (layers/quant_fusion.rms_norm_into: the residual add + RMSNorm);
+    y = acc * row_scale * col_scale[None, :], rounded to acc's dtype, is what the linear would have returned
+    (kernels/scaled_mm.materialize computes it where a consumer cannot)."""
+
+    acc: torch.Tensor  # (M, N) the unscaled sums, rounded to the activation dtype
+    row_scale: torch.Tensor  # (M, 1) fp32: the activation's per-token scales
+    col_scale: torch.Tensor  # (N,) fp32: the weight's per-channel scales
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.acc.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.acc.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.acc.is_cuda

@@ -30,11 +30,12 @@ import triton.language as tl
 
 from pagedllm.envs import environment_variables
 from pagedllm.kernels.quant_act import quantize_activation_triton, scale_epilogue
-from pagedllm.kernels.quantized_activation import QuantizedActivation
-from pagedllm.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_config
+from pagedllm.kernels.quantized_activation import QuantizedActivation, ScaledOutput
+from pagedllm.kernels.w8a8_gemm import W8A8Config, decode_config, w8a8_gemm, w8a8_gemm_config
 from pagedllm.kernels.w8a16_gemv import KERNEL_MAX_M, w8a16_linear
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "choose_path", "prequantized_path",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "INT8_MAX", "PATHS", "QuantizedActivation", "ScaledOutput", "choose_path",
+           "defers_scales", "ensure_unit_scale", "materialize", "prequantized_path",
            "quantize_activation", "rowwise_scaled_mm_supported", "scaled_gemm_triton", "scaled_mm_ref", "w8a8_linear"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -187,22 +188,35 @@ PATHS = ("w8a16", "triton", "cublas")
 W8A16_MAX_M = 16
 W8A16_MAX_N = {FP8_DTYPE: 16383, torch.int8: 1 << 62}
 TRITON_MAX_M = {FP8_DTYPE: 64, torch.int8: 1 << 62}
-# PAGEDLLM_W8A8_SPLIT_K=1 (off by default: not yet measured on the H200): the Triton GEMM cuts K where its
-# tiles leave SMs idle (w8a8_gemm_config split_k), and FP8 linears of N <= SPLIT_K_MAX_N (q/k/v, o, down
-# of the 8B shape) take it up to SPLIT_K_MAX_M rows instead of cuBLAS (whose 128 x 128 tiles give those
-# 32-48 programs there: the profile of BENCHMARKS.md's issue 19 h43 section).
+# PAGEDLLM_W8A8_SPLIT_K (on by default; 0: the thresholds above alone): FP8 linears of the shapes that
+# w8a8_gemm.DECODE_TABLE has take its measured pick at 17-256 rows (a Triton tile, K split in one launch where
+# that was faster, or cuBLAS): a Llama-3.1-8B layer's four at M = 32 / 64 / 128 / 192 / 256 in 78.7 / 76.1 /
+# 81.4 / 107.6 / 111.1 us against 113.7 / 77.2 / 99.8 / 115.4 / 116.7 before; W1 12,618 against 12,313 tok/s
+# (H200, one call, BENCHMARKS.md h51).
 SPLIT_K = environment_variables["PAGEDLLM_W8A8_SPLIT_K"]()
-SPLIT_K_MAX_M = 128
-SPLIT_K_MAX_N = 8192
+
+
+def _table_config(m: int, n: int, k: int, qdtype: torch.dtype) -> tuple[bool, W8A8Config | None]:
+    """decode_config where the switch is on and the weights are FP8 (the table is FP8's), else (False, None)."""
+    if SPLIT_K and qdtype == FP8_DTYPE:
+        return decode_config(m, n, k)
+    return False, None
 
 
 def choose_path(m: int, n: int, k: int, qdtype: torch.dtype) -> str:
     """The CUDA path for an (m, k) x (n, k)^T W8A8 linear with K and N multiples of 16."""
     if m == 1 or (m <= W8A16_MAX_M and n <= W8A16_MAX_N[qdtype]):
         return "w8a16"
-    if SPLIT_K and m <= SPLIT_K_MAX_M and n <= SPLIT_K_MAX_N:
-        return "triton"
+    found, cfg = _table_config(m, n, k, qdtype)
+    if found:
+        return "triton" if cfg is not None else "cublas"
     return "triton" if m <= TRITON_MAX_M[qdtype] else "cublas"
+
+
+def triton_config(m: int, n: int, k: int, qdtype: torch.dtype) -> W8A8Config:
+    """The Triton W8A8 GEMM's launch for a linear on the "triton" path: the table's pick, else the M buckets."""
+    found, cfg = _table_config(m, n, k, qdtype)
+    return cfg if found and cfg is not None else w8a8_gemm_config(m, n, k)
 
 
 def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
@@ -215,8 +229,53 @@ def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
     return path == "triton" or (path == "cublas" and qdtype == FP8_DTYPE)
 
 
+# PAGEDLLM_FP8_DEFER_SCALES=1 (off by default until a model's output with real weights is compared on a GPU;
+# W1 on the H200: 12,885 tok/s against the table's 12,618, its kernels checked there, BENCHMARKS.md h51): an FP8
+# linear whose output feeds a residual add + RMSNorm (o_proj, down_proj of the plain Llama layers, TP 1) runs
+# 17-256 rows through cuBLASLt's per-tensor FP8 GEMM with unit scales and returns a `ScaledOutput`; the norm's
+# kernel applies the per-token and per-channel scales (layers/quant_fusion.rms_norm_into). cuBLASLt there:
+# o 7.5-9.8 us, down 18.1-27.2 us against the table's 9.1-12.6 / 22.0-33.3 (H200, BENCHMARKS.md h51).
+DEFER_SCALES = environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]()
+DEFER_MIN_M, DEFER_MAX_M = 17, 256
+_unit_scales: dict[torch.device, torch.Tensor] = {}
+
+
+def ensure_unit_scale(device: torch.device) -> torch.Tensor | None:
+    """The device's fp32 1.0 for the unit-scale GEMM (made once, outside any capture; None if first asked
+    inside one)."""
+    one = _unit_scales.get(device)
+    if one is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        one = _unit_scales[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def defers_scales(m: int, n: int, k: int, qdtype: torch.dtype, act_dtype: torch.dtype, dynamic: bool,
+                  has_bias: bool) -> bool:
+    """Whether an FP8 linear asked to defer its scales does: dynamic per-token activations, bf16, no bias,
+    DEFER_MIN_M..DEFER_MAX_M rows, K and N multiples of 16 (elsewhere it returns its scaled output)."""
+    return (qdtype == FP8_DTYPE and act_dtype == torch.bfloat16 and dynamic and not has_bias
+            and DEFER_MIN_M <= m <= DEFER_MAX_M and k % 16 == 0 and n % 16 == 0)
+
+
+def materialize(y: ScaledOutput) -> torch.Tensor:
+    """y.acc * y.row_scale * y.col_scale in fp32, rounded to y's dtype: what the linear would have returned."""
+    return scale_epilogue(y.acc, y.row_scale, y.col_scale, None, y.acc.shape[0], y.acc.dtype)
+
+
+def _deferred_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                   act_dtype: torch.dtype) -> ScaledOutput | None:
+    """cuBLASLt's FP8 GEMM with unit per-tensor scales, the scales left to the consumer; None without a
+    unit-scale tensor (first asked inside a capture)."""
+    one = ensure_unit_scale(xq.device)
+    if one is None:
+        return None
+    acc = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=act_dtype, use_fast_accum=FAST_ACCUM)
+    return ScaledOutput(acc, x_scale, w_scale)
+
+
 def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale: torch.Tensor,
-                input_scale: torch.Tensor | None, bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+                input_scale: torch.Tensor | None, bias: torch.Tensor | None, path: str | None = None,
+                defer_scales: bool = False) -> torch.Tensor | ScaledOutput:
     """x (M, K) float -> (M, N) in x's dtype through the fastest path for the device:
 
     CPU              quantize_activation + scaled_mm_ref (torch)
@@ -229,10 +288,16 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
     `path` (one of PATHS) overrides `choose_path` (the sweep and the tests use it).
     No host syncs on CUDA (graph-capturable). w_scale (N,) fp32; input_scale (1,) or None (dynamic).
     x a `QuantizedActivation` (CUDA, dynamic scales, `prequantized_path` true): straight to the GEMM.
+    defer_scales (the caller's consumer applies them): a `ScaledOutput` where `defers_scales` holds (CUDA).
     """
     if path is not None and path not in PATHS:
         raise ValueError(f"w8a8_linear path must be one of {PATHS}, got {path!r}")
     if isinstance(x, QuantizedActivation):
+        if defer_scales and x.is_cuda and defers_scales(x.xq.shape[0], wq.shape[0], x.xq.shape[1], wq.dtype,
+                                                        x.dtype, input_scale is None, bias is not None):
+            out = _deferred_gemm(x.xq, x.scale, wq, w_scale, x.dtype)
+            if out is not None:
+                return out
         return _prequantized_linear(x, wq, w_scale, input_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -244,6 +309,13 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
     if m == 0:
         return x.new_empty(*lead, n)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    if defer_scales and x.dim() == 2 and defers_scales(m, n, k, wq.dtype, x.dtype, input_scale is None,
+                                                       bias is not None):
+        xq, x_scale = quantize_activation_triton(x2, wq.dtype)
+        out = _deferred_gemm(xq, x_scale, wq, w_scale, x.dtype)
+        if out is not None:
+            return out
+        return _fp8_cuda(xq, x_scale, wq, w_scale, None, m, x.dtype)
     aligned = k % 16 == 0 and n % 16 == 0
     is_int = wq.dtype == torch.int8
     path = path or choose_path(m, n, k, wq.dtype)
@@ -252,7 +324,7 @@ def w8a8_linear(x: torch.Tensor | QuantizedActivation, wq: torch.Tensor, w_scale
     if aligned and path == "triton":
         xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale)
         return w8a8_gemm(xq, wq, x_scale, w_scale, bias, x.dtype,
-                         config=w8a8_gemm_config(m, n, k, SPLIT_K)).reshape(*lead, n)
+                         config=triton_config(m, n, k, wq.dtype)).reshape(*lead, n)
     pad = max(32, triton.cdiv(m, 8) * 8) if is_int and aligned else m  # _int_mm needs M > 16
     xq, x_scale = quantize_activation_triton(x2, wq.dtype, input_scale, rows=pad)
     if not aligned:
@@ -276,5 +348,5 @@ def _prequantized_linear(x: QuantizedActivation, wq: torch.Tensor, w_scale: torc
     if not x.is_cuda:  # the reference (a test's interpreted producer kernels hand CPU tensors)
         return scaled_mm_ref(x.xq, wq, x.scale, w_scale, bias, x.dtype)
     if choose_path(m, n, k, wq.dtype) == "triton":
-        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype, config=w8a8_gemm_config(m, n, k, SPLIT_K))
+        return w8a8_gemm(x.xq, wq, x.scale, w_scale, bias, x.dtype, config=triton_config(m, n, k, wq.dtype))
     return _fp8_cuda(x.xq, x.scale, wq, w_scale, bias, m, x.dtype)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.envs import environment_variables
-from pagedllm.kernels.quantized_activation import QuantizedActivation
+from pagedllm.kernels.quantized_activation import QuantizedActivation, ScaledOutput
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 
@@ -51,20 +51,30 @@ def input_quant_dtype(linear: nn.Module | None, m: int, k: int, on_cuda: bool) -
     return method.qdtype
 
 
-def rms_norm_into(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module | None
+def rms_norm_into(norm: nn.Module, x: torch.Tensor | ScaledOutput, residual: torch.Tensor | None,
+                  linear: nn.Module | None
                   ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
     """norm(x) or norm(x, residual) (the same return convention) for an input of `linear`: quantized
-    for it in the norm's kernel where `input_quant_dtype` says so."""
+    for it in the norm's kernel where `input_quant_dtype` says so. x a `ScaledOutput` (an FP8 linear that
+    left its scales to this norm, PAGEDLLM_FP8_DEFER_SCALES=1): the scales applied in the same kernel, or
+    by `scaled_mm.materialize` first where the norm is not fused."""
+    in_scales = None
+    if isinstance(x, ScaledOutput):
+        in_scales, x = (x.row_scale, x.col_scale), x.acc
     qdtype = None
     if type(norm) is RMSNorm and x.dim() == 2 and (residual is None or residual.shape == x.shape):
         qdtype = input_quant_dtype(linear, x.shape[0], x.shape[1], _kernel_device(x))
     if qdtype is None:
+        if in_scales is not None:
+            from pagedllm.kernels.scaled_mm import materialize
+
+            x = materialize(ScaledOutput(x, *in_scales))
         return norm(x) if residual is None else norm(x, residual)
     from pagedllm.kernels.quant_act import rms_norm_quant
 
     x2 = x if x.stride(1) == 1 else x.contiguous()
     r2 = residual if residual is None or residual.stride(1) == 1 else residual.contiguous()
-    xq, scale, r_out = rms_norm_quant(x2, norm.weight, norm.variance_epsilon, qdtype, r2)
+    xq, scale, r_out = rms_norm_quant(x2, norm.weight, norm.variance_epsilon, qdtype, r2, in_scales=in_scales)
     out = QuantizedActivation(xq, scale, x.dtype)
     return out if residual is None else (out, r_out)
 

@@ -208,6 +208,33 @@ class LlamaDecoderLayer(nn.Module):
         return mlp(hidden_states), residual
 
 
+def _plain(layer: nn.Module) -> bool:
+    """A decoder layer whose forward is LlamaDecoderLayer's with Llama's attention and MLP blocks: its o_proj
+    output and its input reach a residual add + RMSNorm through quant_fusion.rms_norm_into."""
+    return (isinstance(layer, LlamaDecoderLayer) and type(layer).forward is LlamaDecoderLayer.forward
+            and type(layer.self_attn).forward is LlamaAttention.forward
+            and type(layer.self_attn).forward_from_qkv is LlamaAttention.forward_from_qkv
+            and type(layer.mlp).forward is LlamaMLP.forward
+            and type(layer.mlp).forward_from_gate_up is LlamaMLP.forward_from_gate_up)
+
+
+def mark_deferred_scales(layers: Iterable[nn.Module]) -> None:
+    """PAGEDLLM_FP8_DEFER_SCALES=1: let each plain layer's o_proj, and its down_proj where the next layer of
+    this stage is plain too, hand the norm after it a ScaledOutput (kernels/scaled_mm.py DEFER_SCALES): the
+    last layer's down_proj feeds the final norm or the next pipeline stage, which take tensors."""
+    from pagedllm.kernels.scaled_mm import DEFER_SCALES
+
+    if not DEFER_SCALES:
+        return
+    local = list(layers)
+    for i, layer in enumerate(local):
+        if not _plain(layer):
+            continue
+        layer.self_attn.o_proj.defer_output_scales = True
+        if i + 1 < len(local) and _plain(local[i + 1]):
+            layer.mlp.down_proj.defer_output_scales = True
+
+
 class Qwen2DecoderLayer(LlamaDecoderLayer):
     @staticmethod
     def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -240,6 +267,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        mark_deferred_scales(self.layers[self.start_layer:self.end_layer])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

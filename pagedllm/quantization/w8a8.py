@@ -25,7 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels.scaled_mm import FP8_DTYPE, FP8_MAX, INT8_MAX, rowwise_scaled_mm_supported, w8a8_linear
+from pagedllm.kernels.scaled_mm import (
+    DEFER_SCALES,
+    FP8_DTYPE,
+    FP8_MAX,
+    INT8_MAX,
+    ensure_unit_scale,
+    rowwise_scaled_mm_supported,
+    w8a8_linear,
+)
+from pagedllm.kernels.w8a8_gemm import ensure_workspace
 from pagedllm.quantization.base import LinearMethodBase
 from pagedllm.quantization.utils import (
     FLOAT_DTYPES,
@@ -92,7 +101,14 @@ class W8A8LinearMethod(LinearMethodBase):
             layer.input_scale.data = scales.max().reshape(1)
         if layer.weight.is_cuda and self.qdtype == FP8_DTYPE:
             rowwise_scaled_mm_supported(layer.weight.device)  # probed now, before any CUDA-graph capture
+        if layer.weight.is_cuda:
+            ensure_workspace(layer.weight.device)  # the one-launch split-K's scratch, made before any capture
+            if self.qdtype == FP8_DTYPE:
+                ensure_unit_scale(layer.weight.device)  # the deferred-scale GEMM's 1.0 (PAGEDLLM_FP8_DEFER_SCALES)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # defer_output_scales: set by a model whose next kernel applies the scales (models/llama.py, with
+        # PAGEDLLM_FP8_DEFER_SCALES=1); then the output may be a ScaledOutput (kernels/scaled_mm.py)
+        defer = DEFER_SCALES and getattr(layer, "defer_output_scales", False) and getattr(layer, "tp_size", 1) == 1
         return w8a8_linear(x, layer.weight, layer.weight_scale,
-                           layer.input_scale if self.static_input else None, bias)
+                           layer.input_scale if self.static_input else None, bias, defer_scales=defer)

@@ -199,14 +199,21 @@ def _record_quant() -> None:
     wna16_gemm.dequantize_wna16_triton(qw, s, z, 4, 128, bf16)
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         quant_act.quantize_activation_triton(torch.zeros(2, k, dtype=bf16), qdtype)
-    # The W8A8 GEMM's split-K launch (PAGEDLLM_W8A8_SPLIT_K=1) at Llama-3.1-8B's down projection, fp8, 64 rows:
-    # the (64, 128, 128) pointer kernel in 8 K slices and the slices' sum.
+    # The W8A8 GEMM's split-K launches at Llama-3.1-8B's down projection, fp8, 64 rows: the (64, 128, 128)
+    # pointer kernel in 8 K slices and the slices' sum (two launches); the one-launch sum (SERIAL: the last
+    # arrival sums the slices) on 64 / 128-row tiles; the pointer-kernel picks of w8a8_gemm.DECODE_TABLE (the
+    # recorder takes no TMA descriptors, so the TMA picks are compiled on the GPU only).
     fp8 = torch.float8_e4m3fn
-    w8a8_gemm.w8a8_gemm(torch.zeros(64, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(64, 1),
-                        torch.ones(n), None, bf16, config=w8a8_gemm.w8a8_gemm_config(64, n, k, split_k=True))
+    decode = [c for buckets in w8a8_gemm.DECODE_TABLE.values() for _, c in buckets if c is not None and not c.TMA]
+    for cfg in (w8a8_gemm.W8A8Config(64, 128, 128, 8, 4, 4, False, 8), w8a8_gemm.W8A8Config(64, 128, 128, 8, 4, 4, False, 4, True),
+                w8a8_gemm.W8A8Config(128, 128, 128, 8, 8, 3, False, 2, True), *decode):
+        w8a8_gemm.w8a8_gemm(torch.zeros(128, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(128, 1),
+                            torch.ones(n), None, bf16, config=cfg)
     # The fused producers of a W8A8 linear's input (layers/quant_fusion.py) at Llama-3.1-8B's widths.
     x = torch.zeros(2, 4096, dtype=bf16)
     quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x)
+    quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x,  # a ScaledOutput's
+                             in_scales=(torch.ones(2, 1), torch.ones(4096)))
     quant_act.silu_and_mul_quant(torch.zeros(2, 2 * k, dtype=bf16), torch.float8_e4m3fn)
     # An fp8 KV cache's decode loop (decode_attention.FP8_KV_VARIANT: fp8 wgmma, 238 registers at Llama's heads).
     md = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)

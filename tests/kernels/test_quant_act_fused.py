@@ -63,6 +63,29 @@ def test_rms_norm_quant_matches_the_unfused_pair(device, qdtype, dtype, with_res
         assert r_out is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rms_norm_quant_applies_a_scaled_outputs_scales(device, dtype):
+    # in_scales (a ScaledOutput's row / column scales): the same as materializing x * row * col in x's dtype
+    # (kernels/scaled_mm.materialize, the scale epilogue) and then the fused norm, bit for bit.
+    from pagedllm.kernels.quant_act import scale_epilogue
+
+    acc = (torch.randn(5, 300, device=device) * 300).to(dtype)  # unscaled fp8 sums: large
+    rows = torch.rand(5, 1, device=device) * 1e-2
+    cols = torch.rand(300, device=device) * 1e-2
+    residual = torch.randn(5, 300, device=device).to(dtype)
+    w = (1.0 + 0.3 * torch.randn(300, device=device)).to(dtype)
+    xq, scale, r_out = rms_norm_quant(acc, w, 1e-6, FP8_DTYPE, residual, in_scales=(rows, cols))
+    y = scale_epilogue(acc, rows, cols, None, 5, dtype)
+    pair_q, pair_s, pair_r = rms_norm_quant(y, w, 1e-6, FP8_DTYPE, residual)
+    torch.testing.assert_close(scale, pair_s, atol=0, rtol=0)
+    assert_same_codes(xq, pair_q)
+    assert torch.equal(r_out, pair_r)
+    ref_q, ref_s, ref_r = rms_norm_quant_ref(acc, w, 1e-6, FP8_DTYPE, residual, in_scales=(rows, cols))
+    assert_close_codes(xq, scale, ref_q, ref_s, dtype)
+    with pytest.raises(ValueError, match="in_scales"):
+        rms_norm_quant(acc, w, 1e-6, FP8_DTYPE, residual, in_scales=(rows, cols[:10]))
+
+
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_silu_and_mul_quant_matches_the_unfused_pair(device, qdtype, dtype):

@@ -107,3 +107,99 @@ def test_a_mismatched_quantized_input_is_refused(device):
         w8a8_linear(qa, wq, ws, torch.tensor([0.5], device=device), None)  # a static-scale linear
     with pytest.raises(ValueError, match="prequantized_path"):
         w8a8_linear(qa, wq.to(torch.float8_e4m3fn), ws, None, None)  # fp8 weights, int8 codes
+
+
+def test_norm_applies_a_scaled_outputs_scales(device, fused):
+    # PAGEDLLM_FP8_DEFER_SCALES: the norm after an FP8 o_proj / down_proj gets the unscaled sums and the two
+    # scale vectors; fused, it applies them in its kernel; unfused (a 16-bit consumer), materialize first.
+    # Both equal materializing the output and then the plain path, bit for bit.
+    from pagedllm.kernels.quantized_activation import ScaledOutput
+    from pagedllm.kernels.scaled_mm import materialize
+
+    norm = RMSNorm(64).to(device)
+    norm.weight.data = 1.0 + 0.2 * torch.randn(64, device=device)
+    linear = ReplicatedLinear(64, 48, bias=False).to(device)
+    _to_w8a8(linear)
+    acc = torch.randn(24, 64, device=device) * 300
+    y = ScaledOutput(acc, torch.rand(24, 1, device=device) * 1e-2, torch.rand(64, device=device) * 1e-2)
+    residual = torch.randn(24, 64, device=device)
+    qa, r_out = quant_fusion.rms_norm_into(norm, y, residual, linear)
+    ref_qa, ref_r = quant_fusion.rms_norm_into(norm, materialize(y), residual, linear)
+    assert isinstance(qa, QuantizedActivation) and fused["norm"] == 2
+    assert torch.equal(qa.xq, ref_qa.xq) and torch.equal(qa.scale, ref_qa.scale) and torch.equal(r_out, ref_r)
+    plain = nn.Linear(64, 48).to(device)  # a consumer that takes 16 bits: the norm is not fused
+    out, r_plain = quant_fusion.rms_norm_into(norm, y, residual, plain)
+    ref_out, ref_r_plain = norm(materialize(y), residual)
+    assert torch.equal(out, ref_out) and torch.equal(r_plain, ref_r_plain)
+
+
+def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
+    # Every plain layer's o_proj, and every down_proj but the stage's last (it feeds the final norm), defer.
+    import pagedllm.kernels.scaled_mm as sm
+    from pagedllm.models.llama import LlamaDecoderLayer, mark_deferred_scales
+
+    class Odd(LlamaDecoderLayer):  # another forward: its output may reach something else
+        def forward(self, *args):
+            return super().forward(*args)
+
+    class Stub:
+        pass
+
+    def layer(cls):
+        obj = cls.__new__(cls)
+        nn.Module.__init__(obj)
+        obj.self_attn, obj.mlp = _llama_attn(), _llama_mlp()
+        return obj
+
+    def _llama_attn():
+        from pagedllm.models.llama import LlamaAttention
+
+        a = LlamaAttention.__new__(LlamaAttention)
+        nn.Module.__init__(a)
+        a.o_proj = Stub()
+        return a
+
+    def _llama_mlp():
+        m = LlamaMLP.__new__(LlamaMLP)
+        nn.Module.__init__(m)
+        m.down_proj = Stub()
+        return m
+
+    layers = [layer(LlamaDecoderLayer), layer(LlamaDecoderLayer), layer(Odd), layer(LlamaDecoderLayer)]
+    monkeypatch.setattr(sm, "DEFER_SCALES", False)
+    mark_deferred_scales(layers)
+    assert not any(hasattr(x.self_attn.o_proj, "defer_output_scales") for x in layers)
+    monkeypatch.setattr(sm, "DEFER_SCALES", True)
+    mark_deferred_scales(layers)
+    flags = [(getattr(x.self_attn.o_proj, "defer_output_scales", False),
+              getattr(x.mlp.down_proj, "defer_output_scales", False)) for x in layers]
+    assert flags == [(True, True), (True, False), (False, False), (True, False)]
+
+
+def test_defers_scales_rule():
+    from pagedllm.kernels.scaled_mm import FP8_DTYPE, defers_scales
+
+    bf16 = torch.bfloat16
+    assert defers_scales(64, 4096, 14336, FP8_DTYPE, bf16, True, False)
+    assert not defers_scales(16, 4096, 14336, FP8_DTYPE, bf16, True, False)  # the W8A16 GEMV's rows
+    assert not defers_scales(300, 4096, 14336, FP8_DTYPE, bf16, True, False)  # prefill-sized
+    assert not defers_scales(64, 4096, 14336, torch.int8, bf16, True, False)
+    assert not defers_scales(64, 4096, 14336, FP8_DTYPE, torch.float16, True, False)
+    assert not defers_scales(64, 4096, 14336, FP8_DTYPE, bf16, False, False)  # static input scale
+    assert not defers_scales(64, 4096, 14336, FP8_DTYPE, bf16, True, True)  # a bias
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs CUDA")
+def test_deferred_fp8_linear_matches_the_scaled_one():
+    from pagedllm.kernels.scaled_mm import FP8_DTYPE, ScaledOutput, ensure_unit_scale, materialize, w8a8_linear
+
+    ensure_unit_scale(torch.device("cuda"))
+    w = torch.randn(4096, 14336, device="cuda") * 0.05
+    ws = w.abs().amax(1) / 448.0
+    wq = (w / ws[:, None]).to(FP8_DTYPE)
+    x = torch.randn(64, 14336, device="cuda", dtype=torch.bfloat16)
+    y = w8a8_linear(x, wq, ws, None, None, defer_scales=True)
+    ref = w8a8_linear(x, wq, ws, None, None)
+    assert isinstance(y, ScaledOutput)
+    out = materialize(y)
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2

@@ -85,15 +85,27 @@ def test_w8a8_linear_cuda_paths_and_graph_capture(qdtype, m, path):
     torch.testing.assert_close(captured, w8a8_linear(x, wq, ws, None, bias, path=path), atol=0, rtol=0)
 
 
-def test_split_k_switch_moves_narrow_fp8_linears_to_triton(monkeypatch):
-    # PAGEDLLM_W8A8_SPLIT_K=1: FP8 linears of <= 8192 outputs take the Triton (split-K) GEMM up to 128 rows;
-    # off (the default) they go to cuBLAS above 64 rows. gate_up-wide weights stay on cuBLAS either way.
+def test_decode_table_dispatch(monkeypatch):
+    # PAGEDLLM_W8A8_SPLIT_K (on): FP8 linears of the table's shapes take its measured pick at 17-256 rows;
+    # off, or INT8, or another shape: the M thresholds (Triton up to 64 rows, FP8 cuBLAS above).
     import pagedllm.kernels.scaled_mm as sm
+    from pagedllm.kernels.w8a8_gemm import DECODE_TABLE, W8A8Config
 
-    assert choose_path(128, 4096, 14336, FP8_DTYPE) == "cublas"
     monkeypatch.setattr(sm, "SPLIT_K", True)
-    assert choose_path(128, 4096, 14336, FP8_DTYPE) == "triton"
-    assert choose_path(128, 6144, 4096, FP8_DTYPE) == "triton"
-    assert choose_path(256, 6144, 4096, FP8_DTYPE) == "cublas"
+    assert choose_path(128, 4096, 14336, FP8_DTYPE) == "triton"  # down at 97-160 rows: the unsplit 64 x 64 tile
+    assert sm.triton_config(128, 4096, 14336, FP8_DTYPE) == W8A8Config(64, 64, 256, 8, 4, 4)
+    assert sm.triton_config(200, 4096, 14336, FP8_DTYPE) == W8A8Config(64, 128, 128, 8, 4, 4, True, 2, True)
+    assert choose_path(200, 6144, 4096, FP8_DTYPE) == "cublas"  # qkv from 161 rows: cuBLAS was faster
+    assert choose_path(80, 28672, 4096, FP8_DTYPE) == "triton"  # gate_up up to 96 rows, then cuBLAS
     assert choose_path(128, 28672, 4096, FP8_DTYPE) == "cublas"
+    assert choose_path(300, 4096, 14336, FP8_DTYPE) == "cublas"  # past the table
+    assert choose_path(128, 4096, 14336, torch.int8) == "triton"  # INT8: its own thresholds
+    assert sm.triton_config(128, 4096, 14336, torch.int8) == sm.w8a8_gemm_config(128, 4096, 14336)
+    assert choose_path(100, 2048, 2048, FP8_DTYPE) == "cublas"  # a shape the table lacks
     assert choose_path(8, 4096, 4096, FP8_DTYPE) == "w8a16"
+    for buckets in DECODE_TABLE.values():  # buckets ascend and end at 256 rows
+        assert [b for b, _ in buckets] == sorted(b for b, _ in buckets) and buckets[-1][0] == 256
+    monkeypatch.setattr(sm, "SPLIT_K", False)
+    assert choose_path(128, 4096, 14336, FP8_DTYPE) == "cublas"
+    assert choose_path(40, 4096, 14336, FP8_DTYPE) == "triton"
+    assert sm.triton_config(40, 4096, 14336, FP8_DTYPE) == sm.w8a8_gemm_config(40, 4096, 14336)

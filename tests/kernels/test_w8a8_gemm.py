@@ -18,6 +18,9 @@ from pagedllm.kernels.w8a8_gemm import W8A8Config, w8a8_gemm, w8a8_gemm_config
     (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, False, 3)),  # split-K: 7 K steps in slices of 3, 3, 1
     (20, 64, 200, W8A8Config(16, 32, 64, 2, 4, 2, True, 4)),  # split-K asked with TMA: the pointer kernel
     (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6)),  # 7 steps in slices of 2: the last ragged, two empty
+    (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, False, 3, True)),  # one-launch split-K: the last arrival sums
+    (20, 64, 200, W8A8Config(16, 32, 32, 2, 4, 2, False, 6, True)),  # ... with two empty slices
+    (37, 40, 224, W8A8Config(16, 32, 32, 2, 4, 2, True, 3, True)),  # ... on the TMA kernel, edges zero-filled
 ])
 def test_matches_reference(device, qdtype, m, n, k, cfg):
     x = torch.randn(m, k, device=device) * 2
@@ -29,6 +32,24 @@ def test_matches_reference(device, qdtype, m, n, k, cfg):
     out = w8a8_gemm(xq, wq, xs, ws.flatten(), bias, torch.float32, config=cfg)
     assert out.shape == (m, n)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_serial_split_k_counters_reset(device):
+    # The one-launch split-K leaves its per-tile counters at zero (the next call, e.g. a graph replay, finds
+    # them so) and sums the slices in slice order: two calls give the same bits as each other, and match
+    # the reference.
+    from pagedllm.kernels import w8a8_gemm as mod
+
+    mod.ensure_workspace(device)
+    cfg = W8A8Config(16, 32, 32, 2, 4, 2, False, 4, True)
+    xq, xs = quantize_activation(torch.randn(40, 256, device=device), FP8_DTYPE)
+    wq, ws = quantize_activation(torch.randn(96, 256, device=device) * 0.05, FP8_DTYPE)
+    first = w8a8_gemm(xq, wq, xs, ws.flatten(), None, torch.float32, config=cfg)
+    assert int(mod._workspaces[torch.device(device)][1].abs().sum()) == 0
+    second = w8a8_gemm(xq, wq, xs, ws.flatten(), None, torch.float32, config=cfg)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, scaled_mm_ref(xq, wq, xs, ws.flatten(), None, torch.float32),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_padded_rows_and_no_bias(device):
@@ -51,7 +72,29 @@ def test_config_buckets():
     assert w8a8_gemm_config(256, 4096, 14336)[:3] == (64, 64, 256)  # 128 of (64, 128), 256 of these
     assert w8a8_gemm_config(1, 64, 40).BLOCK_K == 64
     # split_k: only where the tile leaves SMs idle, slices of >= 4 BLOCK_K steps.
-    assert w8a8_gemm_config(64, 4096, 14336, split_k=True) == W8A8Config(64, 128, 128, 8, 4, 4, False, 8)
+    assert w8a8_gemm_config(64, 4096, 14336, split_k=True) == W8A8Config(64, 128, 128, 8, 4, 4, True, 8, True)
     assert w8a8_gemm_config(128, 6144, 4096, split_k=True).SPLIT_K == 1  # 192 programs of (64, 64)
     assert w8a8_gemm_config(64, 28672, 4096, split_k=True).SPLIT_K == 1
     assert w8a8_gemm_config(8, 4096, 14336, split_k=True).SPLIT_K == 1  # M <= 16 keeps its tiles
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model-sized GEMMs: too slow for the interpreter")
+def test_decode_table_configs_match_reference():
+    # Every pick of DECODE_TABLE at its bucket's largest and smallest row counts (M % 16 == 0 and != 0: the two
+    # compiled forms), on the real Llama-3.1-8B shapes, within 2e-2 of max |ref| (fp8 fast accumulation).
+    from pagedllm.kernels.w8a8_gemm import DECODE_MIN_M, DECODE_TABLE, ensure_workspace
+
+    ensure_workspace(torch.device("cuda"))
+    for (n, k), buckets in DECODE_TABLE.items():
+        wq, ws = quantize_activation(torch.randn(n, k, device="cuda") * 0.05, FP8_DTYPE)
+        lo = DECODE_MIN_M
+        for max_m, cfg in buckets:
+            for m in {lo, max_m}:
+                if cfg is None:
+                    continue
+                xq, xs = quantize_activation(torch.randn(m, k, device="cuda"), FP8_DTYPE)
+                ref = scaled_mm_ref(xq, wq, xs, ws.flatten(), None, torch.float32)
+                out = w8a8_gemm(xq, wq, xs, ws.flatten(), None, torch.bfloat16, config=cfg)
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, f"{(m, n, k)} {cfg}: {err:.2e}"
+            lo = max_m + 1
