@@ -1,0 +1,241 @@
+"""Kernel sweeps for issue 24's W1 bars, no engine (random weights of the models' shapes), CUDA-graph replays
+against each kernel's floor; sections in the order given, none started after --deadline seconds:
+
+    moe      fused_experts at Qwen3-30B-A3B's expert shape (128 x 2048 x 768, top 8), decode sizes: the
+             row-list tiles (`_scan_config`'s defaults first, then variants), 8 layers' experts rotated so
+             every call reads DRAM; floor = the experts hit, read once, at the copy bandwidth measured here
+    dense    cuBLAS (F.linear) at the decode step's dense shapes (qkv, o_proj, router) and batch sizes,
+             8 weight copies rotated, against the weight bytes (or the FLOPs at 800 TFLOP/s, if more)
+    attn     the fused decode attention's tiles at Qwen3-30B-A3B's heads (32 query / 4 kv, head_dim 128)
+             (gpu_moe_w1_probe.attn_variants)
+    mla      mla_decode's (TILE_N, warps, stages) and partition variants at DeepSeek-V2-Lite's latent
+             (16 heads, 512 + 64), W1-like batches, against the latent bytes
+    prefill  fused_experts at 8192 tokens: the default TMA tiles against GEMM-2 (DOWN) variants, against
+             the FLOPs at the bf16 matmul speed measured here
+
+    python3 -u scripts/gpu_h49_sweep.py [--only moe dense attn mla prefill] [--deadline 70]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+T0 = time.monotonic()
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def _c(m: int, n: int, k: int, w: int, st: int, **kw) -> dict:
+    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, **kw)
+
+
+def rows(m: int, n: int, k: int, w: int, st: int, down: dict | None = None) -> dict:
+    """A row-list (SCAN) config; down: GEMM 2's own BLOCK_N / BLOCK_K / warps / stages."""
+    return _c(m, n, k, w, st, SCAN=True, DOWN=down or dict(BLOCK_N=128))
+
+
+# (tokens, label, config or None for fused_experts' own choice)
+MOE_DECODE = [
+    (256, "default", None),
+    (256, "rows 32x128x64 s3, down 128x64", rows(32, 128, 64, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
+    (256, "rows 32x64x128 s4, down 128x128 s4", rows(32, 64, 128, 4, 4, dict(BLOCK_N=128, num_stages=4))),
+    (256, "rows 32x32x128 s3, down 64x128", rows(32, 32, 128, 4, 3, dict(BLOCK_N=64))),
+    (256, "rows 32x64x64 s4, down 128x64 s4", rows(32, 64, 64, 4, 4, dict(BLOCK_N=128, BLOCK_K=64, num_stages=4))),
+    (256, "rows 32x64x128 s3, down 256x64 w8", rows(32, 64, 128, 4, 3, dict(BLOCK_N=256, BLOCK_K=64, num_warps=8))),
+    (128, "default", None),
+    (128, "rows 16x64x128 s4, down 128x128 s4", rows(16, 64, 128, 4, 4, dict(BLOCK_N=128, num_stages=4))),
+    (128, "rows 16x128x64 s3, down 128x64", rows(16, 128, 64, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
+    (192, "default", None),
+    (64, "default", None),
+    (32, "default", None),
+    (8, "default", None),
+]
+MOE_PREFILL = [
+    (8192, "default", None),
+    (8192, "default, down 128x256x64 w8 s3", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4,
+                                                   FUSE_SILU=True, TMA=True,
+                                                   DOWN=dict(BLOCK_N=256, num_stages=3))),
+    (8192, "default, GROUP_M 16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, FUSE_SILU=True,
+                                       TMA=True, GROUP_M=16)),
+    (8192, "default, down 128x64x64 w4 s4", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4,
+                                                FUSE_SILU=True, TMA=True,
+                                                DOWN=dict(BLOCK_N=64, num_warps=4))),
+]
+MLA_TILES = [  # (label, tile, split_chunk)
+    ("default", None, None),
+    ("tile 64 w8 s2, 256 keys", (64, 8, 2), 256),
+    ("tile 32 w8 s2, 256 keys", (32, 8, 2), 256),
+    ("tile 32 w4 s3, 256 keys", (32, 4, 3), 256),
+    ("tile 64 w4 s2, 256 keys", (64, 4, 2), 256),
+    ("tile 32 w4 s2, 128 keys", (32, 4, 2), 128),
+    ("tile 64 w8 s3, 256 keys", (64, 8, 3), 256),
+    ("tile 64 w8 s2, 512 keys", (64, 8, 2), 512),
+    ("tile 16 w4 s3, 256 keys", (16, 4, 3), 256),
+]
+
+
+class Sweep:
+    def __init__(self, deadline: float) -> None:
+        import torch
+        from _gpu_common import copy_bandwidth
+
+        self.deadline = deadline
+        self.bw = copy_bandwidth()
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            a @ a
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+        self.flops = 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+        del a
+        print(f"copy {self.bw / 1e12:.2f} TB/s, bf16 matmul {self.flops / 1e12:.0f} TFLOP/s [{elapsed():.0f} s]",
+              flush=True)
+        self._experts = None
+
+    def late(self, what: str) -> bool:
+        if elapsed() > self.deadline:
+            print(f"## {what}: not run (deadline)", flush=True)
+            return True
+        return False
+
+    def experts(self):
+        """8 layers of random Qwen3-30B-A3B experts (~9.7 GB), made once."""
+        if self._experts is None:
+            from _gpu_common import moe_expert_weights
+
+            self._experts = [moe_expert_weights(128, 2048, 768) for _ in range(8)]
+        return self._experts
+
+    def moe(self, cases) -> None:
+        import torch
+        from _gpu_common import moe_floor_us, record, rel_err, rotating_graph_us
+
+        from pagedllm.kernels import fused_moe as fm
+        from pagedllm.layers.fused_moe.router import select_experts
+        from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
+
+        ws = self.experts()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        inputs: dict[int, tuple] = {}
+        for t, name, cfg in cases:
+            if self.late(f"moe {t} tokens {name}"):
+                continue
+            if t not in inputs:
+                x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+                w, ids = select_experts(torch.randn(t, 128, device="cuda", generator=g), 8, True)
+                inputs[t] = (x, w, ids)
+            x, w, ids = inputs[t]
+            try:
+                err = rel_err(fm.fused_experts(x, ws[0][0], ws[0][1], w, ids, config=cfg),
+                              fused_experts_ref(x, ws[0][0], ws[0][1], w, ids))
+                us = rotating_graph_us(lambda i, x=x, w=w, ids=ids, cfg=cfg: fm.fused_experts(x, ws[i][0], ws[i][1], w, ids, config=cfg), len(ws),
+                                       reps=3 * len(ws))
+            except Exception as exc:
+                record(f"moe {t} tokens {name}", f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            hit = int(torch.unique(ids).numel())
+            floor_b = moe_floor_us(hit, 2048, 768, self.bw)
+            floor_f = 2 * t * 8 * 3 * 2048 * 768 / self.flops * 1e6
+            floor = max(floor_b, floor_f)
+            shown = cfg or (fm._scan_config(t * 8, 128, torch.bfloat16) or fm._config(t * 8, torch.bfloat16))
+            record(f"moe {t} tokens {name}", f"{us:.1f} us/layer, {100 * floor / us:.0f}% of {floor:.1f} "
+                   f"({'bytes' if floor_b >= floor_f else 'FLOPs'}; {hit} experts hit); "
+                   f"{'OK' if err < 2e-2 else 'WRONG'} rel err {err:.1e}; {shown}")
+        torch.cuda.empty_cache()
+
+    def dense(self) -> None:
+        import torch
+        import torch.nn.functional as F
+        from _gpu_common import record, rotating_graph_us
+
+        shapes = {"qkv 2048->5120": (5120, 2048), "o_proj 4096->2048": (2048, 4096), "router 2048->128": (128, 2048)}
+        for name, (n, k) in shapes.items():
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+            for m in (256, 128, 96, 48):
+                if self.late(f"dense {name} M={m}"):
+                    continue
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                us = rotating_graph_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), 8, reps=48)
+                floor = max(n * k * 2 / self.bw, 2 * m * n * k / self.flops) * 1e6
+                record(f"dense {name} M={m}", f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f})")
+            del ws
+        torch.cuda.empty_cache()
+
+    def attn(self) -> None:
+        from gpu_moe_w1_probe import attn_variants
+
+        attn_variants(SimpleNamespace(heads=32, kv_heads=4, head_dim=128), self.bw, self.deadline)
+
+    def mla(self) -> None:
+        import torch
+        from _gpu_common import graph_time_us, record, shuffled_decode_metadata
+
+        from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
+
+        h, r, p, bs = 16, 512, 64, 16
+        for n, lo, hi in ((256, 150, 1300), (128, 500, 1800)):
+            rng = random.Random(n)
+            s_lens = [rng.randint(lo, hi) for _ in range(n)]
+            md, blocks = shuffled_decode_metadata(s_lens, bs, rng)
+            cache = (torch.randn(1, blocks, bs, 1, r + p, device="cuda") * 0.5).to(torch.bfloat16)
+            q = (torch.randn(n, h, r + p, device="cuda") * 0.1).to(torch.bfloat16)
+            ref = mla_decode_ref(q.float(), cache.float(), md, 0.1, r)
+            floor = sum(s_lens) * (r + p) * 2 / self.bw * 1e6
+            for name, tile, chunk in MLA_TILES:
+                if self.late(f"mla {n} requests {name}"):
+                    continue
+                run = functools.partial(mla_decode, q, cache, md, 0.1, r, tile=tile, split_chunk=chunk)
+                try:
+                    err = ((run().float() - ref).norm() / ref.norm()).item()
+                    us = graph_time_us(run)
+                except Exception as exc:
+                    record(f"mla {n} requests {name}", f"ERROR {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                record(f"mla {n} requests x {lo}-{hi} keys, {name}",
+                       f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f}); rel err {err:.1e}")
+            del cache
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    import gpu_moe_w1_probe  # noqa: F401  (its clock, which attn_variants' deadline reads, starts now)
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", default=["moe", "attn", "mla", "prefill", "dense"],
+                        choices=["moe", "dense", "attn", "mla", "prefill"])
+    parser.add_argument("--deadline", type=float, default=70.0, help="seconds since start: no variant starts after")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", flush=True)
+        return 1
+    from _gpu_common import print_results
+
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    sw = Sweep(args.deadline)
+    sections = {"moe": lambda: sw.moe(MOE_DECODE), "dense": sw.dense, "attn": sw.attn, "mla": sw.mla,
+                "prefill": lambda: sw.moe(MOE_PREFILL)}
+    for name in args.only:
+        t = elapsed()
+        try:
+            sections[name]()
+        except Exception:
+            traceback.print_exc()
+        print(f"[{name}: {elapsed() - t:.0f} s; {elapsed():.0f} s since start]", flush=True)
+    print_results()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
