@@ -6,8 +6,8 @@ against each kernel's floor; sections in the order given, none started after --d
              every call reads DRAM; floor = the experts hit, read once, at the copy bandwidth measured here
     dense    cuBLAS (F.linear) at the decode step's dense shapes (qkv, o_proj, router) and batch sizes,
              8 weight copies rotated, against the weight bytes (or the FLOPs at 800 TFLOP/s, if more)
-    attn     the fused decode attention's tiles at Qwen3-30B-A3B's heads (32 query / 4 kv, head_dim 128)
-             (gpu_moe_w1_probe.attn_variants)
+    attn     the fused decode attention's tiles and split counts at Qwen3-30B-A3B's heads (32 query / 4 kv,
+             head_dim 128), W1-like batches early (256 short contexts) and late (96, 48 longer ones)
     mla      mla_decode's (TILE_N, warps, stages) and partition variants at DeepSeek-V2-Lite's latent
              (16 heads, 512 + 64), W1-like batches, against the latent bytes
     prefill  fused_experts at 8192 tokens: the default TMA tiles against GEMM-2 (DOWN) variants, against
@@ -24,7 +24,6 @@ import random
 import sys
 import time
 import traceback
-from types import SimpleNamespace
 
 T0 = time.monotonic()
 
@@ -54,9 +53,9 @@ MOE_DECODE = [
     (128, "rows 16x64x128 s4, down 128x128 s4", rows(16, 64, 128, 4, 4, dict(BLOCK_N=128, num_stages=4))),
     (128, "rows 16x128x64 s3, down 128x64", rows(16, 128, 64, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
     (192, "default", None),
-    (64, "default", None),
-    (32, "default", None),
-    (8, "default", None),
+    (96, "default", None),
+    (48, "default", None),
+    (16, "default", None),
 ]
 MOE_PREFILL = [
     (8192, "default", None),
@@ -68,6 +67,18 @@ MOE_PREFILL = [
     (8192, "default, down 128x64x64 w4 s4", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4,
                                                 FUSE_SILU=True, TMA=True,
                                                 DOWN=dict(BLOCK_N=64, num_warps=4))),
+]
+# (requests, context lengths from, to): W1's decode batches early (256 x 150-1100) and late (fewer, longer)
+ATTN_BATCHES = ((256, 150, 1100), (96, 900, 2000), (48, 1000, 2048))
+ATTN_VARIANTS = [  # (label, (BLOCK_M, TILE_N, warps, stages) or None: the defaults, num_splits or None)
+    ("default", None, None),
+    ("64 keys s3", (16, 64, 4, 3), 1),
+    ("128 keys s2", (16, 128, 4, 2), 1),
+    ("64 keys s4", (16, 64, 4, 4), 1),
+    ("default tiles, 2 splits", None, 2),
+    ("64 keys s3, 2 splits", (16, 64, 4, 3), 2),
+    ("64 keys s2, 4 splits", (16, 64, 4, 2), 4),
+    ("128 keys s3 w8", (16, 128, 8, 3), 1),
 ]
 MLA_TILES = [  # (label, tile, split_chunk)
     ("default", None, None),
@@ -173,9 +184,43 @@ class Sweep:
         torch.cuda.empty_cache()
 
     def attn(self) -> None:
-        from gpu_moe_w1_probe import attn_variants
+        """The fused decode attention at Qwen3-30B-A3B's heads, W1-like batches (early: many short
+        contexts; late: fewer, longer), tiles (BLOCK_M, TILE_N, warps, stages) and split counts."""
+        import torch
+        from _gpu_common import graph_time_us, record, shuffled_decode_metadata
 
-        attn_variants(SimpleNamespace(heads=32, kv_heads=4, head_dim=128), self.bw, self.deadline)
+        from pagedllm.kernels import decode_attention as da
+        from pagedllm.kernels.rotary import build_cos_sin_cache
+
+        nh, nkv, hd = 32, 4, 128
+        cos_sin = build_cos_sin_cache(hd, 8192, 1e6, device="cuda")
+        norm_w = torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+        for n, lo, hi in ATTN_BATCHES:
+            rng = random.Random(n)
+            s_lens = [rng.randint(lo, hi) for _ in range(n)]
+            md, blocks = shuffled_decode_metadata(s_lens, 16, rng)
+            cache = torch.randn(2, blocks, 16, nkv, hd, device="cuda", dtype=torch.bfloat16)
+            qkv = torch.randn(n, (nh + 2 * nkv) * hd, device="cuda", dtype=torch.bfloat16)
+            pos = torch.tensor([s - 1 for s in s_lens], device="cuda")
+            floor = sum(s_lens) * nkv * hd * 2 * 2 / self.bw * 1e6
+            ref = None
+            for name, config, splits in ATTN_VARIANTS:
+                if self.late(f"attention {n} requests {name}"):
+                    continue
+                call = functools.partial(da.decode_attention_fused, qkv, pos, cos_sin, cache, md, hd ** -0.5, nh, nkv,
+                                         hd, norm_w, norm_w, num_splits=splits, config=config)
+                try:
+                    out = call().float()
+                    ref = out if ref is None else ref
+                    us = graph_time_us(call)
+                except Exception as exc:
+                    record(f"attention {n} requests {name}", f"ERROR {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                record(f"attention {n} requests x {lo}-{hi} keys, {name}",
+                       f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f}); max diff from the first "
+                       f"{(out - ref).abs().max().item():.1e}")
+            del cache
+        torch.cuda.empty_cache()
 
     def mla(self) -> None:
         import torch
@@ -209,11 +254,10 @@ class Sweep:
 
 
 def main() -> int:
-    import gpu_moe_w1_probe  # noqa: F401  (its clock, which attn_variants' deadline reads, starts now)
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", default=["moe", "attn", "mla", "prefill", "dense"],
+    parser.add_argument("--only", nargs="+", default=["moe", "attn", "dense", "mla", "prefill"],
                         choices=["moe", "dense", "attn", "mla", "prefill"])
     parser.add_argument("--deadline", type=float, default=70.0, help="seconds since start: no variant starts after")
     args = parser.parse_args()
