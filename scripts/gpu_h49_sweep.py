@@ -41,17 +41,23 @@ def rows(m: int, n: int, k: int, w: int, st: int, down: dict | None = None) -> d
     return _c(m, n, k, w, st, SCAN=True, DOWN=down or dict(BLOCK_N=128))
 
 
-# (tokens, label, config or None for fused_experts' own choice)
+# (tokens, label, config or None for fused_experts' own choice). One GEMM changed at a time against the
+# defaults (GEMM 1 32x64x128 s3, GEMM 2 32x128x128 s3 at 256 tokens; 16 rows at 128): the shared-memory
+# stages decide how many programs an SM holds (32x64x128 s3 for GEMM 1 is ~120 KB: one), and GEMM 2's
+# programs are short (K = 768), so their start-up is exposed when an SM holds only one.
 MOE_DECODE = [
     (256, "default", None),
-    (256, "rows 32x128x64 s3, down 128x64", rows(32, 128, 64, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
-    (256, "rows 32x64x128 s4, down 128x128 s4", rows(32, 64, 128, 4, 4, dict(BLOCK_N=128, num_stages=4))),
-    (256, "rows 32x32x128 s3, down 64x128", rows(32, 32, 128, 4, 3, dict(BLOCK_N=64))),
-    (256, "rows 32x64x64 s4, down 128x64 s4", rows(32, 64, 64, 4, 4, dict(BLOCK_N=128, BLOCK_K=64, num_stages=4))),
-    (256, "rows 32x64x128 s3, down 256x64 w8", rows(32, 64, 128, 4, 3, dict(BLOCK_N=256, BLOCK_K=64, num_warps=8))),
+    (256, "down 128x64 s3", rows(32, 64, 128, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
+    (256, "down 128x128 s2", rows(32, 64, 128, 4, 3, dict(BLOCK_N=128, num_stages=2))),
+    (256, "down 64x128 s3", rows(32, 64, 128, 4, 3, dict(BLOCK_N=64))),
+    (256, "down 128x64 s4", rows(32, 64, 128, 4, 3, dict(BLOCK_N=128, BLOCK_K=64, num_stages=4))),
+    (256, "gemm1 32x64x64 s4", rows(32, 64, 64, 4, 4)),
+    (256, "gemm1 32x64x128 s2", rows(32, 64, 128, 4, 2)),
+    (256, "gemm1 32x64x64 s3", rows(32, 64, 64, 4, 3)),
+    (256, "gemm1 32x128x64 s3", rows(32, 128, 64, 4, 3)),
     (128, "default", None),
-    (128, "rows 16x64x128 s4, down 128x128 s4", rows(16, 64, 128, 4, 4, dict(BLOCK_N=128, num_stages=4))),
-    (128, "rows 16x128x64 s3, down 128x64", rows(16, 128, 64, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
+    (128, "down 128x64 s3", rows(16, 64, 128, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
+    (128, "gemm1 16x64x64 s4", rows(16, 64, 64, 4, 4)),
     (192, "default", None),
     (96, "default", None),
     (48, "default", None),
