@@ -96,6 +96,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
+    # 1: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) take the row lists at
+    # decode sizes too, the shared experts as token chunks (kernels/fused_moe.py `_fused_moe_rows_kernel`)
+    # instead of the align path; off until the H200 shows it faster.
+    "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", False),
     # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
     # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
     # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
@@ -234,6 +238,7 @@ class KernelSwitches:
     graph_tuning: bool
     parallel_compile: bool = False
     moe_scan: bool = True
+    moe_scan_shared: bool = False
     fused_router: bool = False
     moe_sum_in_norm: bool = True
 
@@ -247,6 +252,7 @@ def kernel_switches() -> KernelSwitches:
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
+        moe_scan_shared=get["PAGEDLLM_MOE_SCAN_SHARED"](),
         fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )

@@ -312,17 +312,45 @@ def _fused_moe_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FUSE_SILU: tl.constexpr,
+    NUM_SHARED: tl.constexpr = 0,  # shared experts (every token), stacked after the num_routed listed ones
+    num_routed=0,
+    num_tokens=0,
+    pairs_per_token=1,  # top_k + NUM_SHARED: token i's pair for shared expert j is i * pairs_per_token + top_k + j
 ):
     """The grouped GEMM over per-expert row lists: program (expert, column block) takes its
     expert's pairs BLOCK_M at a time. One flat loop over (row block, K tile), the epilogue at each
     row block's last K tile (the shape of Triton's persistent matmul), so the loads stay pipelined;
-    an expert with more pairs than BLOCK_M (rare: `_scan_config`) reads its weights again."""
+    an expert with more pairs than BLOCK_M (rare: `_scan_config`) reads its weights again.
+
+    Shared experts (NUM_SHARED > 0, DeepSeek's) take every token, so they have no list: their
+    programs come first, one per (shared expert, column block, BLOCK_M tokens), the token chunks of
+    one column block adjacent, so they read that weight tile at about the same time (DRAM once, L2
+    after) instead of one program walking all the chunks and reading it chunks times.
+        NUM_SHARED 2, 3 column blocks, 40 tokens, BLOCK_M 16 -> 3 chunks: pids 0..17 shared
+        (pid 4: shared expert 0, column block 1, tokens 16..31), then (routed expert, column block)."""
     pid = tl.program_id(0)
-    expert = pid // num_n_blocks
-    pid_n = pid % num_n_blocks
-    count = tl.load(counts_ptr + expert)
+    if NUM_SHARED == 0:
+        expert = pid // num_n_blocks
+        pid_n = pid % num_n_blocks
+        count = tl.load(counts_ptr + expert)
+        is_shared = pid < 0
+        row0 = 0
+        slot = 0
+    else:
+        chunks = tl.cdiv(num_tokens, BLOCK_M)
+        shared_progs = NUM_SHARED * num_n_blocks * chunks
+        is_shared = pid < shared_progs
+        local = pid - shared_progs  # routed programs: (expert, column block)
+        s_idx = pid // (num_n_blocks * chunks)
+        row0 = tl.where(is_shared, (pid % chunks) * BLOCK_M, 0)
+        expert = tl.where(is_shared, num_routed + s_idx, local // num_n_blocks)
+        pid_n = tl.where(is_shared, (pid // chunks) % num_n_blocks, local % num_n_blocks)
+        slot = pairs_per_token - NUM_SHARED + s_idx
+        count = tl.where(is_shared, tl.minimum(num_tokens - row0, BLOCK_M), tl.load(counts_ptr + expert, mask=~is_shared,
+                                                                                      other=0))
     if count == 0:
         return
+    list_count = tl.where(is_shared, 0, count)  # shared programs compute their pairs
     row_list = rows_ptr + expert.to(tl.int64) * max_rows
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -341,7 +369,9 @@ def _fused_moe_rows_kernel(
         if ki == 0:
             m0 += BLOCK_M
             valid = m0 + offs_r < count
-            pair = tl.load(row_list + m0 + offs_r, mask=valid, other=0).to(tl.int64)
+            pair = tl.load(row_list + m0 + offs_r, mask=m0 + offs_r < list_count, other=0).to(tl.int64)
+            if NUM_SHARED > 0:
+                pair = tl.where(is_shared, (row0 + m0 + offs_r).to(tl.int64) * pairs_per_token + slot, pair)
         k0 = ki * BLOCK_K
         k_mask = offs_k < K - k0
         a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
@@ -525,8 +555,10 @@ def moe_sum(down: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-# Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well.
+# Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well;
+# PAGEDLLM_MOE_SCAN_SHARED=1 lets blocks with shared experts (DeepSeek) take the row lists too.
 _SCAN_ENABLED = kernel_switches().moe_scan
+_SCAN_SHARED = _SCAN_ENABLED and kernel_switches().moe_scan_shared
 # The row-list path takes steps of at most this many pairs (Qwen3-30B-A3B: 512 tokens x 8) and at
 # most SCAN_MAX_MEAN_ROWS pairs per expert on average: each list program reads every expert id of
 # the step, and an expert with more pairs than BLOCK_M reads its weights once per extra row block.
@@ -554,29 +586,33 @@ def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict |
                 DOWN=dict(BLOCK_N=128))
 
 
-def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tensor:
+def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict, shared: int = 0) -> torch.Tensor:
     """fused_experts without the sorted list: each expert's row list (`_moe_expert_rows_kernel`,
-    one program per expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden)."""
+    one program per routed expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden).
+    shared: the last `shared` experts take every token (no lists: their programs compute the pairs)."""
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
     inter = two_inter // 2
+    routed = e - shared
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         ids = ids.to(torch.int32).contiguous()
     rows = torch.empty((e, t), dtype=torch.int32, device=x.device)  # an expert takes a token at most once
     counts = torch.empty(e, dtype=torch.int32, device=x.device)
-    _moe_expert_rows_kernel[(e,)](ids, rows, counts, t * top_k, t, CHUNK=max(16, min(1024, triton.next_power_of_2(t * top_k))),
-                                  num_warps=4)
+    _moe_expert_rows_kernel[(routed,)](ids, rows, counts, t * top_k, t,
+                                       CHUNK=max(16, min(1024, triton.next_power_of_2(t * top_k))), num_warps=4)
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     fp32 = w13.dtype == torch.float32
     for a, w, out, n, k, tk, first, gemm in ((x, w13, h, inter, hidden, top_k, True, cfg),
                                               (h, w2, down, hidden, inter, 1, False, down_config(cfg))):
         n_blocks = triton.cdiv(n, gemm["BLOCK_N"])
-        _fused_moe_rows_kernel[(e * n_blocks,)](
+        shared_progs = shared * n_blocks * triton.cdiv(t, gemm["BLOCK_M"])
+        _fused_moe_rows_kernel[(routed * n_blocks + shared_progs,)](
             a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
             TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
-            BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
+            BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, NUM_SHARED=shared, num_routed=routed, num_tokens=t,
+            pairs_per_token=top_k, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
         )
     return down
 
@@ -592,7 +628,8 @@ def fused_experts(
     # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M / TMA: see down_config),
     # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights), SCAN (per-expert
     # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass).
-    shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked): not the scan path
+    shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked); the row lists
+    # only with PAGEDLLM_MOE_SCAN_SHARED=1 or a SCAN config
     sum_topk: bool = True,  # False: each token's top_k expert outputs unsummed, (T, top_k, hidden), for a
     # consumer that sums them itself (kernels/rmsnorm.py: the next residual add + norm)
 ) -> torch.Tensor:  # (T, hidden), or (T, top_k, hidden) with sum_topk=False
@@ -605,10 +642,12 @@ def fused_experts(
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
         return torch.zeros_like(x) if sum_topk else x.new_zeros((0, top_k, hidden))
+    if config is None and shared_experts and _SCAN_SHARED:  # the routed experts' pairs pick the row-list tiles
+        config = _scan_config(t * (top_k - shared_experts), e - shared_experts, w13.dtype)
     cfg = config or (None if shared_experts else _scan_config(t * top_k, e, w13.dtype)) or _config(t * top_k, w13.dtype)
     weights = topk_weights.reshape(-1).float().contiguous()
     if cfg.get("SCAN"):
-        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg)
+        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg, shared_experts)
         return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):

@@ -239,6 +239,13 @@ def _record_model_families() -> None:
     for t in (4, 256):
         ids = (torch.arange(t * 8, dtype=torch.int32) % 66).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
+    # The row lists with the 2 shared experts as token chunks (PAGEDLLM_MOE_SCAN_SHARED), 32 and 64 rows.
+    for t, block_m in ((128, 32), (256, 64)):
+        ids = torch.cat([(torch.arange(t * 6, dtype=torch.int32) % 64).view(t, 6),
+                         torch.tensor([64, 65], dtype=torch.int32).expand(t, 2)], 1)
+        cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, DOWN=dict(BLOCK_N=128))
+        fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids, config=cfg,
+                                shared_experts=2)
     # MLA's prep at DeepSeek-V2-Lite's widths: q_pe from the q_proj rows, the latent, the cache write.
     q, lat = torch.zeros(4, 16, 192, dtype=bf16), torch.zeros(4, 576, dtype=bf16)
     mla_prep.mla_prep(torch.arange(4), q[..., 128:], torch.zeros(4, 16, 576, dtype=bf16)[..., 512:], lat,

@@ -154,6 +154,27 @@ def test_row_list_path_matches_reference(t, e, top_k, block_m):
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("t, e, top_k, shared, block_m", [
+    (5, 6, 2, 2, 16),    # routed top_k 2 of 4, 2 shared: one token chunk per shared expert
+    (40, 6, 3, 2, 16),   # three chunks (40 tokens / 16), the last ragged
+    (1, 5, 2, 1, 16),    # one token
+    (37, 9, 4, 1, 32),
+])
+def test_row_list_path_with_shared_experts_matches_reference(t, e, top_k, shared, block_m):
+    # DeepSeek's layout: the last `shared` experts take every token at weight 1 (select_experts appends
+    # them); their programs compute the pairs of BLOCK_M-token chunks instead of reading a list.
+    g = torch.Generator().manual_seed(t + shared)
+    hidden, inter = 32, 48
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e - shared, generator=g).to(DEVICE), top_k, True,
+                                  num_fused_shared_experts=shared)  # (t, top_k + shared)
+    cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, DOWN=dict(BLOCK_N=16))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg, shared_experts=shared),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     from pagedllm.kernels.fused_moe import _scan_config
 
@@ -171,6 +192,31 @@ def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     weights, ids = select_experts(torch.randn(t, e - 1, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=1)
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, shared_experts=1),
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_experts_take_the_row_lists_when_switched_on(monkeypatch):
+    # PAGEDLLM_MOE_SCAN_SHARED=1: the routed experts' pairs pick the tiles (DeepSeek-V2-Lite at 128
+    # tokens: 12 routed pairs an expert -> 32 rows), and the result stays the reference's.
+    from pagedllm.kernels import fused_moe as fm
+
+    assert fm._scan_config(128 * 6, 64, torch.bfloat16)["BLOCK_M"] == 32
+    scan, shared_seen = fm._fused_experts_scan, []
+
+    def spy(*args):
+        shared_seen.append(args[-1])
+        return scan(*args)
+
+    monkeypatch.setattr(fm, "_SCAN_SHARED", True)
+    monkeypatch.setattr(fm, "_fused_experts_scan", spy)
+    g = torch.Generator().manual_seed(3)
+    t, e, hidden, inter = 7, 6, 32, 32
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e - 2, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=2)
+    torch.testing.assert_close(fm.fused_experts(x, w13, w2, weights, ids, shared_experts=2),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    assert shared_seen == [2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
