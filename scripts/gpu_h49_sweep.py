@@ -10,10 +10,12 @@ against each kernel's floor; sections in the order given, none started after --d
              head_dim 128), W1-like batches early (256 short contexts) and late (96, 48 longer ones)
     mla      mla_decode's (TILE_N, warps, stages) and partition variants at DeepSeek-V2-Lite's latent
              (16 heads, 512 + 64), W1-like batches, against the latent bytes
+    moe-ds   the same at DeepSeek-V2-Lite's experts (64 routed, top 6, 2 shared): the align path against
+             the row lists with the shared experts as token chunks
     prefill  fused_experts at 8192 tokens: the default TMA tiles against GEMM-2 (DOWN) variants, against
              the FLOPs at the bf16 matmul speed measured here
 
-    python3 -u scripts/gpu_h49_sweep.py [--only moe dense attn mla prefill] [--deadline 70]
+    python3 -u scripts/gpu_h49_sweep.py [--only moe attn moe-ds mla dense prefill] [--deadline 70]
 """
 
 from __future__ import annotations
@@ -42,26 +44,40 @@ def rows(m: int, n: int, k: int, w: int, st: int, down: dict | None = None) -> d
 
 
 # (tokens, label, config or None for fused_experts' own choice). One GEMM changed at a time against the
-# defaults (GEMM 1 32x64x128 s3, GEMM 2 32x128x128 s3 at 256 tokens; 16 rows at 128): the shared-memory
-# stages decide how many programs an SM holds (32x64x128 s3 for GEMM 1 is ~120 KB: one), and GEMM 2's
-# programs are short (K = 768), so their start-up is exposed when an SM holds only one.
+# defaults (GEMM 1 32x64x128 s3, GEMM 2 32x128x128 s3 at 256 tokens; 16 rows at 128). Compiled for sm_90
+# (tests/kernels/sm90_compile_check.py's way), the defaults at 32 rows hold 2 programs an SM (GEMM 1: 154
+# registers, 84 KB of shared memory; GEMM 2: 180, 84 KB) where the 16-row ones hold 3 and reach 97% of the
+# bytes; the variants trade K depth or columns for programs an SM (noted: programs / SM).
 MOE_DECODE = [
     (256, "default", None),
-    (256, "down 128x64 s3", rows(32, 64, 128, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
-    (256, "down 128x128 s2", rows(32, 64, 128, 4, 3, dict(BLOCK_N=128, num_stages=2))),
-    (256, "down 64x128 s3", rows(32, 64, 128, 4, 3, dict(BLOCK_N=64))),
-    (256, "down 128x64 s4", rows(32, 64, 128, 4, 3, dict(BLOCK_N=128, BLOCK_K=64, num_stages=4))),
-    (256, "gemm1 32x64x64 s4", rows(32, 64, 64, 4, 4)),
-    (256, "gemm1 32x64x128 s2", rows(32, 64, 128, 4, 2)),
-    (256, "gemm1 32x64x64 s3", rows(32, 64, 64, 4, 3)),
-    (256, "gemm1 32x128x64 s3", rows(32, 128, 64, 4, 3)),
+    (256, "down 64x128 s3 (3/SM)", rows(32, 64, 128, 4, 3, dict(BLOCK_N=64))),
+    (256, "down 64x64 s3 (4/SM)", rows(32, 64, 128, 4, 3, dict(BLOCK_N=64, BLOCK_K=64))),
+    (256, "down 32x128 s3 (5/SM)", rows(32, 64, 128, 4, 3, dict(BLOCK_N=32))),
+    (256, "down 64x64 s4 (3/SM)", rows(32, 64, 128, 4, 3, dict(BLOCK_N=64, BLOCK_K=64, num_stages=4))),
+    (256, "gemm1 32x64x64 s3 (4/SM)", rows(32, 64, 64, 4, 3)),
+    (256, "gemm1 32x32x128 s3 (4/SM)", rows(32, 32, 128, 4, 3)),
+    (256, "gemm1 32x64x64 s4 (3/SM)", rows(32, 64, 64, 4, 4)),
+    (256, "gemm1 32x64x128 s2 (3/SM)", rows(32, 64, 128, 4, 2)),
     (128, "default", None),
-    (128, "down 128x64 s3", rows(16, 64, 128, 4, 3, dict(BLOCK_N=128, BLOCK_K=64))),
-    (128, "gemm1 16x64x64 s4", rows(16, 64, 64, 4, 4)),
+    (128, "down 64x128 s3 (5/SM)", rows(16, 64, 128, 4, 3, dict(BLOCK_N=64))),
+    (128, "gemm1 16x64x64 s4 (4/SM)", rows(16, 64, 64, 4, 4)),
     (192, "default", None),
     (96, "default", None),
     (48, "default", None),
     (16, "default", None),
+]
+# DeepSeek-V2-Lite's experts (64 routed, top 6, + 2 shared on every token; 2048 -> 1408): the align path
+# (the default) against the row lists with the shared experts as token chunks (PAGEDLLM_MOE_SCAN_SHARED).
+MOE_DEEPSEEK = [
+    (128, "default (align)", None),
+    (128, "rows 32x64x128, down 32x128x128 (2/SM)", rows(32, 64, 128, 4, 3)),
+    (128, "rows 32x64x64, down 32x64x64 (4/SM)", rows(32, 64, 64, 4, 3, dict(BLOCK_N=64, BLOCK_K=64))),
+    (256, "default (align)", None),
+    (256, "rows 32x64x128, down 32x128x128 (2/SM)", rows(32, 64, 128, 4, 3)),
+    (256, "rows 32x64x64, down 32x64x64 (4/SM)", rows(32, 64, 64, 4, 3, dict(BLOCK_N=64, BLOCK_K=64))),
+    (256, "rows 64x64x64, down 64x64x64 (2-3/SM)", rows(64, 64, 64, 4, 3, dict(BLOCK_N=64, BLOCK_K=64))),
+    (32, "default (align)", None),
+    (32, "rows 16x64x128, down 16x128x128", rows(16, 64, 128, 4, 3)),
 ]
 MOE_PREFILL = [
     (8192, "default", None),
@@ -99,6 +115,10 @@ MLA_TILES = [  # (label, tile, split_chunk)
 ]
 
 
+# (experts incl. shared, routed top_k, shared, hidden, moe_intermediate)
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 0, 2048, 768), "deepseek-v2-lite": (66, 6, 2, 2048, 1408)}
+
+
 class Sweep:
     def __init__(self, deadline: float) -> None:
         import torch
@@ -118,7 +138,7 @@ class Sweep:
         del a
         print(f"copy {self.bw / 1e12:.2f} TB/s, bf16 matmul {self.flops / 1e12:.0f} TFLOP/s [{elapsed():.0f} s]",
               flush=True)
-        self._experts = None
+        self._experts: dict[str, list] = {}
 
     def late(self, what: str) -> bool:
         if elapsed() > self.deadline:
@@ -126,15 +146,16 @@ class Sweep:
             return True
         return False
 
-    def experts(self):
-        """8 layers of random Qwen3-30B-A3B experts (~9.7 GB), made once."""
-        if self._experts is None:
+    def experts(self, shape: str):
+        """8 layers of random experts of the shape (~9-10 GB), made once per shape."""
+        if shape not in self._experts:
             from _gpu_common import moe_expert_weights
 
-            self._experts = [moe_expert_weights(128, 2048, 768) for _ in range(8)]
-        return self._experts
+            e, _, _, hidden, inter = MOE_SHAPES[shape]
+            self._experts[shape] = [moe_expert_weights(e, hidden, inter) for _ in range(8)]
+        return self._experts[shape]
 
-    def moe(self, cases) -> None:
+    def moe(self, cases, shape: str = "qwen3-30b-a3b") -> None:
         import torch
         from _gpu_common import moe_floor_us, record, rel_err, rotating_graph_us
 
@@ -142,31 +163,38 @@ class Sweep:
         from pagedllm.layers.fused_moe.router import select_experts
         from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
-        ws = self.experts()
+        e, top_k, shared, hidden, inter = MOE_SHAPES[shape]
+        ws = self.experts(shape)
         g = torch.Generator(device="cuda").manual_seed(0)
         inputs: dict[int, tuple] = {}
         for t, name, cfg in cases:
-            if self.late(f"moe {t} tokens {name}"):
+            what = f"moe {shape} {t} tokens {name}"
+            if self.late(what):
                 continue
             if t not in inputs:
-                x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
-                w, ids = select_experts(torch.randn(t, 128, device="cuda", generator=g), 8, True)
+                x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+                w, ids = select_experts(torch.randn(t, e - shared, device="cuda", generator=g), top_k, True,
+                                        num_fused_shared_experts=shared)
                 inputs[t] = (x, w, ids)
             x, w, ids = inputs[t]
+
+            def call(i, x=x, w=w, ids=ids, cfg=cfg):
+                return fm.fused_experts(x, ws[i][0], ws[i][1], w, ids, config=cfg, shared_experts=shared)
+
             try:
-                err = rel_err(fm.fused_experts(x, ws[0][0], ws[0][1], w, ids, config=cfg),
-                              fused_experts_ref(x, ws[0][0], ws[0][1], w, ids))
-                us = rotating_graph_us(lambda i, x=x, w=w, ids=ids, cfg=cfg: fm.fused_experts(x, ws[i][0], ws[i][1], w, ids, config=cfg), len(ws),
-                                       reps=3 * len(ws))
+                err = rel_err(call(0), fused_experts_ref(x, ws[0][0], ws[0][1], w, ids))
+                us = rotating_graph_us(call, len(ws), reps=3 * len(ws))
             except Exception as exc:
-                record(f"moe {t} tokens {name}", f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
+                record(what, f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             hit = int(torch.unique(ids).numel())
-            floor_b = moe_floor_us(hit, 2048, 768, self.bw)
-            floor_f = 2 * t * 8 * 3 * 2048 * 768 / self.flops * 1e6
+            floor_b = moe_floor_us(hit, hidden, inter, self.bw)
+            floor_f = 2 * t * (top_k + shared) * 3 * hidden * inter / self.flops * 1e6
             floor = max(floor_b, floor_f)
-            shown = cfg or (fm._scan_config(t * 8, 128, torch.bfloat16) or fm._config(t * 8, torch.bfloat16))
-            record(f"moe {t} tokens {name}", f"{us:.1f} us/layer, {100 * floor / us:.0f}% of {floor:.1f} "
+            pairs = t * (top_k + shared)
+            shown = cfg or (None if shared else fm._scan_config(pairs, e, torch.bfloat16)) or fm._config(pairs,
+                                                                                                      torch.bfloat16)
+            record(what, f"{us:.1f} us/layer, {100 * floor / us:.0f}% of {floor:.1f} "
                    f"({'bytes' if floor_b >= floor_f else 'FLOPs'}; {hit} experts hit); "
                    f"{'OK' if err < 2e-2 else 'WRONG'} rel err {err:.1e}; {shown}")
         torch.cuda.empty_cache()
@@ -263,8 +291,8 @@ def main() -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", default=["moe", "attn", "dense", "mla", "prefill"],
-                        choices=["moe", "dense", "attn", "mla", "prefill"])
+    parser.add_argument("--only", nargs="+", default=["moe", "attn", "moe-ds", "mla", "dense", "prefill"],
+                        choices=["moe", "dense", "attn", "mla", "prefill", "moe-ds"])
     parser.add_argument("--deadline", type=float, default=70.0, help="seconds since start: no variant starts after")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -275,7 +303,8 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     sw = Sweep(args.deadline)
     sections = {"moe": lambda: sw.moe(MOE_DECODE), "dense": sw.dense, "attn": sw.attn, "mla": sw.mla,
-                "prefill": lambda: sw.moe(MOE_PREFILL)}
+                "prefill": lambda: sw.moe(MOE_PREFILL), "moe-ds": lambda: (sw._experts.clear(),
+                                                                           sw.moe(MOE_DEEPSEEK, "deepseek-v2-lite"))}
     for name in args.only:
         t = elapsed()
         try:
