@@ -28,6 +28,18 @@ def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or default
 
 
+def _int(name: str, default: int) -> Callable[[], int]:
+    """An integer; unset or empty is `default`, anything else not an integer a ValueError naming it."""
+    def read() -> int:
+        v = os.environ.get(name) or str(default)
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {v!r}") from None
+
+    return read
+
+
 def _fail_at_step() -> int | None:
     v = os.environ.get("PAGEDLLM_TEST_FAIL_AT_STEP")
     if not v:
@@ -96,6 +108,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
+    # 4, 2 or 1: MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel`, the
+    # latent's 512 columns in that many chunks, the query reloaded per key tile instead of held in
+    # registers (more programs an SM); 0: the one-piece kernel. Off until the H200 shows it faster.
+    "PAGEDLLM_MLA_DECODE_CHUNKS": _int("PAGEDLLM_MLA_DECODE_CHUNKS", 0),
     # 1: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) take the row lists at
     # decode sizes too, the shared experts as token chunks (kernels/fused_moe.py `_fused_moe_rows_kernel`)
     # instead of the align path; off until the H200 shows it faster.

@@ -102,16 +102,17 @@ ATTN_VARIANTS = [  # (label, (BLOCK_M, TILE_N, warps, stages) or None: the defau
     ("64 keys s2, 4 splits", (16, 64, 4, 2), 4),
     ("128 keys s3 w8", (16, 128, 8, 3), 1),
 ]
-MLA_TILES = [  # (label, tile, split_chunk)
-    ("default", None, None),
-    ("tile 64 w8 s2, 256 keys", (64, 8, 2), 256),
-    ("tile 32 w8 s2, 256 keys", (32, 8, 2), 256),
-    ("tile 32 w4 s3, 256 keys", (32, 4, 3), 256),
-    ("tile 64 w4 s2, 256 keys", (64, 4, 2), 256),
-    ("tile 32 w4 s2, 128 keys", (32, 4, 2), 128),
-    ("tile 64 w8 s3, 256 keys", (64, 8, 3), 256),
-    ("tile 64 w8 s2, 512 keys", (64, 8, 2), 512),
-    ("tile 16 w4 s3, 256 keys", (16, 4, 3), 256),
+MLA_TILES = [  # (label, tile (TILE_N, warps, stages), split_chunk, num_rc: the latent in that many column chunks)
+    ("default", None, None, None),
+    ("chunked x4, tile 32 w4 s2 (3/SM)", (32, 4, 2), 256, 4),
+    ("chunked x4, tile 16 w4 s3 (3/SM)", (16, 4, 3), 256, 4),
+    ("chunked x4, tile 32 w8 s2", (32, 8, 2), 256, 4),
+    ("chunked x4, tile 64 w8 s2", (64, 8, 2), 256, 4),
+    ("chunked x4, tile 32 w4 s2, 128 keys", (32, 4, 2), 128, 4),
+    ("tile 16 w4 s3, 256 keys (3/SM)", (16, 4, 3), 256, 0),
+    ("tile 32 w8 s2, 256 keys", (32, 8, 2), 256, 0),
+    ("tile 64 w8 s2, 256 keys", (64, 8, 2), 256, 0),
+    ("tile 32 w4 s2, 128 keys", (32, 4, 2), 128, 0),
 ]
 
 
@@ -271,10 +272,10 @@ class Sweep:
             q = (torch.randn(n, h, r + p, device="cuda") * 0.1).to(torch.bfloat16)
             ref = mla_decode_ref(q.float(), cache.float(), md, 0.1, r)
             floor = sum(s_lens) * (r + p) * 2 / self.bw * 1e6
-            for name, tile, chunk in MLA_TILES:
+            for name, tile, chunk, num_rc in MLA_TILES:
                 if self.late(f"mla {n} requests {name}"):
                     continue
-                run = functools.partial(mla_decode, q, cache, md, 0.1, r, tile=tile, split_chunk=chunk)
+                run = functools.partial(mla_decode, q, cache, md, 0.1, r, tile=tile, split_chunk=chunk, num_rc=num_rc)
                 try:
                     err = ((run().float() - ref).norm() / ref.norm()).item()
                     us = graph_time_us(run)

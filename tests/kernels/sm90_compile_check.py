@@ -34,6 +34,7 @@ from pagedllm.kernels import (  # noqa: E402
     fused_moe,
     gemv,
     kv_cache_write,
+    mla_decode,
     mla_prefill,
     mla_prep,
     moe_router,
@@ -151,6 +152,9 @@ def _record(launches: list) -> None:
         (quant_act, "_rms_norm_quant_kernel"),
         (quant_act, "_silu_and_mul_quant_kernel"),
         (fused_moe, "_moe_align_kernel"),
+        (mla_decode, "_mla_decode_kernel"),
+        (mla_decode, "_mla_decode_rc_kernel"),
+        (mla_decode, "_mla_merge_kernel"),
         (moe_router, "_topk_softmax_kernel"),
         (moe_router, "_router_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
@@ -246,6 +250,15 @@ def _record_model_families() -> None:
         cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, DOWN=dict(BLOCK_N=128))
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids, config=cfg,
                                 shared_experts=2)
+    # MLA's decode at DeepSeek-V2-Lite's latent: 256 requests (fixed 256-key partitions + the merge), 4
+    # (unsplit), and the chunked kernel (PAGEDLLM_MLA_DECODE_CHUNKS=4).
+    lat_cache = torch.zeros(1, 64, 16, 1, 576, dtype=bf16)
+    for n in (256, 4):
+        md = build_metadata([1] * n, [700] * n, [[0] * 44] * n, 16)
+        md.max_seq_len = 4096 if n > 4 else 700
+        for num_rc in (0, 4):
+            mla_decode.mla_decode(torch.zeros(n, 16, 576, dtype=bf16), lat_cache, md, 0.1, 512, num_rc=num_rc,
+                                  num_splits=1 if n == 4 else None)
     # MLA's prep at DeepSeek-V2-Lite's widths: q_pe from the q_proj rows, the latent, the cache write.
     q, lat = torch.zeros(4, 16, 192, dtype=bf16), torch.zeros(4, 576, dtype=bf16)
     mla_prep.mla_prep(torch.arange(4), q[..., 128:], torch.zeros(4, 16, 576, dtype=bf16)[..., 512:], lat,
