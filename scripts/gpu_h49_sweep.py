@@ -4,8 +4,9 @@ against each kernel's floor; sections in the order given, none started after --d
     moe      fused_experts at Qwen3-30B-A3B's expert shape (128 x 2048 x 768, top 8), decode sizes: the
              row-list tiles (`_scan_config`'s defaults first, then variants), 8 layers' experts rotated so
              every call reads DRAM; floor = the experts hit, read once, at the copy bandwidth measured here
-    dense    cuBLAS (F.linear) at the decode step's dense shapes (qkv, o_proj, router) and batch sizes,
-             8 weight copies rotated, against the weight bytes (or the FLOPs at 800 TFLOP/s, if more)
+    dense    cuBLAS (F.linear) at the decode step's dense shapes (qkv, o_proj, router), 256 and 96 rows, against
+             kernels/gemv.py's split-K GEMM in row blocks; 8 weight copies rotated; against the weight bytes
+             (or the FLOPs at the matmul speed measured here, if more)
     attn     the fused decode attention's tiles and split counts at Qwen3-30B-A3B's heads (32 query / 4 kv,
              head_dim 128), W1-like batches early (256 short contexts) and late (96, 48 longer ones)
     mla      mla_decode's (TILE_N, warps, stages) and partition variants at DeepSeek-V2-Lite's latent
@@ -15,7 +16,7 @@ against each kernel's floor; sections in the order given, none started after --d
     prefill  fused_experts at 8192 tokens: the default TMA tiles against GEMM-2 (DOWN) variants, against
              the FLOPs at the bf16 matmul speed measured here
 
-    python3 -u scripts/gpu_h49_sweep.py [--only moe attn mla moe-ds dense prefill] [--deadline 70]
+    python3 -u scripts/gpu_h49_sweep.py [--only moe attn dense mla moe-ds prefill] [--deadline 70]
 """
 
 from __future__ import annotations
@@ -114,6 +115,23 @@ MLA_TILES = [  # (label, tile (TILE_N, warps, stages), split_chunk, num_rc: the 
 ]
 
 
+# The decode step's dense GEMMs (Qwen3-30B-A3B): weight (N, K)
+DENSE_SHAPES = {"qkv 2048->5120": (5120, 2048), "o_proj 4096->2048": (2048, 4096), "router 2048->128": (128, 2048)}
+
+
+def _gemm(bn: int, bk: int, split: int, warps: int, stages: int, bm: int):
+    from pagedllm.kernels.gemv import GemvConfig
+
+    return GemvConfig(bn, bk, split, warps, stages, True, BLOCK_M=bm)
+
+
+DENSE_CONFIGS = [  # (label, kernels/gemv.py config: BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, BLOCK_M); none spill on sm_90
+    ("blocked 64x128x64 split 2 w4 s3", _gemm(128, 64, 2, 4, 3, 64)),
+    ("blocked 128x128x64 split 4 w8 s4", _gemm(128, 64, 4, 8, 4, 128)),
+    ("blocked 64x64x128 split 4 w4 s3", _gemm(64, 128, 4, 4, 3, 64)),
+    ("blocked 64x128x64 split 8 w4 s3", _gemm(128, 64, 8, 4, 3, 64)),
+    ("blocked 128x128x64 split 1 w8 s4", _gemm(128, 64, 1, 8, 4, 128)),
+]
 # (experts incl. shared, routed top_k, shared, hidden, moe_intermediate)
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 0, 2048, 768), "deepseek-v2-lite": (66, 6, 2, 2048, 1408)}
 
@@ -199,20 +217,36 @@ class Sweep:
         torch.cuda.empty_cache()
 
     def dense(self) -> None:
+        """cuBLAS against the blocked split-K decode GEMM (kernels/gemv.py with a config's BLOCK_M) at the
+        decode step's dense shapes; 8 weight copies rotated, each call reads its weight from DRAM."""
         import torch
         import torch.nn.functional as F
-        from _gpu_common import record, rotating_graph_us
+        from _gpu_common import record, rel_err, rotating_graph_us
 
-        shapes = {"qkv 2048->5120": (5120, 2048), "o_proj 4096->2048": (2048, 4096), "router 2048->128": (128, 2048)}
-        for name, (n, k) in shapes.items():
+        from pagedllm.kernels.gemv import skinny_linear
+
+        for name, (n, k) in DENSE_SHAPES.items():
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
-            for m in (256, 128, 96, 48):
-                if self.late(f"dense {name} M={m}"):
-                    continue
+            for m in (256, 96):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                us = rotating_graph_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), 8, reps=48)
                 floor = max(n * k * 2 / self.bw, 2 * m * n * k / self.flops) * 1e6
-                record(f"dense {name} M={m}", f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f})")
+                ref = F.linear(x, ws[0])
+                for label, cfg in [("cuBLAS", None)] + DENSE_CONFIGS:
+                    if self.late(f"dense {name} M={m} {label}"):
+                        continue
+                    try:
+                        if cfg is None:
+                            us = rotating_graph_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), 8, reps=48)
+                            err = 0.0
+                        else:
+                            err = rel_err(skinny_linear(x, ws[0], config=cfg), ref)
+                            us = rotating_graph_us(lambda i, x=x, ws=ws, cfg=cfg: skinny_linear(x, ws[i], config=cfg), 8,
+                                                   reps=48)
+                    except Exception as exc:
+                        record(f"dense {name} M={m} {label}", f"ERROR {type(exc).__name__}: {str(exc)[:100]}")
+                        continue
+                    record(f"dense {name} M={m} {label}", f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f}); "
+                           f"rel err {err:.1e}")
             del ws
         torch.cuda.empty_cache()
 
@@ -290,7 +324,7 @@ def main() -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", default=["moe", "attn", "mla", "moe-ds", "dense", "prefill"],
+    parser.add_argument("--only", nargs="+", default=["moe", "attn", "dense", "mla", "moe-ds", "prefill"],
                         choices=["moe", "dense", "attn", "mla", "prefill", "moe-ds"])
     parser.add_argument("--deadline", type=float, default=70.0, help="seconds since start: no variant starts after")
     args = parser.parse_args()

@@ -64,6 +64,18 @@ def test_split_k_counters_reset_and_deterministic(device):
     assert not gemv._workspaces[x.device][1].any()
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_row_blocks_past_max_m(device, split_k):
+    # Decode GEMMs of more than MAX_M rows with a config's BLOCK_M: row blocks as a third program axis
+    # (40 rows in 16-row blocks, the last ragged), each (row block, N-block) with its own split-K counter.
+    x, w, b = _inputs(40, 37, 100, torch.float32, device, bias=True)
+    cfg = GemvConfig(16, 16, split_k, 4, 2, True, BLOCK_M=16)
+    torch.testing.assert_close(skinny_linear(x, w, b, config=cfg), skinny_linear_ref(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(skinny_linear(x, w, b, config=cfg), skinny_linear_ref(x, w, b), atol=1e-5, rtol=1e-5)
+    if split_k > 1:
+        assert not gemv._workspaces[x.device][1].any()
+
+
 def test_default_config_and_strided_inputs(device):
     # A column slice of x (row stride 130) and rows of a bigger weight, through gemv_config's choice.
     x_full, w_full, _ = _inputs(2, 80, 130, torch.bfloat16, device, bias=False)
@@ -84,7 +96,7 @@ def test_gemv_config_follows_the_h200_sweep():
     assert gemv_config(1, 1024, 2048).BLOCK_N == 1  # 3.2 us vs cuBLAS 12.7 us on the H200
     assert gemv_config(1, 28672, 4096).BLOCK_N == 2
     assert gemv_config(2, 128256, 4096).BLOCK_N == 8
-    assert gemv_config(1, 4096, 256) == (2, 256, 1, 1, 1, False)  # short K: fewer warps
+    assert gemv_config(1, 4096, 256) == GemvConfig(2, 256, 1, 1, 1, False)  # short K: fewer warps
 
 
 def test_use_skinny_linear_rule():
