@@ -156,8 +156,13 @@ class Sweep:
         print(f"copy {self.bw / 1e12:.2f} TB/s, bf16 matmul {self.flops / 1e12:.0f} TFLOP/s [{elapsed():.0f} s]",
               flush=True)
         self._experts: dict[str, list] = {}
+        # True during the first pass (main: `precompile`): every variant launched once, Triton recording
+        # instead of compiling; nothing timed or checked. The variants then compile in parallel processes.
+        self.collecting = False
 
     def late(self, what: str) -> bool:
+        if self.collecting:
+            return False
         if elapsed() > self.deadline:
             print(f"## {what}: not run (deadline)", flush=True)
             return True
@@ -190,14 +195,23 @@ class Sweep:
                 continue
             if t not in inputs:
                 x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-                w, ids = select_experts(torch.randn(t, e - shared, device="cuda", generator=g), top_k, True,
-                                        num_fused_shared_experts=shared)
+                if self.collecting:  # no kernel runs in this pass: valid ids from torch (the align's torch path indexes by them)
+                    ids = torch.randint(0, e - shared, (t, top_k), device="cuda", dtype=torch.int32)
+                    ids = torch.cat([ids, torch.arange(e - shared, e, device="cuda", dtype=torch.int32).expand(t, shared)],
+                                    1)
+                    w = torch.rand(t, top_k + shared, device="cuda")
+                else:
+                    w, ids = select_experts(torch.randn(t, e - shared, device="cuda", generator=g), top_k, True,
+                                            num_fused_shared_experts=shared)
                 inputs[t] = (x, w, ids)
             x, w, ids = inputs[t]
 
             def call(i, x=x, w=w, ids=ids, cfg=cfg):
                 return fm.fused_experts(x, ws[i][0], ws[i][1], w, ids, config=cfg, shared_experts=shared)
 
+            if self.collecting:
+                call(0)
+                continue
             try:
                 err = rel_err(call(0), fused_experts_ref(x, ws[0][0], ws[0][1], w, ids))
                 us = rotating_graph_us(call, len(ws), reps=3 * len(ws))
@@ -230,9 +244,13 @@ class Sweep:
             for m in (256, 96):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 floor = max(n * k * 2 / self.bw, 2 * m * n * k / self.flops) * 1e6
-                ref = F.linear(x, ws[0])
+                ref = None if self.collecting else F.linear(x, ws[0])
                 for label, cfg in [("cuBLAS", None)] + DENSE_CONFIGS:
                     if self.late(f"dense {name} M={m} {label}"):
+                        continue
+                    if self.collecting:
+                        if cfg is not None:
+                            skinny_linear(x, ws[0], config=cfg)
                         continue
                     try:
                         if cfg is None:
@@ -276,6 +294,9 @@ class Sweep:
                     continue
                 call = functools.partial(da.decode_attention_fused, qkv, pos, cos_sin, cache, md, hd ** -0.5, nh, nkv,
                                          hd, norm_w, norm_w, num_splits=splits, config=config)
+                if self.collecting:
+                    call()
+                    continue
                 try:
                     out = call().float()
                     ref = out if ref is None else ref
@@ -302,12 +323,15 @@ class Sweep:
             md, blocks = shuffled_decode_metadata(s_lens, bs, rng)
             cache = (torch.randn(1, blocks, bs, 1, r + p, device="cuda") * 0.5).to(torch.bfloat16)
             q = (torch.randn(n, h, r + p, device="cuda") * 0.1).to(torch.bfloat16)
-            ref = mla_decode_ref(q.float(), cache.float(), md, 0.1, r)
+            ref = None if self.collecting else mla_decode_ref(q.float(), cache.float(), md, 0.1, r)
             floor = sum(s_lens) * (r + p) * 2 / self.bw * 1e6
             for name, tile, chunk, num_rc in MLA_TILES:
                 if self.late(f"mla {n} requests {name}"):
                     continue
                 run = functools.partial(mla_decode, q, cache, md, 0.1, r, tile=tile, split_chunk=chunk, num_rc=num_rc)
+                if self.collecting:
+                    run()
+                    continue
                 try:
                     err = ((run().float() - ref).norm() / ref.norm()).item()
                     us = graph_time_us(run)
@@ -327,17 +351,40 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", default=["moe", "attn", "dense", "mla", "moe-ds", "prefill"],
                         choices=["moe", "dense", "attn", "mla", "prefill", "moe-ds"])
     parser.add_argument("--deadline", type=float, default=70.0, help="seconds since start: no variant starts after")
+    parser.add_argument("--serial-compile", action="store_true",
+                        help="no first pass: each variant compiles at its first launch, one after another")
     args = parser.parse_args()
+    from _gpu_common import print_results
+
+    if not args.serial_compile:  # the compile processes fork first: no CUDA call yet (worker/compile_pool.py)
+        from pagedllm import envs
+        from pagedllm.worker import compile_pool
+
+        envs.use_triton_cache_dir()
+        try:
+            compile_pool._pool = compile_pool.CompilePool(compile_pool._processes(), fork=True)
+        except Exception as exc:  # noqa: BLE001 - then every variant compiles at its first launch
+            print(f"compile processes not forked: {exc!r}", flush=True)
     if not torch.cuda.is_available():
         print("needs a CUDA device", flush=True)
         return 1
-    from _gpu_common import print_results
-
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     sw = Sweep(args.deadline)
     sections = {"moe": lambda: sw.moe(MOE_DECODE), "dense": sw.dense, "attn": sw.attn, "mla": sw.mla,
                 "prefill": lambda: sw.moe(MOE_PREFILL), "moe-ds": lambda: (sw._experts.clear(),
                                                                            sw.moe(MOE_DEEPSEEK, "deepseek-v2-lite"))}
+    if not args.serial_compile:
+        from pagedllm.worker.precompile import precompile
+
+        t = elapsed()
+        sw.collecting = True
+        try:
+            precompile(lambda: [sections[name]() for name in args.only], torch.device("cuda"))
+        except Exception:  # noqa: BLE001 - the variants compile at their first launch instead
+            traceback.print_exc()
+        finally:
+            sw.collecting = False
+        print(f"[parallel compile of every variant: {elapsed() - t:.0f} s; {elapsed():.0f} s since start]", flush=True)
     for name in args.only:
         t = elapsed()
         try:
