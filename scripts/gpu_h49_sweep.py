@@ -284,6 +284,9 @@ class Sweep:
             rng = random.Random(n)
             s_lens = [rng.randint(lo, hi) for _ in range(n)]
             md, blocks = shuffled_decode_metadata(s_lens, 16, rng)
+            if n >= 128:  # as the engine's decode graphs run them (worker/cuda_graphs.py ORDER_MIN_BATCH)
+                md.decode_order = torch.tensor(sorted(range(n), key=lambda i: -s_lens[i]), dtype=torch.int32,
+                                               device="cuda")
             cache = torch.randn(2, blocks, 16, nkv, hd, device="cuda", dtype=torch.bfloat16)
             qkv = torch.randn(n, (nh + 2 * nkv) * hd, device="cuda", dtype=torch.bfloat16)
             pos = torch.tensor([s - 1 for s in s_lens], device="cuda")
