@@ -237,6 +237,7 @@ class Sweep:
         import torch.nn.functional as F
         from _gpu_common import record, rel_err, rotating_graph_us
 
+        from pagedllm.kernels import gemv
         from pagedllm.kernels.gemv import skinny_linear
 
         for name, (n, k) in DENSE_SHAPES.items():
@@ -245,7 +246,10 @@ class Sweep:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 floor = max(n * k * 2 / self.bw, 2 * m * n * k / self.flops) * 1e6
                 ref = None if self.collecting else F.linear(x, ws[0])
-                for label, cfg in [("cuBLAS", None)] + DENSE_CONFIGS:
+                gemv._DECODE_GEMM = True  # decode_gemm_config's own pick, whatever PAGEDLLM_DECODE_GEMM says
+                auto = gemv.decode_gemm_config(m, n, k, torch.bfloat16)
+                variants = [("cuBLAS", None)] + ([(f"decode_gemm_config {tuple(auto)}", auto)] if auto else []) + DENSE_CONFIGS
+                for label, cfg in variants:
                     if self.late(f"dense {name} M={m} {label}"):
                         continue
                     if self.collecting:

@@ -43,13 +43,14 @@ import triton.language as tl
 
 from pagedllm.envs import kernel_switches
 
-__all__ = ["GemvConfig", "gemv_config", "skinny_linear", "skinny_linear_ref", "use_skinny_linear"]
+__all__ = ["GemvConfig", "decode_gemm_config", "gemv_config", "skinny_linear", "skinny_linear_ref", "use_skinny_linear"]
 
 MAX_M = 16  # rows of x one program holds (BLOCK_M <= 16)
 MAX_M_BLOCKED = 512  # rows with a config's BLOCK_M: row blocks, tensor cores (decode GEMMs past MAX_M)
 
 # Read once at import: PAGEDLLM_SKINNY_GEMV=0 sends every linear back to F.linear (cuBLAS).
 _ENABLED = kernel_switches().skinny_gemv
+_DECODE_GEMM = kernel_switches().decode_gemm  # PAGEDLLM_DECODE_GEMM=1: `decode_gemm_config` past the GEMV's rows
 
 # Dispatch thresholds (tune from scripts/gemv_bench.py). Batch sizes above _MAX_M_DISPATCH go to
 # cuBLAS, which is near bandwidth once M fills a tile; below _MIN_WEIGHT_ELEMS both are launch-bound.
@@ -127,6 +128,30 @@ def use_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
             and k % 8 == 0 and 1 <= m <= _MAX_M_DISPATCH):
         return False
     return m <= 2 or n <= 1024 or n >= 65536
+
+
+# Decode GEMMs (`decode_gemm_config`): at least this many rows (fewer: the GEMV or cuBLAS), at most
+# MAX_M_BLOCKED; a weight of at least this many elements (smaller ones are launch-bound either way).
+DECODE_GEMM_MIN_M = 17
+_DECODE_GEMM_MIN_WEIGHT = 1 << 18
+_DECODE_GEMM_PROGRAMS = 264  # two per H200 SM
+
+
+def decode_gemm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
+    """The row-blocked split-K tile config for x (m, k) @ W (n, k)^T, or None where cuBLAS keeps it
+    (PAGEDLLM_DECODE_GEMM off, fp32, rows outside DECODE_GEMM_MIN_M..MAX_M_BLOCKED, small weights,
+    K not a multiple of 64). Tiles of 64 rows x 128 columns x 64 deep (4 warps, 3 stages: 168
+    registers, 72 KB of shared memory on sm_90, 3 programs an SM), and K split so that the grid
+    reaches about two programs an SM, each split at least 512 deep:
+        Qwen3-30B-A3B at 256 rows: o_proj (2048 x 4096) 4 x 16 blocks -> 4 splits of 1024 (256 programs);
+        qkv (5120 x 2048) 4 x 40 -> 1 split (160); the router (128 x 2048) 4 x 1 -> 4 splits of 512."""
+    if not (_DECODE_GEMM and dtype in (torch.bfloat16, torch.float16) and DECODE_GEMM_MIN_M <= m <= MAX_M_BLOCKED
+            and n * k >= _DECODE_GEMM_MIN_WEIGHT and k % 64 == 0):
+        return None
+    block_m, block_n, block_k = 64, 128, 64
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = max(1, min(_DECODE_GEMM_PROGRAMS // tiles, k // 512, 8))
+    return GemvConfig(block_n, block_k, split, 4, 3, True, BLOCK_M=block_m)
 
 
 @triton.jit

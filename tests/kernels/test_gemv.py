@@ -76,6 +76,25 @@ def test_row_blocks_past_max_m(device, split_k):
         assert not gemv._workspaces[x.device][1].any()
 
 
+def test_decode_gemm_config_rule(monkeypatch, device):
+    # Off by default (PAGEDLLM_DECODE_GEMM); on: 64 x 128 tiles and K split toward two programs an SM,
+    # each split at least 512 deep, for 17..512 rows of a 16-bit weight of >= 256K elements.
+    assert gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16) is None
+    monkeypatch.setattr(gemv, "_DECODE_GEMM", True)
+    o_proj = gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16)
+    assert (o_proj.BLOCK_M, o_proj.BLOCK_N, o_proj.BLOCK_K, o_proj.SPLIT_K, o_proj.USE_DOT) == (64, 128, 64, 4, True)
+    assert gemv.decode_gemm_config(256, 5120, 2048, torch.bfloat16).SPLIT_K == 1  # 160 tiles already
+    assert gemv.decode_gemm_config(256, 128, 2048, torch.bfloat16).SPLIT_K == 4  # K 2048: 512 deep at least
+    for m, n, k, dtype in [(16, 2048, 4096, torch.bfloat16), (513, 2048, 4096, torch.bfloat16),
+                           (256, 2048, 4096, torch.float32), (256, 64, 64, torch.bfloat16), (256, 2048, 4000, torch.float16)]:
+        assert gemv.decode_gemm_config(m, n, k, dtype) is None, (m, n, k, dtype)
+    # Its config computes the product (fp32 here: the interpreter's bf16 dots are wrong) at a ragged row count.
+    x, w, b = _inputs(70, 256, 1024, torch.float32, device, bias=True)
+    cfg = gemv.decode_gemm_config(70, 256, 1024, torch.bfloat16)
+    assert cfg.SPLIT_K == 2
+    torch.testing.assert_close(skinny_linear(x, w, b, config=cfg), skinny_linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
+
+
 def test_default_config_and_strided_inputs(device):
     # A column slice of x (row stride 130) and rows of a bigger weight, through gemv_config's choice.
     x_full, w_full, _ = _inputs(2, 80, 130, torch.bfloat16, device, bias=False)
