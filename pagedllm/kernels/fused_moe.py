@@ -424,7 +424,8 @@ def _fused_moe_rows_persistent_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    total = 0
+    zero = pid * 0  # int32 scalars for the loop-carried counters below
+    total = zero
     for t in range(pid, num_tiles, nprog):  # this program's iterations: max(1, row blocks) x K tiles a tile
         total += tl.maximum(tl.cdiv(tl.load(counts_ptr + t // num_n_blocks), BLOCK_M), 1) * k_tiles
     offs_r = tl.arange(0, BLOCK_M)
@@ -433,9 +434,9 @@ def _fused_moe_rows_persistent_kernel(
     b_off = offs_nl[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N), any tile's
     tile = pid - nprog
     ki = k_tiles - 1
-    blocks_left = 0  # row blocks left in the current tile
-    count = 0
-    m0 = 0
+    blocks_left = zero  # row blocks left in the current tile
+    count = zero
+    m0 = zero
     row_list = rows_ptr
     b_tile = b_ptr
     offs_n = offs_nl
