@@ -113,6 +113,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
+    # 1: MoE steps past the one-program align kernel's size (prefill chunks: > 8192 (token, expert)
+    # pairs) sort their pairs with two parallel launches (kernels/fused_moe.py
+    # `moe_align_block_size_rows`: per-expert lists, then their padded runs) instead of the torch
+    # version's ~20; the same sorted list. Off until the H200 shows it faster.
+    "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", False),
     # 4, 2 or 1: MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel`, the
     # latent's 512 columns in that many chunks, the query reloaded per key tile instead of held in
     # registers (more programs an SM); 0: the one-piece kernel. Off until the H200 shows it faster.
@@ -261,6 +266,7 @@ class KernelSwitches:
     parallel_compile: bool = False
     moe_scan: bool = True
     moe_scan_shared: bool = False
+    moe_align_rows: bool = False
     fused_router: bool = False
     moe_sum_in_norm: bool = True
 
@@ -276,6 +282,7 @@ def kernel_switches() -> KernelSwitches:
         parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
         moe_scan_shared=get["PAGEDLLM_MOE_SCAN_SHARED"](),
+        moe_align_rows=get["PAGEDLLM_MOE_ALIGN_ROWS"](),
         fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )

@@ -13,10 +13,11 @@ against each kernel's floor; sections in the order given, none started after --d
              (16 heads, 512 + 64), W1-like batches, against the latent bytes
     moe-ds   the same at DeepSeek-V2-Lite's experts (64 routed, top 6, 2 shared): the align path against
              the row lists with the shared experts as token chunks
+    align    the align step at 8192 tokens: the torch version against the row-list one (PAGEDLLM_MOE_ALIGN_ROWS)
     prefill  fused_experts at 8192 tokens: the default TMA tiles against GEMM-2 (DOWN) variants, against
              the FLOPs at the bf16 matmul speed measured here
 
-    python3 -u scripts/gpu_h49_sweep.py [--only moe attn dense mla moe-ds prefill] [--deadline 70]
+    python3 -u scripts/gpu_h49_sweep.py [--only moe attn dense mla moe-ds align prefill] [--deadline 70]
 """
 
 from __future__ import annotations
@@ -235,6 +236,29 @@ class Sweep:
                    f"{'OK' if err < 2e-2 else 'WRONG'} rel err {err:.1e}; {shown}")
         torch.cuda.empty_cache()
 
+    def align(self) -> None:
+        """The align step of prefill-sized steps (8192 tokens): the torch version (the default past the
+        one-program kernel's 8192 pairs) against the two-launch row-list version (PAGEDLLM_MOE_ALIGN_ROWS)."""
+        import torch
+        from _gpu_common import record, rotating_graph_us
+
+        from pagedllm.kernels import fused_moe as fm
+
+        for e, top_k, block_m in ((128, 8, 128), (66, 8, 64)):
+            ids = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(8192)]).int()
+            for name, fn in (("torch", fm.moe_align_block_size_ref), ("row lists", fm.moe_align_block_size_rows)):
+                if self.late(f"align {e} experts {name}"):
+                    continue
+                if self.collecting:
+                    fn(ids, block_m, e)
+                    continue
+                got, ref = fn(ids, block_m, e), fm.moe_align_block_size_ref(ids, block_m, e)
+                n = int(ref[2][0])
+                same = torch.equal(got[0][:n], ref[0][:n]) and torch.equal(got[1][: n // block_m], ref[1][: n // block_m])
+                us = rotating_graph_us(lambda i, fn=fn, ids=ids, b=block_m, e=e: fn(ids, b, e), 1, reps=10)
+                record(f"align 8192 tokens x {top_k}, {e} experts, BLOCK_M {block_m}: {name}",
+                       f"{us:.1f} us; {'same as the reference' if same else 'DIFFERENT'}")
+
     def dense(self) -> None:
         """cuBLAS against the blocked split-K decode GEMM (kernels/gemv.py with a config's BLOCK_M) at the
         decode step's dense shapes; 8 weight copies rotated, each call reads its weight from DRAM."""
@@ -360,8 +384,8 @@ def main() -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", default=["moe", "attn", "dense", "mla", "moe-ds", "prefill"],
-                        choices=["moe", "dense", "attn", "mla", "prefill", "moe-ds"])
+    parser.add_argument("--only", nargs="+", default=["moe", "attn", "dense", "mla", "moe-ds", "align", "prefill"],
+                        choices=["moe", "dense", "attn", "mla", "prefill", "moe-ds", "align"])
     parser.add_argument("--deadline", type=float, default=70.0, help="seconds since start: no variant starts after")
     parser.add_argument("--serial-compile", action="store_true",
                         help="no first pass: each variant compiles at its first launch, one after another")
@@ -383,7 +407,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     sw = Sweep(args.deadline)
     sections = {"moe": lambda: sw.moe(MOE_DECODE), "dense": sw.dense, "attn": sw.attn, "mla": sw.mla,
-                "prefill": lambda: sw.moe(MOE_PREFILL), "moe-ds": lambda: (sw._experts.clear(),
+                "prefill": lambda: sw.moe(MOE_PREFILL), "align": sw.align, "moe-ds": lambda: (sw._experts.clear(),
                                                                            sw.moe(MOE_DEEPSEEK, "deepseek-v2-lite"))}
     if not args.serial_compile:
         from pagedllm.worker.precompile import precompile

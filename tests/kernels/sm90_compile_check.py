@@ -138,6 +138,7 @@ def _record(launches: list) -> None:
         (fused_moe, "_fused_moe_tma_kernel"),
         (fused_moe, "_fused_moe_rows_kernel"),
         (fused_moe, "_fused_moe_rows_persistent_kernel"),
+        (fused_moe, "_moe_rows_to_sorted_kernel"),
         (fused_moe, "_moe_expert_rows_kernel"),
         (fused_moe, "_moe_sum_kernel"),
         (wna16_gemv, "_wna16_gemv_kernel"),
@@ -235,6 +236,8 @@ def _record_model_families() -> None:
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
         moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
+    # The two-launch align of prefill-sized steps (PAGEDLLM_MOE_ALIGN_ROWS), 8192 tokens x 8.
+    fused_moe.moe_align_block_size_rows((torch.arange(8192 * 8, dtype=torch.int32) % 128).view(8192, 8), 128, 128)
     # The persistent row-list GEMMs (config PERSISTENT: a fixed grid walking the tiles), 256 tokens.
     ids = (torch.arange(256 * 8, dtype=torch.int32) % 128).view(256, 8)
     fused_moe.fused_experts(torch.zeros(256, 2048, dtype=bf16), w13, w2, torch.ones(256, 8), ids,

@@ -40,6 +40,22 @@ def test_align_kernel_matches_reference(t, top_k, e, block_m):
     assert set(got[0].tolist()) == set(range(t * top_k + 1))  # every pair once (plus the padding id)
 
 
+@pytest.mark.parametrize("t, top_k, e, block_m", [(2, 2, 3, 4), (300, 8, 128, 64), (700, 6, 64, 16), (50, 8, 66, 128)])
+def test_align_from_row_lists_equals_reference(t, top_k, e, block_m):
+    # The two-launch align (per-expert lists, then padded runs) keeps pair order inside a run, as the
+    # reference's stable sort: the same list row for row up to the padded count, the same expert ids.
+    from pagedllm.kernels.fused_moe import moe_align_block_size_rows
+
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).int().to(DEVICE)
+    got = moe_align_block_size_rows(ids, block_m, e)
+    ref = moe_align_block_size_ref(ids, block_m, e)
+    n = int(ref[2][0])
+    assert got[2].tolist() == [n]
+    assert got[0][:n].tolist() == ref[0][:n].tolist()
+    assert got[1][: n // block_m].tolist() == ref[1][: n // block_m].tolist()
+
+
 @pytest.mark.parametrize("t, e, top_k, hidden, inter, dtype", [
     (5, 4, 2, 64, 32, torch.float32),   # decode-sized, some experts idle
     (37, 8, 3, 32, 48, torch.float32),  # inter not a multiple of BLOCK_N
