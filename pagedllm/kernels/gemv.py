@@ -134,13 +134,14 @@ def use_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
 # MAX_M_BLOCKED; a weight of at least this many elements (smaller ones are launch-bound either way).
 DECODE_GEMM_MIN_M = 17
 _DECODE_GEMM_MIN_WEIGHT = 1 << 18
-_DECODE_GEMM_PROGRAMS = 264  # two per H200 SM
+_H200_SMS = 132
+_DECODE_GEMM_PROGRAMS = 2 * _H200_SMS
 
 
 def decode_gemm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
     """The row-blocked split-K tile config for x (m, k) @ W (n, k)^T, or None where cuBLAS keeps it
     (PAGEDLLM_DECODE_GEMM off, fp32, rows outside DECODE_GEMM_MIN_M..MAX_M_BLOCKED, small weights,
-    K not a multiple of 64). Tiles of 64 rows x 128 columns x 64 deep (4 warps, 3 stages: 168
+    K not a multiple of 64, or enough 128 x 128 output tiles to fill the SMs without a K split). Tiles of 64 rows x 128 columns x 64 deep (4 warps, 3 stages: 168
     registers, 72 KB of shared memory on sm_90, 3 programs an SM), and K split so that the grid
     reaches about two programs an SM, each split at least 512 deep:
         Qwen3-30B-A3B at 256 rows: o_proj (2048 x 4096) 4 x 16 blocks -> 4 splits of 1024 (256 programs);
@@ -148,6 +149,8 @@ def decode_gemm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig
     if not (_DECODE_GEMM and dtype in (torch.bfloat16, torch.float16) and DECODE_GEMM_MIN_M <= m <= MAX_M_BLOCKED
             and n * k >= _DECODE_GEMM_MIN_WEIGHT and k % 64 == 0):
         return None
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= _H200_SMS:
+        return None  # cuBLAS's 128 x 128 tiles fill the GPU already (an LM head, a wide MLP)
     block_m, block_n, block_k = 64, 128, 64
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = max(1, min(_DECODE_GEMM_PROGRAMS // tiles, k // 512, 8))

@@ -86,7 +86,8 @@ def test_decode_gemm_config_rule(monkeypatch, device):
     assert gemv.decode_gemm_config(256, 5120, 2048, torch.bfloat16).SPLIT_K == 1  # 160 tiles already
     assert gemv.decode_gemm_config(256, 128, 2048, torch.bfloat16).SPLIT_K == 4  # K 2048: 512 deep at least
     for m, n, k, dtype in [(16, 2048, 4096, torch.bfloat16), (513, 2048, 4096, torch.bfloat16),
-                           (256, 2048, 4096, torch.float32), (256, 64, 64, torch.bfloat16), (256, 2048, 4000, torch.float16)]:
+                           (256, 2048, 4096, torch.float32), (256, 64, 64, torch.bfloat16), (256, 2048, 4000, torch.float16),
+                           (256, 151936, 2048, torch.bfloat16)]:  # an LM head: cuBLAS fills the GPU
         assert gemv.decode_gemm_config(m, n, k, dtype) is None, (m, n, k, dtype)
     # Its config computes the product (fp32 here: the interpreter's bf16 dots are wrong) at a ragged row count.
     x, w, b = _inputs(70, 256, 1024, torch.float32, device, bias=True)
