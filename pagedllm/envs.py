@@ -113,19 +113,20 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
-    # 1: MoE steps past the one-program align kernel's size (prefill chunks: > 8192 (token, expert)
-    # pairs) sort their pairs with two parallel launches (kernels/fused_moe.py
-    # `moe_align_block_size_rows`: per-expert lists, then their padded runs) instead of the torch
-    # version's ~20; the same sorted list. Off until the H200 shows it faster.
-    "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", False),
-    # 4, 2 or 1: MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel`, the
-    # latent's 512 columns in that many chunks, the query reloaded per key tile instead of held in
-    # registers (more programs an SM); 0: the one-piece kernel. Off until the H200 shows it faster.
-    "PAGEDLLM_MLA_DECODE_CHUNKS": _int("PAGEDLLM_MLA_DECODE_CHUNKS", 0),
-    # 1: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) take the row lists at
-    # decode sizes too, the shared experts as token chunks (kernels/fused_moe.py `_fused_moe_rows_kernel`)
-    # instead of the align path; off until the H200 shows it faster.
-    "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", False),
+    # 0: MoE steps past the one-program align kernel's size (prefill chunks: > 8192 (token, expert)
+    # pairs) sort their pairs with the torch version's ~20 launches instead of two parallel ones
+    # (kernels/fused_moe.py `moe_align_block_size_rows`: per-expert lists, then their padded runs; the
+    # same sorted list; H200 at 8192 tokens x 8: 60 against 136 us).
+    "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", True),
+    # MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel` with the latent's
+    # 512 columns in this many chunks (4, 2 or 1), the query reloaded per key tile instead of held in
+    # registers (more programs an SM; H200, DeepSeek-V2-Lite, 256 requests: 94.3 against 114.4 us);
+    # 0: the one-piece kernel.
+    "PAGEDLLM_MLA_DECODE_CHUNKS": _int("PAGEDLLM_MLA_DECODE_CHUNKS", 4),
+    # 0: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) keep the align path at
+    # decode sizes instead of the row lists with the shared experts as token chunks (kernels/fused_moe.py
+    # `_fused_moe_rows_kernel`; H200, DeepSeek-V2-Lite at 128 tokens: 288.0 against 310.1 us a layer).
+    "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", True),
     # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
     # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
     # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
@@ -265,8 +266,8 @@ class KernelSwitches:
     decode_gemm: bool = False
     parallel_compile: bool = False
     moe_scan: bool = True
-    moe_scan_shared: bool = False
-    moe_align_rows: bool = False
+    moe_scan_shared: bool = True
+    moe_align_rows: bool = True
     fused_router: bool = False
     moe_sum_in_norm: bool = True
 

@@ -46,9 +46,10 @@ MAX_FIXED_SPLITS = 16  # fixed-size partitions per request at most (partials: T 
 # 113 / 78 / 61 us against 140 / 89 / 65 at 256 / 128 / 64 requests (512 keys: 117 / 80 / 66).
 # Smaller batches (not measured) keep the equal shares.
 AUTO_CHUNK_MIN_REQS, AUTO_SPLIT_CHUNK = 64, 256
-# PAGEDLLM_MLA_DECODE_CHUNKS=4 (or 2, 1): decode batches take `_mla_decode_rc_kernel`, the latent's columns in
-# that many chunks with the query reloaded per key tile; 0 (the default until the H200 shows it faster):
-# `_mla_decode_kernel`, the query held in registers.
+# PAGEDLLM_MLA_DECODE_CHUNKS (default 4; or 2, 1): decode batches take `_mla_decode_rc_kernel`, the latent's
+# columns in that many chunks with the query reloaded per key tile; 0: `_mla_decode_kernel`, the query held
+# in registers. H200, DeepSeek-V2-Lite's latent, 256-key partitions, tile (32, 4, 2) (scripts/gpu_h49_sweep.py,
+# BENCHMARKS.md issue 24 / h49): 256 requests 94.3 against 114.4 us, 128 requests 85.0 against 98.7.
 RC_CHUNKS = environment_variables["PAGEDLLM_MLA_DECODE_CHUNKS"]()
 
 
@@ -351,7 +352,10 @@ def mla_decode(
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, r_pad, query.device)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
-    num_rc = RC_CHUNKS if num_rc is None else num_rc
+    if num_rc is None:  # the default, halved until its chunks are >= 16 columns (a narrow test latent)
+        num_rc = RC_CHUNKS
+        while num_rc > 1 and r_pad // num_rc < 16:
+            num_rc //= 2
     if num_rc not in (0, 1, 2, 4) or (num_rc and r_pad // num_rc < 16):
         raise ValueError(f"mla_decode: num_rc must be 0, 1, 2 or 4 with chunks of >= 16 columns, got {num_rc} "
                          f"for kv_lora_rank {r}")

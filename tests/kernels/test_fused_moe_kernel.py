@@ -211,7 +211,7 @@ def test_row_list_path_with_shared_experts_matches_reference(t, e, top_k, shared
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
+def test_decode_batches_take_the_row_lists():
     from pagedllm.kernels.fused_moe import _scan_config
 
     assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32  # Qwen3-30B-A3B at 256 tokens
@@ -219,7 +219,8 @@ def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     assert _scan_config(8, 128, torch.bfloat16)["BLOCK_M"] == 16
     assert _scan_config(384 * 8, 128, torch.bfloat16) is None  # 24 pairs an expert: the align path
     assert _scan_config(1024 * 8, 128, torch.bfloat16) is None  # prefill sizes: the align path
-    # With shared experts (every token on the last S), fused_experts keeps the align path: same result.
+    # With shared experts (every token on the last S): the row lists by the routed pairs (default
+    # PAGEDLLM_MOE_SCAN_SHARED), the align path past them; the same result either way.
     g = torch.Generator().manual_seed(1)
     t, e, hidden, inter = 6, 5, 32, 32
     x = torch.randn(t, hidden, generator=g).to(DEVICE)
@@ -227,6 +228,9 @@ def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
     weights, ids = select_experts(torch.randn(t, e - 1, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=1)
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, shared_experts=1),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    align = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)  # the align path, shared experts
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=align, shared_experts=1),
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 

@@ -84,15 +84,16 @@ def test_deepseek_width_latent_takes_the_small_tile_config():
     torch.testing.assert_close(out, mla_attention_ref(query, latent, cache, md, 0.05, 512), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_rc", [None, 0])  # the default (chunked) kernel and the one-piece one
 @pytest.mark.parametrize("s_lens, heads, splits", [([9, 30, 3, 1], H, None), ([40, 17], 20, 4), ([33], 3, 2)])
-def test_mla_decode_kernel_matches_reference(s_lens, heads, splits):
+def test_mla_decode_kernel_matches_reference(s_lens, heads, splits, num_rc):
     # The decode-only kernel: head blocks of 16 (20 heads = one full block + a masked one, 3 = masked rows),
     # ragged key tiles, split-K partitions with empty trailing ones (33 keys cut in 2 of 32-key tiles).
     from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
 
     md, cache, _ = _batch([1] * len(s_lens), s_lens, seed=3)
     query = torch.randn(len(s_lens), heads, R + ROPE, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    out = mla_decode(query, cache, md, 0.3, R, num_splits=splits)
+    out = mla_decode(query, cache, md, 0.3, R, num_splits=splits, num_rc=num_rc)
     ref = mla_decode_ref(query, cache, md, 0.3, R)
     assert out.shape == (len(s_lens), heads, R)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
