@@ -113,8 +113,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
-    # 0: MoE steps past the one-program align kernel's size (prefill chunks: > 8192 (token, expert)
-    # pairs) sort their pairs with the torch version's ~20 launches instead of two parallel ones
+    # 0: MoE steps of >= 1024 (token, expert) pairs sort their pairs with the one-program align kernel (up
+    # to 8192 pairs) or the torch version's ~20 launches (past it) instead of two parallel launches
     # (kernels/fused_moe.py `moe_align_block_size_rows`: per-expert lists, then their padded runs; the
     # same sorted list; H200 at 8192 tokens x 8: 60 against 136 us).
     "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", True),

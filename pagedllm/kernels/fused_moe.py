@@ -106,6 +106,11 @@ def _moe_align_kernel(
 # decode sizes, but 507 us against 131 at 65,536 pairs (8,192 tokens x 8). Above this many pairs
 # the torch version (a few parallel kernels) runs instead; prefill chunks that big are GEMM-bound.
 ALIGN_KERNEL_MAX_PAIRS = 8192
+# From this many pairs on (CUDA, PAGEDLLM_MOE_ALIGN_ROWS) the two-launch version from row lists runs
+# instead of either (`moe_align_block_size_rows`). H200: the one-program kernel took 15.3 / 23.4 us at
+# 1,024 / 2,048 pairs, the list kernel 2.3 / 3.4 us (h45 round 3); the two launches 60 us at 65,536
+# pairs against the torch version's 136 (h49 round 1). Fewer pairs keep the one-program kernel.
+ALIGN_ROWS_MIN_PAIRS = 1024
 
 
 def moe_align_block_size(
@@ -113,13 +118,14 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> sorted_token_ids int32 (max_padded,), expert_ids int32 (max_padded / block_m,),
     num_tokens_post_padded int32 (1,) (see the module docstring; `_max_padded` gives the static
-    size). One Triton program up to ALIGN_KERNEL_MAX_PAIRS pairs; `moe_align_block_size_ref`, the
-    torch version, above."""
+    size). One Triton program below ALIGN_ROWS_MIN_PAIRS pairs, two launches from row lists from there
+    (`moe_align_block_size_rows`; with PAGEDLLM_MOE_ALIGN_ROWS=0 the program up to ALIGN_KERNEL_MAX_PAIRS
+    and `moe_align_block_size_ref`, the torch version, above)."""
     flat = topk_ids.reshape(-1).contiguous()
     m = flat.numel()
+    if _ALIGN_ROWS and flat.is_cuda and m >= ALIGN_ROWS_MIN_PAIRS:
+        return moe_align_block_size_rows(topk_ids, block_m, num_experts)
     if m > ALIGN_KERNEL_MAX_PAIRS:
-        if _ALIGN_ROWS and flat.is_cuda:
-            return moe_align_block_size_rows(topk_ids, block_m, num_experts)
         return moe_align_block_size_ref(topk_ids, block_m, num_experts)
     max_padded = _max_padded(m, block_m, num_experts)
     device = flat.device
