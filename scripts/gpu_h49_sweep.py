@@ -283,7 +283,10 @@ class Sweep:
                         continue
                     if self.collecting:
                         if cfg is not None:
-                            skinny_linear(x, ws[0], config=cfg)
+                            try:  # a config the workspace cannot hold fails again, recorded, when timed
+                                skinny_linear(x, ws[0], config=cfg)
+                            except ValueError:
+                                pass
                         continue
                     try:
                         if cfg is None:
