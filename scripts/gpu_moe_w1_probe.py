@@ -240,12 +240,14 @@ def w1_steps(llm, runner, requests, temperature: float, shape: Shape, bw: float,
 
 
 FAMILIES = [  # first match wins
-    ("moe gemm", ("_fused_moe_kernel", "_fused_moe_rows_kernel", "_fused_moe_tma_kernel")),
-    ("moe align", ("_moe_align", "_moe_expert_rows", "sort", "scatter", "searchsorted", "cumsum", "arange",
-                   "index_put", "fill")),
+    ("moe gemm", ("_fused_moe_kernel", "_fused_moe_rows_kernel", "_fused_moe_rows_persistent_kernel",
+                  "_fused_moe_tma_kernel")),
+    ("moe align", ("_moe_align", "_moe_expert_rows", "_moe_rows_to_sorted", "sort", "scatter", "searchsorted",
+                   "cumsum", "arange", "index_put", "fill")),
+    ("mla prep", ("_mla_prep",)),
     ("moe sum", ("_moe_sum",)),
     ("router", ("topk_softmax", "_topk", "softmax")),
-    ("attention", ("attn", "attention", "paged", "decode", "merge", "flash", "unified")),
+    ("attention", ("attn", "attention", "paged", "decode", "merge", "flash", "unified", "mla")),
     ("dense gemm", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "xmma", "wgmma", "matmul", "splitk")),
     ("norm", ("rms", "norm")),
     ("rotary", ("rope", "rotary")),
