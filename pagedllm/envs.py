@@ -28,6 +28,18 @@ def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or default
 
 
+def _int(name: str, default: int) -> Callable[[], int]:
+    """An integer; unset or empty is `default`, anything else not an integer a ValueError naming it."""
+    def read() -> int:
+        v = os.environ.get(name) or str(default)
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {v!r}") from None
+
+    return read
+
+
 def _fail_at_step() -> int | None:
     v = os.environ.get("PAGEDLLM_TEST_FAIL_AT_STEP")
     if not v:
@@ -86,6 +98,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_DECODE": _flag("PAGEDLLM_FUSED_DECODE", True),
     # 0: every linear layer goes to F.linear (cuBLAS), never the few-row gemv kernel (kernels/gemv.py).
     "PAGEDLLM_SKINNY_GEMV": _flag("PAGEDLLM_SKINNY_GEMV", True),
+    # 1: unquantized 16-bit linears of decode batches past the skinny GEMV's rows (up to 512) run
+    # kernels/gemv.py's split-K GEMM in row blocks (`decode_gemm_config`) instead of cuBLAS, whose tiles
+    # leave SMs idle at those sizes (Qwen3-30B-A3B's o_proj at 256 rows: 32 tiles for 132 SMs).
+    # Off until the H200 shows it faster.
+    "PAGEDLLM_DECODE_GEMM": _flag("PAGEDLLM_DECODE_GEMM", False),
     # 0: int4 decode batches go to the FMA GEMV / tile kernel instead of the tensor-core kernel
     # (kernels/wna16_tc.py), the path before it; for comparisons.
     "PAGEDLLM_WNA16_TC": _flag("PAGEDLLM_WNA16_TC", True),
@@ -96,6 +113,20 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.
     "PAGEDLLM_MOE_SCAN": _flag("PAGEDLLM_MOE_SCAN", True),
+    # 0: MoE steps of >= 1024 (token, expert) pairs sort their pairs with the one-program align kernel (up
+    # to 8192 pairs) or the torch version's ~20 launches (past it) instead of two parallel launches
+    # (kernels/fused_moe.py `moe_align_block_size_rows`: per-expert lists, then their padded runs; the
+    # same sorted list; H200 at 8192 tokens x 8: 60 against 136 us).
+    "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", True),
+    # MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel` with the latent's
+    # 512 columns in this many chunks (4, 2 or 1), the query reloaded per key tile instead of held in
+    # registers (more programs an SM; H200, DeepSeek-V2-Lite, 256 requests: 94.3 against 114.4 us);
+    # 0: the one-piece kernel.
+    "PAGEDLLM_MLA_DECODE_CHUNKS": _int("PAGEDLLM_MLA_DECODE_CHUNKS", 4),
+    # 0: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) keep the align path at
+    # decode sizes instead of the row lists with the shared experts as token chunks (kernels/fused_moe.py
+    # `_fused_moe_rows_kernel`; H200, DeepSeek-V2-Lite at 128 tokens: 288.0 against 310.1 us a layer).
+    "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", True),
     # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
     # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
     # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
@@ -236,8 +267,11 @@ class KernelSwitches:
     fused_decode: bool
     skinny_gemv: bool
     graph_tuning: bool
+    decode_gemm: bool = False
     parallel_compile: bool = False
     moe_scan: bool = True
+    moe_scan_shared: bool = True
+    moe_align_rows: bool = True
     fused_router: bool = False
     moe_sum_in_norm: bool = True
 
@@ -248,9 +282,12 @@ def kernel_switches() -> KernelSwitches:
         fused_qkv=get["PAGEDLLM_FUSED_QKV"](),
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
+        decode_gemm=get["PAGEDLLM_DECODE_GEMM"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
+        moe_scan_shared=get["PAGEDLLM_MOE_SCAN_SHARED"](),
+        moe_align_rows=get["PAGEDLLM_MOE_ALIGN_ROWS"](),
         fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )

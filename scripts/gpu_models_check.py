@@ -67,6 +67,8 @@ ARCHS = {
 
 # GPU_CHECK_MODES=graphs runs the CUDA graphs only (half the section's time); default both.
 CUDA_MODES = tuple(os.environ.get("GPU_CHECK_MODES", "graphs,eager").split(","))
+# GPU_CHECK_ARCHS=deepseek_v2,qwen3_moe checks only those architectures (ARCHS' keys); default all.
+CHECK_ARCHS = tuple(a for a in os.environ.get("GPU_CHECK_ARCHS", "").split(",") if a)
 
 
 def tiny_model_dir(cls: str, extra: dict) -> str:
@@ -94,7 +96,12 @@ def correctness() -> None:
     prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 200))] for _ in range(12)]
     prompts += [prompts[0][:3] + p for p in prompts[1:4]]  # shared prefixes
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    unknown = set(CHECK_ARCHS) - set(ARCHS)
+    if unknown:
+        raise ValueError(f"GPU_CHECK_ARCHS names unknown architectures {sorted(unknown)}; known: {sorted(ARCHS)}")
     for arch, (cls, extra) in ARCHS.items():
+        if CHECK_ARCHS and arch not in CHECK_ARCHS:
+            continue
         try:
             path = tiny_model_dir(cls, extra)
             runs = {}

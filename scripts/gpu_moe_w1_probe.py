@@ -41,36 +41,57 @@ def elapsed() -> float:
 
 
 class Shape:
-    """The byte and FLOP counts of a Qwen3-MoE-like model the floors need (from its hf_config)."""
+    """The byte and FLOP counts of an MoE model the floors need (from its hf_config): Qwen3-MoE-like (GQA
+    attention, routed experts in every layer) or DeepSeek-V2-like (MLA: one latent of kv_lora_rank +
+    qk_rope_head_dim per token and layer in the cache; shared experts on every token; the first
+    first_k_dense_replace layers with a dense MLP)."""
 
     def __init__(self, cfg) -> None:
         self.layers = cfg.num_hidden_layers
-        self.hidden = cfg.hidden_size
+        self.hidden = h = cfg.hidden_size
         self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.experts = cfg.num_experts
+        self.mla = getattr(cfg, "kv_lora_rank", None) is not None
+        self.experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+        self.shared = (getattr(cfg, "n_shared_experts", None) or 0) if self.mla else 0
         self.top_k = cfg.num_experts_per_tok
         self.inter = cfg.moe_intermediate_size
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        # qkv, o, router per layer + the LM head (the embedding is gathered: a row a token).
-        self.dense_params = self.layers * (h * (q + 2 * kv) + q * h + h * self.experts) + cfg.vocab_size * h
+        dense_layers = getattr(cfg, "first_k_dense_replace", 0) or 0
+        self.moe_layers = self.layers - dense_layers
+        if self.mla:  # DeepSeek-V2-Lite: q_proj (no q LoRA) + kv_a, kv_b (absorbed), o_proj
+            qk, v, r, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, \
+                cfg.qk_rope_head_dim
+            q_a = cfg.q_lora_rank or self.heads * qk
+            attn = h * (q_a + r + rope) + (cfg.q_lora_rank or 0) * self.heads * qk + r * self.heads * (qk - rope + v) \
+                + self.heads * v * h
+            self.kv_token_bytes = self.layers * (r + rope) * 2
+            self.pair_flops = 2 * self.heads * (qk + v)  # prefill chunks attend over expanded heads
+            self.kv_heads, self.head_dim = 1, r + rope
+        else:
+            self.kv_heads = cfg.num_key_value_heads
+            self.head_dim = getattr(cfg, "head_dim", None) or h // self.heads
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            attn = h * (q + 2 * kv) + q * h
+            self.kv_token_bytes = self.layers * 2 * kv * 2
+            self.pair_flops = 4 * self.heads * self.head_dim
+        # attention + router per layer, the dense layers' MLP, the LM head (the embedding is gathered).
+        self.dense_params = (self.layers * attn + self.moe_layers * h * self.experts
+                             + dense_layers * 3 * h * cfg.intermediate_size + cfg.vocab_size * h)
         self.expert_bytes = 3 * h * self.inter * 2  # w1, w3, w2 of one expert, bf16
-        self.kv_token_bytes = self.layers * 2 * kv * 2
-        self.active_params = self.dense_params + self.layers * self.top_k * 3 * h * self.inter
+        self.active_params = self.dense_params + self.moe_layers * (self.top_k + self.shared) * 3 * h * self.inter
         self.lm_head_params = cfg.vocab_size * h
 
     def experts_hit(self, tokens: int) -> float:
-        """Expected distinct experts a layer's batch hits under uniform routing (dummy weights route ~so)."""
-        return self.experts * (1 - (1 - self.top_k / self.experts) ** tokens)
+        """Expected distinct experts a layer's batch hits under uniform routing (dummy weights route ~so),
+        the shared ones included."""
+        return self.experts * (1 - (1 - self.top_k / self.experts) ** tokens) + (self.shared if tokens else 0)
 
     def moe_bytes(self, tokens: int) -> float:
-        return self.layers * self.experts_hit(tokens) * self.expert_bytes
+        return self.moe_layers * self.experts_hit(tokens) * self.expert_bytes
 
     def attn_flops(self, q_lens, seq_lens) -> float:
-        """2 x 2 x layers x heads x head_dim per (query, key) pair, causal inside the chunk."""
+        """pair_flops x layers per (query, key) pair, causal inside the chunk."""
         keys = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(q_lens, seq_lens))
-        return 4 * self.layers * self.heads * self.head_dim * keys
+        return self.layers * self.pair_flops * keys
 
     def step_floor(self, q_lens, seq_lens, bw: float, flops: float) -> tuple[float, float, float, float]:
         """-> (floor s, moe bytes s, kv bytes s, compute s) of a step."""
@@ -219,12 +240,14 @@ def w1_steps(llm, runner, requests, temperature: float, shape: Shape, bw: float,
 
 
 FAMILIES = [  # first match wins
-    ("moe gemm", ("_fused_moe_kernel", "_fused_moe_rows_kernel", "_fused_moe_tma_kernel")),
-    ("moe align", ("_moe_align", "_moe_expert_rows", "sort", "scatter", "searchsorted", "cumsum", "arange",
-                   "index_put", "fill")),
+    ("moe gemm", ("_fused_moe_kernel", "_fused_moe_rows_kernel", "_fused_moe_rows_persistent_kernel",
+                  "_fused_moe_tma_kernel")),
+    ("moe align", ("_moe_align", "_moe_expert_rows", "_moe_rows_to_sorted", "sort", "scatter", "searchsorted",
+                   "cumsum", "arange", "index_put", "fill")),
+    ("mla prep", ("_mla_prep",)),
     ("moe sum", ("_moe_sum",)),
     ("router", ("topk_softmax", "_topk", "softmax")),
-    ("attention", ("attn", "attention", "paged", "decode", "merge", "flash", "unified")),
+    ("attention", ("attn", "attention", "paged", "decode", "merge", "flash", "unified", "mla")),
     ("dense gemm", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "xmma", "wgmma", "matmul", "splitk")),
     ("norm", ("rms", "norm")),
     ("rotary", ("rope", "rotary")),
@@ -303,7 +326,7 @@ def profile_steps(llm, runner, requests, temperature: float, shape: Shape, bw: f
         total = sum(fams.values())
         tok = s["tokens"]
         floor, moe_s, kv_s, fl_s = shape.step_floor(s["q_lens"], s["seq_lens"], bw, flops)
-        moe_fl = 2 * shape.layers * shape.top_k * 3 * shape.hidden * shape.inter * tok / flops
+        moe_fl = 2 * shape.moe_layers * (shape.top_k + shape.shared) * 3 * shape.hidden * shape.inter * tok / flops
         dense_fl = 2 * (shape.dense_params - shape.lm_head_params) * tok / flops  # the LM head: sampled rows only
         attn_fl = shape.attn_flops(s["q_lens"], s["seq_lens"]) / flops
         floors = {  # the family's own floor: bytes for a decode step, FLOPs (or bytes, if more) for a prefill one

@@ -157,7 +157,11 @@ def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool,
     block_m = max(rows, triton.next_power_of_2(queries_per_kv))
     block_q = max(1, block_m // queries_per_kv)
     if head_dim_pad <= 128:
-        tile_n = (64 if few_programs else 128) if decode_only else 32
+        # Few programs: 64-key tiles, except for GQA groups of 8 and more query heads (Qwen3-30B-A3B's
+        # 32 / 4), whose bigger score and value products per tile keep 128 keys: 96 requests x 900-2000
+        # keys on the H200, 88.2 us against 98.9 (BENCHMARKS.md, issue 24, branch h49).
+        few_tile = 128 if queries_per_kv >= 8 else 64
+        tile_n = (few_tile if few_programs else 128) if decode_only else 32
         num_warps = 4
         if decode_only and few_programs:  # an unsplit decode batch of few programs (split_k.py)
             return block_m, block_q, tile_n, num_warps, 2

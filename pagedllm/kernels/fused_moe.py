@@ -36,7 +36,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref", "moe_sum"]
+__all__ = ["fused_experts", "moe_align_block_size", "moe_align_block_size_ref", "moe_align_block_size_rows", "moe_sum"]
 
 
 def _max_padded(num_pairs: int, block_m: int, num_experts: int) -> int:
@@ -106,6 +106,11 @@ def _moe_align_kernel(
 # decode sizes, but 507 us against 131 at 65,536 pairs (8,192 tokens x 8). Above this many pairs
 # the torch version (a few parallel kernels) runs instead; prefill chunks that big are GEMM-bound.
 ALIGN_KERNEL_MAX_PAIRS = 8192
+# From this many pairs on (CUDA, PAGEDLLM_MOE_ALIGN_ROWS) the two-launch version from row lists runs
+# instead of either (`moe_align_block_size_rows`). H200: the one-program kernel took 15.3 / 23.4 us at
+# 1,024 / 2,048 pairs, the list kernel 2.3 / 3.4 us (h45 round 3); the two launches 60 us at 65,536
+# pairs against the torch version's 136 (h49 round 1). Fewer pairs keep the one-program kernel.
+ALIGN_ROWS_MIN_PAIRS = 1024
 
 
 def moe_align_block_size(
@@ -113,10 +118,13 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> sorted_token_ids int32 (max_padded,), expert_ids int32 (max_padded / block_m,),
     num_tokens_post_padded int32 (1,) (see the module docstring; `_max_padded` gives the static
-    size). One Triton program up to ALIGN_KERNEL_MAX_PAIRS pairs; `moe_align_block_size_ref`, the
-    torch version, above."""
+    size). One Triton program below ALIGN_ROWS_MIN_PAIRS pairs, two launches from row lists from there
+    (`moe_align_block_size_rows`; with PAGEDLLM_MOE_ALIGN_ROWS=0 the program up to ALIGN_KERNEL_MAX_PAIRS
+    and `moe_align_block_size_ref`, the torch version, above)."""
     flat = topk_ids.reshape(-1).contiguous()
     m = flat.numel()
+    if _ALIGN_ROWS and flat.is_cuda and m >= ALIGN_ROWS_MIN_PAIRS:
+        return moe_align_block_size_rows(topk_ids, block_m, num_experts)
     if m > ALIGN_KERNEL_MAX_PAIRS:
         return moe_align_block_size_ref(topk_ids, block_m, num_experts)
     max_padded = _max_padded(m, block_m, num_experts)
@@ -130,6 +138,70 @@ def moe_align_block_size(
         flat, sorted_ids, expert_ids, ntpp, cursor, m, num_experts, max_padded,
         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_J=max(1, min(64, 8192 // block_e)), num_warps=4,
     )
+    return sorted_ids, expert_ids, ntpp
+
+
+@triton.jit
+def _moe_rows_to_sorted_kernel(
+    rows_ptr,  # int32 (E, max_rows): `_moe_expert_rows_kernel`'s lists
+    counts_ptr,  # int32 (E,)
+    sorted_ids_ptr,  # int32 (max_padded,) out
+    expert_ids_ptr,  # int32 (max_padded / BLOCK_M,) out
+    ntpp_ptr,  # int32 (1,) out
+    num_experts,
+    max_rows,
+    num_pairs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Program e copies expert e's list into its run of the sorted list (padded to BLOCK_M with
+    num_pairs) at the sum of the earlier experts' padded counts, and names itself in expert_ids for
+    its run's blocks. counts [3, 1], BLOCK_M 4 -> expert 1 starts at row 4: sorted [.., .., .., P, x, P, P, P]."""
+    e = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(offs_e < e, padded, 0), 0)
+    count = tl.load(counts_ptr + e)
+    mine = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if e == 0:
+        tl.store(ntpp_ptr, tl.sum(padded, 0))
+    row_list = rows_ptr + e.to(tl.int64) * max_rows
+    for r0 in range(0, mine, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        v = tl.load(row_list + r, mask=r < count, other=num_pairs)
+        tl.store(sorted_ids_ptr + start + r, v, mask=r < mine)
+    for b0 in range(0, mine // BLOCK_M, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        tl.store(expert_ids_ptr + start // BLOCK_M + b, tl.zeros([CHUNK], tl.int32) + e, mask=b < mine // BLOCK_M)
+
+
+def moe_align_block_size_rows(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align_block_size` in two parallel launches for prefill-sized steps: each expert lists its
+    pairs (`_moe_expert_rows_kernel`, one program per expert), then copies them into its padded run
+    (`_moe_rows_to_sorted_kernel`). Pairs keep pair order inside a run, as the torch reference's
+    stable sort: the same sorted list, expert ids and padded count (rows past that count are not
+    written; the GEMMs never read them). The one-program kernel's atomics are serial (507 us at
+    65,536 pairs on the H200), the torch version ~20 launches (131 us)."""
+    t = topk_ids.shape[0]
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32 or not flat.is_contiguous():
+        flat = flat.to(torch.int32).contiguous()
+    m = flat.numel()
+    device = flat.device
+    max_padded = _max_padded(m, block_m, num_experts)
+    rows = torch.empty((num_experts, t), dtype=torch.int32, device=device)  # an expert takes a token at most once
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    ntpp = torch.empty(1, dtype=torch.int32, device=device)
+    _moe_expert_rows_kernel[(num_experts,)](flat, rows, counts, m, t, CHUNK=1024, num_warps=4)
+    _moe_rows_to_sorted_kernel[(num_experts,)](rows, counts, sorted_ids, expert_ids, ntpp, num_experts, t, m,
+                                               BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                                               CHUNK=1024, num_warps=4)
     return sorted_ids, expert_ids, ntpp
 
 
@@ -312,17 +384,45 @@ def _fused_moe_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FUSE_SILU: tl.constexpr,
+    NUM_SHARED: tl.constexpr = 0,  # shared experts (every token), stacked after the num_routed listed ones
+    num_routed=0,
+    num_tokens=0,
+    pairs_per_token=1,  # top_k + NUM_SHARED: token i's pair for shared expert j is i * pairs_per_token + top_k + j
 ):
     """The grouped GEMM over per-expert row lists: program (expert, column block) takes its
     expert's pairs BLOCK_M at a time. One flat loop over (row block, K tile), the epilogue at each
     row block's last K tile (the shape of Triton's persistent matmul), so the loads stay pipelined;
-    an expert with more pairs than BLOCK_M (rare: `_scan_config`) reads its weights again."""
+    an expert with more pairs than BLOCK_M (rare: `_scan_config`) reads its weights again.
+
+    Shared experts (NUM_SHARED > 0, DeepSeek's) take every token, so they have no list: their
+    programs come first, one per (shared expert, column block, BLOCK_M tokens), the token chunks of
+    one column block adjacent, so they read that weight tile at about the same time (DRAM once, L2
+    after) instead of one program walking all the chunks and reading it chunks times.
+        NUM_SHARED 2, 3 column blocks, 40 tokens, BLOCK_M 16 -> 3 chunks: pids 0..17 shared
+        (pid 4: shared expert 0, column block 1, tokens 16..31), then (routed expert, column block)."""
     pid = tl.program_id(0)
-    expert = pid // num_n_blocks
-    pid_n = pid % num_n_blocks
-    count = tl.load(counts_ptr + expert)
+    if NUM_SHARED == 0:
+        expert = pid // num_n_blocks
+        pid_n = pid % num_n_blocks
+        count = tl.load(counts_ptr + expert)
+        is_shared = pid < 0
+        row0 = 0
+        slot = 0
+    else:
+        chunks = tl.cdiv(num_tokens, BLOCK_M)
+        shared_progs = NUM_SHARED * num_n_blocks * chunks
+        is_shared = pid < shared_progs
+        local = pid - shared_progs  # routed programs: (expert, column block)
+        s_idx = pid // (num_n_blocks * chunks)
+        row0 = tl.where(is_shared, (pid % chunks) * BLOCK_M, 0)
+        expert = tl.where(is_shared, num_routed + s_idx, local // num_n_blocks)
+        pid_n = tl.where(is_shared, (pid // chunks) % num_n_blocks, local % num_n_blocks)
+        slot = pairs_per_token - NUM_SHARED + s_idx
+        count = tl.where(is_shared, tl.minimum(num_tokens - row0, BLOCK_M), tl.load(counts_ptr + expert, mask=~is_shared,
+                                                                                      other=0))
     if count == 0:
         return
+    list_count = tl.where(is_shared, 0, count)  # shared programs compute their pairs
     row_list = rows_ptr + expert.to(tl.int64) * max_rows
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -341,7 +441,9 @@ def _fused_moe_rows_kernel(
         if ki == 0:
             m0 += BLOCK_M
             valid = m0 + offs_r < count
-            pair = tl.load(row_list + m0 + offs_r, mask=valid, other=0).to(tl.int64)
+            pair = tl.load(row_list + m0 + offs_r, mask=m0 + offs_r < list_count, other=0).to(tl.int64)
+            if NUM_SHARED > 0:
+                pair = tl.where(is_shared, (row0 + m0 + offs_r).to(tl.int64) * pairs_per_token + slot, pair)
         k0 = ki * BLOCK_K
         k_mask = offs_k < K - k0
         a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
@@ -353,6 +455,97 @@ def _fused_moe_rows_kernel(
             acc = tl.dot(a, b, acc)
         if FUSE_SILU:
             b_up = tl.load(b_base + k0 + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE_FP32:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        if ki == k_tiles - 1:
+            _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm,
+                               FUSE_SILU, MUL_ROUTED_WEIGHT)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _fused_moe_rows_persistent_kernel(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, rows_ptr, counts_ptr,  # as _fused_moe_rows_kernel
+    N,
+    K,
+    num_n_blocks,
+    max_rows,
+    num_tiles,  # num_experts * num_n_blocks
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+):
+    """`_fused_moe_rows_kernel` with a fixed grid (a few programs an SM): program p takes the (expert,
+    column block) tiles p, p + P, p + 2P, ... (P programs) in one flat loop over (tile, row block, K
+    tile), so the next tile's first weight loads are in flight while this one's last are consumed: no
+    program start-up between tiles. Qwen3-30B-A3B's GEMM 2 has only K / BLOCK_K = 6 loads a tile, so
+    a program a tile pays its start (row list, pointers, the pipeline's first loads) every 6 loads.
+    A tile whose expert has no pair takes one row block of K tiles with every load masked (no bytes).
+        P 3, 8 tiles: program 1 takes tiles 1, 4, 7."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    zero = pid * 0  # int32 scalars for the loop-carried counters below
+    total = zero
+    for t in range(pid, num_tiles, nprog):  # this program's iterations: max(1, row blocks) x K tiles a tile
+        total += tl.maximum(tl.cdiv(tl.load(counts_ptr + t // num_n_blocks), BLOCK_M), 1) * k_tiles
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_nl = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_off = offs_nl[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N), any tile's
+    tile = pid - nprog
+    ki = k_tiles - 1
+    blocks_left = zero  # row blocks left in the current tile
+    count = zero
+    m0 = zero
+    row_list = rows_ptr
+    b_tile = b_ptr
+    offs_n = offs_nl
+    n_mask = offs_nl < 0
+    valid = offs_r < 0
+    pair = tl.zeros([BLOCK_M], tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only
+    for _ in range(0, total):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            if blocks_left == 0:  # the next tile
+                tile += nprog
+                expert = tile // num_n_blocks
+                pid_n = tile % num_n_blocks
+                count = tl.load(counts_ptr + expert)
+                blocks_left = tl.maximum(tl.cdiv(count, BLOCK_M), 1)
+                m0 = -BLOCK_M
+                row_list = rows_ptr + expert.to(tl.int64) * max_rows
+                b_tile = b_ptr + expert.to(tl.int64) * stride_be + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
+                offs_n = pid_n * BLOCK_N + offs_nl
+                n_mask = offs_n < tl.where(count > 0, N, 0)  # an empty tile loads nothing
+            blocks_left -= 1
+            m0 += BLOCK_M
+            valid = m0 + offs_r < count
+            pair = tl.load(row_list + m0 + offs_r, mask=valid, other=0).to(tl.int64)
+        k0 = ki * BLOCK_K
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_tile + k0 + b_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if FUSE_SILU:
+            b_up = tl.load(b_tile + k0 + N * stride_bn + b_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if IEEE_FP32:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
@@ -438,7 +631,10 @@ def _config(num_pairs: int, dtype: torch.dtype) -> dict[str, int]:
         # Prefill sizes: SiLU in GEMM 1 (two 128 x 128 accumulators, the registers of one 128 x 256)
         # and the weight tiles by TMA. H200, 8192 tokens (h45 rounds 1 and 3): 1553.5 / 1615.8 us a
         # layer against 1668.9 / 1676.2 for 128 x 256 with SiLU apart; equal to the torch reference.
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, FUSE_SILU=True, TMA=True)
+        # GEMM 2 (N = hidden, K = the intermediate size) in 256-column tiles, 3 stages: 1459.5 against
+        # 1506.1 us (h49 round 1).
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, FUSE_SILU=True, TMA=True,
+                    DOWN=dict(BLOCK_N=256, num_stages=3))
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
@@ -525,8 +721,12 @@ def moe_sum(down: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-# Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well.
+# Read once at import: PAGEDLLM_MOE_SCAN=0 sends decode batches through the align step as well;
+# PAGEDLLM_MOE_SCAN_SHARED=1 lets blocks with shared experts (DeepSeek) take the row lists too.
 _SCAN_ENABLED = kernel_switches().moe_scan
+_SCAN_SHARED = _SCAN_ENABLED and kernel_switches().moe_scan_shared
+# PAGEDLLM_MOE_ALIGN_ROWS=1: steps past ALIGN_KERNEL_MAX_PAIRS sort their pairs with `moe_align_block_size_rows`.
+_ALIGN_ROWS = kernel_switches().moe_align_rows
 # The row-list path takes steps of at most this many pairs (Qwen3-30B-A3B: 512 tokens x 8) and at
 # most SCAN_MAX_MEAN_ROWS pairs per expert on average: each list program reads every expert id of
 # the step, and an expert with more pairs than BLOCK_M reads its weights once per extra row block.
@@ -554,29 +754,42 @@ def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict |
                 DOWN=dict(BLOCK_N=128))
 
 
-def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict) -> torch.Tensor:
+def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict, shared: int = 0) -> torch.Tensor:
     """fused_experts without the sorted list: each expert's row list (`_moe_expert_rows_kernel`,
-    one program per expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden)."""
+    one program per routed expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden).
+    shared: the last `shared` experts take every token (no lists: their programs compute the pairs)."""
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
     inter = two_inter // 2
+    routed = e - shared
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         ids = ids.to(torch.int32).contiguous()
     rows = torch.empty((e, t), dtype=torch.int32, device=x.device)  # an expert takes a token at most once
     counts = torch.empty(e, dtype=torch.int32, device=x.device)
-    _moe_expert_rows_kernel[(e,)](ids, rows, counts, t * top_k, t, CHUNK=max(16, min(1024, triton.next_power_of_2(t * top_k))),
-                                  num_warps=4)
+    _moe_expert_rows_kernel[(routed,)](ids, rows, counts, t * top_k, t,
+                                       CHUNK=max(16, min(1024, triton.next_power_of_2(t * top_k))), num_warps=4)
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     fp32 = w13.dtype == torch.float32
     for a, w, out, n, k, tk, first, gemm in ((x, w13, h, inter, hidden, top_k, True, cfg),
                                               (h, w2, down, hidden, inter, 1, False, down_config(cfg))):
         n_blocks = triton.cdiv(n, gemm["BLOCK_N"])
-        _fused_moe_rows_kernel[(e * n_blocks,)](
+        if gemm.get("PERSISTENT") and not shared:  # a fixed grid of PERSISTENT programs walking the tiles
+            tiles = routed * n_blocks
+            _fused_moe_rows_persistent_kernel[(min(gemm["PERSISTENT"], tiles),)](
+                a, w, out, weights, rows, counts, n, k, n_blocks, t, tiles, a.stride(0), w.stride(0), w.stride(1),
+                out.stride(0), TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"],
+                BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"],
+                num_stages=gemm.get("num_stages", 3),
+            )
+            continue
+        shared_progs = shared * n_blocks * triton.cdiv(t, gemm["BLOCK_M"])
+        _fused_moe_rows_kernel[(routed * n_blocks + shared_progs,)](
             a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
             TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
-            BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
+            BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, NUM_SHARED=shared, num_routed=routed, num_tokens=t,
+            pairs_per_token=top_k, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
         )
     return down
 
@@ -591,8 +804,11 @@ def fused_experts(
     # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above),
     # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M / TMA: see down_config),
     # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights), SCAN (per-expert
-    # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass).
-    shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked): not the scan path
+    # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass),
+    # PERSISTENT (with SCAN, no shared experts: that many programs walk the tiles,
+    # `_fused_moe_rows_persistent_kernel`; in DOWN for GEMM 2 alone).
+    shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked); the row lists
+    # only with PAGEDLLM_MOE_SCAN_SHARED=1 or a SCAN config
     sum_topk: bool = True,  # False: each token's top_k expert outputs unsummed, (T, top_k, hidden), for a
     # consumer that sums them itself (kernels/rmsnorm.py: the next residual add + norm)
 ) -> torch.Tensor:  # (T, hidden), or (T, top_k, hidden) with sum_topk=False
@@ -605,10 +821,12 @@ def fused_experts(
         raise ValueError("fused_experts needs row-major x and contiguous expert weights")
     if t == 0:
         return torch.zeros_like(x) if sum_topk else x.new_zeros((0, top_k, hidden))
+    if config is None and shared_experts and _SCAN_SHARED:  # the routed experts' pairs pick the row-list tiles
+        config = _scan_config(t * (top_k - shared_experts), e - shared_experts, w13.dtype)
     cfg = config or (None if shared_experts else _scan_config(t * top_k, e, w13.dtype)) or _config(t * top_k, w13.dtype)
     weights = topk_weights.reshape(-1).float().contiguous()
     if cfg.get("SCAN"):
-        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg)
+        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg, shared_experts)
         return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):

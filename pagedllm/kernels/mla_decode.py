@@ -30,6 +30,7 @@ import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla_ref import mla_attention_ref
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.attention_tile import _LOG2E
 from pagedllm.kernels.split_k import alloc_partials, choose_num_splits, split_key_range, store_partials
 
@@ -45,6 +46,11 @@ MAX_FIXED_SPLITS = 16  # fixed-size partitions per request at most (partials: T 
 # 113 / 78 / 61 us against 140 / 89 / 65 at 256 / 128 / 64 requests (512 keys: 117 / 80 / 66).
 # Smaller batches (not measured) keep the equal shares.
 AUTO_CHUNK_MIN_REQS, AUTO_SPLIT_CHUNK = 64, 256
+# PAGEDLLM_MLA_DECODE_CHUNKS (default 4; or 2, 1): decode batches take `_mla_decode_rc_kernel`, the latent's
+# columns in that many chunks with the query reloaded per key tile; 0: `_mla_decode_kernel`, the query held
+# in registers. H200, DeepSeek-V2-Lite's latent, 256-key partitions, tile (32, 4, 2) (scripts/gpu_h49_sweep.py,
+# BENCHMARKS.md issue 24 / h49): 256 requests 94.3 against 114.4 us, 128 requests 85.0 against 98.7.
+RC_CHUNKS = environment_variables["PAGEDLLM_MLA_DECODE_CHUNKS"]()
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk", "stride_bt"])
@@ -133,6 +139,126 @@ def _mla_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & r_mask[None, :])
 
 
+@triton.jit
+def _chunk_load(row_ptrs, c: tl.constexpr, RC: tl.constexpr, R: tl.constexpr, row_mask):
+    """Columns [c * RC, (c + 1) * RC) of R-wide rows at row_ptrs (a 1-d tensor of row starts)."""
+    cols = c * RC + tl.arange(0, RC)
+    return tl.load(row_ptrs[:, None] + cols[None, :], mask=row_mask[:, None] & (cols < R)[None, :], other=0.0)
+
+
+@triton.jit
+def _chunk_store(ptrs, c: tl.constexpr, RC: tl.constexpr, R: tl.constexpr, row_mask, val):
+    cols = c * RC + tl.arange(0, RC)
+    tl.store(ptrs[:, None] + cols[None, :], val, mask=row_mask[:, None] & (cols < R)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk", "stride_bt"])
+def _mla_decode_rc_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
+    num_reqs, num_heads, num_splits, split_chunk, scale_log2,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_blk, stride_c_slot, stride_bt,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    R_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FIXED_CHUNK: tl.constexpr = False,
+    NUM_RC: tl.constexpr = 4,  # the latent's R columns in NUM_RC chunks of R_PAD // NUM_RC (1, 2 or 4)
+):
+    """`_mla_decode_kernel` (same arguments, partitions and results) with the latent's R columns in
+    NUM_RC chunks: the query's chunks are loaded again at every key tile (from L1 / L2: 16 heads x 576
+    x 2 B = 18 KB) instead of held in registers for the whole loop, and the output kept as NUM_RC
+    accumulators. Held, the query is the A operand of every warp's score MMAs (16 x 512 bf16 = 128
+    registers a thread at 4 warps): the one-piece kernel takes 204 registers on sm_90, so an SM holds
+    2 of its programs; chunked, fewer registers and more programs an SM to hide the loads' latency.
+        R 512, NUM_RC 4: scores = q_pe . k_pe + sum over c of q_lat[:, 128c:128(c+1)] . c_kv[:, 128c:...]"""
+    RC: tl.constexpr = R_PAD // NUM_RC
+    req = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    row = req.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_valid = offs_h < num_heads
+    offs_p = tl.arange(0, P_PAD)
+    p_mask = offs_p < P
+    q_rows = q_ptr + row * stride_q_t + offs_h * stride_q_h  # (BLOCK_H,) row starts
+
+    if FIXED_CHUNK:
+        kv_lo = split * split_chunk
+        kv_hi = tl.minimum(seq_len, kv_lo + split_chunk)
+        if kv_lo >= seq_len:
+            return
+    else:
+        kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, RC], tl.float32)
+    if NUM_RC > 1:
+        acc1 = tl.zeros([BLOCK_H, RC], tl.float32)
+    if NUM_RC > 2:
+        acc2 = tl.zeros([BLOCK_H, RC], tl.float32)
+        acc3 = tl.zeros([BLOCK_H, RC], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(kv_lo, kv_hi, TILE_N):
+        offs_n = start_n + tl.arange(0, TILE_N)
+        n_mask = offs_n < kv_hi
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        key_rows = cache_ptr + blk * stride_c_blk + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_c_slot
+        k_pe = tl.load(key_rows[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        q_pe = tl.load(q_rows[:, None] + R + offs_p[None, :], mask=h_valid[:, None] & p_mask[None, :], other=0.0)
+        s = tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        c0 = _chunk_load(key_rows, 0, RC, R, n_mask)
+        s += tl.dot(_chunk_load(q_rows, 0, RC, R, h_valid), tl.trans(c0), input_precision=DOT_PRECISION)
+        if NUM_RC > 1:
+            c1 = _chunk_load(key_rows, 1, RC, R, n_mask)
+            s += tl.dot(_chunk_load(q_rows, 1, RC, R, h_valid), tl.trans(c1), input_precision=DOT_PRECISION)
+        if NUM_RC > 2:
+            c2 = _chunk_load(key_rows, 2, RC, R, n_mask)
+            s += tl.dot(_chunk_load(q_rows, 2, RC, R, h_valid), tl.trans(c2), input_precision=DOT_PRECISION)
+            c3 = _chunk_load(key_rows, 3, RC, R, n_mask)
+            s += tl.dot(_chunk_load(q_rows, 3, RC, R, h_valid), tl.trans(c3), input_precision=DOT_PRECISION)
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(c0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pv, c0, input_precision=DOT_PRECISION)
+        if NUM_RC > 1:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, c1, input_precision=DOT_PRECISION)
+        if NUM_RC > 2:
+            acc2 = acc2 * alpha[:, None] + tl.dot(pv, c2, input_precision=DOT_PRECISION)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pv, c3, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if USE_SPLIT:
+        part = (row * num_heads + offs_h) * num_splits + split  # (BLOCK_H,)
+        tl.store(part_m_ptr + part, m_i, mask=h_valid)
+        tl.store(part_l_ptr + part, l_i, mask=h_valid)
+        dst = part_acc_ptr + part * R_PAD
+        _chunk_store(dst, 0, RC, R_PAD, h_valid, acc0)
+        if NUM_RC > 1:
+            _chunk_store(dst, 1, RC, R_PAD, h_valid, acc1)
+        if NUM_RC > 2:
+            _chunk_store(dst, 2, RC, R_PAD, h_valid, acc2)
+            _chunk_store(dst, 3, RC, R_PAD, h_valid, acc3)
+    else:
+        inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding): zeros
+        dst = out_ptr + row * stride_o_t + offs_h * stride_o_h
+        ty = out_ptr.dtype.element_ty
+        _chunk_store(dst, 0, RC, R, h_valid, (acc0 * inv[:, None]).to(ty))
+        if NUM_RC > 1:
+            _chunk_store(dst, 1, RC, R, h_valid, (acc1 * inv[:, None]).to(ty))
+        if NUM_RC > 2:
+            _chunk_store(dst, 2, RC, R, h_valid, (acc2 * inv[:, None]).to(ty))
+            _chunk_store(dst, 3, RC, R, h_valid, (acc3 * inv[:, None]).to(ty))
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk"])
 def _mla_merge_kernel(
     out_ptr,  # (num_tokens, num_heads, R)
@@ -184,6 +310,8 @@ def mla_decode(
     num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None,  # (TILE_N, num_warps, num_stages); None: the defaults above
     split_chunk: int | None = None,  # fixed-size key partitions (a multiple of TILE_N); overrides num_splits
+    num_rc: int | None = None,  # 1, 2 or 4: `_mla_decode_rc_kernel` with the latent in that many chunks;
+    # None: RC_CHUNKS (PAGEDLLM_MLA_DECODE_CHUNKS; 0 = the one-piece kernel)
 ) -> torch.Tensor:  # (num_tokens, num_heads, R)
     """MQA over the latent cache for a decode-only batch (md.max_query_len == 1, one token a request).
 
@@ -224,14 +352,22 @@ def mla_decode(
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, r_pad, query.device)
     else:
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
-    _mla_decode_kernel[(n, triton.cdiv(num_heads, BLOCK_H), num_splits)](
+    if num_rc is None:  # the default, halved until its chunks are >= 16 columns (a narrow test latent)
+        num_rc = RC_CHUNKS
+        while num_rc > 1 and r_pad // num_rc < 16:
+            num_rc //= 2
+    if num_rc not in (0, 1, 2, 4) or (num_rc and r_pad // num_rc < 16):
+        raise ValueError(f"mla_decode: num_rc must be 0, 1, 2 or 4 with chunks of >= 16 columns, got {num_rc} "
+                         f"for kv_lora_rank {r}")
+    kernel, extra = (_mla_decode_rc_kernel, dict(NUM_RC=num_rc)) if num_rc else (_mla_decode_kernel, {})
+    kernel[(n, triton.cdiv(num_heads, BLOCK_H), num_splits)](
         out, part_acc, part_m, part_l, query, cache, md.block_table, md.seq_lens,
         n, num_heads, num_splits, split_chunk or 0, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), md.block_table.stride(0),
         R=r, P=p, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=BLOCK_H, TILE_N=tile_n, BLOCK_SIZE=kv_cache.shape[2],
         USE_SPLIT=use_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FIXED_CHUNK=fixed,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if use_split:
         _mla_merge_kernel[(n, num_heads)](

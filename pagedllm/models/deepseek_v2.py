@@ -191,6 +191,11 @@ class DeepseekV2MoE(nn.Module):
                                if n_shared and not self.fused_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden); with the shared experts fused (no separate MLP to add) on one CUDA
+        rank, the (T, top_k + shared, hidden) expert outputs unsummed: the next layer's residual add +
+        RMSNorm sums them (kernels/rmsnorm.py), so the sum is no kernel of its own (as Qwen's blocks)."""
+        if self.shared_experts is None and self.experts.can_leave_topk_unsummed(x):
+            return self.experts(x, router_logits(x, self.gate.weight), sum_topk=False)
         out = self.experts(x, router_logits(x, self.gate.weight))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -34,6 +34,7 @@ from pagedllm.kernels import (  # noqa: E402
     fused_moe,
     gemv,
     kv_cache_write,
+    mla_decode,
     mla_prefill,
     mla_prep,
     moe_router,
@@ -136,6 +137,8 @@ def _record(launches: list) -> None:
         # prefill tile ran on the H200 and equals the torch reference there (BENCHMARKS.md, issue 24).
         (fused_moe, "_fused_moe_tma_kernel"),
         (fused_moe, "_fused_moe_rows_kernel"),
+        (fused_moe, "_fused_moe_rows_persistent_kernel"),
+        (fused_moe, "_moe_rows_to_sorted_kernel"),
         (fused_moe, "_moe_expert_rows_kernel"),
         (fused_moe, "_moe_sum_kernel"),
         (wna16_gemv, "_wna16_gemv_kernel"),
@@ -151,6 +154,9 @@ def _record(launches: list) -> None:
         (quant_act, "_rms_norm_quant_kernel"),
         (quant_act, "_silu_and_mul_quant_kernel"),
         (fused_moe, "_moe_align_kernel"),
+        (mla_decode, "_mla_decode_kernel"),
+        (mla_decode, "_mla_decode_rc_kernel"),
+        (mla_decode, "_mla_merge_kernel"),
         (moe_router, "_topk_softmax_kernel"),
         (moe_router, "_router_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
@@ -237,6 +243,12 @@ def _record_model_families() -> None:
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
         moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
+    # The two-launch align of prefill-sized steps (PAGEDLLM_MOE_ALIGN_ROWS), 8192 tokens x 8.
+    fused_moe.moe_align_block_size_rows((torch.arange(8192 * 8, dtype=torch.int32) % 128).view(8192, 8), 128, 128)
+    # The persistent row-list GEMMs (config PERSISTENT: a fixed grid walking the tiles), 256 tokens.
+    ids = (torch.arange(256 * 8, dtype=torch.int32) % 128).view(256, 8)
+    fused_moe.fused_experts(torch.zeros(256, 2048, dtype=bf16), w13, w2, torch.ones(256, 8), ids,
+                            config=dict(fused_moe._scan_config(256 * 8, 128, bf16), PERSISTENT=264))
     # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).
     rmsnorm.rms_norm(torch.zeros(4, 8, 2048, dtype=bf16), torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(4, 2048, dtype=bf16))
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's
@@ -246,6 +258,22 @@ def _record_model_families() -> None:
     for t in (4, 256):
         ids = (torch.arange(t * 8, dtype=torch.int32) % 66).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
+    # The row lists with the 2 shared experts as token chunks (PAGEDLLM_MOE_SCAN_SHARED), 32 and 64 rows.
+    for t, block_m in ((128, 32), (256, 64)):
+        ids = torch.cat([(torch.arange(t * 6, dtype=torch.int32) % 64).view(t, 6),
+                         torch.tensor([64, 65], dtype=torch.int32).expand(t, 2)], 1)
+        cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, DOWN=dict(BLOCK_N=128))
+        fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids, config=cfg,
+                                shared_experts=2)
+    # MLA's decode at DeepSeek-V2-Lite's latent: 256 requests (fixed 256-key partitions + the merge), 4
+    # (unsplit), and the chunked kernel (PAGEDLLM_MLA_DECODE_CHUNKS=4).
+    lat_cache = torch.zeros(1, 64, 16, 1, 576, dtype=bf16)
+    for n in (256, 4):
+        md = build_metadata([1] * n, [700] * n, [[0] * 44] * n, 16)
+        md.max_seq_len = 4096 if n > 4 else 700
+        for num_rc in (0, 4):
+            mla_decode.mla_decode(torch.zeros(n, 16, 576, dtype=bf16), lat_cache, md, 0.1, 512, num_rc=num_rc,
+                                  num_splits=1 if n == 4 else None)
     # MLA's prep at DeepSeek-V2-Lite's widths: q_pe from the q_proj rows, the latent, the cache write.
     q, lat = torch.zeros(4, 16, 192, dtype=bf16), torch.zeros(4, 576, dtype=bf16)
     mla_prep.mla_prep(torch.arange(4), q[..., 128:], torch.zeros(4, 16, 576, dtype=bf16)[..., 512:], lat,
@@ -322,6 +350,14 @@ def _record_gemv() -> None:
     # at m=4 on the tensor-core path. Weights are left untouched (torch.zeros is lazily mapped).
     for m, n, k in [(1, 4096, 1024), (2, 28672, 4096), (4, 1024, 3072), (8, 1024, 2048), (4, 151936, 1024)]:
         gemv.skinny_linear(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
+    # The row-blocked decode GEMM (PAGEDLLM_DECODE_GEMM): Qwen3-30B-A3B's o_proj at 256 rows (4 K splits).
+    decode_gemm, gemv._DECODE_GEMM = gemv._DECODE_GEMM, True
+    try:
+        cfg = gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16)
+    finally:
+        gemv._DECODE_GEMM = decode_gemm
+    gemv.skinny_linear(torch.zeros(256, 4096, dtype=torch.bfloat16), torch.zeros(2048, 4096, dtype=torch.bfloat16),
+                       config=cfg)
 
 
 _JOBS: list = []  # (kernel, signature, constexprs, attrs, options): one per distinct compiled kernel

@@ -40,6 +40,22 @@ def test_align_kernel_matches_reference(t, top_k, e, block_m):
     assert set(got[0].tolist()) == set(range(t * top_k + 1))  # every pair once (plus the padding id)
 
 
+@pytest.mark.parametrize("t, top_k, e, block_m", [(2, 2, 3, 4), (300, 8, 128, 64), (700, 6, 64, 16), (50, 8, 66, 128)])
+def test_align_from_row_lists_equals_reference(t, top_k, e, block_m):
+    # The two-launch align (per-expert lists, then padded runs) keeps pair order inside a run, as the
+    # reference's stable sort: the same list row for row up to the padded count, the same expert ids.
+    from pagedllm.kernels.fused_moe import moe_align_block_size_rows
+
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).int().to(DEVICE)
+    got = moe_align_block_size_rows(ids, block_m, e)
+    ref = moe_align_block_size_ref(ids, block_m, e)
+    n = int(ref[2][0])
+    assert got[2].tolist() == [n]
+    assert got[0][:n].tolist() == ref[0][:n].tolist()
+    assert got[1][: n // block_m].tolist() == ref[1][: n // block_m].tolist()
+
+
 @pytest.mark.parametrize("t, e, top_k, hidden, inter, dtype", [
     (5, 4, 2, 64, 32, torch.float32),   # decode-sized, some experts idle
     (37, 8, 3, 32, 48, torch.float32),  # inter not a multiple of BLOCK_N
@@ -154,7 +170,48 @@ def test_row_list_path_matches_reference(t, e, top_k, block_m):
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
+@pytest.mark.parametrize("t, e, top_k, block_m, programs", [
+    (5, 4, 2, 16, 3),     # decode-sized, an idle expert likely: its tile runs masked
+    (1, 8, 2, 16, 5),     # one token: most tiles empty
+    (300, 4, 2, 16, 2),   # ten row blocks an expert, several tiles a program
+    (37, 8, 3, 32, 64),   # more programs than tiles: the grid shrinks to the tiles
+])
+def test_persistent_row_list_path_matches_reference(t, e, top_k, block_m, programs):
+    # PERSISTENT: a fixed grid whose programs walk (expert, column block) tiles in one flat loop.
+    g = torch.Generator().manual_seed(t + programs)
+    hidden, inter = 32, 48  # GEMM 1: 2 column blocks of 32 (the last ragged); GEMM 2: 2 of 16
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
+    cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, PERSISTENT=programs,
+               DOWN=dict(BLOCK_N=16))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("t, e, top_k, shared, block_m", [
+    (5, 6, 2, 2, 16),    # routed top_k 2 of 4, 2 shared: one token chunk per shared expert
+    (40, 6, 3, 2, 16),   # three chunks (40 tokens / 16), the last ragged
+    (1, 5, 2, 1, 16),    # one token
+    (37, 9, 4, 1, 32),
+])
+def test_row_list_path_with_shared_experts_matches_reference(t, e, top_k, shared, block_m):
+    # DeepSeek's layout: the last `shared` experts take every token at weight 1 (select_experts appends
+    # them); their programs compute the pairs of BLOCK_M-token chunks instead of reading a list.
+    g = torch.Generator().manual_seed(t + shared)
+    hidden, inter = 32, 48
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e - shared, generator=g).to(DEVICE), top_k, True,
+                                  num_fused_shared_experts=shared)  # (t, top_k + shared)
+    cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, DOWN=dict(BLOCK_N=16))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg, shared_experts=shared),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_batches_take_the_row_lists():
     from pagedllm.kernels.fused_moe import _scan_config
 
     assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32  # Qwen3-30B-A3B at 256 tokens
@@ -162,7 +219,8 @@ def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     assert _scan_config(8, 128, torch.bfloat16)["BLOCK_M"] == 16
     assert _scan_config(384 * 8, 128, torch.bfloat16) is None  # 24 pairs an expert: the align path
     assert _scan_config(1024 * 8, 128, torch.bfloat16) is None  # prefill sizes: the align path
-    # With shared experts (every token on the last S), fused_experts keeps the align path: same result.
+    # With shared experts (every token on the last S): the row lists by the routed pairs (default
+    # PAGEDLLM_MOE_SCAN_SHARED), the align path past them; the same result either way.
     g = torch.Generator().manual_seed(1)
     t, e, hidden, inter = 6, 5, 32, 32
     x = torch.randn(t, hidden, generator=g).to(DEVICE)
@@ -171,6 +229,34 @@ def test_decode_batches_take_the_row_lists_unless_experts_are_shared():
     weights, ids = select_experts(torch.randn(t, e - 1, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=1)
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, shared_experts=1),
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    align = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)  # the align path, shared experts
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=align, shared_experts=1),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_experts_take_the_row_lists_when_switched_on(monkeypatch):
+    # PAGEDLLM_MOE_SCAN_SHARED=1: the routed experts' pairs pick the tiles (DeepSeek-V2-Lite at 128
+    # tokens: 12 routed pairs an expert -> 32 rows), and the result stays the reference's.
+    from pagedllm.kernels import fused_moe as fm
+
+    assert fm._scan_config(128 * 6, 64, torch.bfloat16)["BLOCK_M"] == 32
+    scan, shared_seen = fm._fused_experts_scan, []
+
+    def spy(*args):
+        shared_seen.append(args[-1])
+        return scan(*args)
+
+    monkeypatch.setattr(fm, "_SCAN_SHARED", True)
+    monkeypatch.setattr(fm, "_fused_experts_scan", spy)
+    g = torch.Generator().manual_seed(3)
+    t, e, hidden, inter = 7, 6, 32, 32
+    x = torch.randn(t, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(t, e - 2, generator=g).to(DEVICE), 2, True, num_fused_shared_experts=2)
+    torch.testing.assert_close(fm.fused_experts(x, w13, w2, weights, ids, shared_experts=2),
+                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    assert shared_seen == [2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -84,18 +84,47 @@ def test_deepseek_width_latent_takes_the_small_tile_config():
     torch.testing.assert_close(out, mla_attention_ref(query, latent, cache, md, 0.05, 512), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_rc", [None, 0])  # the default (chunked) kernel and the one-piece one
 @pytest.mark.parametrize("s_lens, heads, splits", [([9, 30, 3, 1], H, None), ([40, 17], 20, 4), ([33], 3, 2)])
-def test_mla_decode_kernel_matches_reference(s_lens, heads, splits):
+def test_mla_decode_kernel_matches_reference(s_lens, heads, splits, num_rc):
     # The decode-only kernel: head blocks of 16 (20 heads = one full block + a masked one, 3 = masked rows),
     # ragged key tiles, split-K partitions with empty trailing ones (33 keys cut in 2 of 32-key tiles).
     from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
 
     md, cache, _ = _batch([1] * len(s_lens), s_lens, seed=3)
     query = torch.randn(len(s_lens), heads, R + ROPE, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    out = mla_decode(query, cache, md, 0.3, R, num_splits=splits)
+    out = mla_decode(query, cache, md, 0.3, R, num_splits=splits, num_rc=num_rc)
     ref = mla_decode_ref(query, cache, md, 0.3, R)
     assert out.shape == (len(s_lens), heads, R)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_rc, splits, chunk", [(2, None, None), (2, 4, None), (1, 2, None), (2, None, 16)])
+def test_mla_decode_chunked_kernel_matches_reference(num_rc, splits, chunk):
+    # `_mla_decode_rc_kernel`: the latent's R columns in num_rc chunks (R 32 -> 2 x 16), the query
+    # reloaded per key tile; unsplit, split-K and fixed partitions equal the reference as the one-piece kernel.
+    from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
+
+    md, cache, _ = _batch([1, 1, 1, 1], [9, 30, 3, 1], seed=6)
+    md.max_seq_len = 64
+    query = torch.randn(4, 20, R + ROPE, generator=torch.Generator().manual_seed(7)).to(DEVICE)  # 20 heads: 2 blocks
+    out = mla_decode(query, cache, md, 0.3, R, num_splits=None if chunk else splits, split_chunk=chunk, num_rc=num_rc,
+                     tile=(16, 4, 2))
+    torch.testing.assert_close(out, mla_decode_ref(query, cache, md, 0.3, R), atol=1e-4, rtol=1e-4)
+
+
+def test_mla_decode_chunked_kernel_at_deepseek_width():
+    # DeepSeek's 512 + 64 latent in 4 chunks of 128.
+    from pagedllm.kernels.mla_decode import mla_decode, mla_decode_ref
+
+    md, _, _ = _batch([1, 1], [6, 11], seed=5)
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(1, 5, 4, 1, 576, generator=g).to(DEVICE)
+    wq = torch.randn(2, 16, 576, generator=g).to(DEVICE) * 0.05
+    torch.testing.assert_close(mla_decode(wq, wide, md, 0.1, 512, num_rc=4), mla_decode_ref(wq, wide, md, 0.1, 512),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="num_rc"):
+        mla_decode(wq, wide, md, 0.1, 512, num_rc=3)
 
 
 def test_mla_decode_kernel_zeroes_graph_padding_rows():

@@ -123,3 +123,23 @@ def test_fused_shared_experts_equal_the_shared_mlp():
             layer.weight_loader(param, t, (int(i), shard[p]))
     x, logits = torch.randn(7, hidden, generator=g), torch.randn(7, e, generator=g)
     torch.testing.assert_close(fused(x, logits), moe(x, logits) + mlp(x), atol=1e-5, rtol=1e-5)
+
+
+def test_unsummed_topk_outputs_with_shared_experts_sum_to_forward(monkeypatch):
+    # DeepSeek's blocks on one CUDA rank hand the next RMSNorm (T, top_k + shared, hidden) unsummed
+    # outputs (models/deepseek_v2.py); their sum is forward's. The Triton kernels here run in the
+    # interpreter (forced past the CUDA check), so the fp32 sums agree closely.
+    from pagedllm.layers.fused_moe import layer as layer_mod
+
+    g = torch.Generator().manual_seed(9)
+    e, hidden, inter, top_k, shared = 4, 16, 16, 2, 2
+    moe = FusedMoE(e, top_k, hidden, inter, renormalize=False, num_fused_shared_experts=shared)
+    for p in (moe.w13_weight, moe.w2_weight):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x, logits = torch.randn(5, hidden, generator=g), torch.randn(5, e, generator=g)
+    with pytest.raises(ValueError, match="unsummed"):
+        moe(x, logits, sum_topk=False)  # a CPU tensor: not allowed
+    monkeypatch.setattr(layer_mod.FusedMoE, "can_leave_topk_unsummed", lambda self, h: True)
+    parts = moe(x, logits, sum_topk=False)
+    assert parts.shape == (5, top_k + shared, hidden)
+    torch.testing.assert_close(parts.sum(1), moe(x, logits), atol=1e-4, rtol=1e-4)

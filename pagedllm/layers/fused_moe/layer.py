@@ -145,12 +145,22 @@ class FusedMoE(nn.Module):
         offset = 0 if shard == "w1" else inter
         param.data[expert_id, offset : offset + inter].copy_(loaded_weight[start : start + inter])
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden_states (T, hidden), router_logits (T, E) -> (T, hidden), summed over ranks."""
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, sum_topk: bool = True) -> torch.Tensor:
+        """hidden_states (T, hidden), router_logits (T, E) -> (T, hidden), summed over ranks. sum_topk=False
+        (only where `can_leave_topk_unsummed`): the (T, top_k + shared, hidden) expert outputs unsummed,
+        for the next residual add + RMSNorm to sum (DeepSeek's blocks, as forward_gate's for Qwen's)."""
+        if not sum_topk and not self.can_leave_topk_unsummed(hidden_states):
+            raise ValueError(f"{self}: the top-k outputs can be left unsummed only on one CUDA rank and stage, "
+                             "with unquantized experts")
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
             self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor, self.num_fused_shared_experts,
         )
+        if not sum_topk:
+            from pagedllm.kernels.fused_moe import fused_experts
+
+            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                 shared_experts=self.num_fused_shared_experts, sum_topk=False)
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
