@@ -190,6 +190,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # samples in a call of its own once its bitmask is filled). Opt-in: its last H200 round printed no
     # rows (a hang not ruled out) and its final code has not run on a GPU (BENCHMARKS.md, h42).
     "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
+    # Grammar workers, gated jobs: 1 the engine writes each job into the worker's shared-memory area,
+    # which the worker polls (one core each while constrained requests decode, then idle), instead of
+    # a pickled message on its socket; 0 or unset the socket (grammar_worker.py's job channel).
+    "PAGEDLLM_GRAMMAR_SPIN": lambda: _optional_flag("PAGEDLLM_GRAMMAR_SPIN"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

@@ -57,7 +57,7 @@ def use_grammar_worker() -> bool:
 
 def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
                  pin_memory: bool = False, threads: int | None = None,
-                 num_workers: int | None = None) -> StructuredOutputBackend:
+                 num_workers: int | None = None, spin: bool | None = None) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
@@ -72,8 +72,10 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
         num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
         threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
             6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
+        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel)
+            spin = bool(envs.PAGEDLLM_GRAMMAR_SPIN)
         try:
-            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers)
+            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers, spin=spin)
         except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
             logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
     threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, cores // 2))
