@@ -41,6 +41,7 @@ from pagedllm.structured_output.backend_types import StructuredOutputBackend, St
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 from pagedllm.structured_output.gate import FlagWords
 from pagedllm.structured_output.grammar_worker import (
+    COMBINED_WORD,
     ERROR_WORDS,
     FLAG_WORDS,
     JOB_ARRAYS,
@@ -287,8 +288,9 @@ class ProcessBackend(StructuredOutputBackend):
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
             self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
             # Gated sampling: the workers' flag words (one each) and their error words.
-            self.flags = whole[size // 4: size // 4 + num_workers]
-            self.flags.numpy().fill(0)
+            self._flag_block = whole[size // 4: size // 4 + FLAG_WORDS]
+            self._flag_block.numpy()[:ERROR_WORDS].fill(0)
+            self.flags = self._flag_block[:num_workers]
             errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers]
             errors.numpy().fill(0)
             self._errors = memoryview(errors.numpy()).cast("B").cast("i")  # read per step: no numpy call
@@ -338,11 +340,10 @@ class ProcessBackend(StructuredOutputBackend):
             shut_seq, since = 0, 0.0
             while finalizer.alive:
                 if any(p.poll() is not None for p in procs):
-                    flags.words[:] = flags.seq  # >= every gate issued so far
+                    flags.open_all()
                     return
-                seq = flags.seq
-                if seq and int(flags.words.min()) < seq:
-                    now = time.monotonic()
+                if flags.pending():
+                    seq, now = flags.seq, time.monotonic()
                     if shut_seq != seq:
                         shut_seq, since = seq, now
                     else:
@@ -355,7 +356,7 @@ class ProcessBackend(StructuredOutputBackend):
                             self._stuck = seq
                             logger.error("gated sampling: the grammar workers left gate %d shut for %.0f s; "
                                          "it is opened and the engine's next job raises", seq, now - since)
-                            flags.words[:] = seq
+                            flags.open_all()
                 time.sleep(WATCHDOG_PERIOD_S)
 
         self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
@@ -483,10 +484,19 @@ class ProcessBackend(StructuredOutputBackend):
         return lanes
 
     # -- gated sampling (gate.py) ------------------------------------------------------------------
-    def gate_flag_memory(self) -> torch.Tensor:
-        """The workers' flag words in the shared block, int32 (num_workers,) (registered with CUDA as
-        mapped memory on a GPU)."""
-        return self.flags
+    def gate_flags(self, device: torch.device | None) -> FlagWords:
+        """The gates' flag words in the shared block (registered with CUDA as mapped memory on a GPU):
+        one per worker, and with several workers the combined word (grammar_worker.COMBINED_WORD) that
+        jobs sent with `spin` raise."""
+        n = self.num_workers
+        if n == 1:
+            return FlagWords(self.flags, device)
+        return FlagWords(self._flag_block[: COMBINED_WORD + 1], device, fillers=n, combined=COMBINED_WORD)
+
+    @property
+    def combined_gates(self) -> bool:
+        """Whether the next gate waits on the combined word (its job goes with `spin`)."""
+        return self.spin and self.num_workers > 1
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
                  seq: int) -> tuple[Callable[[], None], list[tuple[list[int], list[int]]]]:

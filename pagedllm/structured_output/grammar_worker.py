@@ -45,6 +45,35 @@ logger = logging.getLogger(__name__)
 # worker's word has it), words ERROR_WORDS.. the workers' error words (set when a job failed).
 FLAG_WORDS = 16
 ERROR_WORDS = 8
+# With several workers and jobs that ask for it (their job areas), worker 0 raises this word once
+# every worker's word has the job's seq: the device then waits on one word (gate.FlagWords).
+COMBINED_WORD = 7
+COMBINE_TIMEOUT_S = 120.0  # worker 0 stops waiting for the others' words (the engine's watchdog opens the gate)
+
+
+def combine_flags(flags: memoryview, num_workers: int, seq: int, timeout_s: float = COMBINE_TIMEOUT_S) -> bool:
+    """Worker 0, after its own word: wait (spinning: the others end within microseconds of it, their
+    fills being the same size) until every worker's word is >= seq, then raise COMBINED_WORD to seq.
+    Returns False, leaving it, if the combined word was raised by someone else (the watchdog) or the
+    others did not come within timeout_s. x86 keeps stores in one order for every observer, so once
+    a worker's word is seen here its bitmask rows are visible to the device too."""
+    spins = 0
+    deadline = 0.0
+    while flags[COMBINED_WORD] < seq:
+        for i in range(1, num_workers):
+            if flags[i] < seq:
+                break
+        else:
+            flags[COMBINED_WORD] = seq
+            return True
+        spins += 1
+        if not spins & 4095:
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + timeout_s
+            elif now > deadline:
+                return False
+    return False
 # The job channel (gated jobs without a socket write, PAGEDLLM_GRAMMAR_SPIN): after the flag words,
 # one area per worker of JOB_HEADER int32 words and five int32 arrays of `rows` entries:
 #   header  [job, n_removed, n_one, n_fill, buffer, gate seq, flag word, layout], then a float64
@@ -108,6 +137,9 @@ class GrammarWorker:
         # Gated sampling, after the buffers (FLAG_WORDS int32 words): word i is worker i's flag, words
         # ERROR_WORDS.. the workers' error words.
         self.flags = np.frombuffer(self._mmap, dtype=np.int32, count=FLAG_WORDS, offset=size)
+        self.flag_view = memoryview(self.flags).cast("B").cast("i")  # per-spin reads: no numpy call
+        self.combiner = index == 0 and num_workers > 1
+        self.num_workers = num_workers
         self.gated = [0, 0.0, 0.0]  # gated jobs since the engine last asked ("stats"): count, accept s, fill s
         # The job channel (module doc): this worker's area, polled until `spin_until` (a gated job
         # that asks for it moves it on; the engine writes the area only while it is ahead).
@@ -216,9 +248,13 @@ class GrammarWorker:
                 self.flags[ERROR_WORDS + word] = seq  # before the flag: the loop looks once the gate is open
                 self.flags[word] = seq
                 logger.exception("grammar worker: gated step failed")
+                if spin and self.combiner:
+                    combine_flags(self.flag_view, self.num_workers, seq)
                 return True
             self.flags[word] = seq  # after the fill's stores: the device may copy the rows now
-            if spin:  # the next job may come through the area: poll it for SPIN_S
+            if spin:  # the device waits on the combined word; the next job may come through the area
+                if self.combiner:
+                    combine_flags(self.flag_view, self.num_workers, seq)
                 self.spin_until[0] = time.monotonic() + SPIN_S
             self.gated[0] += 1
             self.gated[1] += accept_s

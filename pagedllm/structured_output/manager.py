@@ -306,17 +306,18 @@ class StructuredOutputManager:
             rows.append(rid)
         if not rows:
             return None
-        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)))
+        combined = self._remote and self._backend.combined_gates
+        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)), combined)
 
     def _gate_flags(self) -> FlagWords:
         if self._flags is None:
             backend = self.backend()
             cuda = self.config.device_config.device == "cuda"
-            if self._remote:  # one flag word per worker, in the shared block
-                memory = backend.gate_flag_memory()
+            device = torch.device("cuda") if cuda else None
+            if self._remote:  # one flag word per worker (and their combined word), in the shared block
+                self._flags = backend.gate_flags(device)
             else:
-                memory = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
-            self._flags = FlagWords(memory, torch.device("cuda") if cuda else None)
+                self._flags = FlagWords(torch.zeros(1, dtype=torch.int32, pin_memory=cuda), device)
             if self._remote:
                 backend.watch_gates(self._flags)
         return self._flags

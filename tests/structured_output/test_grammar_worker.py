@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -313,8 +314,10 @@ def test_gated_jobs_through_the_job_area_fill_the_same_bitmasks(tokenizer):
             if i == 6:
                 time.sleep(0.15)  # longer than SPIN_S: the workers went back to the socket
             gate = manager.gate_step(step(*rids))
+            assert len(gate.flags) == 1  # the combined word: the device waits once for both workers
             manager.submit_gate(gate)
             host_wait(gate, timeout_s=30)
+            assert (backend.flags.numpy() >= gate.seq).all()  # raised only once both workers' words were
             assert torch.equal(gate.bitmask, ref.grammar_bitmask(step(*rids)).grammar_bitmask), i
             for m in (manager, ref):
                 m.advance([EngineCoreOutput(r, [t]) for r in rids])
@@ -357,3 +360,24 @@ def test_a_job_written_as_the_workers_stop_polling_runs_after_the_watchdogs_poke
     finally:
         manager.shutdown()
         ref.shutdown()
+
+
+def test_worker_zero_raises_the_combined_word_only_after_every_workers_word():
+    import numpy as np
+
+    from pagedllm.structured_output.grammar_worker import COMBINED_WORD, combine_flags
+
+    words = np.zeros(16, dtype=np.int32)
+    view = memoryview(words).cast("B").cast("i")
+    words[0] = 5  # worker 0's own word
+    words[1] = 4  # worker 1 still on the step before
+    later = threading.Timer(0.05, lambda: words.__setitem__(1, 5))
+    t = time.monotonic()
+    later.start()
+    assert combine_flags(view, 2, 5)
+    assert time.monotonic() - t >= 0.04 and words[COMBINED_WORD] == 5
+    # Raised by someone else meanwhile (the watchdog): it returns, leaving it.
+    words[COMBINED_WORD] = 6
+    assert not combine_flags(view, 3, 6) and words[COMBINED_WORD] == 6
+    # A worker that never comes: it gives up after the timeout, the word left shut.
+    assert not combine_flags(view, 2, 7, timeout_s=0.05) and words[COMBINED_WORD] == 6
