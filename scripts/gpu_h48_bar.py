@@ -84,7 +84,7 @@ def ours(args) -> None:
     from pagedllm.sampling_params import StructuredOutputsParams
     from pagedllm.structured_output.manager import make_backend
 
-    kwargs = dict(max_model_len=1024, seed=0, async_scheduling=True)
+    kwargs = dict(max_model_len=1024, seed=0, async_scheduling=not args.sync)
     if args.model:
         kwargs.update(model=args.model, load_format="dummy")
     if args.device == "cpu":
@@ -307,6 +307,8 @@ def child(args, engine: str, model: str | None, label: str, max_tokens: int, var
         cmd += ["--capture-sizes", *map(str, args.capture_sizes)]
     if args.mixed_check and engine == "pagedllm":
         cmd.append("--mixed-check")
+    if args.sync:
+        cmd.append("--sync")
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     paths = [REPO] + ([VLLM_SITE] if engine == "vllm" and os.path.isdir(VLLM_SITE) else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
@@ -380,6 +382,8 @@ def main() -> None:
     ap.add_argument("--big-variants", nargs="+", choices=VARIANTS, help="variants at the 8B shape (default --variants)")
     ap.add_argument("--defaults", action="store_true",
                     help="children with the engine's own defaults (no PAGEDLLM_GRAMMAR_WORKER/SPIN set)")
+    ap.add_argument("--sync", action="store_true",
+                    help="ours without async scheduling (the CPU's default; no gated steps then)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM (xgrammar) per shape, after ours")
     ap.add_argument("--warmup-tokens", type=int, default=32)
     ap.add_argument("--capture-sizes", type=int, nargs="+", help="decode CUDA graph sizes (a shorter start)")
