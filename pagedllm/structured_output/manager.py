@@ -112,6 +112,7 @@ class StructuredOutputManager:
         # layout); `_layout_version` moves whenever a request leaves or a grammar may have ended.
         self._gate_layout: tuple[int, list[str], list] | None = None
         self._layout_version = 0
+        self._gate_rows: tuple[int, list[str]] | None = None  # gate_step's rows, all active, kept the same way
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -295,17 +296,22 @@ class StructuredOutputManager:
         ids = self.sampling_request_ids(so)
         if not ids:
             return None
-        requests = self.requests
-        rows = []
-        for rid in ids:
-            sor = requests[rid]
-            if sor.active_grammar is None and sor.activate() is None:
-                if sor.ended:
-                    continue  # its grammar took its stop token: free from now on
+        last = self._gate_rows
+        if last is not None and last[0] == self._layout_version and last[1] == ids:
+            rows = last[1]  # the last gated step's rows, every grammar still active (nothing ended or left)
+        else:
+            requests = self.requests
+            rows = []
+            for rid in ids:
+                sor = requests[rid]
+                if sor.active_grammar is None and sor.activate() is None:
+                    if sor.ended:
+                        continue  # its grammar took its stop token: free from now on
+                    return None
+                rows.append(rid)
+            if not rows:
                 return None
-            rows.append(rid)
-        if not rows:
-            return None
+            self._gate_rows = (self._layout_version, rows) if len(rows) == len(ids) else None
         combined = self._remote and self._backend.combined_gates
         return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)), combined)
 
