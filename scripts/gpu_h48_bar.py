@@ -37,6 +37,7 @@ import time
 T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_SITE = "/tmp/site"  # where the GPU machine keeps vLLM 0.21 (PYTHONPATH of its child only)
+MAX_NUM_SEQS = 64  # both engines: the workload's concurrency (fewer graphs to capture at the start)
 VARIANTS = ("plain", "main", "gated", "gated-spin", "gated-thread", "default")
 
 
@@ -84,7 +85,27 @@ def ours(args) -> None:
     from pagedllm.sampling_params import StructuredOutputsParams
     from pagedllm.structured_output.manager import make_backend
 
-    kwargs = dict(max_model_len=1024, seed=0, async_scheduling=not args.sync)
+    pre: dict = {}
+    if args.model:
+        # The grammar backend (two worker processes: their imports take seconds) built beside the
+        # engine's start, as the manager would build it at the first constrained request.
+        def prebuild() -> None:
+            from pathlib import Path
+
+            from pagedllm.loader.tokenizer import load_tokenizer
+            from pagedllm.structured_output.manager import use_grammar_worker
+
+            try:
+                vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
+                pre["backend"] = make_backend(load_tokenizer(Path(args.model), False, True), vocab,
+                                              worker=use_grammar_worker(), rows=MAX_NUM_SEQS,
+                                              pin_memory=args.device == "cuda")
+            except Exception as e:  # noqa: BLE001 - the manager builds its own then
+                pre["error"] = repr(e)
+
+        builder = threading.Thread(target=prebuild, daemon=True)
+        builder.start()
+    kwargs = dict(max_model_len=1024, seed=0, async_scheduling=not args.sync, max_num_seqs=MAX_NUM_SEQS)
     if args.model:
         kwargs.update(model=args.model, load_format="dummy")
     if args.device == "cpu":
@@ -101,6 +122,12 @@ def ours(args) -> None:
     ps = prompts(tok, args.num_requests)
     default_gate = core.gate_sampling
     t_backend = time.perf_counter()
+    if args.model:
+        builder.join()
+        if "backend" in pre:
+            manager._backend, manager._remote = pre["backend"], getattr(pre["backend"], "remote", False)
+        else:
+            say(f"# the grammar backend was not built beside the start: {pre.get('error')}")
     default_backend = manager.backend()  # the grammar workers, or the thread, as the environment says
     remote = getattr(default_backend, "remote", False)
     backends = {"default": default_backend}
@@ -241,7 +268,8 @@ def theirs(args) -> None:
     except ImportError:
         pass
     t = time.perf_counter()
-    llm = LLM(model=args.model, load_format="dummy", max_model_len=1024, seed=0, gpu_memory_utilization=0.8, **kwargs)
+    llm = LLM(model=args.model, load_format="dummy", max_model_len=1024, seed=0, gpu_memory_utilization=0.8,
+              max_num_seqs=MAX_NUM_SEQS, **kwargs)
     ps = prompts(llm.get_tokenizer(), args.num_requests)
     checker = OutputChecker(llm.get_tokenizer(), json.load(open(os.path.join(args.model, "config.json")))["vocab_size"])
     say(f"# {args.label}: vLLM ready in {time.perf_counter() - t:.1f} s, child at {time.perf_counter() - T0:.0f} s")
@@ -418,7 +446,8 @@ def main() -> None:
     jobs = []  # (engine, model folder, label, tokens, variants)
     for shape in args.shapes:
         if args.device == "cpu":
-            jobs.append(("pagedllm", None, "embedded SmolLM2-135M (cpu)", args.max_tokens, args.variants))
+            label = f"{os.path.basename(args.model)} (cpu)" if args.model else "embedded SmolLM2-135M (cpu)"
+            jobs.append(("pagedllm", args.model, label, args.max_tokens, args.variants))
             break
         if shape == "0.6b":
             model, label, toks, variants = args.model, "qwen3-0.6b shape", args.max_tokens, args.variants
