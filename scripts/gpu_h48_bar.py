@@ -38,6 +38,7 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_SITE = "/tmp/site"  # where the GPU machine keeps vLLM 0.21 (PYTHONPATH of its child only)
 MAX_NUM_SEQS = 64  # both engines: the workload's concurrency (fewer graphs to capture at the start)
+HUNG: set[str] = set()  # variants whose run never ended in an earlier child
 VARIANTS = ("plain", "main", "gated", "gated-spin", "gated-thread", "default")
 
 
@@ -365,6 +366,9 @@ def child(args, engine: str, model: str | None, label: str, max_tokens: int, var
     if rc != 0:  # the child's last words (those not printed above)
         print("".join([ln for ln in lines if not ln.startswith(("{", "#"))][-15:]), end="", flush=True)
     say(f"# child {engine} {label}: exit {rc}, {time.perf_counter() - t:.0f} s")
+    for line in lines:  # a variant that hung here is left out of the later children
+        if "no end after" in line and line.split(":")[0].split()[-1] in VARIANTS:
+            HUNG.add(line.split(":")[0].split()[-1])
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
@@ -473,6 +477,9 @@ def main() -> None:
         if share < args.reserve:
             say(f"# {engine} {label}: skipped, {left():.0f} s left")
             continue
+        if HUNG & set(variants):
+            say(f"# {label}: {sorted(HUNG & set(variants))} left out (hung in an earlier child)")
+            variants = [v for v in variants if v not in HUNG]
         results += child(args, engine, model, label, toks, variants, share)
     shutil.rmtree(os.path.join(args.out, "h48_llama8b_v49152"), ignore_errors=True)
     table(results)
