@@ -324,11 +324,12 @@ class ProcessBackend(StructuredOutputBackend):
         # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
         self._watchdog: threading.Thread | None = None
         self._stuck = 0  # the gate the watchdog opened because the workers left it shut (0: none)
+        self._dead: int | None = None  # a worker's exit code, once the watchdog saw it exit
 
     def watch_gates(self, flags: FlagWords) -> None:
         """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag words).
-        Every WATCHDOG_PERIOD_S: once a worker is dead it opens the newest gate issued (the older
-        ones are open already); a gate still shut one period later gets its workers poked (a job
+        Every WATCHDOG_PERIOD_S: once a worker is dead it opens every gate issued, and keeps doing so
+        until the backend is gone (the engine's next job raises); a gate still shut one period later gets its workers poked (a job
         written into a job area as the worker stopped polling it runs then); one shut for
         GATE_STUCK_S is opened and the next job raises (a worker alive but stuck must not stop
         the device's stream for good)."""
@@ -339,9 +340,15 @@ class ProcessBackend(StructuredOutputBackend):
         def watch() -> None:
             shut_seq, since = 0, 0.0
             while finalizer.alive:
-                if any(p.poll() is not None for p in procs):
+                if self._dead is None:
+                    self._dead = next((code for p in procs if (code := p.poll()) is not None), None)
+                if self._dead is not None:
+                    # Every gate issued so far opened, again each period: until the engine's next job
+                    # raises (_check_gated), it may issue more (a job written into a dead worker's job
+                    # area raises nothing by itself).
                     flags.open_all()
-                    return
+                    time.sleep(WATCHDOG_PERIOD_S / 4)
+                    continue
                 if flags.pending():
                     seq, now = flags.seq, time.monotonic()
                     if shut_seq != seq:
@@ -525,6 +532,8 @@ class ProcessBackend(StructuredOutputBackend):
 
     def _check_gated(self) -> None:
         """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
+        if self._dead is not None:
+            raise RuntimeError(f"the grammar worker exited (code {self._dead})")
         if self._stuck:
             raise RuntimeError(f"the grammar workers did not fill gated step {self._stuck} within {GATE_STUCK_S:.0f} s")
         if any(self._errors):

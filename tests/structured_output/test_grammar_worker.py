@@ -381,3 +381,37 @@ def test_worker_zero_raises_the_combined_word_only_after_every_workers_word():
     assert not combine_flags(view, 3, 6) and words[COMBINED_WORD] == 6
     # A worker that never comes: it gives up after the timeout, the word left shut.
     assert not combine_flags(view, 2, 7, timeout_s=0.05) and words[COMBINED_WORD] == 6
+
+
+def test_a_dead_worker_whose_area_still_takes_jobs_opens_every_gate_until_the_next_job_raises(tokenizer):
+    # With the job areas a job written for a dead worker raises nothing by itself (no socket write):
+    # the watchdog must open every gate issued after the death, not just the one waiting then, until
+    # the engine's next job raises. The dead worker's deadline is moved far ahead here, so that the
+    # engine keeps writing jobs into its area.
+    from pagedllm.structured_output.gate import host_wait
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2, num_workers=2, spin=True)
+    manager = manager_with(backend, rows=2)
+    try:
+        add(manager, "a").future.result()
+        add(manager, "b").future.result()
+        doc = tokenizer.encode(DOC, add_special_tokens=False)
+        for t in doc[:3]:
+            gate = manager.gate_step(step("a", "b"))
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            manager.advance([EngineCoreOutput("a", [t]), EngineCoreOutput("b", [t])])
+        proc = backend._workers.procs[1]
+        proc.kill()
+        proc.wait()
+        backend._lanes[1].area[2][0] = time.monotonic() + 3600
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="grammar worker exited"):
+            for t in doc[3:] * 20:
+                gate = manager.gate_step(step("a", "b"))
+                manager.submit_gate(gate)
+                host_wait(gate, timeout_s=10)  # opened by the watchdog: never a hang
+                manager.advance([EngineCoreOutput("a", [t]), EngineCoreOutput("b", [t])])
+        assert time.monotonic() - t0 < 10
+    finally:
+        manager.shutdown()
