@@ -37,7 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.structured_output.backend_types import (
+    GrammarBackendError,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 from pagedllm.structured_output.gate import FlagWords
 from pagedllm.structured_output.grammar_worker import (
@@ -165,7 +169,7 @@ class _Lane:
             with self.send_lock:
                 self.conn.send_bytes(data)
         except OSError:
-            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+            raise GrammarBackendError(f"the grammar worker exited (code {self.proc.poll()})") from None
 
     def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int,
                   flag: tuple[int, int] | None = None) -> None:
@@ -182,9 +186,9 @@ class _Lane:
         try:
             reply = self.conn.recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+            raise GrammarBackendError(f"the grammar worker exited (code {self.proc.poll()})") from None
         if reply[0] != "ok":
-            raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
+            raise GrammarBackendError(f"the grammar worker failed a step: {reply[1]}")
         t_got = time.perf_counter()
         _, refused, accept_s, fill_s, live, t_received, t_done = reply
         stats = self.backend.stats
@@ -325,6 +329,7 @@ class ProcessBackend(StructuredOutputBackend):
         self._watchdog: threading.Thread | None = None
         self._stuck = 0  # the gate the watchdog opened because the workers left it shut (0: none)
         self._dead: int | None = None  # a worker's exit code, once the watchdog saw it exit
+        self._retired = False  # retire(): the workers ended after a failure, the memory kept until shutdown
 
     def watch_gates(self, flags: FlagWords) -> None:
         """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag words).
@@ -339,7 +344,7 @@ class ProcessBackend(StructuredOutputBackend):
 
         def watch() -> None:
             shut_seq, since = 0, 0.0
-            while finalizer.alive:
+            while finalizer.alive and not self._retired:
                 if self._dead is None:
                     self._dead = next((code for p in procs if (code := p.poll()) is not None), None)
                 if self._dead is not None:
@@ -357,7 +362,7 @@ class ProcessBackend(StructuredOutputBackend):
                         for lane in lanes:
                             try:
                                 lane.send(("poke",))
-                            except RuntimeError:
+                            except GrammarBackendError:
                                 pass  # exited: the next period opens the gates
                         if now - since > GATE_STUCK_S:
                             self._stuck = seq
@@ -365,6 +370,8 @@ class ProcessBackend(StructuredOutputBackend):
                                          "it is opened and the engine's next job raises", seq, now - since)
                             flags.open_all()
                 time.sleep(WATCHDOG_PERIOD_S)
+            if self._retired:
+                flags.open_all()  # nothing more fills them
 
         self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
         self._watchdog.start()
@@ -533,14 +540,14 @@ class ProcessBackend(StructuredOutputBackend):
     def _check_gated(self) -> None:
         """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
         if self._dead is not None:
-            raise RuntimeError(f"the grammar worker exited (code {self._dead})")
+            raise GrammarBackendError(f"the grammar worker exited (code {self._dead})")
         if self._stuck:
-            raise RuntimeError(f"the grammar workers did not fill gated step {self._stuck} within {GATE_STUCK_S:.0f} s")
+            raise GrammarBackendError(f"the grammar workers did not fill gated step {self._stuck} within {GATE_STUCK_S:.0f} s")
         if any(self._errors):
             failed = [i for i, seq in enumerate(self._errors) if seq]
             for i in failed:
                 self._errors[i] = 0
-            raise RuntimeError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
+            raise GrammarBackendError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
 
     def gated_stats(self) -> dict[str, float]:
         """The gated jobs' times in the workers since the last call (each worker's jobs summed; the
@@ -556,6 +563,16 @@ class ProcessBackend(StructuredOutputBackend):
             out["fill_s"] += reply[3]
             out["area_jobs"] = max(out["area_jobs"], reply[4])  # of the jobs, through the job area
         return out
+
+    def retire(self) -> None:
+        """After a failure (manager.fail_over): end the worker processes now, so that nothing writes
+        the shared block any more, and stop the watchdog (it opens every gate once more). The block
+        stays mapped until `shutdown`: a gated step in flight may still read its bitmask or flags."""
+        self._retired = True
+        for proc in self._workers.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
     def shutdown(self) -> None:
         self.buffers = []

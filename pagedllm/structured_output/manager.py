@@ -113,6 +113,8 @@ class StructuredOutputManager:
         self._gate_layout: tuple[int, list[str], list] | None = None
         self._layout_version = 0
         self._gate_rows: tuple[int, list[str]] | None = None  # gate_step's rows, all active, kept the same way
+        self._workers_failed = False  # fail_over: the grammar workers failed, the thread serves from now on
+        self._retired: list[StructuredOutputBackend] = []  # failed backends, shut down with the engine
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -126,7 +128,7 @@ class StructuredOutputManager:
                 config = self.config
                 self._backend = make_backend(
                     tokenizer, config.model_config.vocab_size,
-                    worker=use_grammar_worker(),
+                    worker=use_grammar_worker() and not self._workers_failed,
                     rows=config.scheduler_config.max_num_seqs, pin_memory=config.device_config.device == "cuda")
                 self._remote = getattr(self._backend, "remote", False)
             return self._backend
@@ -403,6 +405,28 @@ class StructuredOutputManager:
         if wait is not None:
             wait()
 
+    def fail_over(self) -> list[str]:
+        """The grammar workers failed (GrammarBackendError): every constrained request is dropped here
+        and returned (the engine core finishes them as aborted: their grammars were in the workers), the
+        worker processes ended, and constrained requests from now on get the in-process bitmask thread.
+        The failed backend's shared memory stays until `shutdown` (the step in flight may still read
+        its bitmask and flag words: a gated copy on the device, a gated CPU step's sampling)."""
+        ids = list(self.requests)
+        self.requests.clear()
+        self._to_accept, self._to_accept_one = {}, {}
+        self._gate_job, self._gate_layout, self._gate_rows, self._rows_of = None, None, None, (None, [])
+        with self._backend_lock:
+            old, self._backend, self._remote = self._backend, None, False
+            self._workers_failed = True
+        self._flags = None
+        self._bitmasks, self._bitmask_views = [], []
+        if old is not None:
+            retire = getattr(old, "retire", None)
+            if retire is not None:
+                retire()
+            self._retired.append(old)  # shut down with the engine: a step in flight may read its memory
+        return ids
+
     def shutdown(self) -> None:
         if self._gate_job is not None:
             try:
@@ -417,6 +441,9 @@ class StructuredOutputManager:
         if self._backend is not None:
             self._bitmasks, self._bitmask_views = [], []
             self._backend.shutdown()
+        for backend in self._retired:
+            backend.shutdown()
+        self._retired = []
 
 
 class BitmaskJob:
