@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pagedllm.core.sched_output import EngineCoreOutput
@@ -175,3 +176,21 @@ def test_the_bitmask_thread_runs_jobs_in_turn_and_reports_their_errors():
     thread.wait()  # nothing submitted: returns at once
     thread.close()
     assert not thread._thread.is_alive()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3], [4]], ids=["all", "some", "last"])
+def test_the_cpu_bitmask_lookup_masks_as_the_reference(dtype, rows):
+    # apply_grammar_bitmask_lut (the CPU path) against apply_grammar_bitmask_ref: random bitmasks, a
+    # vocabulary that ends inside a word (70: 3 words), logits that are -inf already in places.
+    from pagedllm.structured_output.bitmask import apply_grammar_bitmask_lut, apply_grammar_bitmask_ref
+
+    g = torch.Generator().manual_seed(len(rows))
+    logits = torch.randn(5, 70, generator=g).to(dtype)
+    logits[2, 5] = float("-inf")
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), 3), dtype=torch.int32, generator=g)
+    bitmask[0, 0] = -1  # every token of the first word allowed
+    want = apply_grammar_bitmask_ref(logits.clone(), bitmask, rows)
+    got = apply_grammar_bitmask_lut(logits.clone(), bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.isinf(want).any() and not torch.isnan(got).any()
