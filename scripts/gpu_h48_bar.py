@@ -390,7 +390,7 @@ def table(results: list[dict]) -> None:
             step = " / ".join(f"{r.get('step_ms', 0):.2f}" for r in rs) if engine == "pagedllm" else ""
             valid = "/".join(str(r.get("valid_outputs", "-")) for r in rs)
             wk = " ; ".join(f"{r['worker_accept_ms']:.2f} / {r['worker_fill_ms']:.2f}" for r in rs if "worker_fill_ms" in r)
-            area = "/".join(f"{r['area_jobs']}/{r['worker_jobs']}" for r in rs if "area_jobs" in r)
+            area = " ; ".join(f"{r['area_jobs']} of {r['worker_jobs']}" for r in rs if "area_jobs" in r)
             say(f"| {model} | {engine} | {variant} | {toks} | {ratio} | {', '.join(pairs)} | {step} | {valid} | "
                 f"{wk} | {area} |")
     for r in results:
