@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -265,6 +266,13 @@ def _pin(buffer: torch.Tensor) -> int | None:
     return ptr
 
 
+@dataclass
+class _WatchState:
+    dead: int | None = None
+    stuck: int = 0
+    retired: bool = False
+
+
 class ProcessBackend(StructuredOutputBackend):
     remote = True
 
@@ -327,9 +335,9 @@ class ProcessBackend(StructuredOutputBackend):
         # for, and the step loop blocked in that step's collect; the watchdog then opens the gates
         # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
         self._watchdog: threading.Thread | None = None
-        self._stuck = 0  # the gate the watchdog opened because the workers left it shut (0: none)
-        self._dead: int | None = None  # a worker's exit code, once the watchdog saw it exit
-        self._retired = False  # retire(): the workers ended after a failure, the memory kept until shutdown
+        # What the watchdog found: a worker's exit code (dead), the gate it opened because the workers
+        # left it shut (stuck, 0: none); retired: retire() ended the workers after a failure.
+        self._watch = _WatchState()
 
     def watch_gates(self, flags: FlagWords) -> None:
         """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag words).
@@ -341,13 +349,14 @@ class ProcessBackend(StructuredOutputBackend):
         if self._watchdog is not None:
             return
         procs, finalizer, lanes = list(self._workers.procs), self._finalizer, list(self._lanes)
+        state = self._watch  # not `self`: the thread must not keep the backend alive
 
         def watch() -> None:
             shut_seq, since = 0, 0.0
-            while finalizer.alive and not self._retired:
-                if self._dead is None:
-                    self._dead = next((code for p in procs if (code := p.poll()) is not None), None)
-                if self._dead is not None:
+            while finalizer.alive and not state.retired:
+                if state.dead is None:
+                    state.dead = next((code for p in procs if (code := p.poll()) is not None), None)
+                if state.dead is not None:
                     # Every gate issued so far opened, again each period: until the engine's next job
                     # raises (_check_gated), it may issue more (a job written into a dead worker's job
                     # area raises nothing by itself).
@@ -365,12 +374,12 @@ class ProcessBackend(StructuredOutputBackend):
                             except GrammarBackendError:
                                 pass  # exited: the next period opens the gates
                         if now - since > GATE_STUCK_S:
-                            self._stuck = seq
+                            state.stuck = seq
                             logger.error("gated sampling: the grammar workers left gate %d shut for %.0f s; "
                                          "it is opened and the engine's next job raises", seq, now - since)
                             flags.open_all()
                 time.sleep(WATCHDOG_PERIOD_S)
-            if self._retired:
+            if state.retired:
                 flags.open_all()  # nothing more fills them
 
         self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
@@ -539,10 +548,11 @@ class ProcessBackend(StructuredOutputBackend):
 
     def _check_gated(self) -> None:
         """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
-        if self._dead is not None:
-            raise GrammarBackendError(f"the grammar worker exited (code {self._dead})")
-        if self._stuck:
-            raise GrammarBackendError(f"the grammar workers did not fill gated step {self._stuck} within {GATE_STUCK_S:.0f} s")
+        state = self._watch
+        if state.dead is not None:
+            raise GrammarBackendError(f"the grammar worker exited (code {state.dead})")
+        if state.stuck:
+            raise GrammarBackendError(f"the grammar workers did not fill gated step {state.stuck} within {GATE_STUCK_S:.0f} s")
         if any(self._errors):
             failed = [i for i, seq in enumerate(self._errors) if seq]
             for i in failed:
@@ -568,7 +578,7 @@ class ProcessBackend(StructuredOutputBackend):
         """After a failure (manager.fail_over): end the worker processes now, so that nothing writes
         the shared block any more, and stop the watchdog (it opens every gate once more). The block
         stays mapped until `shutdown`: a gated step in flight may still read its bitmask or flags."""
-        self._retired = True
+        self._watch.retired = True
         for proc in self._workers.procs:
             if proc.poll() is None:
                 proc.kill()
