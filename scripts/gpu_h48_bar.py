@@ -50,12 +50,14 @@ def run_timeout_guard(seconds: float, label: list[str]) -> threading.Event:
     """A thread that ends this process if a run takes longer than `seconds` (a device wait that never
     returns cannot be interrupted from Python); set the returned event at each run's end."""
     done = threading.Event()
+    done.limit = seconds  # the caller may change it between runs (warm-ups compile: longer)
 
     def guard() -> None:
         while True:
             done.clear()
-            if not done.wait(seconds):
-                say(f"# {label[0]}: no end after {seconds:.0f} s; the child exits")
+            limit = done.limit
+            if not done.wait(limit):
+                say(f"# {label[0]}: no end after {limit:.0f} s; the child exits")
                 os._exit(3)
 
     threading.Thread(target=guard, daemon=True).start()
@@ -93,13 +95,15 @@ def ours(args) -> None:
         def prebuild() -> None:
             from pathlib import Path
 
+            from pagedllm import envs
             from pagedllm.loader.tokenizer import load_tokenizer
             from pagedllm.structured_output.manager import use_grammar_worker
 
             try:
                 vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
+                gated = envs.PAGEDLLM_GRAMMAR_GATE is not False and not args.sync  # the engine core's default
                 pre["backend"] = make_backend(load_tokenizer(Path(args.model), False, True), vocab,
-                                              worker=use_grammar_worker(), rows=MAX_NUM_SEQS,
+                                              worker=use_grammar_worker(gated, args.device), rows=MAX_NUM_SEQS,
                                               pin_memory=args.device == "cuda")
             except Exception as e:  # noqa: BLE001 - the manager builds its own then
                 pre["error"] = repr(e)
@@ -107,6 +111,8 @@ def ours(args) -> None:
         builder = threading.Thread(target=prebuild, daemon=True)
         builder.start()
     kwargs = dict(max_model_len=1024, seed=0, async_scheduling=not args.sync, max_num_seqs=MAX_NUM_SEQS)
+    if args.max_batched_tokens:
+        kwargs.update(max_num_batched_tokens=args.max_batched_tokens)
     if args.model:
         kwargs.update(model=args.model, load_format="dummy")
     if args.device == "cpu":
@@ -124,11 +130,16 @@ def ours(args) -> None:
     default_gate = core.gate_sampling
     t_backend = time.perf_counter()
     if args.model:
+        from pagedllm.structured_output.manager import use_grammar_worker
+
         builder.join()
-        if "backend" in pre:
-            manager._backend, manager._remote = pre["backend"], getattr(pre["backend"], "remote", False)
+        want_remote = use_grammar_worker(core.gate_sampling, cfg.device_config.device)
+        if "backend" in pre and getattr(pre["backend"], "remote", False) == want_remote:
+            manager._backend, manager._remote = pre["backend"], want_remote
         else:
-            say(f"# the grammar backend was not built beside the start: {pre.get('error')}")
+            say(f"# the grammar backend built beside the start is not the engine's: {pre.get('error', 'another kind')}")
+            if "backend" in pre:
+                pre["backend"].shutdown()
     default_backend = manager.backend()  # the grammar workers, or the thread, as the environment says
     remote = getattr(default_backend, "remote", False)
     backends = {"default": default_backend}
@@ -167,13 +178,22 @@ def ours(args) -> None:
         default_backend.default_spin = default_backend.spin
     so = StructuredOutputsParams(json=SCHEMA)
     label = ["warm-up"]
-    guard = run_timeout_guard(args.run_timeout, label)
-    for variant in args.variants:  # a short warm-up of each
-        use(variant)
+    guard = run_timeout_guard(args.warmup_timeout, label)
+    warm: set[str] = set()
+
+    def warm_up(variant: str) -> None:
+        """A short run of `variant` before its first timed one (the first compiles what the start did not;
+        done just before, so that a variant that hangs costs only itself and those after it)."""
+        guard.limit = args.warmup_timeout
+        label[0] = f"{args.label} warm-up {variant}"
+        t = time.perf_counter()
         llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=args.warmup_tokens, ignore_eos=True,
                                         structured_outputs=None if variant == "plain" else so), use_tqdm=False)
         guard.set()
-    say(f"# {args.label}: warm-ups done at {time.perf_counter() - T0:.0f} s")
+        guard.limit = args.run_timeout
+        warm.add(variant)
+        say(f"# {args.label}: warm-up {variant} {time.perf_counter() - t:.1f} s")
+
     results = []
     deadline = T0 + args.child_deadline
     for rnd in range(1, args.rounds + 1):
@@ -182,6 +202,8 @@ def ours(args) -> None:
                 say(f"# {args.label}: child deadline; round {rnd} {variant} not run")
                 break
             use(variant)
+            if variant not in warm:
+                warm_up(variant)
             label[0] = f"{args.label} round {rnd} {variant}"
             constrained = variant != "plain"
             sp = SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True,
@@ -275,11 +297,15 @@ def theirs(args) -> None:
     checker = OutputChecker(llm.get_tokenizer(), json.load(open(os.path.join(args.model, "config.json")))["vocab_size"])
     say(f"# {args.label}: vLLM ready in {time.perf_counter() - t:.1f} s, child at {time.perf_counter() - T0:.0f} s")
     label = ["vllm warm-up"]
-    guard = run_timeout_guard(args.run_timeout, label)
+    guard = run_timeout_guard(args.warmup_timeout, label)
     for extra in ({}, so_kw()):
+        label[0] = f"vllm {args.label} warm-up {'schema' if extra else 'plain'}"
+        t = time.perf_counter()
         llm.generate(ps, SamplingParams(temperature=0.8, max_tokens=args.warmup_tokens, ignore_eos=True, **extra),
                      use_tqdm=False)
         guard.set()
+        say(f"# vllm {args.label}: warm-up {'schema' if extra else 'plain'} {time.perf_counter() - t:.1f} s")
+    guard.limit = args.run_timeout
     results = []
     deadline = T0 + args.child_deadline
     for rnd in range(1, args.rounds + 1):
@@ -328,7 +354,8 @@ def child(args, engine: str, model: str | None, label: str, max_tokens: int, var
     cmd = [sys.executable, "-u", os.path.abspath(__file__), "--child", engine, "--device", args.device,
            "--label", label, "--num-requests", str(args.num_requests), "--max-tokens", str(max_tokens),
            "--rounds", str(args.rounds), "--warmup-tokens", str(args.warmup_tokens),
-           "--run-timeout", str(args.run_timeout), "--child-deadline", str(max(timeout - 8, 5)),
+           "--run-timeout", str(args.run_timeout), "--warmup-timeout", str(args.warmup_timeout),
+           "--child-deadline", str(max(timeout - 8, 5)),
            "--variants", *variants]
     if model:
         cmd += ["--model", model]
@@ -338,6 +365,8 @@ def child(args, engine: str, model: str | None, label: str, max_tokens: int, var
         cmd.append("--mixed-check")
     if args.sync:
         cmd.append("--sync")
+    if engine == "pagedllm" and "8b" in label and args.big_max_batched_tokens:
+        cmd += ["--max-batched-tokens", str(args.big_max_batched_tokens)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     paths = [REPO] + ([VLLM_SITE] if engine == "vllm" and os.path.isdir(VLLM_SITE) else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
@@ -418,6 +447,10 @@ def main() -> None:
                     help="ours without async scheduling (the CPU's default; no gated steps then)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM (xgrammar) per shape, after ours")
     ap.add_argument("--warmup-tokens", type=int, default=32)
+    ap.add_argument("--big-max-batched-tokens", type=int,
+                    help="ours at the 8B shape: max_num_batched_tokens (1536: every prefill chunk within the mixed-step "
+                         "graphs captured at the start, none run eagerly; round 1's 8B warm-up compiled past 20 s)")
+    ap.add_argument("--max-batched-tokens", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--capture-sizes", type=int, nargs="+", help="decode CUDA graph sizes (a shorter start)")
     ap.add_argument("--mixed-check", action="store_true", help="ours, after the runs: greedy rows beside gated rows")
     ap.add_argument("--deadline", type=float, default=85.0, help="seconds for the whole script")
@@ -426,6 +459,8 @@ def main() -> None:
     ap.add_argument("--weights", type=float, nargs="+",
                     help="each child's share of the time, by weight, in their order (ours then vLLM, per shape)")
     ap.add_argument("--run-timeout", type=float, default=30.0, help="a run longer than this ends its child")
+    ap.add_argument("--warmup-timeout", type=float, default=60.0,
+                    help="the same for each warm-up (the first one may compile kernels the start did not)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--verbose", action="store_true", help="print every line the children write")
     ap.add_argument("--child", choices=["pagedllm", "vllm"], help=argparse.SUPPRESS)

@@ -48,11 +48,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def use_grammar_worker() -> bool:
-    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker process, 0 or unset the bitmask thread. The
-    worker is opt-in: on the H200 it measured no faster than the thread (docs/STRUCTURED_OUTPUTS.md)."""
+SPARE_CORES = 8  # a host with this many cores runs the grammar workers (and lets them poll) by default
+
+
+def use_grammar_worker(gated: bool = False, device: str = "cpu") -> bool:
+    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker processes, 0 the bitmask thread; unset: the
+    workers when constrained steps are gated (gate.py) on a GPU host of SPARE_CORES or more cores,
+    else the thread (main's path alone measured no faster with a worker on the H200, h38; gated
+    with two workers and their job areas it was the fastest, BENCHMARKS.md, issue 22, h48)."""
     choice = envs.PAGEDLLM_GRAMMAR_WORKER
-    return bool(choice)
+    if choice is not None:
+        return choice
+    return gated and device == "cuda" and (os.cpu_count() or 1) >= SPARE_CORES
 
 
 def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
@@ -72,8 +79,10 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
         num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
         threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
             6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
-        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel)
-            spin = bool(envs.PAGEDLLM_GRAMMAR_SPIN)
+        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel); unset: on a GPU host with spare cores
+            spin = envs.PAGEDLLM_GRAMMAR_SPIN
+            if spin is None:
+                spin = pin_memory and cores >= SPARE_CORES
         try:
             return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers, spin=spin)
         except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
@@ -83,8 +92,9 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
 
 
 class StructuredOutputManager:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, gated: bool = False) -> None:
         self.config = config
+        self.gated = gated  # the engine core gates constrained steps (the default backend depends on it)
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -128,7 +138,7 @@ class StructuredOutputManager:
                 config = self.config
                 self._backend = make_backend(
                     tokenizer, config.model_config.vocab_size,
-                    worker=use_grammar_worker() and not self._workers_failed,
+                    worker=use_grammar_worker(self.gated, config.device_config.device) and not self._workers_failed,
                     rows=config.scheduler_config.max_num_seqs, pin_memory=config.device_config.device == "cuda")
                 self._remote = getattr(self._backend, "remote", False)
             return self._backend

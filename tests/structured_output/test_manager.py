@@ -194,3 +194,43 @@ def test_the_cpu_bitmask_lookup_masks_as_the_reference(dtype, rows):
     got = apply_grammar_bitmask_lut(logits.clone(), bitmask, rows)
     assert torch.equal(got, want)
     assert torch.isinf(want).any() and not torch.isnan(got).any()
+
+
+def test_the_grammar_backend_defaults(monkeypatch):
+    # Unset: grammar workers when constrained steps are gated on a GPU host with spare cores, else the
+    # thread; PAGEDLLM_GRAMMAR_WORKER decides when set.
+    from pagedllm.structured_output import manager as manager_mod
+
+    for var in ("PAGEDLLM_GRAMMAR_WORKER", "PAGEDLLM_GRAMMAR_SPIN", "PAGEDLLM_GRAMMAR_GATE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 16)
+    assert manager_mod.use_grammar_worker(gated=True, device="cuda")
+    assert not manager_mod.use_grammar_worker(gated=False, device="cuda")  # main's path alone: the thread
+    assert not manager_mod.use_grammar_worker(gated=True, device="cpu")
+    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 4)
+    assert not manager_mod.use_grammar_worker(gated=True, device="cuda")  # no spare cores
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", "1")
+    assert manager_mod.use_grammar_worker(gated=False, device="cpu")
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", "0")
+    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 16)
+    assert not manager_mod.use_grammar_worker(gated=True, device="cuda")
+
+
+def test_gated_sampling_is_on_by_default_under_async_scheduling(monkeypatch):
+    from pagedllm import LLM
+    from tests.utils import tiny_model
+
+    monkeypatch.delenv("PAGEDLLM_GRAMMAR_GATE", raising=False)
+    path, _ = tiny_model("qwen3", vocab_size=49152, with_tokenizer=True)
+    llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
+    try:
+        core = llm.llm_engine.engine_core
+        assert core.gate_sampling and core.structured_output_manager.gated
+    finally:
+        llm.llm_engine.shutdown()
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_GATE", "0")
+    llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
+    try:
+        assert not llm.llm_engine.engine_core.gate_sampling
+    finally:
+        llm.llm_engine.shutdown()
