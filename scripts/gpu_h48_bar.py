@@ -355,8 +355,9 @@ def child(args, engine: str, model: str | None, label: str, max_tokens: int, var
            "--label", label, "--num-requests", str(args.num_requests), "--max-tokens", str(max_tokens),
            "--rounds", str(args.rounds), "--warmup-tokens", str(args.warmup_tokens),
            "--run-timeout", str(args.run_timeout), "--warmup-timeout", str(args.warmup_timeout),
-           "--child-deadline", str(max(timeout - 8, 5)),
-           "--variants", *variants]
+           "--child-deadline", str(max(timeout - 8, 5))]
+    if engine == "pagedllm":
+        cmd += ["--variants", *variants]  # vLLM's child runs plain and schema
     if model:
         cmd += ["--model", model]
     if args.capture_sizes:
