@@ -186,12 +186,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
-    # with its launch and waits on the device for its bitmask. On unless 0 (then the step samples in a
-    # call of its own once its bitmask is filled: BENCHMARKS.md, issue 22, h48, for the A/B).
+    # with its launch and waits on the device for its bitmask. 1 on; unset or 0 off (the step samples in
+    # a call of its own once its bitmask is filled). Opt-in: on the H200 a first constrained batch gated
+    # with grammar workers did not end, while runs after main's path did (BENCHMARKS.md, issue 22, h48).
     "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
     # Grammar workers, gated jobs: 1 the engine writes each job into the worker's shared-memory area,
     # which the worker polls (one core each while constrained requests decode, then idle), instead of
-    # a pickled message on its socket; 0 the socket; unset: the area on a GPU host of 8+ cores.
+    # a pickled message on its socket; 0 or unset the socket (opt-in, with PAGEDLLM_GRAMMAR_GATE=1).
     "PAGEDLLM_GRAMMAR_SPIN": lambda: _optional_flag("PAGEDLLM_GRAMMAR_SPIN"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).

@@ -96,9 +96,10 @@ class EngineCore:
         self.submit_before_launch = False
         # Async scheduling, constrained rows whose grammars are active: the step samples with its
         # launch and the device waits for the bitmask (structured_output/gate.py); needs the runner
-        # in this process (it reads the gate's host memory). On unless PAGEDLLM_GRAMMAR_GATE=0.
+        # in this process (it reads the gate's host memory). Opt-in (PAGEDLLM_GRAMMAR_GATE=1): on the H200 a
+        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48).
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
-                              and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is not False)
+                              and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is True)
         self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}

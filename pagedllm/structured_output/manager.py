@@ -79,10 +79,8 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
         num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
         threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
             6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
-        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel); unset: on a GPU host with spare cores
-            spin = envs.PAGEDLLM_GRAMMAR_SPIN
-            if spin is None:
-                spin = pin_memory and cores >= SPARE_CORES
+        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel), opt-in
+            spin = bool(envs.PAGEDLLM_GRAMMAR_SPIN)
         try:
             return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers, spin=spin)
         except Exception as e:  # noqa: BLE001 - the thread path serves the same requests

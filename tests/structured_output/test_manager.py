@@ -216,7 +216,7 @@ def test_the_grammar_backend_defaults(monkeypatch):
     assert not manager_mod.use_grammar_worker(gated=True, device="cuda")
 
 
-def test_gated_sampling_is_on_by_default_under_async_scheduling(monkeypatch):
+def test_gated_sampling_is_opt_in(monkeypatch):
     from pagedllm import LLM
     from tests.utils import tiny_model
 
@@ -225,12 +225,12 @@ def test_gated_sampling_is_on_by_default_under_async_scheduling(monkeypatch):
     llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
     try:
         core = llm.llm_engine.engine_core
-        assert core.gate_sampling and core.structured_output_manager.gated
+        assert not core.gate_sampling and not core.structured_output_manager.gated
     finally:
         llm.llm_engine.shutdown()
-    monkeypatch.setenv("PAGEDLLM_GRAMMAR_GATE", "0")
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_GATE", "1")
     llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
     try:
-        assert not llm.llm_engine.engine_core.gate_sampling
+        assert llm.llm_engine.engine_core.gate_sampling
     finally:
         llm.llm_engine.shutdown()
