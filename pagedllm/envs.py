@@ -212,19 +212,23 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Threads of xgrammar's grammar compiler and batch bitmask fill (structured_output/manager.py);
     # unset: half the host's cores, 2 to 8.
     "PAGEDLLM_XGRAMMAR_THREADS": lambda: _positive_int("PAGEDLLM_XGRAMMAR_THREADS"),
-    # Where xgrammar advances the grammars and fills the bitmasks: 1 a grammar worker process
-    # (structured_output/backend_process.py), 0 or unset a thread of the engine core (fill_thread.py;
-    # the worker measured no faster on the H200: docs/STRUCTURED_OUTPUTS.md).
+    # Where xgrammar advances the grammars and fills the bitmasks: 1 grammar worker processes
+    # (structured_output/backend_process.py), 0 a thread of the engine core (fill_thread.py); unset:
+    # the workers when constrained steps are gated on a GPU host of 8+ cores, else the thread.
     "PAGEDLLM_GRAMMAR_WORKER": lambda: _optional_flag("PAGEDLLM_GRAMMAR_WORKER"),
     # How many grammar worker processes share the constrained rows (a request's grammar lives in
     # one); unset: 2 on a host of 12 or more cores (6 xgrammar threads each unless
     # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
-    # with its launch and waits on the device for its bitmask. 1 turns it on; unset or 0 off (the step
-    # samples in a call of its own once its bitmask is filled). Opt-in: its last H200 round printed no
-    # rows (a hang not ruled out) and its final code has not run on a GPU (BENCHMARKS.md, h42).
+    # with its launch and waits on the device for its bitmask. 1 on; unset or 0 off (the step samples in
+    # a call of its own once its bitmask is filled). Opt-in: on the H200 a first constrained batch gated
+    # with grammar workers did not end, while runs after main's path did (BENCHMARKS.md, issue 22, h48).
     "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
+    # Grammar workers, gated jobs: 1 the engine writes each job into the worker's shared-memory area,
+    # which the worker polls (one core each while constrained requests decode, then idle), instead of
+    # a pickled message on its socket; 0 or unset the socket (opt-in, with PAGEDLLM_GRAMMAR_GATE=1).
+    "PAGEDLLM_GRAMMAR_SPIN": lambda: _optional_flag("PAGEDLLM_GRAMMAR_SPIN"),
     # -- server --
     # An API key the server accepts besides --api-key (vLLM's VLLM_API_KEY).
     "PAGEDLLM_API_KEY": _str("PAGEDLLM_API_KEY"),

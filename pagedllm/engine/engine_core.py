@@ -21,6 +21,8 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.backend_types import GrammarBackendError
+from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
 
@@ -94,12 +96,14 @@ class EngineCore:
         self.submit_before_launch = False
         # Async scheduling, constrained rows whose grammars are active: the step samples with its
         # launch and the device waits for the bitmask (structured_output/gate.py); needs the runner
-        # in this process (it reads the gate's host memory). Opt-in: PAGEDLLM_GRAMMAR_GATE=1.
+        # in this process (it reads the gate's host memory). Opt-in (PAGEDLLM_GRAMMAR_GATE=1): on the H200 a
+        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48).
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
                               and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is True)
-        self.structured_output_manager = StructuredOutputManager(config)
+        self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
+        self._grammar_aborted: dict[str, EngineCoreOutput] = {}  # _grammar_failed's, returned by step()
         freeze_gc_heap()
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), %s on %s",
@@ -148,6 +152,28 @@ class EngineCore:
         self.structured_output_manager.remove(stops)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch one step; return the outputs of the step that just completed (see
+        `_step`). When the grammar workers fail during it (GrammarBackendError), the constrained
+        requests are finished as aborted, their tokens of this step left out (a bitmask may have been
+        left unfilled), and later constrained requests run on the in-process bitmask thread."""
+        outputs = self._step()
+        if self._grammar_aborted:
+            aborted, self._grammar_aborted = self._grammar_aborted, {}
+            outputs = [o for o in outputs if o.request_id not in aborted] + list(aborted.values())
+        return outputs
+
+    def _grammar_failed(self, error: BaseException) -> None:
+        """manager.fail_over, and the constrained requests finished as aborted (returned by `step`)."""
+        logger.error("structured outputs: %s; the constrained requests in flight are aborted, later ones use "
+                     "the in-process bitmask thread", error)
+        ids = self.structured_output_manager.fail_over()
+        for rid in ids:
+            self.waiting_for_grammar.pop(rid, None)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self._grammar_aborted[rid] = EngineCoreOutput(rid, [], finish_reason="abort")
+
+    def _step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that just completed.
 
         Synchronous: that is this step. With async scheduling the previous step's results are
@@ -190,7 +216,7 @@ class EngineCore:
                 # step in flight is read first: its last kernels were queued just above).
                 if self.inflight is not None:
                     outputs += self._collect_inflight()
-                job = manager.submit_grammar_bitmask(so)
+                job = self._grammar_job(so)
             pending = self.model_executor.execute_model(so)
             self.step_count += 1
             if self.inflight is not None:
@@ -200,12 +226,12 @@ class EngineCore:
             if pending is None and self.async_scheduling:
                 # The bitmask job runs on the manager's thread while this thread returns the
                 # outputs and schedules the next step; that step's start samples this one.
-                self.deferred_sample = (so, job if job is not None else manager.submit_grammar_bitmask(so))
+                self.deferred_sample = (so, job if job is not None else self._grammar_job(so))
                 return outputs
             if job is not None:
-                job.result()  # an executor that sampled anyway: the job's grammars are free again
+                self._grammar_result(job)  # an executor that sampled anyway: the job's grammars are free again
             if pending is None:
-                pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
+                pending = self.model_executor.sample_tokens(self._grammar_result(None, so))
             self.inflight = (so, pending)
             if not self.async_scheduling:
                 outputs += self._collect_inflight()
@@ -230,8 +256,11 @@ class EngineCore:
         except BaseException:
             gate.open()
             raise
-        self.structured_output_manager.submit_gate(gate)
-        self.inflight = (so, pending)
+        self.inflight = (so, pending)  # kept whatever the job does: its step is launched
+        try:
+            self.structured_output_manager.submit_gate(gate)  # (opens the gate itself if it fails)
+        except GrammarBackendError as e:
+            self._grammar_failed(e)
         return outputs
 
     def _sample_deferred(self) -> None:
@@ -239,7 +268,25 @@ class EngineCore:
         assert self.deferred_sample is not None and self.inflight is None
         so, job = self.deferred_sample
         self.deferred_sample = None
-        self.inflight = (so, self.model_executor.sample_tokens(job.result()))
+        self.inflight = (so, self.model_executor.sample_tokens(self._grammar_result(job)))
+
+    def _grammar_job(self, so: SchedulerOutput) -> BitmaskJob:
+        """manager.submit_grammar_bitmask; a failed grammar backend: no job (the step samples unmasked,
+        its constrained rows aborted)."""
+        try:
+            return self.structured_output_manager.submit_grammar_bitmask(so)
+        except GrammarBackendError as e:
+            self._grammar_failed(e)
+            return BitmaskJob(None, None)
+
+    def _grammar_result(self, job: BitmaskJob | None, so: SchedulerOutput | None = None) -> GrammarOutput | None:
+        """The job's bitmask (or, with `so`, the step's bitmask computed now); None when the grammar
+        backend failed meanwhile (_grammar_failed: the constrained rows are aborted, their tokens dropped)."""
+        try:
+            return job.result() if job is not None else self.structured_output_manager.grammar_bitmask(so)
+        except GrammarBackendError as e:
+            self._grammar_failed(e)
+            return None
 
     def step_with_batch_queue(self, queue: BatchQueue) -> list[EngineCoreOutput]:
         """Pipeline parallel (vLLM's step_with_batch_queue): launch a new batch while the queue
@@ -261,7 +308,7 @@ class EngineCore:
                 so.has_structured_output_requests = bool(manager.sampling_request_ids(so))
                 pending = self.model_executor.execute_model(so)
                 if pending is None:
-                    pending = self.model_executor.sample_tokens(manager.grammar_bitmask(so))
+                    pending = self.model_executor.sample_tokens(self._grammar_result(None, so))
                 queue.push(so, pending)
                 self.step_count += 1
                 launched = True

@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -37,16 +38,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.structured_output.backend_types import (
+    GrammarBackendError,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 from pagedllm.structured_output.gate import FlagWords
-from pagedllm.structured_output.grammar_worker import ERROR_WORDS, FLAG_WORDS
+from pagedllm.structured_output.grammar_worker import (
+    COMBINED_WORD,
+    ERROR_WORDS,
+    FLAG_WORDS,
+    JOB_ARRAYS,
+    JOB_HEADER,
+    job_area_offset,
+    shared_block_size,
+)
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 0.2  # gated sampling: how often the watchdog looks for a dead worker
+GATE_STUCK_S = 120.0  # gated sampling: a gate the workers leave shut this long is opened (an error)
 START_TIMEOUT_S = 120.0  # the worker imports torch and xgrammar: seconds on a loaded host
 NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask says why two)
+# The job channel: a job goes through the worker's area only while its spin deadline is this far
+# ahead (the engine may lose the GIL between the look and the write; a job written after the
+# worker stopped spinning runs when the watchdog pokes it, within WATCHDOG_PERIOD_S).
+SPIN_MARGIN_S = 0.02
 
 
 class ProcessGrammar(StructuredOutputGrammar):
@@ -110,6 +128,40 @@ class _Lane:
         self.more: list[tuple[int, list[int]]] = []
         self.t_sent = 0.0
         self.live = 0  # matchers in the worker after its last job
+        self.area: tuple | None = None  # the job channel (set_area), when the workers poll
+        self.area_layout: object = None  # the fill arrays last written there (their list object)
+
+    def set_area(self, block: memoryview, offset: int, rows: int) -> None:
+        area = np.ndarray((JOB_HEADER + JOB_ARRAYS * rows,), dtype=np.int32, buffer=block, offset=offset)
+        header = memoryview(area[:JOB_HEADER]).cast("B").cast("i")
+        spin_until = np.ndarray((1,), dtype=np.float64, buffer=block, offset=offset + 32)
+        self.area = (header, area[JOB_HEADER:].reshape(JOB_ARRAYS, rows), spin_until, rows)
+
+    def write_gated(self, fill_slots: list[int], fill_rows: list[int], buffer: int, word: int, seq: int) -> bool:
+        """A gated job through the job area, if the worker polls it now (else False: the caller
+        sends it on the socket). Arrays first, `job` last (grammar_worker.py's job channel)."""
+        header, arrays, spin_until, rows = self.area
+        removed = self.removed
+        if self.more or len(removed) > rows or time.monotonic() > spin_until[0] - SPIN_MARGIN_S:
+            return False
+        n_removed = len(removed)
+        if n_removed:
+            arrays[0, :n_removed] = [removed.popleft() for _ in range(n_removed)]
+        n_one = len(self.one_slots)
+        if n_one:
+            arrays[1, :n_one] = self.one_slots
+            arrays[2, :n_one] = self.one_tokens
+            self.one_slots, self.one_tokens = [], []
+        if self.area_layout is not fill_slots:
+            n = len(fill_slots)
+            arrays[3, :n] = fill_slots
+            arrays[4, :n] = fill_rows
+            self.area_layout = fill_slots
+        header[1], header[2], header[3], header[4], header[5], header[6] = (
+            n_removed, n_one, len(fill_slots), buffer, seq, word)
+        self.t_sent = time.perf_counter()
+        header[0] = seq  # last: the worker reads the job once this changes
+        return True
 
     def send(self, msg: tuple) -> None:
         data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
@@ -118,11 +170,12 @@ class _Lane:
             with self.send_lock:
                 self.conn.send_bytes(data)
         except OSError:
-            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+            raise GrammarBackendError(f"the grammar worker exited (code {self.proc.poll()})") from None
 
     def send_step(self, fill_slots: list[int], fill_rows: list[int] | None, buffer: int,
                   flag: tuple[int, int] | None = None) -> None:
-        """flag: (word, seq) of a gated job: the worker sets flag word `word` to `seq` after its fill."""
+        """flag: (word, seq, spin) of a gated job: the worker sets flag word `word` to `seq` after its
+        fill, and with `spin` then polls its job area for the next job (grammar_worker.py)."""
         removed = self.removed
         gone = [removed.popleft() for _ in range(len(removed))] if removed else []
         msg = ("step", gone, self.one_slots, self.one_tokens, self.more, fill_slots, fill_rows, buffer, flag)
@@ -134,9 +187,9 @@ class _Lane:
         try:
             reply = self.conn.recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"the grammar worker exited (code {self.proc.poll()})") from None
+            raise GrammarBackendError(f"the grammar worker exited (code {self.proc.poll()})") from None
         if reply[0] != "ok":
-            raise RuntimeError(f"the grammar worker failed a step: {reply[1]}")
+            raise GrammarBackendError(f"the grammar worker failed a step: {reply[1]}")
         t_got = time.perf_counter()
         _, refused, accept_s, fill_s, live, t_received, t_done = reply
         stats = self.backend.stats
@@ -213,11 +266,18 @@ def _pin(buffer: torch.Tensor) -> int | None:
     return ptr
 
 
+@dataclass
+class _WatchState:
+    dead: int | None = None
+    stuck: int = 0
+    retired: bool = False
+
+
 class ProcessBackend(StructuredOutputBackend):
     remote = True
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: int, rows: int, pin_memory: bool,
-                 num_workers: int = 1) -> None:
+                 num_workers: int = 1, spin: bool = False) -> None:
         self.vocab_size = vocab_size
         self.local = XgrammarBackend(tokenizer, vocab_size, max_threads=max_threads)
         self.rows, self.words = rows, (vocab_size + 31) // 32
@@ -226,8 +286,11 @@ class ProcessBackend(StructuredOutputBackend):
         if num_workers > ERROR_WORDS:
             raise ValueError(f"at most {ERROR_WORDS} grammar workers, not {num_workers}")
         self.num_workers = num_workers
+        # Gated jobs through the workers' job areas (grammar_worker.py), not the socket; may be
+        # changed between steps (a benchmark's A/B): a worker polls its area only when asked.
+        self.spin = spin
         size = NUM_BUFFERS * rows * self.words * 4
-        shm = SharedMemory(create=True, size=size + FLAG_WORDS * 4)
+        shm = SharedMemory(create=True, size=shared_block_size(NUM_BUFFERS, rows, self.words, num_workers))
         self.buffers: list[torch.Tensor] = []
         workers = None
         try:
@@ -237,21 +300,24 @@ class ProcessBackend(StructuredOutputBackend):
             workers = _Workers(shm, _pin(whole) if pin_memory else None)
             self.buffers = [torch.from_numpy(flat[i]) for i in range(NUM_BUFFERS)]
             # Gated sampling: the workers' flag words (one each) and their error words.
-            self.flags = whole[size // 4: size // 4 + num_workers]
-            self.flags.numpy().fill(0)
+            self._flag_block = whole[size // 4: size // 4 + FLAG_WORDS]
+            self._flag_block.numpy()[:ERROR_WORDS].fill(0)
+            self.flags = self._flag_block[:num_workers]
             errors = whole[size // 4 + ERROR_WORDS: size // 4 + ERROR_WORDS + num_workers]
             errors.numpy().fill(0)
             self._errors = memoryview(errors.numpy()).cast("B").cast("i")  # read per step: no numpy call
             self._lanes: list[_Lane] = []
             # All started first, then each one's "ready" read: they import torch and xgrammar side by side.
             info = self.local.tokenizer_info.serialize_json()
-            for _ in range(num_workers):
-                proc, conn = self._spawn(max_threads, shm.name, info)
+            for i in range(num_workers):
+                proc, conn = self._spawn(max_threads, shm.name, info, i)
                 workers.procs.append(proc)
                 workers.conns.append(conn)
-            for proc, conn in zip(workers.procs, workers.conns, strict=True):
+            for i, (proc, conn) in enumerate(zip(workers.procs, workers.conns, strict=True)):
                 self._await_ready(proc, conn)
-                self._lanes.append(_Lane(self, proc, conn))
+                lane = _Lane(self, proc, conn)
+                lane.set_area(shm.buf, job_area_offset(NUM_BUFFERS, rows, self.words, i), rows)
+                self._lanes.append(lane)
         except BaseException:
             self.buffers = []
             if workers is not None:
@@ -269,25 +335,58 @@ class ProcessBackend(StructuredOutputBackend):
         # for, and the step loop blocked in that step's collect; the watchdog then opens the gates
         # (the loop's next send raises "the grammar worker exited", before the step's tokens leave).
         self._watchdog: threading.Thread | None = None
+        # What the watchdog found: a worker's exit code (dead), the gate it opened because the workers
+        # left it shut (stuck, 0: none); retired: retire() ended the workers after a failure.
+        self._watch = _WatchState()
 
     def watch_gates(self, flags: FlagWords) -> None:
-        """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag word):
-        once a worker is dead it opens the newest gate issued (the older ones are open already)."""
+        """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag words).
+        Every WATCHDOG_PERIOD_S: once a worker is dead it opens every gate issued, and keeps doing so
+        until the backend is gone (the engine's next job raises); a gate still shut one period later gets its workers poked (a job
+        written into a job area as the worker stopped polling it runs then); one shut for
+        GATE_STUCK_S is opened and the next job raises (a worker alive but stuck must not stop
+        the device's stream for good)."""
         if self._watchdog is not None:
             return
-        procs, finalizer = list(self._workers.procs), self._finalizer
+        procs, finalizer, lanes = list(self._workers.procs), self._finalizer, list(self._lanes)
+        state = self._watch  # not `self`: the thread must not keep the backend alive
 
         def watch() -> None:
-            while finalizer.alive:
-                if any(p.poll() is not None for p in procs):
-                    flags.words[:] = flags.seq  # >= every gate issued so far
-                    return
+            shut_seq, since = 0, 0.0
+            while finalizer.alive and not state.retired:
+                if state.dead is None:
+                    state.dead = next((code for p in procs if (code := p.poll()) is not None), None)
+                if state.dead is not None:
+                    # Every gate issued so far opened, again each period: until the engine's next job
+                    # raises (_check_gated), it may issue more (a job written into a dead worker's job
+                    # area raises nothing by itself).
+                    flags.open_all()
+                    time.sleep(WATCHDOG_PERIOD_S / 4)
+                    continue
+                if flags.pending():
+                    seq, now = flags.seq, time.monotonic()
+                    if shut_seq != seq:
+                        shut_seq, since = seq, now
+                    else:
+                        for lane in lanes:
+                            try:
+                                lane.send(("poke",))
+                            except GrammarBackendError:
+                                pass  # exited: the next period opens the gates
+                        if now - since > GATE_STUCK_S:
+                            state.stuck = seq
+                            logger.error("gated sampling: the grammar workers left gate %d shut for %.0f s; "
+                                         "it is opened and the engine's next job raises", seq, now - since)
+                            flags.open_all()
                 time.sleep(WATCHDOG_PERIOD_S)
+            if state.retired:
+                flags.open_all()  # nothing more fills them
 
         self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _spawn(self, max_threads: int, shm_name: str, info_json: str) -> tuple[subprocess.Popen, Connection]:
+    def _spawn(self, max_threads: int, shm_name: str, info_json: str,
+               index: int) -> tuple[subprocess.Popen, Connection]:
         """One worker process, started and sent its "init" (`_await_ready` reads its answer)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)  # the worker gets this process's environment, handed over whole
@@ -303,7 +402,8 @@ class ProcessBackend(StructuredOutputBackend):
             theirs.close()
         conn = Connection(ours.detach())
         try:
-            conn.send(("init", info_json, self.vocab_size, max_threads, shm_name, NUM_BUFFERS, self.rows, self.words))
+            conn.send(("init", info_json, self.vocab_size, max_threads, shm_name, NUM_BUFFERS, self.rows, self.words,
+                       index, self.num_workers))
         except BaseException:
             conn.close()
             proc.kill()
@@ -407,10 +507,19 @@ class ProcessBackend(StructuredOutputBackend):
         return lanes
 
     # -- gated sampling (gate.py) ------------------------------------------------------------------
-    def gate_flag_memory(self) -> torch.Tensor:
-        """The workers' flag words in the shared block, int32 (num_workers,) (registered with CUDA as
-        mapped memory on a GPU)."""
-        return self.flags
+    def gate_flags(self, device: torch.device | None) -> FlagWords:
+        """The gates' flag words in the shared block (registered with CUDA as mapped memory on a GPU):
+        one per worker, and with several workers the combined word (grammar_worker.COMBINED_WORD) that
+        jobs sent with `spin` raise."""
+        n = self.num_workers
+        if n == 1:
+            return FlagWords(self.flags, device)
+        return FlagWords(self._flag_block[: COMBINED_WORD + 1], device, fillers=n, combined=COMBINED_WORD)
+
+    @property
+    def combined_gates(self) -> bool:
+        """Whether the next gate waits on the combined word (its job goes with `spin`)."""
+        return self.spin and self.num_workers > 1
 
     def gate_job(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int],
                  seq: int) -> tuple[Callable[[], None], list[tuple[list[int], list[int]]]]:
@@ -431,22 +540,29 @@ class ProcessBackend(StructuredOutputBackend):
         """`gate_job`'s send, from a layout it returned."""
         buffer = self._buffer_of(bitmask)
         self.stats["steps"] += 1
+        spin = self.spin
         for i, (lane, (slots_i, rows_i)) in enumerate(zip(self._lanes, layout, strict=True)):
-            lane.send_step(slots_i, rows_i, buffer, (i, seq))
+            if not (spin and lane.write_gated(slots_i, rows_i, buffer, i, seq)):
+                lane.send_step(slots_i, rows_i, buffer, (i, seq, spin))
         return self._check_gated
 
     def _check_gated(self) -> None:
         """A gated job gets no reply: its failure shows in the worker's error word (and its log)."""
+        state = self._watch
+        if state.dead is not None:
+            raise GrammarBackendError(f"the grammar worker exited (code {state.dead})")
+        if state.stuck:
+            raise GrammarBackendError(f"the grammar workers did not fill gated step {state.stuck} within {GATE_STUCK_S:.0f} s")
         if any(self._errors):
             failed = [i for i, seq in enumerate(self._errors) if seq]
             for i in failed:
                 self._errors[i] = 0
-            raise RuntimeError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
+            raise GrammarBackendError(f"the grammar worker(s) {failed} failed a gated step (their log has the error)")
 
     def gated_stats(self) -> dict[str, float]:
         """The gated jobs' times in the workers since the last call (each worker's jobs summed; the
         call resets them): asked outside steps (a benchmark's), one round trip per worker."""
-        out = {"jobs": 0, "accept_s": 0.0, "fill_s": 0.0}
+        out = {"jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "area_jobs": 0}
         for lane in self._lanes:
             lane.send(("stats",))
             reply = lane.conn.recv()
@@ -455,7 +571,18 @@ class ProcessBackend(StructuredOutputBackend):
             out["jobs"] = max(out["jobs"], reply[1])
             out["accept_s"] += reply[2]
             out["fill_s"] += reply[3]
+            out["area_jobs"] = max(out["area_jobs"], reply[4])  # of the jobs, through the job area
         return out
+
+    def retire(self) -> None:
+        """After a failure (manager.fail_over): end the worker processes now, so that nothing writes
+        the shared block any more, and stop the watchdog (it opens every gate once more). The block
+        stays mapped until `shutdown`: a gated step in flight may still read its bitmask or flags."""
+        self._watch.retired = True
+        for proc in self._workers.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
     def shutdown(self) -> None:
         self.buffers = []

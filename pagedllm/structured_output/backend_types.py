@@ -16,6 +16,12 @@ import torch
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
+class GrammarBackendError(RuntimeError):
+    """The grammar backend's own machinery failed (a grammar worker process exited, stuck, or failed
+    a step): the grammars it holds are lost, so the constrained requests in flight cannot go on. The
+    engine core aborts them and serves later ones with the in-process backend (manager.fail_over)."""
+
+
 class StructuredOutputGrammar(ABC):
     """One request's matcher state."""
 

@@ -71,13 +71,19 @@ class GrammarGate:
 
 class FlagWords:
     """The flag words of one filler set, in host memory the device can read: a numpy view, and on a
-    GPU its device address. `memory` is int32 host memory, pinned (torch) or registered mapped."""
+    GPU its device address. `memory` is int32 host memory, pinned (torch) or registered mapped: word
+    i < `fillers` is filler i's; with several grammar workers whose jobs come through their job areas,
+    word `combined` is raised by worker 0 once every filler's word has the step (grammar_worker.py),
+    so that the device waits on one word instead of one per filler."""
 
-    def __init__(self, memory: torch.Tensor, device: torch.device | None) -> None:
+    def __init__(self, memory: torch.Tensor, device: torch.device | None, fillers: int = 1,
+                 combined: int | None = None) -> None:
         assert memory.dtype == torch.int32 and memory.dim() == 1
+        assert fillers <= memory.numel() and (combined is None or fillers <= combined < memory.numel())
         self.memory = memory
         self.words = memory.numpy()
         self.words[:] = 0
+        self.fillers, self.combined = fillers, combined
         self.seq = 0
         self.device_address: int | None = None
         if device is not None and device.type == "cuda":
@@ -90,8 +96,22 @@ class FlagWords:
         self.seq += 1
         return self.seq
 
-    def next_gate(self, request_ids: list[str], bitmask: torch.Tensor) -> GrammarGate:
-        return GrammarGate(request_ids, bitmask, self.words, self.next_seq(), self.device_address)
+    def next_gate(self, request_ids: list[str], bitmask: torch.Tensor, combined: bool = False) -> GrammarGate:
+        """The next step's gate, on the fillers' words or (combined) on the combined word alone."""
+        address = self.device_address
+        if combined and self.combined is not None:
+            c = self.combined
+            return GrammarGate(request_ids, bitmask, self.words[c:c + 1], self.next_seq(),
+                               None if address is None else address + 4 * c)
+        return GrammarGate(request_ids, bitmask, self.words[: self.fillers], self.next_seq(), address)
+
+    def pending(self) -> bool:
+        """A gate issued whose fillers have not all raised their words yet."""
+        return self.seq > 0 and int(self.words[: self.fillers].min()) < self.seq
+
+    def open_all(self) -> None:
+        """Every gate issued so far open (the watchdog's, for fillers that died or stuck)."""
+        self.words[:] = self.seq
 
 
 # -- CUDA -----------------------------------------------------------------------------------------

@@ -48,16 +48,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def use_grammar_worker() -> bool:
-    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker process, 0 or unset the bitmask thread. The
-    worker is opt-in: on the H200 it measured no faster than the thread (docs/STRUCTURED_OUTPUTS.md)."""
+SPARE_CORES = 8  # a host with this many cores runs the grammar workers (and lets them poll) by default
+
+
+def use_grammar_worker(gated: bool = False, device: str = "cpu") -> bool:
+    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker processes, 0 the bitmask thread; unset: the
+    workers when constrained steps are gated (gate.py) on a GPU host of SPARE_CORES or more cores,
+    else the thread (main's path alone measured no faster with a worker on the H200, h38; gated
+    with two workers and their job areas it was the fastest, BENCHMARKS.md, issue 22, h48)."""
     choice = envs.PAGEDLLM_GRAMMAR_WORKER
-    return bool(choice)
+    if choice is not None:
+        return choice
+    return gated and device == "cuda" and (os.cpu_count() or 1) >= SPARE_CORES
 
 
 def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
                  pin_memory: bool = False, threads: int | None = None,
-                 num_workers: int | None = None) -> StructuredOutputBackend:
+                 num_workers: int | None = None, spin: bool | None = None) -> StructuredOutputBackend:
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
     # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
@@ -72,8 +79,10 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
         num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
         threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
             6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
+        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel), opt-in
+            spin = bool(envs.PAGEDLLM_GRAMMAR_SPIN)
         try:
-            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers)
+            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers, spin=spin)
         except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
             logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
     threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, cores // 2))
@@ -81,8 +90,9 @@ def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0
 
 
 class StructuredOutputManager:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, gated: bool = False) -> None:
         self.config = config
+        self.gated = gated  # the engine core gates constrained steps (the default backend depends on it)
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -110,6 +120,9 @@ class StructuredOutputManager:
         # layout); `_layout_version` moves whenever a request leaves or a grammar may have ended.
         self._gate_layout: tuple[int, list[str], list] | None = None
         self._layout_version = 0
+        self._gate_rows: tuple[int, list[str]] | None = None  # gate_step's rows, all active, kept the same way
+        self._workers_failed = False  # fail_over: the grammar workers failed, the thread serves from now on
+        self._retired: list[StructuredOutputBackend] = []  # failed backends, shut down with the engine
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -123,7 +136,7 @@ class StructuredOutputManager:
                 config = self.config
                 self._backend = make_backend(
                     tokenizer, config.model_config.vocab_size,
-                    worker=use_grammar_worker(),
+                    worker=use_grammar_worker(self.gated, config.device_config.device) and not self._workers_failed,
                     rows=config.scheduler_config.max_num_seqs, pin_memory=config.device_config.device == "cuda")
                 self._remote = getattr(self._backend, "remote", False)
             return self._backend
@@ -293,28 +306,34 @@ class StructuredOutputManager:
         ids = self.sampling_request_ids(so)
         if not ids:
             return None
-        requests = self.requests
-        rows = []
-        for rid in ids:
-            sor = requests[rid]
-            if sor.active_grammar is None and sor.activate() is None:
-                if sor.ended:
-                    continue  # its grammar took its stop token: free from now on
+        last = self._gate_rows
+        if last is not None and last[0] == self._layout_version and last[1] == ids:
+            rows = last[1]  # the last gated step's rows, every grammar still active (nothing ended or left)
+        else:
+            requests = self.requests
+            rows = []
+            for rid in ids:
+                sor = requests[rid]
+                if sor.active_grammar is None and sor.activate() is None:
+                    if sor.ended:
+                        continue  # its grammar took its stop token: free from now on
+                    return None
+                rows.append(rid)
+            if not rows:
                 return None
-            rows.append(rid)
-        if not rows:
-            return None
-        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)))
+            self._gate_rows = (self._layout_version, rows) if len(rows) == len(ids) else None
+        combined = self._remote and self._backend.combined_gates
+        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)), combined)
 
     def _gate_flags(self) -> FlagWords:
         if self._flags is None:
             backend = self.backend()
             cuda = self.config.device_config.device == "cuda"
-            if self._remote:  # one flag word per worker, in the shared block
-                memory = backend.gate_flag_memory()
+            device = torch.device("cuda") if cuda else None
+            if self._remote:  # one flag word per worker (and their combined word), in the shared block
+                self._flags = backend.gate_flags(device)
             else:
-                memory = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
-            self._flags = FlagWords(memory, torch.device("cuda") if cuda else None)
+                self._flags = FlagWords(torch.zeros(1, dtype=torch.int32, pin_memory=cuda), device)
             if self._remote:
                 backend.watch_gates(self._flags)
         return self._flags
@@ -394,6 +413,28 @@ class StructuredOutputManager:
         if wait is not None:
             wait()
 
+    def fail_over(self) -> list[str]:
+        """The grammar workers failed (GrammarBackendError): every constrained request is dropped here
+        and returned (the engine core finishes them as aborted: their grammars were in the workers), the
+        worker processes ended, and constrained requests from now on get the in-process bitmask thread.
+        The failed backend's shared memory stays until `shutdown` (the step in flight may still read
+        its bitmask and flag words: a gated copy on the device, a gated CPU step's sampling)."""
+        ids = list(self.requests)
+        self.requests.clear()
+        self._to_accept, self._to_accept_one = {}, {}
+        self._gate_job, self._gate_layout, self._gate_rows, self._rows_of = None, None, None, (None, [])
+        with self._backend_lock:
+            old, self._backend, self._remote = self._backend, None, False
+            self._workers_failed = True
+        self._flags = None
+        self._bitmasks, self._bitmask_views = [], []
+        if old is not None:
+            retire = getattr(old, "retire", None)
+            if retire is not None:
+                retire()
+            self._retired.append(old)  # shut down with the engine: a step in flight may read its memory
+        return ids
+
     def shutdown(self) -> None:
         if self._gate_job is not None:
             try:
@@ -408,6 +449,9 @@ class StructuredOutputManager:
         if self._backend is not None:
             self._bitmasks, self._bitmask_views = [], []
             self._backend.shutdown()
+        for backend in self._retired:
+            backend.shutdown()
+        self._retired = []
 
 
 class BitmaskJob:

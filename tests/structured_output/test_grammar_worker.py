@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -283,5 +285,133 @@ def test_a_dead_worker_opens_a_waiting_gate(tokenizer):
         host_wait(gate, timeout_s=10)
         with pytest.raises(RuntimeError, match="grammar worker"):
             manager.submit_gate(gate)
+    finally:
+        manager.shutdown()
+
+
+def test_gated_jobs_through_the_job_area_fill_the_same_bitmasks(tokenizer):
+    # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel): after a gated job the workers poll
+    # their shared-memory areas, and the next jobs go there instead of the socket; after a pause
+    # (the workers stopped polling) a job goes on the socket again. Same bitmasks as the thread
+    # path, every step, through both channels, and an add on the socket reaches the worker before
+    # an area job fills its slot.
+    from pagedllm.structured_output.gate import host_wait
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=4, num_workers=2, spin=True)
+    manager, ref = manager_with(backend, rows=4), manager_with(make_backend(tokenizer, VOCAB), rows=4)
+    try:
+        for m in (manager, ref):
+            add(m, "g1").future.result()
+            add(m, "g2").future.result()
+        backend.gated_stats()
+        doc = tokenizer.encode(DOC, add_special_tokens=False)
+        rids = ["g1", "g2"]
+        for i, t in enumerate(doc):
+            if i == 3:  # a new request joins between two area jobs (its "add" on the socket)
+                for m in (manager, ref):
+                    add(m, "g3").future.result()
+                rids = ["g1", "g2", "g3"]
+            if i == 6:
+                time.sleep(0.15)  # longer than SPIN_S: the workers went back to the socket
+            gate = manager.gate_step(step(*rids))
+            assert len(gate.flags) == 1  # the combined word: the device waits once for both workers
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            assert (backend.flags.numpy() >= gate.seq).all()  # raised only once both workers' words were
+            assert torch.equal(gate.bitmask, ref.grammar_bitmask(step(*rids)).grammar_bitmask), i
+            for m in (manager, ref):
+                m.advance([EngineCoreOutput(r, [t]) for r in rids])
+        manager.remove(["g2"])  # its slot goes to the workers in the next area job's removed list
+        gate = manager.gate_step(step("g1", "g3"))
+        manager.submit_gate(gate)
+        host_wait(gate, timeout_s=30)
+        assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("g1", "g3")).grammar_bitmask)
+        manager._wait_gate_job()
+        stats = backend.gated_stats()
+        assert stats["jobs"] == len(doc) + 1
+        assert 0 < stats["area_jobs"] <= len(doc) - 1  # the first job and the one after the pause: the socket
+    finally:
+        manager.shutdown()
+        ref.shutdown()
+
+
+def test_a_job_written_as_the_workers_stop_polling_runs_after_the_watchdogs_poke(tokenizer):
+    # The engine writes a job into an area only while the worker's deadline is SPIN_MARGIN_S ahead;
+    # should it lose that race (a long GIL stall between the look and the write), the job still runs:
+    # the watchdog pokes the workers of a gate that stays shut. Forced here by moving the deadline
+    # the engine reads far ahead while the worker waits on its socket.
+    from pagedllm.structured_output.backend_process import WATCHDOG_PERIOD_S
+    from pagedllm.structured_output.gate import host_wait
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2, spin=True)
+    manager, ref = manager_with(backend, rows=2), manager_with(make_backend(tokenizer, VOCAB), rows=2)
+    try:
+        for m in (manager, ref):
+            add(m, "a").future.result()
+        gate = manager.gate_step(step("a"))
+        backend._lanes[0].area[2][0] = time.monotonic() + 3600  # the engine now believes the worker polls
+        t = time.monotonic()
+        manager.submit_gate(gate)
+        host_wait(gate, timeout_s=30)
+        assert time.monotonic() - t >= WATCHDOG_PERIOD_S * 0.9  # it waited for the poke
+        assert torch.equal(gate.bitmask, ref.grammar_bitmask(step("a")).grammar_bitmask)
+        manager._wait_gate_job()
+        assert backend.gated_stats()["area_jobs"] == 1
+    finally:
+        manager.shutdown()
+        ref.shutdown()
+
+
+def test_worker_zero_raises_the_combined_word_only_after_every_workers_word():
+    import numpy as np
+
+    from pagedllm.structured_output.grammar_worker import COMBINED_WORD, combine_flags
+
+    words = np.zeros(16, dtype=np.int32)
+    view = memoryview(words).cast("B").cast("i")
+    words[0] = 5  # worker 0's own word
+    words[1] = 4  # worker 1 still on the step before
+    later = threading.Timer(0.05, lambda: words.__setitem__(1, 5))
+    t = time.monotonic()
+    later.start()
+    assert combine_flags(view, 2, 5)
+    assert time.monotonic() - t >= 0.04 and words[COMBINED_WORD] == 5
+    # Raised by someone else meanwhile (the watchdog): it returns, leaving it.
+    words[COMBINED_WORD] = 6
+    assert not combine_flags(view, 3, 6) and words[COMBINED_WORD] == 6
+    # A worker that never comes: it gives up after the timeout, the word left shut.
+    assert not combine_flags(view, 2, 7, timeout_s=0.05) and words[COMBINED_WORD] == 6
+
+
+def test_a_dead_worker_whose_area_still_takes_jobs_opens_every_gate_until_the_next_job_raises(tokenizer):
+    # With the job areas a job written for a dead worker raises nothing by itself (no socket write):
+    # the watchdog must open every gate issued after the death, not just the one waiting then, until
+    # the engine's next job raises. The dead worker's deadline is moved far ahead here, so that the
+    # engine keeps writing jobs into its area.
+    from pagedllm.structured_output.gate import host_wait
+
+    backend = make_backend(tokenizer, VOCAB, worker=True, rows=2, num_workers=2, spin=True)
+    manager = manager_with(backend, rows=2)
+    try:
+        add(manager, "a").future.result()
+        add(manager, "b").future.result()
+        doc = tokenizer.encode(DOC, add_special_tokens=False)
+        for t in doc[:3]:
+            gate = manager.gate_step(step("a", "b"))
+            manager.submit_gate(gate)
+            host_wait(gate, timeout_s=30)
+            manager.advance([EngineCoreOutput("a", [t]), EngineCoreOutput("b", [t])])
+        proc = backend._workers.procs[1]
+        proc.kill()
+        proc.wait()
+        backend._lanes[1].area[2][0] = time.monotonic() + 3600
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="grammar worker exited"):
+            for t in doc[3:] * 20:
+                gate = manager.gate_step(step("a", "b"))
+                manager.submit_gate(gate)
+                host_wait(gate, timeout_s=10)  # opened by the watchdog: never a hang
+                manager.advance([EngineCoreOutput("a", [t]), EngineCoreOutput("b", [t])])
+        assert time.monotonic() - t0 < 10
     finally:
         manager.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pagedllm.core.sched_output import EngineCoreOutput
@@ -175,3 +176,61 @@ def test_the_bitmask_thread_runs_jobs_in_turn_and_reports_their_errors():
     thread.wait()  # nothing submitted: returns at once
     thread.close()
     assert not thread._thread.is_alive()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3], [4]], ids=["all", "some", "last"])
+def test_the_cpu_bitmask_lookup_masks_as_the_reference(dtype, rows):
+    # apply_grammar_bitmask_lut (the CPU path) against apply_grammar_bitmask_ref: random bitmasks, a
+    # vocabulary that ends inside a word (70: 3 words), logits that are -inf already in places.
+    from pagedllm.structured_output.bitmask import apply_grammar_bitmask_lut, apply_grammar_bitmask_ref
+
+    g = torch.Generator().manual_seed(len(rows))
+    logits = torch.randn(5, 70, generator=g).to(dtype)
+    logits[2, 5] = float("-inf")
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), 3), dtype=torch.int32, generator=g)
+    bitmask[0, 0] = -1  # every token of the first word allowed
+    want = apply_grammar_bitmask_ref(logits.clone(), bitmask, rows)
+    got = apply_grammar_bitmask_lut(logits.clone(), bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.isinf(want).any() and not torch.isnan(got).any()
+
+
+def test_the_grammar_backend_defaults(monkeypatch):
+    # Unset: grammar workers when constrained steps are gated on a GPU host with spare cores, else the
+    # thread; PAGEDLLM_GRAMMAR_WORKER decides when set.
+    from pagedllm.structured_output import manager as manager_mod
+
+    for var in ("PAGEDLLM_GRAMMAR_WORKER", "PAGEDLLM_GRAMMAR_SPIN", "PAGEDLLM_GRAMMAR_GATE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 16)
+    assert manager_mod.use_grammar_worker(gated=True, device="cuda")
+    assert not manager_mod.use_grammar_worker(gated=False, device="cuda")  # main's path alone: the thread
+    assert not manager_mod.use_grammar_worker(gated=True, device="cpu")
+    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 4)
+    assert not manager_mod.use_grammar_worker(gated=True, device="cuda")  # no spare cores
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", "1")
+    assert manager_mod.use_grammar_worker(gated=False, device="cpu")
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", "0")
+    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 16)
+    assert not manager_mod.use_grammar_worker(gated=True, device="cuda")
+
+
+def test_gated_sampling_is_opt_in(monkeypatch):
+    from pagedllm import LLM
+    from tests.utils import tiny_model
+
+    monkeypatch.delenv("PAGEDLLM_GRAMMAR_GATE", raising=False)
+    path, _ = tiny_model("qwen3", vocab_size=49152, with_tokenizer=True)
+    llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
+    try:
+        core = llm.llm_engine.engine_core
+        assert not core.gate_sampling and not core.structured_output_manager.gated
+    finally:
+        llm.llm_engine.shutdown()
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_GATE", "1")
+    llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
+    try:
+        assert llm.llm_engine.engine_core.gate_sampling
+    finally:
+        llm.llm_engine.shutdown()
