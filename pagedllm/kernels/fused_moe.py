@@ -467,97 +467,6 @@ def _fused_moe_rows_kernel(
 
 
 @triton.jit
-def _fused_moe_rows_persistent_kernel(
-    a_ptr, b_ptr, c_ptr, topk_weights_ptr, rows_ptr, counts_ptr,  # as _fused_moe_rows_kernel
-    N,
-    K,
-    num_n_blocks,
-    max_rows,
-    num_tiles,  # num_experts * num_n_blocks
-    stride_am,
-    stride_be,
-    stride_bn,
-    stride_cm,
-    TOP_K: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FUSE_SILU: tl.constexpr,
-):
-    """`_fused_moe_rows_kernel` with a fixed grid (a few programs an SM): program p takes the (expert,
-    column block) tiles p, p + P, p + 2P, ... (P programs) in one flat loop over (tile, row block, K
-    tile), so the next tile's first weight loads are in flight while this one's last are consumed: no
-    program start-up between tiles. Qwen3-30B-A3B's GEMM 2 has only K / BLOCK_K = 6 loads a tile, so
-    a program a tile pays its start (row list, pointers, the pipeline's first loads) every 6 loads.
-    A tile whose expert has no pair takes one row block of K tiles with every load masked (no bytes).
-        P 3, 8 tiles: program 1 takes tiles 1, 4, 7."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    zero = pid * 0  # int32 scalars for the loop-carried counters below
-    total = zero
-    for t in range(pid, num_tiles, nprog):  # this program's iterations: max(1, row blocks) x K tiles a tile
-        total += tl.maximum(tl.cdiv(tl.load(counts_ptr + t // num_n_blocks), BLOCK_M), 1) * k_tiles
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_nl = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_off = offs_nl[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N), any tile's
-    tile = pid - nprog
-    ki = k_tiles - 1
-    blocks_left = zero  # row blocks left in the current tile
-    count = zero
-    m0 = zero
-    row_list = rows_ptr
-    b_tile = b_ptr
-    offs_n = offs_nl
-    n_mask = offs_nl < 0
-    valid = offs_r < 0
-    pair = tl.zeros([BLOCK_M], tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only
-    for _ in range(0, total):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:
-            if blocks_left == 0:  # the next tile
-                tile += nprog
-                expert = tile // num_n_blocks
-                pid_n = tile % num_n_blocks
-                count = tl.load(counts_ptr + expert)
-                blocks_left = tl.maximum(tl.cdiv(count, BLOCK_M), 1)
-                m0 = -BLOCK_M
-                row_list = rows_ptr + expert.to(tl.int64) * max_rows
-                b_tile = b_ptr + expert.to(tl.int64) * stride_be + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
-                offs_n = pid_n * BLOCK_N + offs_nl
-                n_mask = offs_n < tl.where(count > 0, N, 0)  # an empty tile loads nothing
-            blocks_left -= 1
-            m0 += BLOCK_M
-            valid = m0 + offs_r < count
-            pair = tl.load(row_list + m0 + offs_r, mask=valid, other=0).to(tl.int64)
-        k0 = ki * BLOCK_K
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_tile + k0 + b_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if IEEE_FP32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        if FUSE_SILU:
-            b_up = tl.load(b_tile + k0 + N * stride_bn + b_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if IEEE_FP32:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(a, b_up, acc_up)
-        if ki == k_tiles - 1:
-            _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm,
-                               FUSE_SILU, MUL_ROUTED_WEIGHT)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
-@triton.jit
 def _fused_moe_tma_kernel(
     a_ptr,  # (rows, K), as _fused_moe_kernel
     b_desc,  # TMA descriptor over the experts' weights as one (E * N_total, K) matrix, [BLOCK_N, BLOCK_K] tiles
@@ -775,15 +684,6 @@ def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict, shared: int = 
     for a, w, out, n, k, tk, first, gemm in ((x, w13, h, inter, hidden, top_k, True, cfg),
                                               (h, w2, down, hidden, inter, 1, False, down_config(cfg))):
         n_blocks = triton.cdiv(n, gemm["BLOCK_N"])
-        if gemm.get("PERSISTENT") and not shared:  # a fixed grid of PERSISTENT programs walking the tiles
-            tiles = routed * n_blocks
-            _fused_moe_rows_persistent_kernel[(min(gemm["PERSISTENT"], tiles),)](
-                a, w, out, weights, rows, counts, n, k, n_blocks, t, tiles, a.stride(0), w.stride(0), w.stride(1),
-                out.stride(0), TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"],
-                BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, num_warps=gemm["num_warps"],
-                num_stages=gemm.get("num_stages", 3),
-            )
-            continue
         shared_progs = shared * n_blocks * triton.cdiv(t, gemm["BLOCK_M"])
         _fused_moe_rows_kernel[(routed * n_blocks + shared_progs,)](
             a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
@@ -804,9 +704,8 @@ def fused_experts(
     # Optional keys: GROUP_M (row blocks per program group, 8), FUSE_SILU (by tile size: see above),
     # DOWN (GEMM 2's own BLOCK_N / BLOCK_K / num_warps / num_stages / GROUP_M / TMA: see down_config),
     # TMA (weight tiles by the TMA unit, `_fused_moe_tma_kernel`; 16-bit weights), SCAN (per-expert
-    # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass),
-    # PERSISTENT (with SCAN, no shared experts: that many programs walk the tiles,
-    # `_fused_moe_rows_persistent_kernel`; in DOWN for GEMM 2 alone).
+    # row lists instead of the sorted list: `_fused_moe_rows_kernel`; BLOCK_M is the rows per pass).
+    # (A persistent grid walking the tiles measured no faster on the H200, BENCHMARKS.md h49, and was dropped.)
     shared_experts: int = 0,  # the last S experts take every token (DeepSeek's, stacked); the row lists
     # only with PAGEDLLM_MOE_SCAN_SHARED=1 or a SCAN config
     sum_topk: bool = True,  # False: each token's top_k expert outputs unsummed, (T, top_k, hidden), for a

@@ -137,7 +137,6 @@ def _record(launches: list) -> None:
         # prefill tile ran on the H200 and equals the torch reference there (BENCHMARKS.md, issue 24).
         (fused_moe, "_fused_moe_tma_kernel"),
         (fused_moe, "_fused_moe_rows_kernel"),
-        (fused_moe, "_fused_moe_rows_persistent_kernel"),
         (fused_moe, "_moe_rows_to_sorted_kernel"),
         (fused_moe, "_moe_expert_rows_kernel"),
         (fused_moe, "_moe_sum_kernel"),
@@ -245,10 +244,6 @@ def _record_model_families() -> None:
         moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
     # The two-launch align of prefill-sized steps (PAGEDLLM_MOE_ALIGN_ROWS), 8192 tokens x 8.
     fused_moe.moe_align_block_size_rows((torch.arange(8192 * 8, dtype=torch.int32) % 128).view(8192, 8), 128, 128)
-    # The persistent row-list GEMMs (config PERSISTENT: a fixed grid walking the tiles), 256 tokens.
-    ids = (torch.arange(256 * 8, dtype=torch.int32) % 128).view(256, 8)
-    fused_moe.fused_experts(torch.zeros(256, 2048, dtype=bf16), w13, w2, torch.ones(256, 8), ids,
-                            config=dict(fused_moe._scan_config(256 * 8, 128, bf16), PERSISTENT=264))
     # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).
     rmsnorm.rms_norm(torch.zeros(4, 8, 2048, dtype=bf16), torch.ones(2048, dtype=bf16), 1e-6, torch.zeros(4, 2048, dtype=bf16))
     moe_router.topk_softmax(torch.zeros(4, 64, dtype=bf16), 6, False)  # DeepSeek-V2-Lite's

@@ -27,7 +27,7 @@ _KERNELS = {
     "_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_cache_kernel", "_rms_norm_kernel",
     "_rotary_kernel", "_silu_and_mul_kernel", "_qkv_prep_kernel", "_gumbel_argmax_split_kernel",
     "_argmax_partials_kernel", "_skinny_linear_kernel", "_fused_moe_kernel", "_fused_moe_rows_kernel", "_moe_expert_rows_kernel",
-    "_fused_moe_rows_persistent_kernel", "_moe_rows_to_sorted_kernel",
+    "_moe_rows_to_sorted_kernel",
     "_moe_align_kernel", "_moe_sum_kernel",
     "_topk_softmax_kernel", "_router_topk_softmax_kernel", "_mla_prefill_kernel", "_mla_prep_kernel",
     "_mla_decode_kernel", "_mla_decode_rc_kernel", "_mla_merge_kernel",

@@ -170,26 +170,6 @@ def test_row_list_path_matches_reference(t, e, top_k, block_m):
                                fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("t, e, top_k, block_m, programs", [
-    (5, 4, 2, 16, 3),     # decode-sized, an idle expert likely: its tile runs masked
-    (1, 8, 2, 16, 5),     # one token: most tiles empty
-    (300, 4, 2, 16, 2),   # ten row blocks an expert, several tiles a program
-    (37, 8, 3, 32, 64),   # more programs than tiles: the grid shrinks to the tiles
-])
-def test_persistent_row_list_path_matches_reference(t, e, top_k, block_m, programs):
-    # PERSISTENT: a fixed grid whose programs walk (expert, column block) tiles in one flat loop.
-    g = torch.Generator().manual_seed(t + programs)
-    hidden, inter = 32, 48  # GEMM 1: 2 column blocks of 32 (the last ragged); GEMM 2: 2 of 16
-    x = torch.randn(t, hidden, generator=g).to(DEVICE)
-    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
-    w2 = (torch.randn(e, hidden, inter, generator=g) * 0.2).to(DEVICE)
-    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEVICE), top_k, renormalize=True)
-    cfg = dict(SCAN=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, PERSISTENT=programs,
-               DOWN=dict(BLOCK_N=16))
-    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=cfg),
-                               fused_experts_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("t, e, top_k, shared, block_m", [
     (5, 6, 2, 2, 16),    # routed top_k 2 of 4, 2 shared: one token chunk per shared expert
     (40, 6, 3, 2, 16),   # three chunks (40 tokens / 16), the last ragged
