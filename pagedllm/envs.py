@@ -125,7 +125,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (not measured on a GPU yet, so not the default).
     "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", True),
     # 1 (default): every decode graph's capture follows an eager pass of its size (worker/cuda_graphs.py);
-    # 0: only the first size of each Triton variant and BLAS library gets one (an A/B of the capture time).
+    # 0: only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
+    # only the first of each token-count specialisation (worker/mixed_graphs.py); an A/B of the capture time.
     "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
@@ -169,6 +170,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29; h47:
     # on the H200 taken, the engine process started at 4.1-4.4 s of a 9.5 s warm / 19.4 s cold start).
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
+    # 1: a transformers config class imports without `transformers.activations` (its type validators get
+    # a stand-in table of activation names: loader/hf_configs.py, activation_names_only), for a first start's
+    # config in both processes; 0 (default): transformers' own imports. Off until an H200 start measured it.
+    "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", False),
+    # N: the engine process profiles its start (cProfile, from its first line to Ready) and logs the N
+    # functions of most cumulative and of most own time (engine/core_proc.py); unset: no profile. For
+    # start-up timelines only: the profile slows Python-heavy phases.
+    "PAGEDLLM_STARTUP_PROFILE": lambda: _positive_int("PAGEDLLM_STARTUP_PROFILE") or 0,
     # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
     # every rank and fails the engine (executor/multiproc.py). Default 300.
     "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),

@@ -85,6 +85,7 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         logging.basicConfig(level=log_level, format=log_format)
     logger.info("start-up: engine process started")  # forked once the fork server had its imports
     t0 = time.monotonic()
+    profile = _startup_profile()
     if warm_cuda:
         # First, while this process has no thread and no CUDA context: on a fresh machine (unless
         # PAGEDLLM_PARALLEL_COMPILE=0), the Triton compile processes forked from it (torch imported).
@@ -145,6 +146,8 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
     from pagedllm.loader import hf_configs
 
     hf_configs.remember()
+    if profile is not None:
+        _log_profile(*profile)
     emit(Ready(core.num_gpu_blocks))
     try:
         EngineCoreLoop(core, emit, fail_at_step).run(next_commands)
@@ -158,6 +161,31 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
             pass
     finally:
         core.shutdown()
+
+
+def _startup_profile() -> tuple[Any, int] | None:
+    """(a running cProfile.Profile, lines to log) with PAGEDLLM_STARTUP_PROFILE=N, else None."""
+    lines = envs.PAGEDLLM_STARTUP_PROFILE
+    if not lines:
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile, lines
+
+
+def _log_profile(profile: Any, lines: int) -> None:
+    """The engine start's profile: its `lines` functions of most cumulative time, then of most own time."""
+    import pstats
+
+    profile.disable()
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats(order).print_stats(lines)
+        body = out.getvalue()
+        body = body[body.find("ncalls"):] if "ncalls" in body else body
+        logger.info("start-up profile of the engine process, by %s time:\n%s", order, body.rstrip())
 
 
 class _ConfigUnpickler(pickle.Unpickler):
