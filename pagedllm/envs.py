@@ -174,6 +174,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # a stand-in table of activation names: loader/hf_configs.py, activation_names_only), for a first start's
     # config in both processes; 0 (default): transformers' own imports. Off until an H200 start measured it.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", False),
+    # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process) in a
+    # thread while it imports and loads the model, and each compile process while it waits for variants
+    # (worker/triton_keys.py); 0 (default): the first kernel launch computes it. Off until an H200 start measured it.
+    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
     # N: the engine process profiles its start (cProfile, from its first line to Ready) and logs the N
     # functions of most cumulative and of most own time (engine/core_proc.py); unset: no profile. For
     # start-up timelines only: the profile slows Python-heavy phases.

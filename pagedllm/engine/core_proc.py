@@ -92,6 +92,10 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         from pagedllm.worker.compile_pool import fork_compile_pool
 
         fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))
+        # Then (no fork follows): Triton's installation key beside the imports and the model load.
+        from pagedllm.worker.triton_keys import prefetch_triton_key
+
+        prefetch_triton_key()
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
 
