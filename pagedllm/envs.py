@@ -178,6 +178,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # thread while it imports and loads the model, and each compile process while it waits for variants
     # (worker/triton_keys.py); 0 (default): the first kernel launch computes it. Off until an H200 start measured it.
     "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
+    # 1: a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch bytes) under
+    # $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source files and the
+    # configuration, and a later start with the same key skips the profile's forward (worker/gpu_memory.py);
+    # 0 (default): profile at every start. Off until an H200 start measured it.
+    "PAGEDLLM_KEEP_MEMORY_PROFILE": _flag("PAGEDLLM_KEEP_MEMORY_PROFILE", False),
     # N: the engine process profiles its start (cProfile, from its first line to Ready) and logs the N
     # functions of most cumulative and of most own time (engine/core_proc.py); unset: no profile. For
     # start-up timelines only: the profile slows Python-heavy phases.

@@ -71,6 +71,11 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler | None, device: torch.d
     # A batch asking for logprobs samples from a float32 copy: that variant too.
     rows[0] = RowInputs(params=SamplingParams(temperature=1.0, logprobs=1), prompt_token_ids=[0], output_token_ids=[])
     sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
+    # And top-k / top-p (a full sort): the memory profile runs that path too, but a kept profile does not
+    # run at all (worker/gpu_memory.py).
+    rows[0] = RowInputs(params=SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1), prompt_token_ids=[0],
+                        output_token_ids=[])
+    sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
 
 
 @torch.inference_mode()

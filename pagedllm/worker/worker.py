@@ -161,9 +161,29 @@ class Worker:
                 max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
                 max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
                 max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
-                baseline_non_torch=self._memory_baseline,
+                baseline_non_torch=self._memory_baseline, kept=self._kept_profile_path(),
             )
         return max(available // per_block, 0), num_cpu_blocks
+
+    def _kept_profile_path(self) -> Path | None:
+        """Where this configuration's memory profile is kept (worker/gpu_memory.py), with
+        PAGEDLLM_KEEP_MEMORY_PROFILE=1 on one CUDA device; else None (profile every start)."""
+        import pagedllm.envs as envs
+
+        if not envs.PAGEDLLM_KEEP_MEMORY_PROFILE or self.config.parallel_config.world_size > 1:
+            return None
+        from pagedllm.worker.gpu_memory import kept_profile_path, source_fingerprint
+
+        assert self.model is not None and self.kv_cache is not None
+        config, sc, cc = self.config, self.config.scheduler_config, self.config.cache_config
+        return kept_profile_path([
+            torch.cuda.get_device_name(self.kv_cache.device), torch.cuda.get_device_properties(self.kv_cache.device).total_memory,
+            torch.__version__, torch.version.cuda, triton_version(), source_fingerprint(), self.kernel_switches,
+            type(self.model).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()],
+            self.kv_cache.dtype, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+            config.model_config.max_model_len, config.model_config.vocab_size, config.max_logprobs,
+            self.config.device_config.enforce_eager,
+        ])
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         assert self.kv_cache is not None
