@@ -128,6 +128,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
     # only the first of each token-count specialisation (worker/mixed_graphs.py); an A/B of the capture time.
     "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),
+    # 1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait for the
+    # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
+    # capture_forward); 0 (default): every capture waits. Off until an H200 start measured it.
+    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache

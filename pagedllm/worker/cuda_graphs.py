@@ -53,16 +53,18 @@ _capture_stream: torch.cuda.Stream | None = None
 
 
 @contextlib.contextmanager
-def _capturing(g: torch.cuda.CUDAGraph, pool: object) -> Iterator[None]:
+def _capturing(g: torch.cuda.CUDAGraph, pool: object, sync: bool = True) -> Iterator[None]:
     """`torch.cuda.graph(g, pool=pool)` without the `torch.cuda.empty_cache()` and pinned-host cache
     release it runs before every capture: with ~50 captures at start (decode and mixed-step sizes),
     each would hand the eager pass's cached blocks back to the driver for the next pass to allocate
     again (PAGEDLLM_CAPTURE_EMPTY_CACHE=1 keeps torch's way). The same capture otherwise: a side
-    stream of its own, torch's default (global) capture mode."""
+    stream of its own, torch's default (global) capture mode. sync=False: the capture begins while
+    the device still runs earlier work (capture_forward says when that is safe)."""
     global _capture_stream
     if _capture_stream is None:
         _capture_stream = torch.cuda.Stream()
-    torch.cuda.synchronize()
+    if sync:
+        torch.cuda.synchronize()
     with torch.cuda.stream(_capture_stream):
         g.capture_begin(*(() if pool is None else (pool,)))
         try:
@@ -85,15 +87,22 @@ def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device, p
     "capture", first "replay"), for the start-up log. eager=False: no eager pass, for a forward whose
     Triton variants and BLAS library an earlier eager pass of the same start met already."""
     empty_each = envs.PAGEDLLM_CAPTURE_EMPTY_CACHE
+    # PAGEDLLM_CAPTURE_OVERLAP=1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a capture without an eager pass
+    # does not wait for the device first, so its host work (recording ~a forward's launches) overlaps
+    # the previous graph's first replay. Safe: recording runs nothing on the device, the replay only
+    # reads the static inputs and writes its own graph's memory, and the next replay is ordered after
+    # it on the same stream.
+    sync = eager or empty_each or not envs.PAGEDLLM_CAPTURE_OVERLAP
     t0 = time.monotonic()
     if pool is None and not empty_each:
         torch.cuda.empty_cache()
     if eager:
         forward()
-    torch.cuda.synchronize(device)
+    if sync:
+        torch.cuda.synchronize(device)
     t1 = time.monotonic()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool) if empty_each else _capturing(g, pool):
+    with torch.cuda.graph(g, pool=pool) if empty_each else _capturing(g, pool, sync):
         out = forward()
     t2 = time.monotonic()
     g.replay()
