@@ -93,6 +93,7 @@ class Worker:
         self._precompiled = False
         self._marker: Path | None = None  # worker/precompile.py warm_marker, written once a start completes
         self._memory_baseline = 0  # non-torch GPU bytes at init_device: not this engine's (gpu_memory.py)
+        self._profile_kept = False  # the memory profile was read back, not run (PAGEDLLM_KEEP_MEMORY_PROFILE)
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -155,13 +156,17 @@ class Worker:
 
         sc = config.scheduler_config
         self._precompile()  # the profile's variants too: before it
+        kept = self._kept_profile_path()
+        from pagedllm.worker.gpu_memory import load_kept_profile
+
+        self._profile_kept = kept is not None and load_kept_profile(kept) is not None  # the warm-up runs its layout
         with start_phase("memory profiling"):
             available = profile_available_kv_bytes(
                 self.model, self.model_runner.sampler, self.kv_cache,
                 max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
                 max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
                 max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
-                baseline_non_torch=self._memory_baseline, kept=self._kept_profile_path(),
+                baseline_non_torch=self._memory_baseline, kept=kept,
             )
         return max(available // per_block, 0), num_cpu_blocks
 
@@ -201,7 +206,7 @@ class Worker:
             self._precompile()  # done before the memory profile unless there was none
             with start_phase("kernel warm-up"):
                 warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype,
-                               self._warmup_shape())
+                               self._warmup_shape(), profile_step=self._profile_kept)
         with start_phase("CUDA graph capture"):
             self.model_runner.capture_model(self.kernel_switches.graph_tuning, self._graph_runner())
         close_compile_pool()  # if no parallel compile ran (a pooling model, no generate warm-up)
@@ -218,6 +223,7 @@ class Worker:
             block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
             max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
         )
 
     def _graph_runner(self) -> CudaGraphRunner | None:
