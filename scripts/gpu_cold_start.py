@@ -169,8 +169,8 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             phases.append(f"{m.group(1)} {m.group(2)} (ends {t:.1f})")
         elif m := re.search(r"memory profile: .*KV cache ([\d.]+) GiB \(forward ([\d.]+) s, sampler ([\d.]+) s\)", line):
             phases.append(f"profile's forward {m.group(2)}, sampler {m.group(3)} ({m.group(1)} GiB KV)")
-        elif m := re.search(r"engine ready in ([\d.]+) s", line):
-            phases.append(f"engine core init {m.group(1)}")
+        elif m := re.search(r"engine ready in ([\d.]+) s(: (\d+) KV blocks)?", line):
+            phases.append(f"engine core init {m.group(1)}" + (f" ({m.group(3)} KV blocks)" if m.group(3) else ""))
         elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
             phases.append(f"capture of {m.group(1)} decode graphs {m.group(2)} {m.group(3) or ''}".rstrip())
         elif m := re.search(r"captured (\d+) mixed-step CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
