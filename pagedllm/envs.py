@@ -180,8 +180,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", False),
     # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process) in a
     # thread while it imports and loads the model, and each compile process while it waits for variants
-    # (worker/triton_keys.py); 0 (default): the first kernel launch computes it. Off until an H200 start measured it.
+    # (worker/startup_prefetch.py); 0 (default): the first kernel launch computes it. Off until an H200 start measured it.
     "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
+    # 1: the engine process creates its CUDA context and cuBLAS handles in a thread right after CUDA's
+    # initialisation, beside its config and model build (worker/startup_prefetch.py); 0 (default): the first
+    # calls that need them do. Off until an H200 start measured it.
+    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", False),
     # 1: a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch bytes) under
     # $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source files and the
     # configuration, and a later start with the same key skips the profile's forward (worker/gpu_memory.py);
