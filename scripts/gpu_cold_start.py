@@ -2,6 +2,7 @@
 
     python3 scripts/gpu_cold_start.py [--model M] [--tokenizer T] [--max-model-len N] [--root DIR] [--quick]
                                       [--no-profile] [--probe] [--budget S] [--kill] [--show-profile]
+                                      [--grep REGEX]
                                       [TREE[@VAR=V,...][#KIND,...] ...]
 
 TREE: checkout roots to compare (default: this one), each optionally with environment variables set
@@ -28,6 +29,7 @@ once the script has run S seconds less the last start of its kind (35 s cold, 15
 ran: a GPU round's time limit). --kill: end each server with SIGKILL instead of a drain (seconds
 less per start; every cache a start writes is written before it is ready). --show-profile: print the
 engine process's start-up profile tables (a start with PAGEDLLM_STARTUP_PROFILE=N in its variables).
+--grep REGEX: print each start's log lines that match.
 
 First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
 process's (after its fork server's preload): the slowest modules on this machine.
@@ -101,7 +103,7 @@ def count_cubins(cache: str) -> int:
 
 
 def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict,
-          kill: bool = False, show_profile: bool = False) -> dict:
+          kill: bool = False, show_profile: bool = False, grep: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=cache + "/triton",
                PAGEDLLM_CACHE_ROOT=cache + "/root", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra_env)
     port = free_port()
@@ -183,6 +185,10 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             phases.append(f"{m.group(1)} compile processes: {m.group(2)} variants in {m.group(3)}, {m.group(4)} failed")
     if ready is None:
         print("--- start failed; last lines:\n" + "\n".join(line for _, line in lines[-40:]), flush=True)
+    if grep is not None:  # --grep: the log lines worth reading whole
+        for _, line in lines:
+            if re.search(grep, line):
+                print("  > " + line[:300], flush=True)
     if show_profile:  # PAGEDLLM_STARTUP_PROFILE's tables: a log line and the lines without a log prefix after it
         inside = False
         for _, line in lines:
@@ -316,6 +322,7 @@ def main() -> None:
     if tokenizer is not None:
         tokenizer = os.path.abspath(tokenizer)  # the servers run in each tree's folder
     budget = float(option("--budget", "inf"))
+    grep = option("--grep", None)
     flags = ("--quick", "--no-profile", "--probe", "--kill", "--show-profile")
     quick = "--quick" in args
     trees = [a for a in args if a not in flags] or ["."]
@@ -354,7 +361,7 @@ def main() -> None:
                 rows.append((spec, kind, "skipped", "", "", "", "", ""))
                 continue
             r = start(tree, model, tokenizer, max_len, cache, extra_env, kill="--kill" in args,
-                      show_profile="--show-profile" in args)
+                      show_profile="--show-profile" in args, grep=grep)
             last["cold" if kind == "cold" else "warm"] = r["ready"] or 60.0
             ready = "FAILED" if r["ready"] is None else f"{r['ready']:.1f}"
             if isinstance(r["tokens"], list):
