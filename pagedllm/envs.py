@@ -132,6 +132,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
     # capture_forward); 0 (default): every capture waits. Off until an H200 start measured it.
     "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
+    # 1: with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode sizes some
+    # batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
+    # worker/cuda_graphs.py); 0 (default): capture every size. Off until an H200 start measured it.
+    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache

@@ -244,6 +244,15 @@ class CudaGraphRunner:
         kept = graph_plan.load_plan(plan_file, self.sizes, list(candidates)) if plan_file else None
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         clock: dict[str, float] = {}
+        # PAGEDLLM_CAPTURE_LIVE_SIZES=1, a kept plan, one tensor rank: the dispatch is known before any
+        # capture (it follows from the kept times alone), so a size every batch of its range pads past
+        # (e.g. 113-120 -> 128 where the 128-row graph replays faster) is never replayed: not captured.
+        live = set(self.sizes)
+        if kept is not None and envs.PAGEDLLM_CAPTURE_LIVE_SIZES and get_tp_group().world_size == 1:
+            from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
+
+            groups = {bs: decode_kind(bs, self.num_kv_heads, self.max_seq_len) for bs in self.sizes}
+            live = set(graph_plan.plan_dispatch({bs: ms for bs, (_, ms) in kept.items()}, groups=groups)[1:])
         # PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE=0: an eager pass only for the first size of each Triton
         # variant and library (what it initialises is then loaded for the others).
         every_size = envs.PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE
@@ -251,6 +260,8 @@ class CudaGraphRunner:
         try:
             # Largest first, so smaller graphs reuse the big one's memory pool.
             for bs in reversed(self.sizes):
+                if bs not in live:
+                    continue
                 md = self._metadata(bs)
                 for lib, value in candidates.items():
                     if kept is not None and kept[bs][0] != lib:
@@ -272,7 +283,8 @@ class CudaGraphRunner:
                 lib = kept[bs][0]
             elif times:
                 lib = graph_plan.pick_backend({k: times[bs, k] for k in candidates}, default_name)
-            self.graphs[bs], self.outputs[bs] = captured.pop((bs, lib))
+            if bs in live:
+                self.graphs[bs], self.outputs[bs] = captured.pop((bs, lib))
             self.replay_ms[bs] = times.get((bs, lib), 0.0)
             self.backends[bs] = lib
         del captured  # the other libraries' graphs
@@ -291,7 +303,10 @@ class CudaGraphRunner:
             # for a batch, and each timed its own replays. TP rank 0's plan for all of them.
             plan = torch.tensor(self.dispatch, dtype=torch.int64, device=self.device)
             self.dispatch = tp.broadcast(plan, src=0).tolist()
-        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s%s", len(self.sizes), self.sizes[0],
+        if set(self.dispatch[1:]) - set(self.graphs):  # never: the dispatch above is the one `live` came from
+            missing = sorted(set(self.dispatch[1:]) - set(self.graphs))
+            raise AssertionError(f"decode batches dispatched to uncaptured sizes {missing}")
+        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s%s", len(self.graphs), self.sizes[0],
                     self.sizes[-1], time.monotonic() - t0, f" (plan kept in {plan_file})" if kept else "",
                     describe_clock(clock))
         if times:
