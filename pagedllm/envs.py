@@ -161,6 +161,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The C compiler for the C kernels (default: the first of cc, gcc, clang on PATH).
     "CC": _str("CC"),
     # -- caches --
+    # 1: modules of the pagedllm package without a valid __pycache__ file (PYTHONDONTWRITEBYTECODE=1, a
+    # read-only checkout) keep their compiled code under $PAGEDLLM_CACHE_ROOT/bytecode, read back by the next
+    # start (pagedllm/bytecode_cache.py; the command line and the engine's fork server install it); 0
+    # (default): Python's own behaviour. Off until an H200 start measured it.
+    "PAGEDLLM_BYTECODE_CACHE": _flag("PAGEDLLM_BYTECODE_CACHE", False),
     # Root of pagedllm's caches (GGUF-derived configs and tokenizers, built C kernels); default
     # $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
     "PAGEDLLM_CACHE_ROOT": _cache_root,
