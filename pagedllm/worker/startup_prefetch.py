@@ -81,10 +81,25 @@ def prefetch_cuda_context() -> threading.Thread | None:
     return thread
 
 
+_key_thread: threading.Thread | None = None  # prefetch_triton_key's, until wait_for_triton_key
+
+
+def wait_for_triton_key(timeout: float = 30.0) -> None:
+    """Before this process's first Triton launch: wait for the prefetch thread, if one runs. Triton's
+    lru_cache does not make a second caller wait, so without this the first launch would hash the
+    installation again beside the thread (round 1 of h50 on the H200: 0.2 s of the main thread's time
+    in sha256 while the thread was still at it)."""
+    global _key_thread
+    thread, _key_thread = _key_thread, None
+    if thread is not None:
+        thread.join(timeout)
+
+
 def prefetch_triton_key() -> threading.Thread | None:
     """With PAGEDLLM_TRITON_KEY_PREFETCH=1, start a daemon thread computing the key (-> the thread);
     else None. Only in a process that forks nothing afterwards (the engine process, after its compile
     processes were forked)."""
+    global _key_thread
     from pagedllm import envs
 
     if not envs.PAGEDLLM_TRITON_KEY_PREFETCH:
@@ -97,4 +112,5 @@ def prefetch_triton_key() -> threading.Thread | None:
 
     thread = threading.Thread(target=run, name="pagedllm-triton-key", daemon=True)
     thread.start()
+    _key_thread = thread
     return thread

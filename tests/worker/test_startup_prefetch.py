@@ -36,3 +36,13 @@ def test_the_cuda_context_prefetch_needs_its_switch_and_cuda(monkeypatch: pytest
     if not torch.cuda.is_available():
         monkeypatch.setenv("PAGEDLLM_CUDA_CONTEXT_PREFETCH", "1")
         assert startup_prefetch.prefetch_cuda_context() is None  # CUDA not initialised: nothing to do
+
+
+def test_waiting_for_the_key_joins_the_thread_once(monkeypatch: pytest.MonkeyPatch):
+    startup_prefetch._triton_key().cache_clear()
+    monkeypatch.setenv("PAGEDLLM_TRITON_KEY_PREFETCH", "1")
+    thread = startup_prefetch.prefetch_triton_key()
+    startup_prefetch.wait_for_triton_key()
+    assert thread is not None and not thread.is_alive()
+    assert startup_prefetch._key_thread is None
+    startup_prefetch.wait_for_triton_key()  # nothing left to wait for
