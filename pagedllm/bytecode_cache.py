@@ -13,8 +13,8 @@ PYTHONDONTWRITEBYTECODE's promise holds; other packages are left alone.
 
 A changed source (size or mtime, as Python's own pyc check) gets another key, so a stale entry is
 never read. Installed first thing by the command line (`install`, entrypoints/cli.py) and by the
-engine's fork server before its torch import (engine/fork_server.py), so the engine process's
-imports use it too.
+engine's fork server before its torch import (pagedllm/_bytecode_preload.py), so the engine process's
+imports use it too. On by default (PAGEDLLM_BYTECODE_CACHE=0: Python's own behaviour only).
 """
 
 from __future__ import annotations
@@ -111,7 +111,3 @@ def install() -> bool:
     tag = sys.implementation.cache_tag or "python"
     sys.meta_path.insert(0, KeptBytecodeFinder(envs.PAGEDLLM_CACHE_ROOT / "bytecode" / tag))
     return True
-
-
-if __name__ != "__main__":  # imported by the fork server as a preload (engine/fork_server.py): install
-    install()

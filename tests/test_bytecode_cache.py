@@ -1,6 +1,6 @@
-"""pagedllm/bytecode_cache.py: with PAGEDLLM_BYTECODE_CACHE=1 and no __pycache__ writes, the first
-process compiles pagedllm's modules and keeps their code; the next one compiles none of them; a
-changed source gets a new entry; other packages and the switch off are left to Python."""
+"""pagedllm/bytecode_cache.py: with PAGEDLLM_BYTECODE_CACHE=1 (the default) and no __pycache__ writes,
+the first process compiles pagedllm's modules and keeps their code; the next one compiles none of
+them; a changed source gets a new entry; other packages and the switch at 0 are left to Python."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_the_second_process_compiles_none_of_pagedllm(tmp_path: Path):
     assert second["others"] == first["others"]  # other packages: Python's behaviour, unchanged
 
 
-def test_off_by_default_and_nothing_kept(tmp_path: Path):
+def test_switched_off_nothing_is_kept(tmp_path: Path):
     off = _probe(tmp_path, "0")
     assert not off["installed"]
     assert not (tmp_path / "bytecode").exists()

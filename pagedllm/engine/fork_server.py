@@ -26,12 +26,12 @@ PRELOAD = ["torch"]
 
 
 def preload_modules() -> list[str]:
-    """PRELOAD, after pagedllm's byte-code cache with PAGEDLLM_BYTECODE_CACHE=1 (pagedllm/bytecode_cache.py:
-    its import installs it, so the engine processes forked from the fork server import through it;
-    it reads that switch and the cache root once, at the fork server's start)."""
+    """PRELOAD, after pagedllm's byte-code cache with PAGEDLLM_BYTECODE_CACHE=1 (pagedllm/_bytecode_preload.py
+    installs pagedllm/bytecode_cache.py's finder, so the engine processes forked from the fork server import
+    through it; it reads that switch and the cache root once, at the fork server's start)."""
     from pagedllm import envs  # reads nothing at import
 
-    return (["pagedllm.bytecode_cache"] if envs.PAGEDLLM_BYTECODE_CACHE else []) + PRELOAD
+    return (["pagedllm._bytecode_preload"] if envs.PAGEDLLM_BYTECODE_CACHE else []) + PRELOAD
 
 
 def available() -> bool:

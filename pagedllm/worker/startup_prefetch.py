@@ -1,5 +1,5 @@
 """One-time costs of a start, paid early in threads of the engine process instead of inside its first
-kernel launch, each behind its own switch (off until an H200 start measured it).
+kernel launch, each behind its own switch (on by default; =0 turns one off).
 
 Triton's installation key (PAGEDLLM_TRITON_KEY_PREFETCH=1). Before Triton looks a compiled variant up
 in its disk cache, each process hashes Triton's own installation once (`triton_key()`, kept by an
@@ -7,7 +7,8 @@ lru_cache: every compiler, backend and language module and the whole libtriton s
 ~500 MB; 0.35-0.7 s on a 2-core CPU with the file cached). A warm start paid it inside the memory
 profile's first forward, a compile process inside its first compile. A daemon thread pays it while
 the engine process imports, builds its config and loads the model (hashlib and file reads release
-the GIL), and each compile process while it waits for its variants:
+the GIL), and each compile process while it waits for its variants; the worker waits for the thread
+before its first launch (`wait_for_triton_key`):
 
     engine process:  imports | CUDA init | config | model load | first Triton launch
     thread:          [ triton_key(): read + sha256 libtriton ]   -> found cached

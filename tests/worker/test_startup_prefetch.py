@@ -1,5 +1,5 @@
 """worker/startup_prefetch.py: the Triton key prefetch fills Triton's own cached installation key (so the first
-kernel lookup finds it), only when switched on."""
+kernel lookup finds it); =0 turns it off."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ pytest.importorskip("triton")
 from pagedllm.worker import startup_prefetch  # noqa: E402
 
 
-def test_prefetch_is_off_by_default(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("PAGEDLLM_TRITON_KEY_PREFETCH", raising=False)
+def test_prefetch_is_off_at_zero(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PAGEDLLM_TRITON_KEY_PREFETCH", "0")
     assert startup_prefetch.prefetch_triton_key() is None
 
 
@@ -29,7 +29,7 @@ def test_prefetch_fills_tritons_cached_key(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_the_cuda_context_prefetch_needs_its_switch_and_cuda(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("PAGEDLLM_CUDA_CONTEXT_PREFETCH", raising=False)
+    monkeypatch.setenv("PAGEDLLM_CUDA_CONTEXT_PREFETCH", "0")
     assert startup_prefetch.prefetch_cuda_context() is None
     import torch
 
