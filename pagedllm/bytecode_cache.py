@@ -12,7 +12,7 @@ PYTHONDONTWRITEBYTECODE's promise holds; other packages are left alone.
     key = sha256(source path, size, mtime_ns, Python's bytecode magic)  ->  bytecode/<key>.code
 
 A changed source (size or mtime, as Python's own pyc check) gets another key, so a stale entry is
-never read. Installed first thing by the command line (`install`, entrypoints/cli.py) and by the
+never read (nor removed: deleting the folder only costs the next start its compiles). Installed first thing by the command line (`install`, entrypoints/cli.py) and by the
 engine's fork server before its torch import (pagedllm/_bytecode_preload.py), so the engine process's
 imports use it too. On by default (PAGEDLLM_BYTECODE_CACHE=0: Python's own behaviour only).
 """
