@@ -129,14 +129,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
     # only the first of each token-count specialisation (worker/mixed_graphs.py).
     "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", False),
-    # 1 (default; with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait
-    # for the device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
-    # capture_forward; same tokens on the H200, h50); 0: every capture waits.
-    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", True),
-    # 1 (default): with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode
-    # sizes some batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
-    # worker/cuda_graphs.py; the 8B on the H200: 33 of 35, same tokens, h50); 0: capture every size.
-    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", True),
+    # 1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait for the
+    # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
+    # capture_forward); 0 (default): every capture waits. Right on the H200 (same tokens) but not faster
+    # (with PAGEDLLM_CAPTURE_LIVE_SIZES: 8.7 s warm without both, 8.5-9.1 with; BENCHMARKS.md, h50 round 2).
+    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
+    # 1: with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode sizes some
+    # batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
+    # worker/cuda_graphs.py; the 8B on the H200: 33-34 of 35, same tokens); 0 (default): capture every size.
+    # Not measurably faster in h50's round 2 (see PAGEDLLM_CAPTURE_OVERLAP).
+    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
@@ -189,14 +191,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # a first start's config in both processes (the same config of every preset; 2-core CPU 1.3-1.9 ->
     # 0.65-0.88 s for the 8B's); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
-    # 1 (default): the engine process computes Triton's installation key (a hash of libtriton, once per
-    # process: 0.4 s on the H200 host) in a thread while it imports and loads the model, and each compile
-    # process while it waits for variants (worker/startup_prefetch.py); 0: the first kernel launch computes it.
-    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", True),
-    # 1 (default): the engine process creates its CUDA context and cuBLAS handles in a thread right after
-    # CUDA's initialisation, beside its config and model build (worker/startup_prefetch.py; 0.2-0.35 s on the
-    # H200 host); 0: the first calls that need them do.
-    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", True),
+    # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process: 0.4 s
+    # alone on the H200 host) in a thread while it imports and loads the model, and each compile process while
+    # it waits for variants (worker/startup_prefetch.py); 0 (default): the first kernel launch computes it.
+    # Off: beside the imports the thread took 0.9-1.1 s and the worker still waited 0.3-0.7 s for it (h50).
+    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
+    # 1: the engine process creates its CUDA context and cuBLAS handles in a thread right after CUDA's
+    # initialisation, beside its config and model build (worker/startup_prefetch.py; 0.2-0.35 s in the thread
+    # on the H200 host); 0 (default): the first calls that need them do. Off: the main thread's set_device
+    # still took 0.12-0.15 s with it and no phase got measurably shorter (h50).
+    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", False),
     # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
     # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source
     # files and the configuration, and a later start with the same key skips the profile's forward

@@ -1,5 +1,6 @@
 """One-time costs of a start, paid early in threads of the engine process instead of inside its first
-kernel launch, each behind its own switch (on by default; =0 turns one off).
+kernel launch, each behind its own switch (off by default: neither made a start measurably faster on the
+H200, BENCHMARKS.md, issue 16, h50).
 
 Triton's installation key (PAGEDLLM_TRITON_KEY_PREFETCH=1). Before Triton looks a compiled variant up
 in its disk cache, each process hashes Triton's own installation once (`triton_key()`, kept by an
