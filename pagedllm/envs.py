@@ -154,14 +154,26 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
-    # 1 (default): capture each CUDA graph through torch.cuda.graph, which empties torch's device and
-    # pinned-host caches before every capture (worker/cuda_graphs.py, capture_forward); 0: they are
-    # emptied once, before a runner's first capture, and the next eager pass reuses the cached blocks
-    # (not measured on a GPU yet, so not the default).
-    "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", True),
-    # 1 (default): every decode graph's capture follows an eager pass of its size (worker/cuda_graphs.py);
-    # 0: only the first size of each Triton variant and BLAS library gets one (an A/B of the capture time).
-    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", True),
+    # 1: capture each CUDA graph through torch.cuda.graph, which empties torch's device and pinned-host
+    # caches before every capture (worker/cuda_graphs.py, capture_forward); 0 (default since h50's H200
+    # round 1: right, same greedy tokens): they are emptied once, before a runner's first capture, and the
+    # next eager pass reuses the cached blocks.
+    "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
+    # 1: every graph's capture follows an eager pass of its size (worker/cuda_graphs.py); 0 (default since
+    # h50's H200 round 1: same tokens, the 14 mixed-step graphs 0.67 -> 0.37 s, the decode graphs a wash):
+    # only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
+    # only the first of each token-count specialisation (worker/mixed_graphs.py).
+    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", False),
+    # 1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait for the
+    # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
+    # capture_forward); 0 (default): every capture waits. Right on the H200 (same tokens) but not faster
+    # (with PAGEDLLM_CAPTURE_LIVE_SIZES: 8.7 s warm without both, 8.5-9.1 with; BENCHMARKS.md, h50 round 2).
+    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
+    # 1: with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode sizes some
+    # batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
+    # worker/cuda_graphs.py; the 8B on the H200: 33-34 of 35, same tokens); 0 (default): capture every size.
+    # Not measurably faster in h50's round 2 (see PAGEDLLM_CAPTURE_OVERLAP).
+    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
@@ -187,6 +199,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The C compiler for the C kernels (default: the first of cc, gcc, clang on PATH).
     "CC": _str("CC"),
     # -- caches --
+    # 1: modules of the pagedllm package without a valid __pycache__ file (PYTHONDONTWRITEBYTECODE=1, a
+    # read-only checkout) keep their compiled code under $PAGEDLLM_CACHE_ROOT/bytecode, read back by the next
+    # start (pagedllm/bytecode_cache.py; the command line and the engine's fork server install it; the H200
+    # host's engine process compiled 278 modules, 0.67 s, at every start without it); 0: Python's own behaviour.
+    "PAGEDLLM_BYTECODE_CACHE": _flag("PAGEDLLM_BYTECODE_CACHE", True),
     # Root of pagedllm's caches (GGUF-derived configs and tokenizers, built C kernels); default
     # $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
     "PAGEDLLM_CACHE_ROOT": _cache_root,
@@ -204,6 +221,30 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29; h47:
     # on the H200 taken, the engine process started at 4.1-4.4 s of a 9.5 s warm / 19.4 s cold start).
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
+    # 1 (default): a transformers config class imports without `transformers.activations` (its type
+    # validators get a stand-in table of activation names: loader/hf_configs.py, activation_names_only), for
+    # a first start's config in both processes (the same config of every preset; 2-core CPU 1.3-1.9 ->
+    # 0.65-0.88 s for the 8B's); 0: transformers' own imports.
+    "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
+    # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process: 0.4 s
+    # alone on the H200 host) in a thread while it imports and loads the model, and each compile process while
+    # it waits for variants (worker/startup_prefetch.py); 0 (default): the first kernel launch computes it.
+    # Off: beside the imports the thread took 0.9-1.1 s and the worker still waited 0.3-0.7 s for it (h50).
+    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
+    # 1: the engine process creates its CUDA context and cuBLAS handles in a thread right after CUDA's
+    # initialisation, beside its config and model build (worker/startup_prefetch.py; 0.2-0.35 s in the thread
+    # on the H200 host); 0 (default): the first calls that need them do. Off: the main thread's set_device
+    # still took 0.12-0.15 s with it and no phase got measurably shorter (h50).
+    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", False),
+    # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
+    # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source
+    # files and the configuration, and a later start with the same key skips the profile's forward
+    # (worker/gpu_memory.py; the 8B on the H200: the same 109.80 GiB of KV cache, h50); 0: profile at every start.
+    "PAGEDLLM_KEEP_MEMORY_PROFILE": _flag("PAGEDLLM_KEEP_MEMORY_PROFILE", True),
+    # N: the engine process profiles its start (cProfile, from its first line to Ready) and logs the N
+    # functions of most cumulative and of most own time (engine/core_proc.py); unset: no profile. For
+    # start-up timelines only: the profile slows Python-heavy phases.
+    "PAGEDLLM_STARTUP_PROFILE": lambda: _positive_int("PAGEDLLM_STARTUP_PROFILE") or 0,
     # Seconds a step's output may be late before the mp / Ray executor counts a rank as hung, kills
     # every rank and fails the engine (executor/multiproc.py). Default 300.
     "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S") or 300),

@@ -1,7 +1,8 @@
 """`pagedllm serve` start to ready, Llama-3.1-8B shape (dummy bf16 weights), cold and warm, per phase (issue 16).
 
     python3 scripts/gpu_cold_start.py [--model M] [--tokenizer T] [--max-model-len N] [--root DIR] [--quick]
-                                      [--no-profile] [--probe] [--budget S] [--kill]
+                                      [--no-profile] [--probe] [--budget S] [--kill] [--show-profile]
+                                      [--grep REGEX]
                                       [TREE[@VAR=V,...][#KIND,...] ...]
 
 TREE: checkout roots to compare (default: this one), each optionally with environment variables set
@@ -26,7 +27,9 @@ the server modules, the tokenizer through AutoTokenizer and then through its rem
 the heavy modules each step imported, and whether torch's and transformers' byte-code caches exist. --budget S: no start begins
 once the script has run S seconds less the last start of its kind (35 s cold, 15 s warm before any
 ran: a GPU round's time limit). --kill: end each server with SIGKILL instead of a drain (seconds
-less per start; every cache a start writes is written before it is ready).
+less per start; every cache a start writes is written before it is ready). --show-profile: print the
+engine process's start-up profile tables (a start with PAGEDLLM_STARTUP_PROFILE=N in its variables).
+--grep REGEX: print each start's log lines that match.
 
 First (unless --no-profile) `python -X importtime` of the frontend's imports and of the engine
 process's (after its fork server's preload): the slowest modules on this machine.
@@ -100,7 +103,7 @@ def count_cubins(cache: str) -> int:
 
 
 def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str, extra_env: dict,
-          kill: bool = False) -> dict:
+          kill: bool = False, show_profile: bool = False, grep: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=cache + "/triton",
                PAGEDLLM_CACHE_ROOT=cache + "/root", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra_env)
     port = free_port()
@@ -168,8 +171,8 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             phases.append(f"{m.group(1)} {m.group(2)} (ends {t:.1f})")
         elif m := re.search(r"memory profile: .*KV cache ([\d.]+) GiB \(forward ([\d.]+) s, sampler ([\d.]+) s\)", line):
             phases.append(f"profile's forward {m.group(2)}, sampler {m.group(3)} ({m.group(1)} GiB KV)")
-        elif m := re.search(r"engine ready in ([\d.]+) s", line):
-            phases.append(f"engine core init {m.group(1)}")
+        elif m := re.search(r"engine ready in ([\d.]+) s(: (\d+) KV blocks)?", line):
+            phases.append(f"engine core init {m.group(1)}" + (f" ({m.group(3)} KV blocks)" if m.group(3) else ""))
         elif m := re.search(r"captured (\d+) CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
             phases.append(f"capture of {m.group(1)} decode graphs {m.group(2)} {m.group(3) or ''}".rstrip())
         elif m := re.search(r"captured (\d+) mixed-step CUDA graphs .* in ([\d.]+) s.*?(\(eager.*\))?$", line):
@@ -182,6 +185,19 @@ def start(tree: str, model: str, tokenizer: str | None, max_len: int, cache: str
             phases.append(f"{m.group(1)} compile processes: {m.group(2)} variants in {m.group(3)}, {m.group(4)} failed")
     if ready is None:
         print("--- start failed; last lines:\n" + "\n".join(line for _, line in lines[-40:]), flush=True)
+    if grep is not None:  # --grep: the log lines worth reading whole
+        for _, line in lines:
+            if re.search(grep, line):
+                print("  > " + line[:300], flush=True)
+    if show_profile:  # PAGEDLLM_STARTUP_PROFILE's tables: a log line and the lines without a log prefix after it
+        inside = False
+        for _, line in lines:
+            if "start-up profile of the engine process" in line:
+                inside = True
+            elif re.match(r"(INFO|WARNING|ERROR|DEBUG|CRITICAL) ", line):
+                inside = False
+            if inside and line.strip():
+                print("  | " + line[:220], flush=True)
     binaries = count_cubins(cache)
     return {"ready": ready, "marks": marks, "phases": phases, "tokens": tokens, "cubins": binaries,
             "new_cubins": binaries - cubins_before,
@@ -306,7 +322,8 @@ def main() -> None:
     if tokenizer is not None:
         tokenizer = os.path.abspath(tokenizer)  # the servers run in each tree's folder
     budget = float(option("--budget", "inf"))
-    flags = ("--quick", "--no-profile", "--probe", "--kill")
+    grep = option("--grep", None)
+    flags = ("--quick", "--no-profile", "--probe", "--kill", "--show-profile")
     quick = "--quick" in args
     trees = [a for a in args if a not in flags] or ["."]
     began = time.time()
@@ -343,7 +360,8 @@ def main() -> None:
                 print(f"{spec} {kind}: skipped (the budget of {budget:.0f} s)", flush=True)
                 rows.append((spec, kind, "skipped", "", "", "", "", ""))
                 continue
-            r = start(tree, model, tokenizer, max_len, cache, extra_env, kill="--kill" in args)
+            r = start(tree, model, tokenizer, max_len, cache, extra_env, kill="--kill" in args,
+                      show_profile="--show-profile" in args, grep=grep)
             last["cold" if kind == "cold" else "warm"] = r["ready"] or 60.0
             ready = "FAILED" if r["ready"] is None else f"{r['ready']:.1f}"
             if isinstance(r["tokens"], list):

@@ -85,12 +85,17 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         logging.basicConfig(level=log_level, format=log_format)
     logger.info("start-up: engine process started")  # forked once the fork server had its imports
     t0 = time.monotonic()
+    profile = _startup_profile()
     if warm_cuda:
         # First, while this process has no thread and no CUDA context: on a fresh machine (unless
         # PAGEDLLM_PARALLEL_COMPILE=0), the Triton compile processes forked from it (torch imported).
         from pagedllm.worker.compile_pool import fork_compile_pool
 
         fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))
+        # Then (no fork follows): Triton's installation key beside the imports and the model load.
+        from pagedllm.worker.startup_prefetch import prefetch_triton_key
+
+        prefetch_triton_key()
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
 
@@ -104,6 +109,9 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
             torch.cuda.init()
             logger.info("start-up: engine process imports took %.2f s, then CUDA init %.2f s", t1 - t0,
                         time.monotonic() - t1)
+            from pagedllm.worker.startup_prefetch import prefetch_cuda_context
+
+            prefetch_cuda_context()  # the context and cuBLAS handles beside the config and the model build
         except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
             logger.warning("engine process: early CUDA initialisation failed (%s)", e)
     else:
@@ -145,6 +153,8 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
     from pagedllm.loader import hf_configs
 
     hf_configs.remember()
+    if profile is not None:
+        _log_profile(*profile)
     emit(Ready(core.num_gpu_blocks))
     try:
         EngineCoreLoop(core, emit, fail_at_step).run(next_commands)
@@ -158,6 +168,31 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
             pass
     finally:
         core.shutdown()
+
+
+def _startup_profile() -> tuple[Any, int] | None:
+    """(a running cProfile.Profile, lines to log) with PAGEDLLM_STARTUP_PROFILE=N, else None."""
+    lines = envs.PAGEDLLM_STARTUP_PROFILE
+    if not lines:
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile, lines
+
+
+def _log_profile(profile: Any, lines: int) -> None:
+    """The engine start's profile: its `lines` functions of most cumulative time, then of most own time."""
+    import pstats
+
+    profile.disable()
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats(order).print_stats(lines)
+        body = out.getvalue()
+        body = body[body.find("ncalls"):] if "ncalls" in body else body
+        logger.info("start-up profile of the engine process, by %s time:\n%s", order, body.rstrip())
 
 
 class _ConfigUnpickler(pickle.Unpickler):

@@ -25,13 +25,22 @@ import multiprocessing.forkserver
 PRELOAD = ["torch"]
 
 
+def preload_modules() -> list[str]:
+    """PRELOAD, after pagedllm's byte-code cache with PAGEDLLM_BYTECODE_CACHE=1 (pagedllm/_bytecode_preload.py
+    installs pagedllm/bytecode_cache.py's finder, so the engine processes forked from the fork server import
+    through it; it reads that switch and the cache root once, at the fork server's start)."""
+    from pagedllm import envs  # reads nothing at import
+
+    return (["pagedllm._bytecode_preload"] if envs.PAGEDLLM_BYTECODE_CACHE else []) + PRELOAD
+
+
 def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
 def context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(preload_modules())
     return ctx
 
 

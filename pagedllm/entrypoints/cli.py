@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm import bytecode_cache
+
+    bytecode_cache.install()  # PAGEDLLM_BYTECODE_CACHE=1: before the rest of pagedllm imports
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):

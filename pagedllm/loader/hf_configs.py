@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,9 @@ def _identity_docstring(obj: Any = None, **_: Any) -> Any:
 def without_generated_docstrings() -> Iterator[None]:
     """While this context is open, transformers modules imported for the first time get an identity
     `auto_docstring` (their classes keep their own docstrings only); restored on exit. Where this
-    transformers has no such decorator, nothing changes."""
+    transformers has no such decorator, nothing changes. With PAGEDLLM_LIGHT_CONFIG_IMPORT=1, the
+    config classes' type validators also import without `transformers.activations`
+    (`activation_names_only`)."""
     try:
         import transformers.utils as utils
 
@@ -64,11 +66,89 @@ def without_generated_docstrings() -> Iterator[None]:
     except (ImportError, AttributeError):
         yield
         return
+    from pagedllm import envs
+
     utils.auto_docstring = _identity_docstring
+    try:
+        with activation_names_only() if envs.PAGEDLLM_LIGHT_CONFIG_IMPORT else contextlib.nullcontext():
+            yield
+    finally:
+        utils.auto_docstring = original
+
+
+# -- config classes without transformers.activations ---------------------------------------------------
+#
+# A transformers 5 config class validates `hidden_act` (utils/type_validators.py: `value in ACT2FN`),
+# and for that table its validators module imports `transformers.activations`, which imports hub
+# kernels -> conversion mapping -> core model loading -> torch.distributed.tensor (sympy): on a
+# 2-core CPU 0.82 s of the 8B config's 1.62 s after torch, paid by both processes of a first start
+# (BENCHMARKS.md, issue 16, h50). While a config class imports for the first time, the validators
+# module gets a stand-in table instead: the names below answer `in` without the import; any other
+# use (another name, the list for an error message, any other attribute of the module) imports the
+# real module then, so validation gives transformers' own answer.
+
+# Activation names every transformers 5 accepts (tests/loader/test_hf_configs.py holds them to ACT2FN).
+_ACTIVATION_NAMES = frozenset({"gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "sigmoid", "silu", "swish", "tanh"})
+_ACTIVATIONS = "transformers.activations"
+_stand_in: Any = None  # the stand-in module while it is in sys.modules
+
+
+def _real_activations() -> Any:
+    """transformers.activations itself (the stand-in leaves sys.modules first)."""
+    import sys
+
+    if _stand_in is not None and sys.modules.get(_ACTIVATIONS) is _stand_in:
+        del sys.modules[_ACTIVATIONS]
+    return importlib.import_module(_ACTIVATIONS)
+
+
+def _other_attribute(name: str) -> Any:
+    """The stand-in module's other attributes: the real module's (imported now). The import system's
+    own lookups (`__path__`: is it a package?) get the plain module's answer."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(_real_activations(), name)
+
+
+class _ActivationNames(Mapping):
+    """ACT2FN as type_validators reads it: `name in table` and `len(table) > 0`."""
+
+    def __contains__(self, key: object) -> bool:
+        return key in _ACTIVATION_NAMES or key in _real_activations().ACT2FN
+
+    def __len__(self) -> int:  # the validator only asks whether the table is empty
+        return len(_ACTIVATION_NAMES)
+
+    def __getitem__(self, key: str) -> Any:
+        return _real_activations().ACT2FN[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_real_activations().ACT2FN)
+
+
+@contextlib.contextmanager
+def activation_names_only() -> Iterator[None]:
+    """While open, a first import of transformers' type validators takes `_ActivationNames` for
+    ACT2FN instead of importing transformers.activations (see above). Nothing changes where either
+    module is imported already; on exit a later import of transformers.activations is the real one."""
+    import sys
+    import types
+
+    global _stand_in
+    if "transformers.utils.type_validators" in sys.modules or _ACTIVATIONS in sys.modules:
+        yield
+        return
+    stand_in = types.ModuleType(_ACTIVATIONS)
+    stand_in.ACT2FN = _ActivationNames()  # type: ignore[attr-defined]
+    stand_in.__getattr__ = _other_attribute  # type: ignore[method-assign]
+    _stand_in = stand_in
+    sys.modules[_ACTIVATIONS] = stand_in
     try:
         yield
     finally:
-        utils.auto_docstring = original
+        if sys.modules.get(_ACTIVATIONS) is stand_in:
+            del sys.modules[_ACTIVATIONS]
+        _stand_in = None
 
 
 def config_class(model_type: Any) -> type | None:

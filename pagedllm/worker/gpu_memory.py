@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -78,13 +79,24 @@ def profile_available_kv_bytes(
     max_logprobs: int,
     gpu_memory_utilization: float,
     baseline_non_torch: int = 0,
+    kept: Path | None = None,
 ) -> int:
     """Bytes of GPU memory left for the KV cache (see the module docstring). `kv_cache` is bound
     with a few blocks for the profiling step and released again; `baseline_non_torch` is
-    `startup_baseline`'s figure (0 counts every byte outside this allocator as this engine's)."""
+    `startup_baseline`'s figure (0 counts every byte outside this allocator as this engine's).
+    kept: where this configuration's measurement is kept (`kept_profile_path`): read back instead of
+    profiling when there, written after profiling when not."""
     from pagedllm.attention.metadata import build_metadata
 
     device = kv_cache.device
+    measured = load_kept_profile(kept) if kept is not None else None
+    if measured is not None:
+        torch.cuda.empty_cache()
+        free_before, total = torch.cuda.mem_get_info(device)
+        allocated_before = torch.cuda.memory_allocated(device)
+        peak_activations, non_torch = measured
+        return _kv_budget(total, gpu_memory_utilization, allocated_before, non_torch, peak_activations, model,
+                          f"kept in {kept}")
     block_size = kv_cache.block_size
     num_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
     num_reqs = min(max_num_seqs, num_tokens)
@@ -124,13 +136,23 @@ def profile_available_kv_bytes(
     # Memory outside torch's allocator this engine added since its start (cuBLAS workspaces, NCCL,
     # Triton modules, ...): other processes' memory sits in the baseline.
     non_torch = (total - free_before) - torch.cuda.memory_reserved(device) - baseline_non_torch
+    if kept is not None:
+        save_kept_profile(kept, peak_activations, non_torch)
+    return _kv_budget(total, gpu_memory_utilization, allocated_before, non_torch, peak_activations, model,
+                      f"forward {t1 - t0:.2f} s, sampler {t2 - t1:.2f} s")
+
+
+def _kv_budget(total: int, gpu_memory_utilization: float, allocated_before: int, non_torch: int,
+               peak_activations: int, model: torch.nn.Module, how: str) -> int:
+    """The KV cache's bytes from the measured figures (module docstring), logged; ValueError when none
+    are left."""
     budget = int(total * gpu_memory_utilization)
     available = budget - allocated_before - max(non_torch, 0) - peak_activations
     logger.info(
         "memory profile: total %.1f GiB x %.2f = %.1f GiB; weights %.2f GiB, activations peak %.2f GiB, "
-        "non-torch %.2f GiB -> KV cache %.2f GiB (forward %.2f s, sampler %.2f s)",
+        "non-torch %.2f GiB -> KV cache %.2f GiB (%s)",
         total / GiB, gpu_memory_utilization, budget / GiB, allocated_before / GiB, peak_activations / GiB,
-        non_torch / GiB, available / GiB, t1 - t0, t2 - t1,
+        non_torch / GiB, available / GiB, how,
     )
     if available <= 0:
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
@@ -138,6 +160,72 @@ def profile_available_kv_bytes(
         raise ValueError(no_room_message(weights, allocated_before, peak_activations, max(non_torch, 0),
                                          gpu_memory_utilization, total))
     return available
+
+
+# -- a kept measurement (PAGEDLLM_KEEP_MEMORY_PROFILE=1) ----------------------------------------------
+#
+# The profile's two measured figures (peak activation bytes, non-torch bytes the forward added) depend
+# only on the code and the configuration, not on what else holds the GPU: a start whose key matches
+# reads them back from $PAGEDLLM_CACHE_ROOT/memory_profiles/<key>.json and skips the forward and the
+# sampler (the warm-up meets their kernels instead). The key names the GPU, torch / CUDA / Triton, every
+# source file of pagedllm (path, size, mtime), the model's parameter shapes and dtypes, the KV layout
+# and the batch limits (Worker._memory_profile_key).
+
+
+def source_fingerprint() -> str:
+    """A digest of pagedllm's own source files (path, size, mtime): any edit changes it."""
+    import hashlib
+    import os
+
+    import pagedllm
+
+    root = os.path.dirname(os.path.abspath(pagedllm.__file__))
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".c", ".h", ".json")):
+                st = os.stat(os.path.join(folder, name))
+                h.update(f"{os.path.relpath(os.path.join(folder, name), root)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def kept_profile_path(key_parts: list[object]) -> Path:
+    import hashlib
+    import json
+
+    from pagedllm import envs
+
+    digest = hashlib.sha256(json.dumps([str(p) for p in key_parts]).encode()).hexdigest()[:24]
+    return envs.PAGEDLLM_CACHE_ROOT / "memory_profiles" / f"{digest}.json"
+
+
+def load_kept_profile(path: Path) -> tuple[int, int] | None:
+    """(peak activation bytes, non-torch bytes) kept at `path`, or None (none kept, unreadable)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        peak, non_torch = int(data["peak_activations"]), int(data["non_torch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (peak, non_torch) if peak >= 0 else None
+
+
+def save_kept_profile(path: Path, peak_activations: int, non_torch: int) -> None:
+    """Written atomically; a cache that cannot be written costs the next start its forward only."""
+    import json
+    import os
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"peak_activations": int(peak_activations), "non_torch": int(non_torch)}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def no_room_message(weights: int, allocated: int, activations: int, non_torch: int, utilization: float,

@@ -45,6 +45,7 @@ class WarmupShape:
     max_num_batched_tokens: int
     vocab_size: int
     hidden_size: int
+    max_num_seqs: int = 1
 
 
 def _dummy_step(model: torch.nn.Module, sampler: Sampler | None, device: torch.device, shape: WarmupShape,
@@ -71,13 +72,21 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler | None, device: torch.d
     # A batch asking for logprobs samples from a float32 copy: that variant too.
     rows[0] = RowInputs(params=SamplingParams(temperature=1.0, logprobs=1), prompt_token_ids=[0], output_token_ids=[])
     sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
+    # And top-k / top-p (a full sort): the memory profile runs that path too, but a kept profile does not
+    # run at all (worker/gpu_memory.py).
+    rows[0] = RowInputs(params=SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1), prompt_token_ids=[0],
+                        output_token_ids=[])
+    sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
 
 
 @torch.inference_mode()
 def warmup_kernels(model: torch.nn.Module, sampler: Sampler | None, device: torch.device, dtype: torch.dtype,
-                   shape: WarmupShape, sample: bool = True) -> None:
+                   shape: WarmupShape, sample: bool = True, profile_step: bool = False) -> None:
     """Run the dummy steps above on a CUDA model whose KV cache is bound; a no-op elsewhere.
-    sample=False: the forward passes only (worker/precompile.py's collect pass)."""
+    sample=False: the forward passes only (worker/precompile.py's collect pass). profile_step: also
+    the memory profile's layout (many short prefills: max_num_batched_tokens over max_num_seqs
+    requests), cut to 16 requests (at most) of the same length, for a start whose profile was kept and not run
+    (worker/gpu_memory.py): its variants load here, not in the first such step of serving."""
     if device.type != "cuda":
         return
     t0 = time.monotonic()
@@ -98,6 +107,11 @@ def warmup_kernels(model: torch.nn.Module, sampler: Sampler | None, device: torc
         step([full, 1], [full, min(full + 2, max_len)])
     step([1, 1], [1, min(bs + 1, max_len)])
     step([1], [max_len])
+    if profile_step:
+        tokens = min(budget, shape.max_num_seqs * max_len)
+        per_request = tokens // max(min(shape.max_num_seqs, tokens), 1)  # the profile's prompt length
+        reqs = min(16, shape.max_num_seqs)  # within the token budget: reqs * per_request <= tokens
+        step([per_request] * reqs, [per_request] * reqs)
     # The LM head runs outside the CUDA graphs at every batch size; its few-row kernels
     # (kernels/gemv.py) compile per row-count class, so run each class once.
     hidden = torch.zeros((8, shape.hidden_size), dtype=dtype, device=device)

@@ -93,6 +93,7 @@ class Worker:
         self._precompiled = False
         self._marker: Path | None = None  # worker/precompile.py warm_marker, written once a start completes
         self._memory_baseline = 0  # non-torch GPU bytes at init_device: not this engine's (gpu_memory.py)
+        self._profile_kept = False  # the memory profile was read back, not run (PAGEDLLM_KEEP_MEMORY_PROFILE)
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -152,18 +153,44 @@ class Worker:
             space = cc.cpu_kvcache_space if cc.cpu_kvcache_space is not None else 4.0
             return max(int(space * GiB) // per_block, 1), num_cpu_blocks
         from pagedllm.worker.gpu_memory import profile_available_kv_bytes
+        from pagedllm.worker.startup_prefetch import wait_for_triton_key
 
         sc = config.scheduler_config
+        wait_for_triton_key()  # the first Triton launch is next: its key from the prefetch thread, if one ran
         self._precompile()  # the profile's variants too: before it
+        kept = self._kept_profile_path()
+        from pagedllm.worker.gpu_memory import load_kept_profile
+
+        self._profile_kept = kept is not None and load_kept_profile(kept) is not None  # the warm-up runs its layout
         with start_phase("memory profiling"):
             available = profile_available_kv_bytes(
                 self.model, self.model_runner.sampler, self.kv_cache,
                 max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
                 max_model_len=config.model_config.max_model_len, vocab_size=config.model_config.vocab_size,
                 max_logprobs=config.max_logprobs, gpu_memory_utilization=cc.gpu_memory_utilization,
-                baseline_non_torch=self._memory_baseline,
+                baseline_non_torch=self._memory_baseline, kept=kept,
             )
         return max(available // per_block, 0), num_cpu_blocks
+
+    def _kept_profile_path(self) -> Path | None:
+        """Where this configuration's memory profile is kept (worker/gpu_memory.py), with
+        PAGEDLLM_KEEP_MEMORY_PROFILE=1 on one CUDA device; else None (profile every start)."""
+        import pagedllm.envs as envs
+
+        if not envs.PAGEDLLM_KEEP_MEMORY_PROFILE or self.config.parallel_config.world_size > 1:
+            return None
+        from pagedllm.worker.gpu_memory import kept_profile_path, source_fingerprint
+
+        assert self.model is not None and self.kv_cache is not None
+        config, sc, cc = self.config, self.config.scheduler_config, self.config.cache_config
+        return kept_profile_path([
+            torch.cuda.get_device_name(self.kv_cache.device), torch.cuda.get_device_properties(self.kv_cache.device).total_memory,
+            torch.__version__, torch.version.cuda, triton_version(), source_fingerprint(), self.kernel_switches,
+            type(self.model).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()],
+            self.kv_cache.dtype, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+            config.model_config.max_model_len, config.model_config.vocab_size, config.max_logprobs,
+            self.config.device_config.enforce_eager,
+        ])
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         assert self.kv_cache is not None
@@ -178,10 +205,13 @@ class Worker:
         assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
         mc = self.config.model_config
         if self.kv_cache.tensors and mc.runner_type == "generate":  # the warm-up samples from logits
+            from pagedllm.worker.startup_prefetch import wait_for_triton_key
+
+            wait_for_triton_key()  # (already waited for, unless the block count was given)
             self._precompile()  # done before the memory profile unless there was none
             with start_phase("kernel warm-up"):
                 warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype,
-                               self._warmup_shape())
+                               self._warmup_shape(), profile_step=self._profile_kept)
         with start_phase("CUDA graph capture"):
             self.model_runner.capture_model(self.kernel_switches.graph_tuning, self._graph_runner())
         close_compile_pool()  # if no parallel compile ran (a pooling model, no generate warm-up)
@@ -198,6 +228,7 @@ class Worker:
             block_size=self.config.cache_config.block_size, max_model_len=mc.max_model_len,
             max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             vocab_size=mc.vocab_size, hidden_size=int(mc.hf_config.hidden_size),
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
         )
 
     def _graph_runner(self) -> CudaGraphRunner | None:

@@ -153,3 +153,53 @@ def test_the_engine_process_unpickles_either_kind_of_config(cache_root: Path):
             "_load_config(sys.stdin.buffer.read()); print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(kept), capture_output=True, check=True)
     assert out.stdout.strip() == b"False"
+
+
+def test_the_stand_in_activation_names_are_transformers_own():
+    from transformers.activations import ACT2FN
+
+    assert hf_configs._ACTIVATION_NAMES <= set(ACT2FN)
+
+
+# A fresh interpreter (this one imported transformers.activations long ago): every preset's config as
+# to_dict(), which modules the configs imported, then the validators' table's answers (a name outside
+# the stand-in's own asks the real table) and the real module afterwards.
+_LIGHT_PROBE = r"""
+import json, sys
+from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config
+out = {"configs": {p: load_hf_config(MODEL_CONFIGS_DIR / p).to_dict() for p in available_presets()}}
+out["activations_imported"] = "transformers.activations" in sys.modules
+try:
+    from transformers.utils.type_validators import ACT2FN as table
+    out["answers"] = [len(table) > 0, "silu" in table, "gelu_new" in table, "xielu" in table, "no_such" in table]
+except ImportError:
+    out["answers"] = None
+import transformers.activations as real
+out["real_after"] = type(real.ACT2FN).__name__ + " " + type(real.get_activation("silu")).__name__
+print("RESULT " + json.dumps(out, default=str))
+"""
+
+
+def _light_probe(tmp_path: Path, light: str) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PAGEDLLM_LIGHT_CONFIG_IMPORT=light, PAGEDLLM_CACHE_ROOT=str(tmp_path / "cache"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([sys.executable, "-c", _LIGHT_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, p.stderr[-3000:]
+    return json.loads(line[0].removeprefix("RESULT "))
+
+
+def test_light_config_import_gives_the_same_configs_and_answers(tmp_path: Path):
+    """PAGEDLLM_LIGHT_CONFIG_IMPORT=1: the same config of every preset without importing
+    transformers.activations, the same validation answers, and the real module afterwards."""
+    plain, light = _light_probe(tmp_path, "0"), _light_probe(tmp_path, "1")
+    assert light["configs"] == plain["configs"]
+    assert light["answers"] == plain["answers"]
+    assert light["real_after"] == plain["real_after"] and "_ActivationNames" not in light["real_after"]
+    if plain["answers"] is not None:  # transformers 5: the validators import the module, unless the stand-in
+        assert plain["answers"] == [True, True, True, True, False]
+        assert plain["activations_imported"] and not light["activations_imported"]
