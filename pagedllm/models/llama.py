@@ -222,9 +222,10 @@ def mark_deferred_scales(layers: Iterable[nn.Module]) -> None:
     """PAGEDLLM_FP8_DEFER_SCALES=1: let each plain layer's o_proj, and its down_proj where the next layer of
     this stage is plain too, hand the norm after it a ScaledOutput (kernels/scaled_mm.py DEFER_SCALES): the
     last layer's down_proj feeds the final norm or the next pipeline stage, which take tensors."""
-    from pagedllm.kernels.scaled_mm import DEFER_SCALES
+    # The switch read from envs, not kernels/scaled_mm (which imports Triton): a CPU engine never imports it.
+    from pagedllm.envs import environment_variables
 
-    if not DEFER_SCALES:
+    if not environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]():
         return
     local = list(layers)
     for i, layer in enumerate(local):

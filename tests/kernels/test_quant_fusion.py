@@ -135,7 +135,6 @@ def test_norm_applies_a_scaled_outputs_scales(device, fused):
 
 def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
     # Every plain layer's o_proj, and every down_proj but the stage's last (it feeds the final norm), defer.
-    import pagedllm.kernels.scaled_mm as sm
     from pagedllm.models.llama import LlamaDecoderLayer, mark_deferred_scales
 
     class Odd(LlamaDecoderLayer):  # another forward: its output may reach something else
@@ -166,10 +165,10 @@ def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
         return m
 
     layers = [layer(LlamaDecoderLayer), layer(LlamaDecoderLayer), layer(Odd), layer(LlamaDecoderLayer)]
-    monkeypatch.setattr(sm, "DEFER_SCALES", False)
+    monkeypatch.setenv("PAGEDLLM_FP8_DEFER_SCALES", "0")
     mark_deferred_scales(layers)
     assert not any(hasattr(x.self_attn.o_proj, "defer_output_scales") for x in layers)
-    monkeypatch.setattr(sm, "DEFER_SCALES", True)
+    monkeypatch.setenv("PAGEDLLM_FP8_DEFER_SCALES", "1")
     mark_deferred_scales(layers)
     flags = [(getattr(x.self_attn.o_proj, "defer_output_scales", False),
               getattr(x.mlp.down_proj, "defer_output_scales", False)) for x in layers]
