@@ -36,8 +36,11 @@ def test_dispatch_paths():
     assert scaled_mm.choose_path(8, 4096, 14336, FP8_DTYPE) == "w8a16"
     assert scaled_mm.choose_path(8, 28672, 4096, FP8_DTYPE) == "triton"  # fp8 -> bf16 costs more than quant
     assert scaled_mm.choose_path(8, 28672, 4096, torch.int8) == "w8a16"
-    assert scaled_mm.choose_path(64, 4096, 4096, FP8_DTYPE) == "triton"
-    assert scaled_mm.choose_path(256, 4096, 4096, FP8_DTYPE) == "cublas"
+    # A shape outside the measured Llama-3.1-8B table (kernels/w8a8_gemm.py DECODE_TABLE): the row thresholds.
+    assert scaled_mm.choose_path(64, 5120, 5120, FP8_DTYPE) == "triton"
+    assert scaled_mm.choose_path(256, 5120, 5120, FP8_DTYPE) == "cublas"
+    # The 8B o_proj at 256 rows: the table's Triton tile (1.11x cuBLAS's row-wise call on the H200, h51).
+    assert scaled_mm.choose_path(256, 4096, 4096, FP8_DTYPE) == "triton"
     assert scaled_mm.choose_path(2048, 4096, 4096, torch.int8) == "triton"
     with pytest.raises(ValueError, match="path must be one of"):
         scaled_mm.w8a8_linear(torch.randn(2, 16), torch.zeros(16, 16, dtype=torch.int8), torch.ones(16), None, None,
