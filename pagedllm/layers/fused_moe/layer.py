@@ -156,6 +156,11 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
             self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor, self.num_fused_shared_experts,
         )
+        return self._run_experts(hidden_states, topk_weights, topk_ids, sum_topk)
+
+    def _run_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     sum_topk: bool) -> torch.Tensor:
+        """The experts on routed tokens: summed (and all-reduced over ranks), or left unsummed."""
         if not sum_topk:
             from pagedllm.kernels.fused_moe import fused_experts
 
@@ -194,27 +199,12 @@ class FusedMoE(nn.Module):
                 and self.scoring_func == "softmax" and self.e_score_correction_bias is None
                 and (self.num_expert_group or 1) <= 1 and not self.num_fused_shared_experts
                 and weight.shape[0] <= 256 and hidden_states.shape[0] <= FUSED_ROUTER_MAX_TOKENS):
-            if sum_topk:
-                return self.forward(hidden_states, gate(hidden_states))
-            topk_weights, topk_ids = select_experts(
-                gate(hidden_states), self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
-                self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor,
-                self.num_fused_shared_experts,
-            )
-        else:
-            from pagedllm.kernels.moe_router import router_topk_softmax
+            return self.forward(hidden_states, gate(hidden_states), sum_topk)
+        from pagedllm.kernels.moe_router import router_topk_softmax
 
-            topk_weights, topk_ids = router_topk_softmax(hidden_states, weight, self.top_k, self.renormalize,
-                                                         self.routed_scaling_factor)
-        if not sum_topk:
-            from pagedllm.kernels.fused_moe import fused_experts
-
-            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 shared_experts=self.num_fused_shared_experts, sum_topk=False)
-        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
-        if self.reduce_results and self.tp_size > 1:
-            out = tensor_model_parallel_all_reduce(out)
-        return out
+        topk_weights, topk_ids = router_topk_softmax(hidden_states, weight, self.top_k, self.renormalize,
+                                                     self.routed_scaling_factor)
+        return self._run_experts(hidden_states, topk_weights, topk_ids, sum_topk)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
