@@ -37,7 +37,11 @@ from pagedllm.kernels import (  # noqa: E402
     mla_decode,
     mla_prefill,
     mla_prep,
+    moe_align,
+    moe_grouped_gemm,
     moe_router,
+    moe_row_lists,
+    moe_sum,
     paged_attention,
     qkv_prep,
     quant_act,
@@ -132,14 +136,16 @@ def _record(launches: list) -> None:
         (sampling, "_gumbel_argmax_split_kernel"),
         (sampling, "_argmax_partials_kernel"),
         (gemv, "_skinny_linear_kernel"),
-        (fused_moe, "_fused_moe_kernel"),
+        (moe_grouped_gemm, "_fused_moe_kernel"),
         # Not compiled here (its descriptor argument has no signature type in this check): the TMA
         # prefill tile ran on the H200 and equals the torch reference there (BENCHMARKS.md, issue 24).
-        (fused_moe, "_fused_moe_tma_kernel"),
-        (fused_moe, "_fused_moe_rows_kernel"),
-        (fused_moe, "_moe_rows_to_sorted_kernel"),
-        (fused_moe, "_moe_expert_rows_kernel"),
-        (fused_moe, "_moe_sum_kernel"),
+        (moe_grouped_gemm, "_fused_moe_tma_kernel"),
+        (moe_row_lists, "_fused_moe_rows_kernel"),
+        (moe_align, "_moe_rows_to_sorted_kernel"),
+        # the row lists' kernel is launched from both modules (the align from lists, the row-list path)
+        (moe_align, "_moe_expert_rows_kernel"),
+        (moe_row_lists, "_moe_expert_rows_kernel"),
+        (moe_sum, "_moe_sum_kernel"),
         (wna16_gemv, "_wna16_gemv_kernel"),
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
@@ -152,7 +158,7 @@ def _record(launches: list) -> None:
         (w8a8_gemm, "_split_k_sum_kernel"),
         (quant_act, "_rms_norm_quant_kernel"),
         (quant_act, "_silu_and_mul_quant_kernel"),
-        (fused_moe, "_moe_align_kernel"),
+        (moe_align, "_moe_align_kernel"),
         (mla_decode, "_mla_decode_kernel"),
         (mla_decode, "_mla_decode_rc_kernel"),
         (mla_decode, "_mla_merge_kernel"),
@@ -236,7 +242,7 @@ def _record_model_families() -> None:
     bf16 = torch.bfloat16
     w13, w2 = torch.zeros(128, 2 * 768, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16)
     # 4 / 128 / 256 tokens: the align-free decode path's three row blocks (16 / 32 / 64, _scan_config);
-    # 512 and 2048: the align path's two larger tile configs of fused_moe._config.
+    # 512 and 2048: the align path's two larger tile configs of moe_grouped_gemm._config.
     for t in (4, 128, 256, 512, 2048):
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.fused_moe import fused_experts, moe_align_block_size, moe_align_block_size_ref
+from pagedllm.kernels.fused_moe import fused_experts
+from pagedllm.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
 from pagedllm.layers.fused_moe.router import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
@@ -44,7 +45,7 @@ def test_align_kernel_matches_reference(t, top_k, e, block_m):
 def test_align_from_row_lists_equals_reference(t, top_k, e, block_m):
     # The two-launch align (per-expert lists, then padded runs) keeps pair order inside a run, as the
     # reference's stable sort: the same list row for row up to the padded count, the same expert ids.
-    from pagedllm.kernels.fused_moe import moe_align_block_size_rows
+    from pagedllm.kernels.moe_align import moe_align_block_size_rows
 
     g = torch.Generator().manual_seed(t + e)
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).int().to(DEVICE)
@@ -89,7 +90,7 @@ def test_fused_experts_rejects_mismatched_shapes():
 def test_silu_in_the_first_gemm_equals_the_separate_kernel(t, inter):
     # Small tiles compute SiLU-and-mul in GEMM 1's epilogue; a tile past FUSED_SILU_MAX_TILE runs GEMM 1
     # into [gate | up] and kernels/activation.py's silu_and_mul after it. Same K tiles: the same sums.
-    from pagedllm.kernels.fused_moe import FUSED_SILU_MAX_TILE
+    from pagedllm.kernels.moe_grouped_gemm import FUSED_SILU_MAX_TILE
 
     g = torch.Generator().manual_seed(t)
     e, top_k, hidden = 6, 2, 64
@@ -142,7 +143,7 @@ def test_tma_weight_tiles_equal_the_pointer_kernel(fuse_silu):
 
 
 def test_expert_row_lists_hold_each_experts_pairs_in_order():
-    from pagedllm.kernels.fused_moe import _moe_expert_rows_kernel
+    from pagedllm.kernels.moe_align import _moe_expert_rows_kernel
 
     ids = torch.tensor([3, 1, 3, 0, 3, 1], dtype=torch.int32, device=DEVICE)
     rows = torch.full((4, 6), -7, dtype=torch.int32, device=DEVICE)
@@ -192,7 +193,7 @@ def test_row_list_path_with_shared_experts_matches_reference(t, e, top_k, shared
 
 
 def test_decode_batches_take_the_row_lists():
-    from pagedllm.kernels.fused_moe import _scan_config
+    from pagedllm.kernels.moe_row_lists import _scan_config
 
     assert _scan_config(256 * 8, 128, torch.bfloat16)["BLOCK_M"] == 32  # Qwen3-30B-A3B at 256 tokens
     assert _scan_config(128 * 8, 128, torch.bfloat16)["BLOCK_M"] == 16
@@ -241,7 +242,7 @@ def test_shared_experts_take_the_row_lists_when_switched_on(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_sum_equals_torch_sum(dtype):
-    from pagedllm.kernels.fused_moe import moe_sum
+    from pagedllm.kernels.moe_sum import moe_sum
 
     g = torch.Generator().manual_seed(2)
     down = torch.randn(7 * 3, 1500, generator=g).to(dtype).to(DEVICE)  # hidden past one 1024-wide block
@@ -254,7 +255,7 @@ def test_moe_sum_equals_torch_sum(dtype):
 
 @pytest.mark.parametrize("t", [5, 300])  # the row-list path and the align path
 def test_unsummed_topk_outputs_sum_to_the_summed_call(t):
-    from pagedllm.kernels.fused_moe import moe_sum
+    from pagedllm.kernels.moe_sum import moe_sum
 
     g = torch.Generator().manual_seed(t)
     e, top_k, hidden, inter = 4, 2, 32, 32
