@@ -144,7 +144,7 @@ class WNA16LinearMethod(LinearMethodBase):
         one-row launch is the packed fp16 path (whose x prologue computes the norm)."""
         if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.bits == 4):
             return False
-        from pagedllm.kernels.wna16_stream import StreamConfig, stream_config, stream_supported
+        from pagedllm.kernels.wna16_stream_config import StreamConfig, stream_config, stream_supported
 
         k = layer.wna16_qweight.shape[0] * 8
         cfg = stream_config(layer.wna16_qweight.shape[1], k)

@@ -9,16 +9,9 @@ import pytest
 import torch
 
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
-from pagedllm.kernels.wna16_stream import (
-    RED,
-    StreamConfig,
-    program_steps,
-    stream_config,
-    stream_supported,
-    wna16_packed_emulation,
-    wna16_stream_linear,
-    wna16_stream_linear_rms_norm,
-)
+from pagedllm.kernels.wna16_stream import RED, wna16_stream_linear, wna16_stream_linear_rms_norm
+from pagedllm.kernels.wna16_stream_config import StreamConfig, program_steps, stream_config, stream_supported
+from pagedllm.kernels.wna16_stream_packed import wna16_packed_emulation
 from pagedllm.kernels.wna16_tc import TCConfig
 
 
