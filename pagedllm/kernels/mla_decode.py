@@ -53,6 +53,33 @@ AUTO_CHUNK_MIN_REQS, AUTO_SPLIT_CHUNK = 64, 256
 RC_CHUNKS = environment_variables["PAGEDLLM_MLA_DECODE_CHUNKS"]()
 
 
+@triton.jit
+def _partition_keys(seq_len, split, num_splits, split_chunk, TILE_N: tl.constexpr, USE_SPLIT: tl.constexpr,
+                    FIXED_CHUNK: tl.constexpr):
+    """Keys [kv_lo, kv_hi) of a request's partition `split`: FIXED_CHUNK, partition s holds keys
+    [s * chunk, (s + 1) * chunk) (kv_lo >= seq_len: none); else split_k's equal shares (split_key_range).
+        seq_len 300, split_chunk 256: partition 0 [0, 256), 1 [256, 300), 2 [512, 300) (none)"""
+    if FIXED_CHUNK:
+        kv_lo = split * split_chunk
+        kv_hi = tl.minimum(seq_len, kv_lo + split_chunk)
+    else:
+        kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
+    return kv_lo, kv_hi
+
+
+@triton.jit
+def _softmax_tile(s, n_mask, m_i, l_i, scale_log2):
+    """One online-softmax step over a key tile's raw scores s (BLOCK_H, TILE_N), keys past n_mask out:
+    -> (p, alpha, m, l) with p = exp2(s * scale_log2 - m) the tile's weights, alpha = exp2(m_i - m) the
+    factor that rescales the running output, m / l the new running max / sum (base 2, `_LOG2E`)."""
+    s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_heads", "num_splits", "split_chunk", "stride_bt"])
 def _mla_decode_kernel(
     out_ptr,  # (num_tokens, num_heads, R) when not split
@@ -102,13 +129,10 @@ def _mla_decode_kernel(
     q_lat = tl.load(q_rows + offs_r[None, :], mask=h_valid[:, None] & r_mask[None, :], other=0.0)  # (BLOCK_H, R_PAD)
     q_pe = tl.load(q_rows + R + offs_p[None, :], mask=h_valid[:, None] & p_mask[None, :], other=0.0)
 
-    if FIXED_CHUNK:  # partition s holds keys [s * chunk, (s + 1) * chunk): the merge reads only those that exist
-        kv_lo = split * split_chunk
-        kv_hi = tl.minimum(seq_len, kv_lo + split_chunk)
-        if kv_lo >= seq_len:
+    kv_lo, kv_hi = _partition_keys(seq_len, split, num_splits, split_chunk, TILE_N, USE_SPLIT, FIXED_CHUNK)
+    if FIXED_CHUNK:
+        if kv_lo >= seq_len:  # a fixed partition past the request's keys: the merge does not read it
             return
-    else:
-        kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
@@ -122,13 +146,8 @@ def _mla_decode_kernel(
         k_pe = tl.load(key_rows[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
         s = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)  # (BLOCK_H, TILE_N) fp32
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_tile(s, n_mask, m_i, l_i, scale_log2)
         acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     if USE_SPLIT:
         part = (row * num_heads + offs_h) * num_splits + split  # (BLOCK_H,)
@@ -188,13 +207,10 @@ def _mla_decode_rc_kernel(
     p_mask = offs_p < P
     q_rows = q_ptr + row * stride_q_t + offs_h * stride_q_h  # (BLOCK_H,) row starts
 
+    kv_lo, kv_hi = _partition_keys(seq_len, split, num_splits, split_chunk, TILE_N, USE_SPLIT, FIXED_CHUNK)
     if FIXED_CHUNK:
-        kv_lo = split * split_chunk
-        kv_hi = tl.minimum(seq_len, kv_lo + split_chunk)
-        if kv_lo >= seq_len:
+        if kv_lo >= seq_len:  # a fixed partition past the request's keys: the merge does not read it
             return
-    else:
-        kv_lo, kv_hi = split_key_range(seq_len, split, num_splits, TILE_N, USE_SPLIT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, RC], tl.float32)
@@ -222,11 +238,7 @@ def _mla_decode_rc_kernel(
             s += tl.dot(_chunk_load(q_rows, 2, RC, R, h_valid), tl.trans(c2), input_precision=DOT_PRECISION)
             c3 = _chunk_load(key_rows, 3, RC, R, n_mask)
             s += tl.dot(_chunk_load(q_rows, 3, RC, R, h_valid), tl.trans(c3), input_precision=DOT_PRECISION)
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_tile(s, n_mask, m_i, l_i, scale_log2)
         pv = p.to(c0.dtype)
         acc0 = acc0 * alpha[:, None] + tl.dot(pv, c0, input_precision=DOT_PRECISION)
         if NUM_RC > 1:
@@ -234,7 +246,6 @@ def _mla_decode_rc_kernel(
         if NUM_RC > 2:
             acc2 = acc2 * alpha[:, None] + tl.dot(pv, c2, input_precision=DOT_PRECISION)
             acc3 = acc3 * alpha[:, None] + tl.dot(pv, c3, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     if USE_SPLIT:
         part = (row * num_heads + offs_h) * num_splits + split  # (BLOCK_H,)
