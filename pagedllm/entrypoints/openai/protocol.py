@@ -322,15 +322,8 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class CompletionResponseStreamChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # with return_token_ids (prompt_token_ids only on a choice's first chunk when streaming)
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
+class CompletionResponseStreamChoice(CompletionResponseChoice):
+    """A streamed choice: a full choice's fields, in its order; text is this chunk's delta."""
 
 
 class CompletionStreamResponse(BaseModel):
