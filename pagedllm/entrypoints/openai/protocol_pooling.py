@@ -5,7 +5,7 @@ Requests are strict (JSON types must match) and refuse fields they do not know, 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,19 +69,30 @@ class PoolingUsage(BaseModel):
     prompt_tokens_details: dict[str, int] | None = None
 
 
+DataT = TypeVar("DataT")
+
+
+class _ListResponse(BaseModel, Generic[DataT]):
+    """The body of /v1/embeddings, /pooling, /classify and /score: {id, object "list", created, model,
+    data, usage}. Each response names its data type and its id's prefix (a subclass's `id` keeps this
+    place in the JSON)."""
+
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[DataT]
+    usage: PoolingUsage
+
+
 class EmbeddingData(BaseModel):
     index: int
     object: str = "embedding"
     embedding: list[float] | str
 
 
-class EmbeddingResponse(BaseModel):
+class EmbeddingResponse(_ListResponse[EmbeddingData]):
     id: str = Field(default_factory=lambda: f"embd-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[EmbeddingData]
-    usage: PoolingUsage
 
 
 class PoolingData(BaseModel):
@@ -90,13 +101,8 @@ class PoolingData(BaseModel):
     data: Any  # a vector, or a list of vectors (token states), or base64
 
 
-class PoolingResponse(BaseModel):
+class PoolingResponse(_ListResponse[PoolingData]):
     id: str = Field(default_factory=lambda: f"pool-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingData]
-    usage: PoolingUsage
 
 
 class ClassificationData(BaseModel):
@@ -106,13 +112,8 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
+class ClassificationResponse(_ListResponse[ClassificationData]):
     id: str = Field(default_factory=lambda: f"classify-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ClassificationData]
-    usage: PoolingUsage
 
 
 class ScoreData(BaseModel):
@@ -121,13 +122,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
+class ScoreResponse(_ListResponse[ScoreData]):
     id: str = Field(default_factory=lambda: f"score-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankResult(BaseModel):
