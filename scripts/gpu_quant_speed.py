@@ -19,13 +19,13 @@ that L2 (50 MB) cannot hold them; microseconds per call. Tables last.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from _quant_report import bench_decode, int4_model_dirs, print_kernel_table, run_pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -38,47 +38,17 @@ def log(msg: str) -> None:
 
 
 def run_tests() -> str:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_wna16_gemm.py",
-           "tests/kernels/test_scaled_mm.py", "tests/kernels/test_quant_act.py", "tests/kernels/test_kv_cache_fp8_kernels.py"]
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
-        lines = (r.stdout + r.stderr).strip().splitlines()
-        fails = [ln for ln in lines if ln.startswith("FAILED")]
-        return "\n".join(fails + lines[-1:])
-    except subprocess.TimeoutExpired:
-        return "tests: timed out after 150 s"
+    return run_pytest(["tests/kernels/test_wna16_gemm.py", "tests/kernels/test_scaled_mm.py",
+                       "tests/kernels/test_quant_act.py", "tests/kernels/test_kv_cache_fp8_kernels.py"], timeout=150)
 
 
 def run_decode(out_dir: str) -> list[tuple[str, str]]:
-    base = json.load(open(os.path.join(ROOT, "pagedllm/model_configs/llama3-8b/config.json")))
-    quant = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-             "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-                      "checkpoint_format": "gptq"}}
     runs = [("bf16", ["--model", "pagedllm/model_configs/llama3-8b"]),
             ("fp8", ["--model", "pagedllm/model_configs/llama3-8b", "--quantization", "fp8"])]
-    for name, qc in quant.items():
-        d = os.path.join(out_dir, f"llama3-8b-{name}")
-        os.makedirs(d, exist_ok=True)
-        json.dump({**base, "quantization_config": qc}, open(os.path.join(d, "config.json"), "w"))
-        runs.append((name, ["--model", d]))
+    runs += [(name, ["--model", d]) for name, d in int4_model_dirs(out_dir).items()]
     rows = []
     for tag, args in runs:
-        js = os.path.join(out_dir, f"lat_{tag}.json")
-        cmd = [sys.executable, "-m", "pagedllm", "bench", "latency", *args, "--load-format", "dummy",
-               "--skip-tokenizer-init", "--batch-size", "1", "--input-len", "128", "--output-len", "257",
-               "--max-model-len", "4096", "--num-iters", "3", "--output-json", js]
-        t = time.time()
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=75,
-                               env={**os.environ, "PYTHONPATH": ROOT})
-            if r.returncode == 0 and os.path.exists(js):
-                d = json.load(open(js))
-                rows.append((tag, f"{d['decode_step_time'] * 1e3:.3f} ms (p50 {d['decode_step_time_p50'] * 1e3:.3f}, "
-                                  f"floor {d['floor_decode_step_time'] * 1e3:.3f}) in {time.time() - t:.0f} s"))
-            else:
-                rows.append((tag, "failed: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])))
-        except subprocess.TimeoutExpired:
-            rows.append((tag, "timed out after 75 s"))
+        rows.append((tag, bench_decode(args, os.path.join(out_dir, f"lat_{tag}.json"), timeout=75)))
         log(f"decode {tag}: {rows[-1][1]}")
     return rows
 
@@ -108,20 +78,7 @@ def main() -> None:
     for r in sweep:
         print(f"| {r['shape']} | {r['m']} | {r['config']} | {r['us']:.1f} | {r['gbs']:.0f} |")
     print("\n## kernels (us per call, CUDA graphs; err = max|out - ref| / max|ref|)")
-    kinds = list(dict.fromkeys(r["kernel"] for r in kern))
-    print("| linear | M | " + " | ".join(kinds) + " |")
-    print("|---|---|" + "---|" * len(kinds))
-    for (shape, m), group in itertools.groupby(kern, key=lambda r: (r["shape"], r["m"])):
-        cells = {r["kernel"]: r for r in group}
-        row = []
-        for kname in kinds:
-            r = cells.get(kname)
-            row.append("" if r is None else r.get("error") or
-                       (f"{r['us']:.1f}" + (f" ({r['err']:.0e})" if r.get("err") is not None else "") + r.get("note", "")))
-        print(f"| {shape} | {m} | " + " | ".join(row) + " |")
-    bad = [r for r in kern if r.get("error") or (r.get("err") is not None and not r["err"] <= 2e-2)]
-    print(f"\nkernels within 2e-2 of their reference: {len(kern) - len(bad)}/{len(kern)}"
-          + "".join(f"\n  OFF: {r['shape']} M={r['m']} {r['kernel']}: {r.get('error') or r['err']}" for r in bad))
+    print_kernel_table(kern)
     print("\n## batch-1 decode step, Llama-3.1-8B shape (dummy weights)")
     for tag, res in decode:
         print(f"| {tag} | {res} |")

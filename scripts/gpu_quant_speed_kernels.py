@@ -53,6 +53,22 @@ def graph_us(call: Callable[[int], object], copies: int, reps: int) -> tuple[flo
     return statistics.median(times), note
 
 
+def time_cases(rows: list[dict], name: str, m: int, cases: list[tuple], reps: int) -> None:
+    """Appends a row per case (kernel name, call(i), weight copies, reference or None, weight bytes):
+    its error against the reference, its graph-replay time and weight GB/s, or the error it raised."""
+    for kname, call, copies, ref, nbytes in cases:
+        row = {"shape": name, "m": m, "kernel": kname}
+        try:
+            out = call(0)
+            if ref is not None:
+                row["err"] = rel_err(out, ref)
+            us, note = graph_us(call, copies, reps)
+            row.update(us=us, note=note, gbs=nbytes / us / 1e3)
+        except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
+            row["error"] = f"ERR {type(e).__name__}: {str(e)[:100]}"
+        rows.append(row)
+
+
 class Weights:
     """One linear's weights in every format, `copies` each (clones: distinct memory, same values)."""
 
@@ -120,17 +136,7 @@ def kernel_rows(shapes, ms, log) -> list[dict]:
                 ref4p = wna16_linear_ref(x.float(), *wts.int4[0], 4, G, perm=wts.perm)
                 cases.append(("w4a16 act-order", lambda i, x=x: wna16_linear(x, *wts.int4[i], 4, G, perm=wts.perm),
                               len(wts.int4), ref4p, n * k / 2))
-            for kname, call, copies, ref, nbytes in cases:
-                row = {"shape": name, "m": m, "kernel": kname}
-                try:
-                    out = call(0)
-                    if ref is not None:
-                        row["err"] = rel_err(out, ref)
-                    us, note = graph_us(call, copies, reps)
-                    row.update(us=us, note=note, gbs=nbytes / us / 1e3)
-                except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
-                    row["error"] = f"ERR {type(e).__name__}: {str(e)[:80]}"
-                rows.append(row)
+            time_cases(rows, name, m, cases, reps)
             log(f"kernels {name} M={m}: " + ", ".join(
                 f"{r['kernel']} {r['us']:.1f}" if "us" in r else f"{r['kernel']} {r.get('error')}"
                 for r in rows if r["shape"] == name and r["m"] == m))

@@ -56,14 +56,10 @@ def log(msg: str) -> None:
 
 
 def run_tests() -> str:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_w8a8_gemm.py",
-           "tests/kernels/test_w8a16_gemv.py", "tests/kernels/test_scaled_mm.py", "tests/kernels/test_quant_act.py"]
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        lines = (r.stdout + r.stderr).strip().splitlines()
-        return "\n".join([ln for ln in lines if ln.startswith("FAILED")] + lines[-1:])
-    except subprocess.TimeoutExpired:
-        return "tests: timed out after 120 s"
+    from _quant_report import run_pytest
+
+    return run_pytest(["tests/kernels/test_w8a8_gemm.py", "tests/kernels/test_w8a16_gemv.py",
+                       "tests/kernels/test_scaled_mm.py", "tests/kernels/test_quant_act.py"], timeout=120)
 
 
 def sweep(deadline: float, hard: float = float("inf")) -> list[dict]:

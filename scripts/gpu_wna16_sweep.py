@@ -25,10 +25,11 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from _quant_report import bench_decode, int4_model_dirs, print_kernel_table, run_pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -43,49 +44,20 @@ def log(msg: str) -> None:
 
 
 def run_decode(out_dir: str) -> list[tuple[str, str]]:
-    base = json.load(open(os.path.join(ROOT, "pagedllm/model_configs/llama3-8b/config.json")))
-    quant = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-             "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-                      "checkpoint_format": "gptq"}}
-    runs = []
-    for name, qc in quant.items():
-        d = os.path.join(out_dir, f"llama3-8b-{name}")
-        os.makedirs(d, exist_ok=True)
-        json.dump({**base, "quantization_config": qc}, open(os.path.join(d, "config.json"), "w"))
-        runs.append((name, d, {}))
-    runs.append(("awq, PAGEDLLM_WNA16_TC=0", runs[0][1], {"PAGEDLLM_WNA16_TC": "0"}))
+    dirs = int4_model_dirs(out_dir)
+    runs = [(name, d, {}) for name, d in dirs.items()]
+    runs.append(("awq, PAGEDLLM_WNA16_TC=0", dirs["awq"], {"PAGEDLLM_WNA16_TC": "0"}))
     rows = []
     for tag, model, env in runs:
-        js = os.path.join(out_dir, f"lat_{len(rows)}.json")
-        cmd = [sys.executable, "-m", "pagedllm", "bench", "latency", "--model", model, "--load-format", "dummy",
-               "--skip-tokenizer-init", "--batch-size", "1", "--input-len", "128", "--output-len", "257",
-               "--max-model-len", "4096", "--num-iters", "3", "--output-json", js]
-        t = time.time()
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100,
-                               env={**os.environ, "PYTHONPATH": ROOT, **env})
-            if r.returncode == 0 and os.path.exists(js):
-                d = json.load(open(js))
-                rows.append((tag, f"{d['decode_step_time'] * 1e3:.3f} ms (p50 {d['decode_step_time_p50'] * 1e3:.3f}, "
-                                  f"floor {d['floor_decode_step_time'] * 1e3:.3f}) in {time.time() - t:.0f} s"))
-            else:
-                rows.append((tag, "failed: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])))
-        except subprocess.TimeoutExpired:
-            rows.append((tag, "timed out after 100 s"))
+        rows.append((tag, bench_decode(["--model", model], os.path.join(out_dir, f"lat_{len(rows)}.json"), timeout=100,
+                                       env=env)))
         log(f"decode {tag}: {rows[-1][1]}")
     return rows
 
 
 def run_tests() -> str:
     """The int4 kernel test files on the GPU (the PTX unpack included), in a subprocess."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_wna16_tc.py",
-           "tests/kernels/test_wna16_gemm.py"]
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=40)
-        lines = (r.stdout + r.stderr).strip().splitlines()
-        return "\n".join([ln for ln in lines if ln.startswith("FAILED")] + lines[-1:])
-    except subprocess.TimeoutExpired:
-        return "tests: timed out after 40 s"
+    return run_pytest(["tests/kernels/test_wna16_tc.py", "tests/kernels/test_wna16_gemm.py"], timeout=40)
 
 
 def _weights(n: int, k: int):
@@ -118,24 +90,9 @@ def _old_path(x, qw, sc, z, perm=None):
     return wna16_linear(x, qw, sc, z, 4, G, perm=perm, dequant_min_m=1)
 
 
-def _time_cases(rows, name, m, cases, reps):
-    from gpu_quant_speed_kernels import graph_us, rel_err
-
-    for kname, call, copies, ref, nbytes in cases:
-        row = {"shape": name, "m": m, "kernel": kname}
-        try:
-            out = call(0)
-            if ref is not None:
-                row["err"] = rel_err(out, ref)
-            us, note = graph_us(call, copies, reps)
-            row.update(us=us, note=note, gbs=nbytes / us / 1e3)
-        except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
-            row["error"] = f"ERR {type(e).__name__}: {str(e)[:100]}"
-        rows.append(row)
-
-
 def kernel_rows(deadline: float) -> list[dict]:
     import torch
+    from gpu_quant_speed_kernels import time_cases
 
     from pagedllm.kernels.wna16_gemm import wna16_linear, wna16_linear_ref
     from pagedllm.kernels.wna16_tc import KERNEL_MAX_M, tc_config, wna16_tc_linear
@@ -173,7 +130,7 @@ def kernel_rows(deadline: float) -> list[dict]:
             cases.append(("old int4 perm", lambda i, x=x: _old_path(x, *int4[i], perm=perm), len(int4), ref_p, words))
             cases.append(("tc perm", lambda i, x=x: wna16_tc_linear(x, *int4[i], G, perm=perm),
                           len(int4), ref_p, words))
-        _time_cases(rows, name, m, cases, 20 if m <= 256 else 5)
+        time_cases(rows, name, m, cases, 20 if m <= 256 else 5)
         log(f"kernels {name} M={m}: " + ", ".join(
             f"{r['kernel']} {r['us']:.1f}" if "us" in r else f"{r['kernel']} {r.get('error')}"
             for r in rows if r["shape"] == name and r["m"] == m))
@@ -287,20 +244,7 @@ def main() -> None:
     for r in sweep:
         print(f"| {r['shape']} | {r['m']} | {r['config']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['err']:.0e} |")
     print("\n## kernels (us per call, CUDA graphs; (err) = max|out - ref| / max|ref|)")
-    kinds = list(dict.fromkeys(r["kernel"] for r in kern))
-    print("| linear | M | " + " | ".join(kinds) + " |")
-    print("|---|---|" + "---|" * len(kinds))
-    for (shape, m), group in itertools.groupby(kern, key=lambda r: (r["shape"], r["m"])):
-        cells = {r["kernel"]: r for r in group}
-        row = []
-        for kname in kinds:
-            r = cells.get(kname)
-            row.append("" if r is None else r.get("error") or
-                       (f"{r['us']:.1f}" + (f" ({r['err']:.0e})" if r.get("err") is not None else "") + r.get("note", "")))
-        print(f"| {shape} | {m} | " + " | ".join(row) + " |")
-    bad = [r for r in kern if r.get("error") or (r.get("err") is not None and not r["err"] <= 2e-2)]
-    print(f"\nkernels within 2e-2 of their reference: {len(kern) - len(bad)}/{len(kern)}"
-          + "".join(f"\n  OFF: {r['shape']} M={r['m']} {r['kernel']}: {r.get('error') or r['err']}" for r in bad))
+    print_kernel_table(kern)
     print("\n## M = 1: int4 GB/s (packed words) and us per linear")
     print("| linear | bf16 us | old int4 us (GB/s) | tc us (GB/s) | best swept tc us (GB/s) |")
     print("|---|---|---|---|---|")
