@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -34,6 +33,8 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+from _child_runs import run_child, write_llama8b  # noqa: E402
 
 
 def gate_probe() -> list[dict]:
@@ -248,49 +249,16 @@ def run_engine(args) -> list[dict]:
     return results
 
 
-def write_llama8b(peer: str, folder: str) -> str:
-    """Llama-3.1-8B's config with the peer model's vocabulary (49,152) and its tokenizer files."""
-    os.makedirs(folder, exist_ok=True)
-    for f in os.listdir(peer):
-        if f != "config.json" and not f.endswith((".safetensors", ".bin", ".gguf")):
-            src = os.path.join(peer, f)
-            if os.path.isfile(src):
-                shutil.copy(src, folder)
-    peer_cfg = json.load(open(os.path.join(peer, "config.json")))
-    cfg = json.load(open(os.path.join(REPO, "pagedllm", "model_configs", "llama3-8b", "config.json")))
-    cfg.update(vocab_size=peer_cfg["vocab_size"], bos_token_id=peer_cfg.get("bos_token_id", 1),
-               eos_token_id=peer_cfg.get("eos_token_id", 2))
-    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"), indent=1)
-    return folder
-
-
 def child(args, extra: list[str], timeout: float) -> list[dict]:
     """Run one child, its lines printed as they come (a kill of this script keeps the rows so far),
     killed at `timeout`."""
-    import threading
-
     cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if args.env_worker:
         env["PAGEDLLM_GRAMMAR_WORKER"] = "1"
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    lines: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            print(line, end="", flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout=max(timeout, 5))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = f"killed at {timeout:.0f} s"
-    reader.join(timeout=2)
+    rc, lines = run_child(cmd, env, timeout)
     print(f"# child {' '.join(extra[:4])}: exit {rc}, {time.perf_counter() - t:.0f} s", flush=True)
     return [json.loads(line) for line in lines if line.startswith("{")]
 

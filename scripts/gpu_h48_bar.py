@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 
+from _child_runs import run_child, write_llama8b
+
 T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_SITE = "/tmp/site"  # where the GPU machine keeps vLLM 0.21 (PYTHONPATH of its child only)
@@ -333,21 +335,6 @@ def theirs(args) -> None:
             say(r)
 
 
-def write_llama8b(peer: str, folder: str) -> str:
-    """Llama-3.1-8B's config (pagedllm/model_configs/llama3-8b, the peers' copy) with the peer model's
-    vocabulary (49,152; bos 1, eos 2) and its tokenizer files."""
-    os.makedirs(folder, exist_ok=True)
-    for f in os.listdir(peer):
-        src = os.path.join(peer, f)
-        if f != "config.json" and os.path.isfile(src) and not f.endswith((".safetensors", ".bin", ".gguf")):
-            shutil.copy(src, folder)
-    cfg = json.load(open(os.path.join(REPO, "pagedllm", "model_configs", "llama3-8b", "config.json")))
-    cfg.update(vocab_size=json.load(open(os.path.join(peer, "config.json")))["vocab_size"], bos_token_id=1,
-               eos_token_id=2)
-    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"), indent=1)
-    return folder
-
-
 def child(args, engine: str, model: str | None, label: str, max_tokens: int, variants: list[str],
           timeout: float) -> list[dict]:
     """One engine in its own process, its lines printed as they come; killed at `timeout`."""
@@ -376,23 +363,8 @@ def child(args, engine: str, model: str | None, label: str, max_tokens: int, var
     elif not args.defaults:
         env.update(PAGEDLLM_GRAMMAR_WORKER="1", PAGEDLLM_GRAMMAR_SPIN="1")
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith(("{", "#")) or args.verbose or "Error" in line or "Traceback" in line:
-                print(line, end="", flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout=max(timeout, 5))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = f"killed at {timeout:.0f} s"
-    reader.join(timeout=2)
+    rc, lines = run_child(cmd, env, timeout, merge_stderr=True, show=lambda line: line.startswith(("{", "#"))
+                          or args.verbose or "Error" in line or "Traceback" in line)
     if rc != 0:  # the child's last words (those not printed above)
         print("".join([ln for ln in lines if not ln.startswith(("{", "#"))][-15:]), end="", flush=True)
     say(f"# child {engine} {label}: exit {rc}, {time.perf_counter() - t:.0f} s")
@@ -492,7 +464,7 @@ def main() -> None:
         if shape == "0.6b":
             model, label, toks, variants = args.model, "qwen3-0.6b shape", args.max_tokens, args.variants
         else:
-            model = write_llama8b(args.model, os.path.join(args.out, "h48_llama8b_v49152"))
+            model = write_llama8b(args.model, os.path.join(args.out, "h48_llama8b_v49152"), bos_eos=(1, 2))
             label, toks = "llama-3.1-8b shape", args.big_tokens or args.max_tokens
             variants = args.big_variants or args.variants
         jobs.append(("pagedllm", model, label, toks, variants))
