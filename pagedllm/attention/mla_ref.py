@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_ref import _group_attention
+from pagedllm.attention.torch_ref import _group_attention, request_groups
 
 
 def write_latents(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -36,27 +36,15 @@ def mla_attention_ref(
     over its own new tokens."""
     t, h, w = query.shape
     out = torch.zeros((t, h, v_width), dtype=query.dtype, device=query.device)
-    n = md.num_actual_tokens
-    qsl = md.query_start_loc[: md.num_reqs + 1].long()
-    q_lens = qsl[1:] - qsl[:-1]
-    seq_lens = md.seq_lens[: md.num_reqs].long()
-    q_lens_cpu = md.query_start_loc_cpu[1 : md.num_reqs + 1] - md.query_start_loc_cpu[: md.num_reqs]
-    for is_decode in (True, False):
-        sel_cpu = (q_lens_cpu == 1) if is_decode else (q_lens_cpu > 1)
-        if not bool(sel_cpu.any()):
-            continue
-        idx = torch.nonzero(sel_cpu).flatten().to(query.device)
-        max_q = 1 if is_decode else int(q_lens_cpu[sel_cpu].max())
+    for g in request_groups(md, query.device):
         if cache is None:
-            ar = torch.arange(max_q, device=query.device)
-            rows = (qsl[idx][:, None] + ar[None, :]).clamp(max=n - 1)
-            k_src, s_len = latent[rows][:, :, None, :], q_lens[idx]  # (G, max_q, 1, W)
+            k_src, s_len = latent[g.new_token_rows(md.num_actual_tokens)][:, :, None, :], g.q_len  # (G, max_q, 1, W)
         else:
             block_size = cache.shape[2]
-            max_seq = int(md.seq_lens_cpu[: md.num_reqs][sel_cpu].max())
+            max_seq = int(md.seq_lens_cpu[: md.num_reqs][g.sel_cpu].max())
             num_blocks = -(-max_seq // block_size)
-            tables = md.block_table[idx, :num_blocks].long()
+            tables = md.block_table[g.idx, :num_blocks].long()
             k_src = cache[0][tables].reshape(tables.shape[0], num_blocks * block_size, 1, w)
-            s_len = seq_lens[idx]
-        _group_attention(query, k_src, k_src[..., :v_width], qsl[idx], q_lens[idx], s_len, max_q, scale, out)
+            s_len = g.seq_len
+        _group_attention(query, k_src, k_src[..., :v_width], g.q_start, g.q_len, s_len, g.max_q, scale, out)
     return out

@@ -8,6 +8,9 @@ its length.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +58,41 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """cache[tables] for any cache dtype (fp8 through its bytes)."""
     return _indexable(cache)[tables].view(cache.dtype)
+
+
+class RequestGroup(NamedTuple):
+    """One group of a step's requests: its decodes (one query each) or its prefill chunks."""
+
+    sel_cpu: torch.Tensor  # bool (num_reqs,) on the host: the requests in the group
+    idx: torch.Tensor  # (G,) their indices, on the query's device
+    q_start: torch.Tensor  # (G,) first token row of each request
+    q_len: torch.Tensor  # (G,) its new tokens
+    q_len_cpu: torch.Tensor  # (G,) the same, on the host
+    seq_len: torch.Tensor  # (G,) context length including the new tokens
+    max_q: int  # the longest q_len (1 for decodes)
+
+    def new_token_rows(self, num_tokens: int) -> torch.Tensor:
+        """(G, max_q) token rows of each request's new tokens, padded slots clamped into range: the
+        keys when there is no cache yet (the profiling pass attends over the new tokens only).
+            q_start [0, 3], max_q 3, num_tokens 4 -> [[0, 1, 2], [3, 3, 3]]"""
+        ar = torch.arange(self.max_q, device=self.q_start.device)
+        return (self.q_start[:, None] + ar[None, :]).clamp(max=num_tokens - 1)
+
+
+def request_groups(md: AttentionMetadata, device: torch.device) -> Iterator[RequestGroup]:
+    """The step's requests as at most two groups, decodes first, then prefill chunks (empty groups
+    skipped), so one long prefill does not pad every decode to its length."""
+    qsl = md.query_start_loc[: md.num_reqs + 1].long()
+    q_lens = qsl[1:] - qsl[:-1]
+    seq_lens = md.seq_lens[: md.num_reqs].long()
+    q_lens_cpu = md.query_start_loc_cpu[1 : md.num_reqs + 1] - md.query_start_loc_cpu[: md.num_reqs]
+    for is_decode in (True, False):
+        sel_cpu = (q_lens_cpu == 1) if is_decode else (q_lens_cpu > 1)
+        if not bool(sel_cpu.any()):
+            continue
+        idx = torch.nonzero(sel_cpu).flatten().to(device)
+        max_q = 1 if is_decode else int(q_lens_cpu[sel_cpu].max())
+        yield RequestGroup(sel_cpu, idx, qsl[idx], q_lens[idx], q_lens_cpu[sel_cpu], seq_lens[idx], max_q)
 
 
 def _group_attention(
@@ -105,8 +143,7 @@ def _group_attention(
 
 
 def _key_blocks(
-    md: AttentionMetadata, idx: torch.Tensor, sel_cpu: torch.Tensor, q_lens_cpu: torch.Tensor, block_size: int,
-    sliding_window: int | None,
+    md: AttentionMetadata, group: RequestGroup, block_size: int, sliding_window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The block-table columns a group reads: (G, nb) block ids and, with a window, each row's first
     key position. A windowed row starts at the block holding its first query's oldest visible key,
@@ -116,15 +153,15 @@ def _key_blocks(
         window 8, block_size 4, a decode at position 21 (seq_len 22): keys 14.. -> blocks 3..5,
         k_start 12
     """
-    seq_cpu = md.seq_lens_cpu[: md.num_reqs][sel_cpu].long()
+    seq_cpu = md.seq_lens_cpu[: md.num_reqs][group.sel_cpu].long()
     last_blk = -(-seq_cpu // block_size)  # (G,) one past the last block
     if not sliding_window:
-        return md.block_table[idx, : int(last_blk.max())].long(), None
-    first_q = seq_cpu - q_lens_cpu[sel_cpu].long()
+        return md.block_table[group.idx, : int(last_blk.max())].long(), None
+    first_q = seq_cpu - group.q_len_cpu.long()
     first_blk = (first_q - sliding_window + 1).clamp(min=0) // block_size
     width = int((last_blk - first_blk).max())
     cols = (first_blk[:, None] + torch.arange(width)[None, :]).clamp(max=md.block_table.shape[1] - 1)
-    tables = torch.gather(md.block_table[idx].long(), 1, cols.to(md.block_table.device))
+    tables = torch.gather(md.block_table[group.idx].long(), 1, cols.to(md.block_table.device))
     return tables, (first_blk * block_size).to(md.block_table.device)
 
 
@@ -150,28 +187,17 @@ def paged_attention(
     out = torch.zeros_like(query)
     if kv_cache is not None:
         write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n])
-    qsl = md.query_start_loc[: md.num_reqs + 1].long()
-    q_lens = qsl[1:] - qsl[:-1]
-    seq_lens = md.seq_lens[: md.num_reqs].long()
-    q_lens_cpu = md.query_start_loc_cpu[1 : md.num_reqs + 1] - md.query_start_loc_cpu[: md.num_reqs]
-    for is_decode in (True, False):
-        sel_cpu = (q_lens_cpu == 1) if is_decode else (q_lens_cpu > 1)
-        if not bool(sel_cpu.any()):
-            continue
-        idx = torch.nonzero(sel_cpu).flatten().to(query.device)
-        max_q = 1 if is_decode else int(q_lens_cpu[sel_cpu].max())
+    for g in request_groups(md, query.device):
         if kv_cache is None:
-            # Keys are the new tokens themselves, padded like the queries.
-            ar = torch.arange(max_q, device=query.device)
-            rows = (qsl[idx][:, None] + ar[None, :]).clamp(max=n - 1)
-            k_src, v_src, s_len = key[rows], value[rows], q_lens[idx]
+            rows = g.new_token_rows(n)  # keys are the new tokens themselves, padded like the queries
+            k_src, v_src, s_len = key[rows], value[rows], g.q_len
         else:
             block_size = kv_cache.shape[2]
-            tables, k_start = _key_blocks(md, idx, sel_cpu, q_lens_cpu, block_size, sliding_window)
-            g, num_blocks = tables.shape
-            k_src = _gather(kv_cache[0], tables).reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
-            v_src = _gather(kv_cache[1], tables).reshape(g, num_blocks * block_size, *kv_cache.shape[-2:])
-            s_len = seq_lens[idx]
-        _group_attention(query, k_src, v_src, qsl[idx], q_lens[idx], s_len, max_q, scale, out,
+            tables, k_start = _key_blocks(md, g, block_size, sliding_window)
+            size, num_blocks = tables.shape
+            k_src = _gather(kv_cache[0], tables).reshape(size, num_blocks * block_size, *kv_cache.shape[-2:])
+            v_src = _gather(kv_cache[1], tables).reshape(size, num_blocks * block_size, *kv_cache.shape[-2:])
+            s_len = g.seq_len
+        _group_attention(query, k_src, v_src, g.q_start, g.q_len, s_len, g.max_q, scale, out,
                          sliding_window, logits_soft_cap, k_start if kv_cache is not None else None)
     return out
