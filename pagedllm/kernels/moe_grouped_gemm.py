@@ -16,23 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.tile_order import grouped_tile
+
 try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
-
-
-@triton.jit
-def _grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
-    """(row block, column block) of program `pid`: programs in groups of GROUP_M row blocks x every
-    column block, column-major inside a group, so the row blocks of one expert with many rows
-    (DeepSeek's shared experts take every token) read each weight tile at about the same time: from
-    DRAM once, from L2 after. Worked example, GROUP_M 2, 3 row x 2 column blocks: pids 0..5 -> (m, n)
-    (0,0) (1,0) (0,1) (1,1) (2,0) (2,1)."""
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
 @triton.jit
@@ -119,8 +108,8 @@ def _fused_moe_kernel(
     FUSE_SILU: tl.constexpr = False,  # GEMM 1 with SiLU-and-mul: c = silu(gate) * up, N = inter
     GROUP_M: tl.constexpr = 8,
 ):
-    # Programs in groups of GROUP_M row blocks (_grouped_tile): an expert's row blocks share weight tiles in L2.
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    # Programs in groups of GROUP_M row blocks (grouped_tile): an expert's row blocks share weight tiles in L2.
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return  # beyond the last expert's padded run
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,7 +149,7 @@ def _fused_moe_tma_kernel(
     gathered, pair // TOP_K, so they stay pointer loads). A tile of the last column block may reach
     into the next expert's rows (or past the matrix, zero-filled): those columns are computed and
     never stored. K past the weights' width is zero-filled, so only the input loads carry a K mask."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

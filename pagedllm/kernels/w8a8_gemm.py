@@ -17,8 +17,8 @@ TMA variant (W8A8Config.TMA): the same kernel with its A / B tiles fetched by th
 through host-built tensor descriptors (zero fill past the edges, no masks, no address math in the
 loop); the sweep decides per M bucket whether it pays.
 
-Program order: a 1-d grid walked in GROUP_M-tall column groups (Triton's matmul tutorial), so the
-programs running at once share weight tiles in L2 instead of each streaming its own column.
+Program order: a 1-d grid walked in GROUP_M-tall column groups (kernels/tile_order.py, Triton's matmul
+tutorial), so the programs running at once share weight tiles in L2 instead of each streaming its own column.
 
 Configs per M bucket and grid size (`w8a8_gemm_config`, from the H200 sweep of
 scripts/gpu_w8a8_sweep.py): 16-row tiles for M <= 16, 64-row for M <= 64, (128, 256, 128) TMA tiles
@@ -34,6 +34,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.tile_order import grouped_tile
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them only the pointer kernel runs
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -74,14 +76,8 @@ def _w8a8_gemm_kernel(
     # program to arrive does, here: counter_ptr holds one arrival count per tile (pid), reset to 0 by
     # that program, so the counters stay zero between calls and no memset is launched (as kernels/gemv.py).
     pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
     # Grouped order: program pid -> (pm, pn) walking GROUP_M row-blocks down one column, then the next.
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pm = first_m + (pid % per_group) % group_rows
-    pn = (pid % per_group) // group_rows
+    pm, pn = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,13 +174,7 @@ def _w8a8_gemm_tma_kernel(
     descriptors; out-of-range rows, columns and K are zero-filled by the copy engine, so no masks and
     no address arithmetic in the loop); SPLIT / SERIAL as there."""
     pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pm = first_m + (pid % per_group) % group_rows
-    pn = (pid % per_group) // group_rows
+    pm, pn = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     k_begin, k_end = _k_range(K, BLOCK_K, SPLIT)
     if IS_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
