@@ -98,11 +98,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_DECODE": _flag("PAGEDLLM_FUSED_DECODE", True),
     # 0: every linear layer goes to F.linear (cuBLAS), never the few-row gemv kernel (kernels/gemv.py).
     "PAGEDLLM_SKINNY_GEMV": _flag("PAGEDLLM_SKINNY_GEMV", True),
-    # 1: unquantized 16-bit linears of decode batches past the skinny GEMV's rows (up to 512) run
-    # kernels/gemv.py's split-K GEMM in row blocks (`decode_gemm_config`) instead of cuBLAS, whose tiles
-    # leave SMs idle at those sizes (Qwen3-30B-A3B's o_proj at 256 rows: 32 tiles for 132 SMs).
-    # Off until the H200 shows it faster.
-    "PAGEDLLM_DECODE_GEMM": _flag("PAGEDLLM_DECODE_GEMM", False),
     # 0: int4 decode batches go to the FMA GEMV / tile kernel instead of the tensor-core kernel
     # (kernels/wna16_tc.py), the path before it; for comparisons.
     "PAGEDLLM_WNA16_TC": _flag("PAGEDLLM_WNA16_TC", True),
@@ -312,7 +307,6 @@ class KernelSwitches:
     fused_decode: bool
     skinny_gemv: bool
     graph_tuning: bool
-    decode_gemm: bool = False
     parallel_compile: bool = False
     moe_scan: bool = True
     moe_scan_shared: bool = True
@@ -327,7 +321,6 @@ def kernel_switches() -> KernelSwitches:
         fused_qkv=get["PAGEDLLM_FUSED_QKV"](),
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
-        decode_gemm=get["PAGEDLLM_DECODE_GEMM"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),

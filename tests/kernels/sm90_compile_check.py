@@ -345,14 +345,6 @@ def _record_gemv() -> None:
     # at m=4 on the tensor-core path. Weights are left untouched (torch.zeros is lazily mapped).
     for m, n, k in [(1, 4096, 1024), (2, 28672, 4096), (4, 1024, 3072), (8, 1024, 2048), (4, 151936, 1024)]:
         gemv.skinny_linear(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
-    # The row-blocked decode GEMM (PAGEDLLM_DECODE_GEMM): Qwen3-30B-A3B's o_proj at 256 rows (4 K splits).
-    decode_gemm, gemv._DECODE_GEMM = gemv._DECODE_GEMM, True
-    try:
-        cfg = gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16)
-    finally:
-        gemv._DECODE_GEMM = decode_gemm
-    gemv.skinny_linear(torch.zeros(256, 4096, dtype=torch.bfloat16), torch.zeros(2048, 4096, dtype=torch.bfloat16),
-                       config=cfg)
 
 
 _JOBS: list = []  # (kernel, signature, constexprs, attrs, options): one per distinct compiled kernel
