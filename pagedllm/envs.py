@@ -122,11 +122,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # decode sizes instead of the row lists with the shared experts as token chunks (kernels/fused_moe.py
     # `_fused_moe_rows_kernel`; H200, DeepSeek-V2-Lite at 128 tokens: 288.0 against 310.1 us a layer).
     "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", True),
-    # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
-    # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
-    # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
-    # the whole router weight through one SM; BENCHMARKS.md, issue 24, branch h45).
-    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", False),
     # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
     # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
     "PAGEDLLM_MOE_SUM_IN_NORM": _flag("PAGEDLLM_MOE_SUM_IN_NORM", True),
@@ -311,7 +306,6 @@ class KernelSwitches:
     moe_scan: bool = True
     moe_scan_shared: bool = True
     moe_align_rows: bool = True
-    fused_router: bool = False
     moe_sum_in_norm: bool = True
 
 
@@ -326,7 +320,6 @@ def kernel_switches() -> KernelSwitches:
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
         moe_scan_shared=get["PAGEDLLM_MOE_SCAN_SHARED"](),
         moe_align_rows=get["PAGEDLLM_MOE_ALIGN_ROWS"](),
-        fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )
 

@@ -157,7 +157,6 @@ def _record(launches: list) -> None:
         (mla_decode, "_mla_decode_rc_kernel"),
         (mla_decode, "_mla_merge_kernel"),
         (moe_router, "_topk_softmax_kernel"),
-        (moe_router, "_router_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
         (mla_prep, "_mla_prep_kernel"),
     ]:
@@ -241,7 +240,6 @@ def _record_model_families() -> None:
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
-        moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
     # The two-launch align of prefill-sized steps (PAGEDLLM_MOE_ALIGN_ROWS), 8192 tokens x 8.
     fused_moe.moe_align_block_size_rows((torch.arange(8192 * 8, dtype=torch.int32) % 128).view(8192, 8), 128, 128)
     # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).

@@ -29,7 +29,7 @@ _KERNELS = {
     "_argmax_partials_kernel", "_skinny_linear_kernel", "_fused_moe_kernel", "_fused_moe_rows_kernel", "_moe_expert_rows_kernel",
     "_moe_rows_to_sorted_kernel",
     "_moe_align_kernel", "_moe_sum_kernel",
-    "_topk_softmax_kernel", "_router_topk_softmax_kernel", "_mla_prefill_kernel", "_mla_prep_kernel",
+    "_topk_softmax_kernel", "_mla_prefill_kernel", "_mla_prep_kernel",
     "_mla_decode_kernel", "_mla_decode_rc_kernel", "_mla_merge_kernel",
     "_wna16_gemv_kernel", "_wna16_gemm_kernel", "_wna16_tc_kernel", "_wna16_stream_kernel", "_wna16_dequant_kernel",
     "_quant_row_kernel", "_scale_epilogue_kernel", "_rms_norm_quant_kernel", "_silu_and_mul_quant_kernel",
