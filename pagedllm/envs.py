@@ -154,16 +154,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
     # only the first of each token-count specialisation (worker/mixed_graphs.py).
     "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", False),
-    # 1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait for the
-    # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
-    # capture_forward); 0 (default): every capture waits. Right on the H200 (same tokens) but not faster
-    # (with PAGEDLLM_CAPTURE_LIVE_SIZES: 8.7 s warm without both, 8.5-9.1 with; BENCHMARKS.md, h50 round 2).
-    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
-    # 1: with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode sizes some
-    # batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
-    # worker/cuda_graphs.py; the 8B on the H200: 33-34 of 35, same tokens); 0 (default): capture every size.
-    # Not measurably faster in h50's round 2 (see PAGEDLLM_CAPTURE_OVERLAP).
-    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
