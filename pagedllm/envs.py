@@ -206,16 +206,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # a first start's config in both processes (the same config of every preset; 2-core CPU 1.3-1.9 ->
     # 0.65-0.88 s for the 8B's); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
-    # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process: 0.4 s
-    # alone on the H200 host) in a thread while it imports and loads the model, and each compile process while
-    # it waits for variants (worker/startup_prefetch.py); 0 (default): the first kernel launch computes it.
-    # Off: beside the imports the thread took 0.9-1.1 s and the worker still waited 0.3-0.7 s for it (h50).
-    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
-    # 1: the engine process creates its CUDA context and cuBLAS handles in a thread right after CUDA's
-    # initialisation, beside its config and model build (worker/startup_prefetch.py; 0.2-0.35 s in the thread
-    # on the H200 host); 0 (default): the first calls that need them do. Off: the main thread's set_device
-    # still took 0.12-0.15 s with it and no phase got measurably shorter (h50).
-    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", False),
     # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
     # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source
     # files and the configuration, and a later start with the same key skips the profile's forward
