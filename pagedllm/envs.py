@@ -149,11 +149,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # round 1: right, same greedy tokens): they are emptied once, before a runner's first capture, and the
     # next eager pass reuses the cached blocks.
     "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
-    # 1: every graph's capture follows an eager pass of its size (worker/cuda_graphs.py); 0 (default since
-    # h50's H200 round 1: same tokens, the 14 mixed-step graphs 0.67 -> 0.37 s, the decode graphs a wash):
-    # only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
-    # only the first of each token-count specialisation (worker/mixed_graphs.py).
-    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache

@@ -235,9 +235,8 @@ class CudaGraphRunner:
         kept = graph_plan.load_plan(plan_file, self.sizes, list(candidates)) if plan_file else None
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         clock: dict[str, float] = {}
-        # PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE=0: an eager pass only for the first size of each Triton
-        # variant and library (what it initialises is then loaded for the others).
-        every_size = envs.PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE
+        # An eager pass only for the first size of each Triton variant and library (what it initialises
+        # is then loaded for the others).
         met: set[tuple] = set()
         try:
             # Largest first, so smaller graphs reuse the big one's memory pool.
@@ -248,7 +247,7 @@ class CudaGraphRunner:
                         continue  # a kept plan: the library it chose for this size only
                     torch.backends.cuda.preferred_blas_library(value)
                     key = (self._variant_key(bs), lib)
-                    captured[bs, lib] = self._capture_one(bs, md, clock, eager=every_size or key not in met)
+                    captured[bs, lib] = self._capture_one(bs, md, clock, eager=key not in met)
                     met.add(key)
         finally:
             torch.backends.cuda.preferred_blas_library(default)
