@@ -98,11 +98,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_DECODE": _flag("PAGEDLLM_FUSED_DECODE", True),
     # 0: every linear layer goes to F.linear (cuBLAS), never the few-row gemv kernel (kernels/gemv.py).
     "PAGEDLLM_SKINNY_GEMV": _flag("PAGEDLLM_SKINNY_GEMV", True),
-    # 1: unquantized 16-bit linears of decode batches past the skinny GEMV's rows (up to 512) run
-    # kernels/gemv.py's split-K GEMM in row blocks (`decode_gemm_config`) instead of cuBLAS, whose tiles
-    # leave SMs idle at those sizes (Qwen3-30B-A3B's o_proj at 256 rows: 32 tiles for 132 SMs).
-    # Off until the H200 shows it faster.
-    "PAGEDLLM_DECODE_GEMM": _flag("PAGEDLLM_DECODE_GEMM", False),
     # 0: int4 decode batches go to the FMA GEMV / tile kernel instead of the tensor-core kernel
     # (kernels/wna16_tc.py), the path before it; for comparisons.
     "PAGEDLLM_WNA16_TC": _flag("PAGEDLLM_WNA16_TC", True),
@@ -127,11 +122,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # decode sizes instead of the row lists with the shared experts as token chunks (kernels/fused_moe.py
     # `_fused_moe_rows_kernel`; H200, DeepSeek-V2-Lite at 128 tokens: 288.0 against 310.1 us a layer).
     "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", True),
-    # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
-    # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
-    # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
-    # the whole router weight through one SM; BENCHMARKS.md, issue 24, branch h45).
-    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", False),
     # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
     # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
     "PAGEDLLM_MOE_SUM_IN_NORM": _flag("PAGEDLLM_MOE_SUM_IN_NORM", True),
@@ -159,21 +149,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # round 1: right, same greedy tokens): they are emptied once, before a runner's first capture, and the
     # next eager pass reuses the cached blocks.
     "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
-    # 1: every graph's capture follows an eager pass of its size (worker/cuda_graphs.py); 0 (default since
-    # h50's H200 round 1: same tokens, the 14 mixed-step graphs 0.67 -> 0.37 s, the decode graphs a wash):
-    # only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
-    # only the first of each token-count specialisation (worker/mixed_graphs.py).
-    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", False),
-    # 1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait for the
-    # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
-    # capture_forward); 0 (default): every capture waits. Right on the H200 (same tokens) but not faster
-    # (with PAGEDLLM_CAPTURE_LIVE_SIZES: 8.7 s warm without both, 8.5-9.1 with; BENCHMARKS.md, h50 round 2).
-    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
-    # 1: with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode sizes some
-    # batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
-    # worker/cuda_graphs.py; the 8B on the H200: 33-34 of 35, same tokens); 0 (default): capture every size.
-    # Not measurably faster in h50's round 2 (see PAGEDLLM_CAPTURE_OVERLAP).
-    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
@@ -226,16 +201,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # a first start's config in both processes (the same config of every preset; 2-core CPU 1.3-1.9 ->
     # 0.65-0.88 s for the 8B's); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
-    # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process: 0.4 s
-    # alone on the H200 host) in a thread while it imports and loads the model, and each compile process while
-    # it waits for variants (worker/startup_prefetch.py); 0 (default): the first kernel launch computes it.
-    # Off: beside the imports the thread took 0.9-1.1 s and the worker still waited 0.3-0.7 s for it (h50).
-    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
-    # 1: the engine process creates its CUDA context and cuBLAS handles in a thread right after CUDA's
-    # initialisation, beside its config and model build (worker/startup_prefetch.py; 0.2-0.35 s in the thread
-    # on the H200 host); 0 (default): the first calls that need them do. Off: the main thread's set_device
-    # still took 0.12-0.15 s with it and no phase got measurably shorter (h50).
-    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", False),
     # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
     # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source
     # files and the configuration, and a later start with the same key skips the profile's forward
@@ -312,12 +277,10 @@ class KernelSwitches:
     fused_decode: bool
     skinny_gemv: bool
     graph_tuning: bool
-    decode_gemm: bool = False
     parallel_compile: bool = False
     moe_scan: bool = True
     moe_scan_shared: bool = True
     moe_align_rows: bool = True
-    fused_router: bool = False
     moe_sum_in_norm: bool = True
 
 
@@ -327,13 +290,11 @@ def kernel_switches() -> KernelSwitches:
         fused_qkv=get["PAGEDLLM_FUSED_QKV"](),
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
-        decode_gemm=get["PAGEDLLM_DECODE_GEMM"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
         moe_scan_shared=get["PAGEDLLM_MOE_SCAN_SHARED"](),
         moe_align_rows=get["PAGEDLLM_MOE_ALIGN_ROWS"](),
-        fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )
 
