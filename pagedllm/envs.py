@@ -111,16 +111,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: MoE steps of >= 1024 (token, expert) pairs sort their pairs with the one-program align kernel (up
     # to 8192 pairs) or the torch version's ~20 launches (past it) instead of two parallel launches
     # (kernels/fused_moe.py `moe_align_block_size_rows`: per-expert lists, then their padded runs; the
-    # same sorted list; H200 at 8192 tokens x 8: 60 against 136 us).
+    # same sorted list, in less than half the time on the H200: BENCHMARKS.md, issue 24, h49).
     "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", True),
     # MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel` with the latent's
     # 512 columns in this many chunks (4, 2 or 1), the query reloaded per key tile instead of held in
-    # registers (more programs an SM; H200, DeepSeek-V2-Lite, 256 requests: 94.3 against 114.4 us);
+    # registers (more programs an SM: faster on the H200 at DeepSeek-V2-Lite's shape, BENCHMARKS.md, h49);
     # 0: the one-piece kernel.
     "PAGEDLLM_MLA_DECODE_CHUNKS": _int("PAGEDLLM_MLA_DECODE_CHUNKS", 4),
     # 0: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) keep the align path at
     # decode sizes instead of the row lists with the shared experts as token chunks (kernels/fused_moe.py
-    # `_fused_moe_rows_kernel`; H200, DeepSeek-V2-Lite at 128 tokens: 288.0 against 310.1 us a layer).
+    # `_fused_moe_rows_kernel`; faster on the H200 at DeepSeek-V2-Lite's shape: BENCHMARKS.md, h49).
     "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", True),
     # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
     # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
@@ -130,8 +130,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
     # 1: decode attention over an fp8 KV cache rounds q to e4m3 and runs QK on fp8 tensor cores with the
     # keys as the MMA's rows (decode_attention.py variant 2) instead of fp16 dots with the query heads as
-    # rows (variant 0). Off by default: 8% faster per call on the H200 but ~3x variant 0's error against
-    # the fp32 reference on random data, and its perplexity on a GPU is not measured yet (BENCHMARKS.md, h43).
+    # rows (variant 0). Off by default: faster per call on the H200 but several times variant 0's error
+    # against the fp32 reference on random data, and its perplexity on a GPU is not measured yet
+    # (BENCHMARKS.md, h43).
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", False),
     # 0: FP8 linears of the measured shapes (kernels/w8a8_gemm.py DECODE_TABLE: the Llama-3.1-8B linears) at
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
@@ -139,14 +140,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
     # 1: an FP8 o_proj / down_proj (plain Llama layers, TP 1) at 17-256 rows runs cuBLASLt's per-tensor FP8 GEMM
     # with unit scales and the following residual add + RMSNorm kernel applies the per-token and per-channel
-    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (W1 +2.1% there).
+    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (faster in W1
+    # with dummy weights: BENCHMARKS.md, h51).
     "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
     # 1: capture each CUDA graph through torch.cuda.graph, which empties torch's device and pinned-host
     # caches before every capture (worker/cuda_graphs.py, capture_forward); 0 (default since h50's H200
-    # round 1: right, same greedy tokens): they are emptied once, before a runner's first capture, and the
+    # round 1: the same greedy tokens): they are emptied once, before a runner's first capture, and the
     # next eager pass reuses the cached blocks.
     "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
@@ -154,8 +156,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
     # no start has completed on (a fresh machine), whose compile processes are forked from it
     # (worker/compile_pool.py fork_compile_pool); 0: never. The old form (new interpreters as compile
-    # processes) started slower than without on the H200 (27.3 vs 22.2 s cold, BENCHMARKS.md, issue 16,
-    # 12:55 round); the forked form compiled the 8B start's 17 variants in 1.9 s (h47, round 3).
+    # processes) started slower than without on the H200; the forked form is faster (BENCHMARKS.md,
+    # issue 16, h47).
     "PAGEDLLM_PARALLEL_COMPILE": lambda: _optional_flag("PAGEDLLM_PARALLEL_COMPILE"),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
@@ -176,8 +178,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # -- caches --
     # 1: modules of the pagedllm package without a valid __pycache__ file (PYTHONDONTWRITEBYTECODE=1, a
     # read-only checkout) keep their compiled code under $PAGEDLLM_CACHE_ROOT/bytecode, read back by the next
-    # start (pagedllm/bytecode_cache.py; the command line and the engine's fork server install it; the H200
-    # host's engine process compiled 278 modules, 0.67 s, at every start without it); 0: Python's own behaviour.
+    # start (pagedllm/bytecode_cache.py; the command line and the engine's fork server install it; without
+    # it the H200 host's engine process compiled every module at every start: BENCHMARKS.md, h50); 0: Python's
+    # own behaviour.
     "PAGEDLLM_BYTECODE_CACHE": _flag("PAGEDLLM_BYTECODE_CACHE", True),
     # Root of pagedllm's caches (GGUF-derived configs and tokenizers, built C kernels); default
     # $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
@@ -193,18 +196,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 1 (default): `pagedllm serve` on one CUDA device starts its engine process before its config is
     # built, with its imports, CUDA initialisation, config and model load overlapping the frontend's
     # (engine/core_proc.py, prestart_engine_process); 0: the engine process starts once the frontend's
-    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29; h47:
-    # on the H200 taken, the engine process started at 4.1-4.4 s of a 9.5 s warm / 19.4 s cold start).
+    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29, h47).
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
     # 1 (default): a transformers config class imports without `transformers.activations` (its type
     # validators get a stand-in table of activation names: loader/hf_configs.py, activation_names_only), for
-    # a first start's config in both processes (the same config of every preset; 2-core CPU 1.3-1.9 ->
-    # 0.65-0.88 s for the 8B's); 0: transformers' own imports.
+    # a first start's config in both processes (the same config of every preset; about half the import
+    # time: BENCHMARKS.md, h50); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
     # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
     # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source
     # files and the configuration, and a later start with the same key skips the profile's forward
-    # (worker/gpu_memory.py; the 8B on the H200: the same 109.80 GiB of KV cache, h50); 0: profile at every start.
+    # (worker/gpu_memory.py; the same KV cache size as a profiled start: BENCHMARKS.md, h50); 0: profile at
+    # every start.
     "PAGEDLLM_KEEP_MEMORY_PROFILE": _flag("PAGEDLLM_KEEP_MEMORY_PROFILE", True),
     # N: the engine process profiles its start (cProfile, from its first line to Ready) and logs the N
     # functions of most cumulative and of most own time (engine/core_proc.py); unset: no profile. For
