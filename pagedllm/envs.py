@@ -98,11 +98,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_DECODE": _flag("PAGEDLLM_FUSED_DECODE", True),
     # 0: every linear layer goes to F.linear (cuBLAS), never the few-row gemv kernel (kernels/gemv.py).
     "PAGEDLLM_SKINNY_GEMV": _flag("PAGEDLLM_SKINNY_GEMV", True),
-    # 1: unquantized 16-bit linears of decode batches past the skinny GEMV's rows (up to 512) run
-    # kernels/gemv.py's split-K GEMM in row blocks (`decode_gemm_config`) instead of cuBLAS, whose tiles
-    # leave SMs idle at those sizes (Qwen3-30B-A3B's o_proj at 256 rows: 32 tiles for 132 SMs).
-    # Off until the H200 shows it faster.
-    "PAGEDLLM_DECODE_GEMM": _flag("PAGEDLLM_DECODE_GEMM", False),
     # 0: int4 decode batches go to the FMA GEMV / tile kernel instead of the tensor-core kernel
     # (kernels/wna16_tc.py), the path before it; for comparisons.
     "PAGEDLLM_WNA16_TC": _flag("PAGEDLLM_WNA16_TC", True),
@@ -116,22 +111,17 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: MoE steps of >= 1024 (token, expert) pairs sort their pairs with the one-program align kernel (up
     # to 8192 pairs) or the torch version's ~20 launches (past it) instead of two parallel launches
     # (kernels/fused_moe.py `moe_align_block_size_rows`: per-expert lists, then their padded runs; the
-    # same sorted list; H200 at 8192 tokens x 8: 60 against 136 us).
+    # same sorted list, in less than half the time on the H200: BENCHMARKS.md, issue 24, h49).
     "PAGEDLLM_MOE_ALIGN_ROWS": _flag("PAGEDLLM_MOE_ALIGN_ROWS", True),
     # MLA decode batches (DeepSeek) run kernels/mla_decode.py's `_mla_decode_rc_kernel` with the latent's
     # 512 columns in this many chunks (4, 2 or 1), the query reloaded per key tile instead of held in
-    # registers (more programs an SM; H200, DeepSeek-V2-Lite, 256 requests: 94.3 against 114.4 us);
+    # registers (more programs an SM: faster on the H200 at DeepSeek-V2-Lite's shape, BENCHMARKS.md, h49);
     # 0: the one-piece kernel.
     "PAGEDLLM_MLA_DECODE_CHUNKS": _int("PAGEDLLM_MLA_DECODE_CHUNKS", 4),
     # 0: MoE blocks with shared experts (DeepSeek's, stacked after the routed ones) keep the align path at
     # decode sizes instead of the row lists with the shared experts as token chunks (kernels/fused_moe.py
-    # `_fused_moe_rows_kernel`; H200, DeepSeek-V2-Lite at 128 tokens: 288.0 against 310.1 us a layer).
+    # `_fused_moe_rows_kernel`; faster on the H200 at DeepSeek-V2-Lite's shape: BENCHMARKS.md, h49).
     "PAGEDLLM_MOE_SCAN_SHARED": _flag("PAGEDLLM_MOE_SCAN_SHARED", True),
-    # 1: MoE blocks run the router GEMM and the softmax top-k as one kernel (kernels/moe_router.py
-    # `router_topk_softmax`, FusedMoE.forward_gate) instead of cuBLAS + `topk_softmax`. Off by default:
-    # slower on the H200 (Qwen3-30B-A3B, 256 tokens: 14.6 against 9.1 us; each of its programs reads
-    # the whole router weight through one SM; BENCHMARKS.md, issue 24, branch h45).
-    "PAGEDLLM_FUSED_ROUTER": _flag("PAGEDLLM_FUSED_ROUTER", False),
     # 0: MoE blocks sum their top-k expert outputs with a kernel of their own instead of leaving them
     # to the next residual add + RMSNorm (FusedMoE.can_leave_topk_unsummed, kernels/rmsnorm.py).
     "PAGEDLLM_MOE_SUM_IN_NORM": _flag("PAGEDLLM_MOE_SUM_IN_NORM", True),
@@ -140,8 +130,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
     # 1: decode attention over an fp8 KV cache rounds q to e4m3 and runs QK on fp8 tensor cores with the
     # keys as the MMA's rows (decode_attention.py variant 2) instead of fp16 dots with the query heads as
-    # rows (variant 0). Off by default: 8% faster per call on the H200 but ~3x variant 0's error against
-    # the fp32 reference on random data, and its perplexity on a GPU is not measured yet (BENCHMARKS.md, h43).
+    # rows (variant 0). Off by default: faster per call on the H200 but several times variant 0's error
+    # against the fp32 reference on random data, and its perplexity on a GPU is not measured yet
+    # (BENCHMARKS.md, h43).
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", False),
     # 0: FP8 linears of the measured shapes (kernels/w8a8_gemm.py DECODE_TABLE: the Llama-3.1-8B linears) at
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
@@ -149,38 +140,24 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
     # 1: an FP8 o_proj / down_proj (plain Llama layers, TP 1) at 17-256 rows runs cuBLASLt's per-tensor FP8 GEMM
     # with unit scales and the following residual add + RMSNorm kernel applies the per-token and per-channel
-    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (W1 +2.1% there).
+    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (faster in W1
+    # with dummy weights: BENCHMARKS.md, h51).
     "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),
     # 1: capture each CUDA graph through torch.cuda.graph, which empties torch's device and pinned-host
     # caches before every capture (worker/cuda_graphs.py, capture_forward); 0 (default since h50's H200
-    # round 1: right, same greedy tokens): they are emptied once, before a runner's first capture, and the
+    # round 1: the same greedy tokens): they are emptied once, before a runner's first capture, and the
     # next eager pass reuses the cached blocks.
     "PAGEDLLM_CAPTURE_EMPTY_CACHE": _flag("PAGEDLLM_CAPTURE_EMPTY_CACHE", False),
-    # 1: every graph's capture follows an eager pass of its size (worker/cuda_graphs.py); 0 (default since
-    # h50's H200 round 1: same tokens, the 14 mixed-step graphs 0.67 -> 0.37 s, the decode graphs a wash):
-    # only the first size of each Triton variant and BLAS library gets one, and of the mixed-step graphs
-    # only the first of each token-count specialisation (worker/mixed_graphs.py).
-    "PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE": _flag("PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE", False),
-    # 1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a graph captured without an eager pass does not wait for the
-    # device first, so its recording overlaps the previous graph's first replay (worker/cuda_graphs.py,
-    # capture_forward); 0 (default): every capture waits. Right on the H200 (same tokens) but not faster
-    # (with PAGEDLLM_CAPTURE_LIVE_SIZES: 8.7 s warm without both, 8.5-9.1 with; BENCHMARKS.md, h50 round 2).
-    "PAGEDLLM_CAPTURE_OVERLAP": _flag("PAGEDLLM_CAPTURE_OVERLAP", False),
-    # 1: with a kept graph plan (worker/graph_plan.py) on one tensor rank, capture only the decode sizes some
-    # batch runs (a size whose whole range pads up to a faster larger graph is never replayed;
-    # worker/cuda_graphs.py; the 8B on the H200: 33-34 of 35, same tokens); 0 (default): capture every size.
-    # Not measurably faster in h50's round 2 (see PAGEDLLM_CAPTURE_OVERLAP).
-    "PAGEDLLM_CAPTURE_LIVE_SIZES": _flag("PAGEDLLM_CAPTURE_LIVE_SIZES", False),
     # 1: the start-up's Triton variants are compiled at once in compile processes before the warm-up
     # (worker/precompile.py) instead of one after another as each is first launched, for every CUDA
     # engine; unset (default): only for `pagedllm serve`'s prestarted engine process on a Triton cache
     # no start has completed on (a fresh machine), whose compile processes are forked from it
     # (worker/compile_pool.py fork_compile_pool); 0: never. The old form (new interpreters as compile
-    # processes) started slower than without on the H200 (27.3 vs 22.2 s cold, BENCHMARKS.md, issue 16,
-    # 12:55 round); the forked form compiled the 8B start's 17 variants in 1.9 s (h47, round 3).
+    # processes) started slower than without on the H200; the forked form is faster (BENCHMARKS.md,
+    # issue 16, h47).
     "PAGEDLLM_PARALLEL_COMPILE": lambda: _optional_flag("PAGEDLLM_PARALLEL_COMPILE"),
     # Triton's own switch, read here too: "1" runs kernels in Triton's interpreter (CPU tensors).
     # Triton reads it when a kernel module is imported; set it before importing pagedllm.kernels.
@@ -201,8 +178,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # -- caches --
     # 1: modules of the pagedllm package without a valid __pycache__ file (PYTHONDONTWRITEBYTECODE=1, a
     # read-only checkout) keep their compiled code under $PAGEDLLM_CACHE_ROOT/bytecode, read back by the next
-    # start (pagedllm/bytecode_cache.py; the command line and the engine's fork server install it; the H200
-    # host's engine process compiled 278 modules, 0.67 s, at every start without it); 0: Python's own behaviour.
+    # start (pagedllm/bytecode_cache.py; the command line and the engine's fork server install it; without
+    # it the H200 host's engine process compiled every module at every start: BENCHMARKS.md, h50); 0: Python's
+    # own behaviour.
     "PAGEDLLM_BYTECODE_CACHE": _flag("PAGEDLLM_BYTECODE_CACHE", True),
     # Root of pagedllm's caches (GGUF-derived configs and tokenizers, built C kernels); default
     # $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
@@ -218,28 +196,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 1 (default): `pagedllm serve` on one CUDA device starts its engine process before its config is
     # built, with its imports, CUDA initialisation, config and model load overlapping the frontend's
     # (engine/core_proc.py, prestart_engine_process); 0: the engine process starts once the frontend's
-    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29; h47:
-    # on the H200 taken, the engine process started at 4.1-4.4 s of a 9.5 s warm / 19.4 s cold start).
+    # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29, h47).
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
     # 1 (default): a transformers config class imports without `transformers.activations` (its type
     # validators get a stand-in table of activation names: loader/hf_configs.py, activation_names_only), for
-    # a first start's config in both processes (the same config of every preset; 2-core CPU 1.3-1.9 ->
-    # 0.65-0.88 s for the 8B's); 0: transformers' own imports.
+    # a first start's config in both processes (the same config of every preset; about half the import
+    # time: BENCHMARKS.md, h50); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
-    # 1: the engine process computes Triton's installation key (a hash of libtriton, once per process: 0.4 s
-    # alone on the H200 host) in a thread while it imports and loads the model, and each compile process while
-    # it waits for variants (worker/startup_prefetch.py); 0 (default): the first kernel launch computes it.
-    # Off: beside the imports the thread took 0.9-1.1 s and the worker still waited 0.3-0.7 s for it (h50).
-    "PAGEDLLM_TRITON_KEY_PREFETCH": _flag("PAGEDLLM_TRITON_KEY_PREFETCH", False),
-    # 1: the engine process creates its CUDA context and cuBLAS handles in a thread right after CUDA's
-    # initialisation, beside its config and model build (worker/startup_prefetch.py; 0.2-0.35 s in the thread
-    # on the H200 host); 0 (default): the first calls that need them do. Off: the main thread's set_device
-    # still took 0.12-0.15 s with it and no phase got measurably shorter (h50).
-    "PAGEDLLM_CUDA_CONTEXT_PREFETCH": _flag("PAGEDLLM_CUDA_CONTEXT_PREFETCH", False),
     # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
     # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source
     # files and the configuration, and a later start with the same key skips the profile's forward
-    # (worker/gpu_memory.py; the 8B on the H200: the same 109.80 GiB of KV cache, h50); 0: profile at every start.
+    # (worker/gpu_memory.py; the same KV cache size as a profiled start: BENCHMARKS.md, h50); 0: profile at
+    # every start.
     "PAGEDLLM_KEEP_MEMORY_PROFILE": _flag("PAGEDLLM_KEEP_MEMORY_PROFILE", True),
     # N: the engine process profiles its start (cProfile, from its first line to Ready) and logs the N
     # functions of most cumulative and of most own time (engine/core_proc.py); unset: no profile. For
@@ -312,12 +280,10 @@ class KernelSwitches:
     fused_decode: bool
     skinny_gemv: bool
     graph_tuning: bool
-    decode_gemm: bool = False
     parallel_compile: bool = False
     moe_scan: bool = True
     moe_scan_shared: bool = True
     moe_align_rows: bool = True
-    fused_router: bool = False
     moe_sum_in_norm: bool = True
 
 
@@ -327,13 +293,11 @@ def kernel_switches() -> KernelSwitches:
         fused_qkv=get["PAGEDLLM_FUSED_QKV"](),
         fused_decode=get["PAGEDLLM_FUSED_DECODE"](),
         skinny_gemv=get["PAGEDLLM_SKINNY_GEMV"](),
-        decode_gemm=get["PAGEDLLM_DECODE_GEMM"](),
         graph_tuning=get["PAGEDLLM_GRAPH_TUNING"](),
         parallel_compile=bool(get["PAGEDLLM_PARALLEL_COMPILE"]()),  # unset: the prestart's forked pool only
         moe_scan=get["PAGEDLLM_MOE_SCAN"](),
         moe_scan_shared=get["PAGEDLLM_MOE_SCAN_SHARED"](),
         moe_align_rows=get["PAGEDLLM_MOE_ALIGN_ROWS"](),
-        fused_router=get["PAGEDLLM_FUSED_ROUTER"](),
         moe_sum_in_norm=get["PAGEDLLM_MOE_SUM_IN_NORM"](),
     )
 

@@ -4,9 +4,8 @@ against each kernel's floor; sections in the order given, none started after --d
     moe      fused_experts at Qwen3-30B-A3B's expert shape (128 x 2048 x 768, top 8), decode sizes: the
              row-list tiles (`_scan_config`'s defaults first, then variants), 8 layers' experts rotated so
              every call reads DRAM; floor = the experts hit, read once, at the copy bandwidth measured here
-    dense    cuBLAS (F.linear) at the decode step's dense shapes (qkv, o_proj, router), 256 and 96 rows, against
-             kernels/gemv.py's split-K GEMM in row blocks; 8 weight copies rotated; against the weight bytes
-             (or the FLOPs at the matmul speed measured here, if more)
+    dense    cuBLAS (F.linear) at the decode step's dense shapes (qkv, o_proj, router), 256 and 96 rows; 8 weight
+             copies rotated; against the weight bytes (or the FLOPs at the matmul speed measured here, if more)
     attn     the fused decode attention's tiles and split counts at Qwen3-30B-A3B's heads (32 query / 4 kv,
              head_dim 128), W1-like batches early (256 short contexts) and late (96, 48 longer ones)
     mla      mla_decode's (TILE_N, warps, stages) and partition variants at DeepSeek-V2-Lite's latent
@@ -119,20 +118,6 @@ MLA_TILES = [  # (label, tile (TILE_N, warps, stages), split_chunk, num_rc: the 
 # The decode step's dense GEMMs (Qwen3-30B-A3B): weight (N, K)
 DENSE_SHAPES = {"qkv 2048->5120": (5120, 2048), "o_proj 4096->2048": (2048, 4096), "router 2048->128": (128, 2048)}
 
-
-def _gemm(bn: int, bk: int, split: int, warps: int, stages: int, bm: int):
-    from pagedllm.kernels.gemv import GemvConfig
-
-    return GemvConfig(bn, bk, split, warps, stages, True, BLOCK_M=bm)
-
-
-DENSE_CONFIGS = [  # (label, kernels/gemv.py config: BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, BLOCK_M); none spill on sm_90
-    ("blocked 64x128x64 split 2 w4 s3", _gemm(128, 64, 2, 4, 3, 64)),
-    ("blocked 128x128x64 split 4 w8 s4", _gemm(128, 64, 4, 8, 4, 128)),
-    ("blocked 64x64x128 split 4 w4 s3", _gemm(64, 128, 4, 4, 3, 64)),
-    ("blocked 64x128x64 split 8 w4 s3", _gemm(128, 64, 8, 4, 3, 64)),
-    ("blocked 128x128x64 split 1 w8 s4", _gemm(128, 64, 1, 8, 4, 128)),
-]
 # (experts incl. shared, routed top_k, shared, hidden, moe_intermediate)
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 0, 2048, 768), "deepseek-v2-lite": (66, 6, 2, 2048, 1408)}
 
@@ -255,47 +240,22 @@ class Sweep:
                        f"{us:.1f} us; {'same as the reference' if same else 'DIFFERENT'}")
 
     def dense(self) -> None:
-        """cuBLAS against the blocked split-K decode GEMM (kernels/gemv.py with a config's BLOCK_M) at the
-        decode step's dense shapes; 8 weight copies rotated, each call reads its weight from DRAM."""
+        """cuBLAS at the decode step's dense shapes; 8 weight copies rotated, each call reads its weight from DRAM."""
         import torch
         import torch.nn.functional as F
-        from _gpu_common import record, rel_err, rotating_graph_us
+        from _gpu_common import record, rotating_graph_us
 
-        from pagedllm.kernels import gemv
-        from pagedllm.kernels.gemv import skinny_linear
-
+        if self.collecting:
+            return  # cuBLAS only: no Triton variant to compile ahead
         for name, (n, k) in DENSE_SHAPES.items():
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
             for m in (256, 96):
+                if self.late(f"dense {name} M={m}"):
+                    continue
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 floor = max(n * k * 2 / self.bw, 2 * m * n * k / self.flops) * 1e6
-                ref = None if self.collecting else F.linear(x, ws[0])
-                gemv._DECODE_GEMM = True  # decode_gemm_config's own pick, whatever PAGEDLLM_DECODE_GEMM says
-                auto = gemv.decode_gemm_config(m, n, k, torch.bfloat16)
-                variants = [("cuBLAS", None)] + ([(f"decode_gemm_config {tuple(auto)}", auto)] if auto else []) + DENSE_CONFIGS
-                for label, cfg in variants:
-                    if self.late(f"dense {name} M={m} {label}"):
-                        continue
-                    if self.collecting:
-                        if cfg is not None:
-                            try:  # a config the workspace cannot hold fails again, recorded, when timed
-                                skinny_linear(x, ws[0], config=cfg)
-                            except ValueError:
-                                pass
-                        continue
-                    try:
-                        if cfg is None:
-                            us = rotating_graph_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), 8, reps=48)
-                            err = 0.0
-                        else:
-                            err = rel_err(skinny_linear(x, ws[0], config=cfg), ref)
-                            us = rotating_graph_us(lambda i, x=x, ws=ws, cfg=cfg: skinny_linear(x, ws[i], config=cfg), 8,
-                                                   reps=48)
-                    except Exception as exc:
-                        record(f"dense {name} M={m} {label}", f"ERROR {type(exc).__name__}: {str(exc)[:100]}")
-                        continue
-                    record(f"dense {name} M={m} {label}", f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f}); "
-                           f"rel err {err:.1e}")
+                us = rotating_graph_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), 8, reps=48)
+                record(f"dense {name} M={m}", f"{us:.1f} us ({100 * floor / us:.0f}% of {floor:.1f})")
             del ws
         torch.cuda.empty_cache()
 

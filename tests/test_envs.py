@@ -89,3 +89,17 @@ def test_triton_cache_dir_defaults_under_the_cache_root_and_keeps_the_users(monk
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert envs.use_triton_cache_dir() == tmp_path / "mine" and (tmp_path / "mine").is_dir()
     assert envs.TRITON_CACHE_DIR == str(tmp_path / "mine")
+
+
+def test_environment_doc_is_current():
+    """docs/ENVIRONMENT.md is generated from envs.py's comments: a switch added, removed or reworded
+    without `python scripts/gen_env_doc.py` fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_env_doc", PACKAGE.parent / "scripts" / "gen_env_doc.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    rows = gen.entries(ENVS.read_text())
+    assert [name for _, name, _, _ in rows] == list(envs.environment_variables)
+    assert all(text for *_, text in rows)
+    assert gen.DOC.read_text() == gen.render(), "docs/ENVIRONMENT.md is stale: run python scripts/gen_env_doc.py"

@@ -92,10 +92,6 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
         from pagedllm.worker.compile_pool import fork_compile_pool
 
         fork_compile_pool(close_in_child=(inputs.fileno(), outputs.fileno()))
-        # Then (no fork follows): Triton's installation key beside the imports and the model load.
-        from pagedllm.worker.startup_prefetch import prefetch_triton_key
-
-        prefetch_triton_key()
     from pagedllm.engine.core_loop import EngineCoreLoop
     from pagedllm.engine.engine_core import EngineCore
 
@@ -109,9 +105,6 @@ def _engine_main(config_blob: bytes | None, inputs: Connection, outputs: Connect
             torch.cuda.init()
             logger.info("start-up: engine process imports took %.2f s, then CUDA init %.2f s", t1 - t0,
                         time.monotonic() - t1)
-            from pagedllm.worker.startup_prefetch import prefetch_cuda_context
-
-            prefetch_cuda_context()  # the context and cuBLAS handles beside the config and the model build
         except Exception as e:  # noqa: BLE001 - the worker does it again and reports what fails
             logger.warning("engine process: early CUDA initialisation failed (%s)", e)
     else:

@@ -43,14 +43,12 @@ import triton.language as tl
 
 from pagedllm.envs import kernel_switches
 
-__all__ = ["GemvConfig", "decode_gemm_config", "gemv_config", "skinny_linear", "skinny_linear_ref", "use_skinny_linear"]
+__all__ = ["GemvConfig", "gemv_config", "skinny_linear", "skinny_linear_ref", "use_skinny_linear"]
 
 MAX_M = 16  # rows of x one program holds (BLOCK_M <= 16)
-MAX_M_BLOCKED = 512  # rows with a config's BLOCK_M: row blocks, tensor cores (decode GEMMs past MAX_M)
 
 # Read once at import: PAGEDLLM_SKINNY_GEMV=0 sends every linear back to F.linear (cuBLAS).
 _ENABLED = kernel_switches().skinny_gemv
-_DECODE_GEMM = kernel_switches().decode_gemm  # PAGEDLLM_DECODE_GEMM=1: `decode_gemm_config` past the GEMV's rows
 
 # Dispatch thresholds (tune from scripts/gemv_bench.py). Batch sizes above _MAX_M_DISPATCH go to
 # cuBLAS, which is near bandwidth once M fills a tile; below _MIN_WEIGHT_ELEMS both are launch-bound.
@@ -58,7 +56,7 @@ _MAX_M_DISPATCH = 8
 _MIN_WEIGHT_ELEMS = 1 << 18  # 256K elements = 512 KB of bf16
 
 # Split-K scratch, per device: fp32 partials (SPLIT_K, M, N) and one int32 counter per N-block.
-_WS_FLOATS = 1 << 22  # 16 MB: a 256-row split-K GEMM of 2048 columns in 4 splits needs 2M
+_WS_FLOATS = 1 << 20  # 4 MB
 _WS_COUNTERS = 1 << 14
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -72,8 +70,6 @@ class GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int  # software-pipelining depth of the weight loads
     USE_DOT: bool  # tensor-core inner product (any M) instead of FMA (small M)
-    BLOCK_M: int = 0  # rows of x a program holds; 0: all of them (M <= MAX_M). Decode GEMMs of up to
-    # MAX_M_BLOCKED rows (USE_DOT only) take row blocks of this many: programs (n block, k split, m block)
 
 
 def _split_k(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -130,33 +126,6 @@ def use_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return m <= 2 or n <= 1024 or n >= 65536
 
 
-# Decode GEMMs (`decode_gemm_config`): at least this many rows (fewer: the GEMV or cuBLAS), at most
-# MAX_M_BLOCKED; a weight of at least this many elements (smaller ones are launch-bound either way).
-DECODE_GEMM_MIN_M = 17
-_DECODE_GEMM_MIN_WEIGHT = 1 << 18
-_H200_SMS = 132
-_DECODE_GEMM_PROGRAMS = 2 * _H200_SMS
-
-
-def decode_gemm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
-    """The row-blocked split-K tile config for x (m, k) @ W (n, k)^T, or None where cuBLAS keeps it
-    (PAGEDLLM_DECODE_GEMM off, fp32, rows outside DECODE_GEMM_MIN_M..MAX_M_BLOCKED, small weights,
-    K not a multiple of 64, or enough 128 x 128 output tiles to fill the SMs without a K split). Tiles of 64 rows x 128 columns x 64 deep (4 warps, 3 stages: 168
-    registers, 72 KB of shared memory on sm_90, 3 programs an SM), and K split so that the grid
-    reaches about two programs an SM, each split at least 512 deep:
-        Qwen3-30B-A3B at 256 rows: o_proj (2048 x 4096) 4 x 16 blocks -> 4 splits of 1024 (256 programs);
-        qkv (5120 x 2048) 4 x 40 -> 1 split (160); the router (128 x 2048) 4 x 1 -> 4 splits of 512."""
-    if not (_DECODE_GEMM and dtype in (torch.bfloat16, torch.float16) and DECODE_GEMM_MIN_M <= m <= MAX_M_BLOCKED
-            and n * k >= _DECODE_GEMM_MIN_WEIGHT and k % 64 == 0):
-        return None
-    if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= _H200_SMS:
-        return None  # cuBLAS's 128 x 128 tiles fill the GPU already (an LM head, a wide MLP)
-    block_m, block_n, block_k = 64, 128, 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = max(1, min(_DECODE_GEMM_PROGRAMS // tiles, k // 512, 8))
-    return GemvConfig(block_n, block_k, split, 4, 3, True, BLOCK_M=block_m)
-
-
 @triton.jit
 def _skinny_linear_kernel(
     x_ptr,  # (M, K), unit stride along K
@@ -183,8 +152,7 @@ def _skinny_linear_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)  # row block (decode GEMMs past MAX_M rows); 0 otherwise
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
@@ -226,8 +194,7 @@ def _skinny_linear_kernel(
         acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
 
     store_split_k_output(acc, out_ptr, bias_ptr, ws_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
-                         M, N, pid_k, pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS, SPLIT_K > 1, BLOCK_M,
-                         BLOCK_N)
+                         M, N, pid_k, pid_n, SPLIT_K, HAS_BIAS, SPLIT_K > 1, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -279,7 +246,7 @@ def split_k_workspace(
 
 
 def skinny_linear(
-    x: torch.Tensor,  # (M, K), M <= MAX_M (up to MAX_M_BLOCKED with a config's BLOCK_M)
+    x: torch.Tensor,  # (M, K), M <= 16
     weight: torch.Tensor,  # (N, K), nn.Linear layout
     bias: torch.Tensor | None = None,  # (N,)
     config: GemvConfig | None = None,  # default: gemv_config(M, N, K)
@@ -291,10 +258,8 @@ def skinny_linear(
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"x has K={k} but weight is {tuple(weight.shape)}")
-    cfg = config or gemv_config(m, n, k)
-    if not (1 <= m <= MAX_M or (m <= MAX_M_BLOCKED and cfg.BLOCK_M and cfg.USE_DOT)):
-        raise ValueError(f"skinny_linear takes 1..{MAX_M} rows (up to {MAX_M_BLOCKED} with a tensor-core config's "
-                         f"BLOCK_M), got {m}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"skinny_linear takes 1..{MAX_M} rows, got {m}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"dtype mismatch: x {x.dtype}, weight {weight.dtype}, "
                          f"bias {None if bias is None else bias.dtype}")
@@ -304,23 +269,20 @@ def skinny_linear(
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
+    cfg = config or gemv_config(m, n, k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    if cfg.BLOCK_M:
-        block_m = cfg.BLOCK_M
-    else:
-        block_m = max(16, triton.next_power_of_2(m)) if cfg.USE_DOT else triton.next_power_of_2(m)
-    m_blocks = triton.cdiv(m, block_m)
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.USE_DOT else triton.next_power_of_2(m)
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     split_k, k_per_split = _split_k(k, cfg.BLOCK_K, cfg.SPLIT_K)
     ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split_k > 1 else None
     if ws is None:
         split_k, k_per_split = 1, k
         ws = (out, out)  # never read: the split-K branch is compiled out
-    elif split_k * m * n > _WS_FLOATS or n_blocks * m_blocks > _WS_COUNTERS:
+    elif split_k * m * n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
         raise ValueError(f"SPLIT_K={split_k} for ({m}, {n}) needs more split-K workspace than reserved")
-    _skinny_linear_kernel[(n_blocks, split_k, m_blocks)](
+    _skinny_linear_kernel[(n_blocks, split_k)](
         x,
         weight,
         bias if bias is not None else weight,

@@ -39,7 +39,7 @@ class MixtralMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (T, hidden) -> router (T, E) -> (T, hidden), or on one CUDA rank the top-k outputs unsummed,
         # (T, top_k, hidden), summed by the next residual add + RMSNorm (kernels/rmsnorm.py).
-        return self.experts.forward_gate(x, self.gate, sum_topk=not self.experts.can_leave_topk_unsummed(x))
+        return self.experts(x, self.gate(x), sum_topk=not self.experts.can_leave_topk_unsummed(x))
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

@@ -53,8 +53,8 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         outputs unsummed, (T, top_k, hidden): the next layer's residual add + RMSNorm sums them
         (kernels/rmsnorm.py), so the sum is no kernel of its own."""
         if self.shared_expert is None and self.experts.can_leave_topk_unsummed(x):
-            return self.experts.forward_gate(x, self.gate, sum_topk=False)
-        out = self.experts.forward_gate(x, self.gate)
+            return self.experts(x, self.gate(x), sum_topk=False)
+        out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

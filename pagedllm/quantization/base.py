@@ -77,14 +77,10 @@ def _create_dense_weight(
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias; decode-sized CUDA batches (a few rows) take the skinny-GEMM kernel."""
     if x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
-        from pagedllm.kernels.gemv import decode_gemm_config, skinny_linear, use_skinny_linear
+        from pagedllm.kernels.gemv import skinny_linear, use_skinny_linear
 
-        m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-        if use_skinny_linear(m, n, k, x.dtype):
+        if use_skinny_linear(x.shape[0], weight.shape[0], weight.shape[1], x.dtype):
             return skinny_linear(x, weight, bias)
-        cfg = decode_gemm_config(m, n, k, x.dtype)  # PAGEDLLM_DECODE_GEMM=1: decode batches past the GEMV's rows
-        if cfg is not None and x.stride(1) == 1 and weight.stride(1) == 1:
-            return skinny_linear(x, weight, bias, config=cfg)
     return F.linear(x, weight, bias)
 
 

@@ -60,10 +60,6 @@ def _import_kernels() -> None:
         driver.active.get_current_target  # noqa: B018 - touching it builds the driver
     except Exception:  # noqa: BLE001 - then it is built after the header, or the variants fail and the parent compiles
         pass
-    if envs.PAGEDLLM_TRITON_KEY_PREFETCH:  # while the parent still builds its config (worker/startup_prefetch.py)
-        from pagedllm.worker.startup_prefetch import compute_triton_key
-
-        compute_triton_key()
 
 
 def compile_lines(header: str, lines: Iterable[str]) -> Iterator[str]:

@@ -53,18 +53,16 @@ _capture_stream: torch.cuda.Stream | None = None
 
 
 @contextlib.contextmanager
-def _capturing(g: torch.cuda.CUDAGraph, pool: object, sync: bool = True) -> Iterator[None]:
+def _capturing(g: torch.cuda.CUDAGraph, pool: object) -> Iterator[None]:
     """`torch.cuda.graph(g, pool=pool)` without the `torch.cuda.empty_cache()` and pinned-host cache
     release it runs before every capture: with ~50 captures at start (decode and mixed-step sizes),
     each would hand the eager pass's cached blocks back to the driver for the next pass to allocate
     again (PAGEDLLM_CAPTURE_EMPTY_CACHE=1 keeps torch's way). The same capture otherwise: a side
-    stream of its own, torch's default (global) capture mode. sync=False: the capture begins while
-    the device still runs earlier work (capture_forward says when that is safe)."""
+    stream of its own, torch's default (global) capture mode."""
     global _capture_stream
     if _capture_stream is None:
         _capture_stream = torch.cuda.Stream()
-    if sync:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     with torch.cuda.stream(_capture_stream):
         g.capture_begin(*(() if pool is None else (pool,)))
         try:
@@ -87,22 +85,15 @@ def capture_forward(forward: Callable[[], torch.Tensor], device: torch.device, p
     "capture", first "replay"), for the start-up log. eager=False: no eager pass, for a forward whose
     Triton variants and BLAS library an earlier eager pass of the same start met already."""
     empty_each = envs.PAGEDLLM_CAPTURE_EMPTY_CACHE
-    # PAGEDLLM_CAPTURE_OVERLAP=1 (with PAGEDLLM_CAPTURE_EMPTY_CACHE=0): a capture without an eager pass
-    # does not wait for the device first, so its host work (recording ~a forward's launches) overlaps
-    # the previous graph's first replay. Safe: recording runs nothing on the device, the replay only
-    # reads the static inputs and writes its own graph's memory, and the next replay is ordered after
-    # it on the same stream.
-    sync = eager or empty_each or not envs.PAGEDLLM_CAPTURE_OVERLAP
     t0 = time.monotonic()
     if pool is None and not empty_each:
         torch.cuda.empty_cache()
     if eager:
         forward()
-    if sync:
-        torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)
     t1 = time.monotonic()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool) if empty_each else _capturing(g, pool, sync):
+    with torch.cuda.graph(g, pool=pool) if empty_each else _capturing(g, pool):
         out = forward()
     t2 = time.monotonic()
     g.replay()
@@ -244,31 +235,19 @@ class CudaGraphRunner:
         kept = graph_plan.load_plan(plan_file, self.sizes, list(candidates)) if plan_file else None
         captured: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         clock: dict[str, float] = {}
-        # PAGEDLLM_CAPTURE_LIVE_SIZES=1, a kept plan, one tensor rank: the dispatch is known before any
-        # capture (it follows from the kept times alone), so a size every batch of its range pads past
-        # (e.g. 113-120 -> 128 where the 128-row graph replays faster) is never replayed: not captured.
-        live = set(self.sizes)
-        if kept is not None and envs.PAGEDLLM_CAPTURE_LIVE_SIZES and get_tp_group().world_size == 1:
-            from pagedllm.kernels.split_k import decode_kind  # Triton: GPU path only
-
-            groups = {bs: decode_kind(bs, self.num_kv_heads, self.max_seq_len) for bs in self.sizes}
-            live = set(graph_plan.plan_dispatch({bs: ms for bs, (_, ms) in kept.items()}, groups=groups)[1:])
-        # PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE=0: an eager pass only for the first size of each Triton
-        # variant and library (what it initialises is then loaded for the others).
-        every_size = envs.PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE
+        # An eager pass only for the first size of each Triton variant and library (what it initialises
+        # is then loaded for the others).
         met: set[tuple] = set()
         try:
             # Largest first, so smaller graphs reuse the big one's memory pool.
             for bs in reversed(self.sizes):
-                if bs not in live:
-                    continue
                 md = self._metadata(bs)
                 for lib, value in candidates.items():
                     if kept is not None and kept[bs][0] != lib:
                         continue  # a kept plan: the library it chose for this size only
                     torch.backends.cuda.preferred_blas_library(value)
                     key = (self._variant_key(bs), lib)
-                    captured[bs, lib] = self._capture_one(bs, md, clock, eager=every_size or key not in met)
+                    captured[bs, lib] = self._capture_one(bs, md, clock, eager=key not in met)
                     met.add(key)
         finally:
             torch.backends.cuda.preferred_blas_library(default)
@@ -283,8 +262,7 @@ class CudaGraphRunner:
                 lib = kept[bs][0]
             elif times:
                 lib = graph_plan.pick_backend({k: times[bs, k] for k in candidates}, default_name)
-            if bs in live:
-                self.graphs[bs], self.outputs[bs] = captured.pop((bs, lib))
+            self.graphs[bs], self.outputs[bs] = captured.pop((bs, lib))
             self.replay_ms[bs] = times.get((bs, lib), 0.0)
             self.backends[bs] = lib
         del captured  # the other libraries' graphs
@@ -303,10 +281,7 @@ class CudaGraphRunner:
             # for a batch, and each timed its own replays. TP rank 0's plan for all of them.
             plan = torch.tensor(self.dispatch, dtype=torch.int64, device=self.device)
             self.dispatch = tp.broadcast(plan, src=0).tolist()
-        if set(self.dispatch[1:]) - set(self.graphs):  # never: the dispatch above is the one `live` came from
-            missing = sorted(set(self.dispatch[1:]) - set(self.graphs))
-            raise AssertionError(f"decode batches dispatched to uncaptured sizes {missing}")
-        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s%s", len(self.graphs), self.sizes[0],
+        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s%s%s", len(self.sizes), self.sizes[0],
                     self.sizes[-1], time.monotonic() - t0, f" (plan kept in {plan_file})" if kept else "",
                     describe_clock(clock))
         if times:

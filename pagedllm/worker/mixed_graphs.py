@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import pagedllm.envs as envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.worker.cuda_graphs import capture_forward, describe_clock
 
@@ -179,17 +178,15 @@ class MixedGraphRunner:
         t0 = time.monotonic()
         before = torch.cuda.memory_reserved(self.device)
         clock: dict[str, float] = {}
-        # PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE=0: an eager pass for the first size of each Triton
-        # specialisation of the token count only (== 1, divisibility by 16: every default size is a
-        # multiple of 64, so one pass), as the decode graphs do.
-        every_size = envs.PAGEDLLM_CAPTURE_EAGER_EVERY_SIZE
+        # An eager pass for the first size of each Triton specialisation of the token count only (== 1,
+        # divisibility by 16: every default size is a multiple of 64, so one pass), as the decode graphs do.
         met: set[tuple[bool, bool]] = set()
         for size in reversed(self.sizes):
             ids, pos, md = self.input_ids[:size], self.positions[:size], self._metadata(size)
             key = (size == 1, size % 16 == 0)
             # The buffers hold no request's token yet: the passes write nothing.
             g, out = capture_forward(lambda ids=ids, pos=pos, md=md: self.model(ids, pos, md), self.device, self.pool,
-                                     clock, eager=every_size or key not in met)
+                                     clock, eager=key not in met)
             met.add(key)
             if self.pool is None:
                 self.pool = g.pool()

@@ -153,10 +153,8 @@ class Worker:
             space = cc.cpu_kvcache_space if cc.cpu_kvcache_space is not None else 4.0
             return max(int(space * GiB) // per_block, 1), num_cpu_blocks
         from pagedllm.worker.gpu_memory import profile_available_kv_bytes
-        from pagedllm.worker.startup_prefetch import wait_for_triton_key
 
         sc = config.scheduler_config
-        wait_for_triton_key()  # the first Triton launch is next: its key from the prefetch thread, if one ran
         self._precompile()  # the profile's variants too: before it
         kept = self._kept_profile_path()
         from pagedllm.worker.gpu_memory import load_kept_profile
@@ -205,9 +203,6 @@ class Worker:
         assert self.model is not None and self.model_runner is not None and self.kv_cache is not None
         mc = self.config.model_config
         if self.kv_cache.tensors and mc.runner_type == "generate":  # the warm-up samples from logits
-            from pagedllm.worker.startup_prefetch import wait_for_triton_key
-
-            wait_for_triton_key()  # (already waited for, unless the block count was given)
             self._precompile()  # done before the memory profile unless there was none
             with start_phase("kernel warm-up"):
                 warmup_kernels(self.model, self.model_runner.sampler, self.kv_cache.device, mc.dtype,

@@ -163,7 +163,6 @@ def _record(launches: list) -> None:
         (mla_decode, "_mla_decode_rc_kernel"),
         (mla_decode, "_mla_merge_kernel"),
         (moe_router, "_topk_softmax_kernel"),
-        (moe_router, "_router_topk_softmax_kernel"),
         (mla_prefill, "_mla_prefill_kernel"),
         (mla_prep, "_mla_prep_kernel"),
     ]:
@@ -247,7 +246,6 @@ def _record_model_families() -> None:
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
-        moe_router.router_topk_softmax(torch.zeros(t, 2048, dtype=bf16), torch.zeros(128, 2048, dtype=bf16), 8, True)
     # The two-launch align of prefill-sized steps (PAGEDLLM_MOE_ALIGN_ROWS), 8192 tokens x 8.
     fused_moe.moe_align_block_size_rows((torch.arange(8192 * 8, dtype=torch.int32) % 128).view(8192, 8), 128, 128)
     # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).
@@ -351,14 +349,6 @@ def _record_gemv() -> None:
     # at m=4 on the tensor-core path. Weights are left untouched (torch.zeros is lazily mapped).
     for m, n, k in [(1, 4096, 1024), (2, 28672, 4096), (4, 1024, 3072), (8, 1024, 2048), (4, 151936, 1024)]:
         gemv.skinny_linear(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
-    # The row-blocked decode GEMM (PAGEDLLM_DECODE_GEMM): Qwen3-30B-A3B's o_proj at 256 rows (4 K splits).
-    decode_gemm, gemv._DECODE_GEMM = gemv._DECODE_GEMM, True
-    try:
-        cfg = gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16)
-    finally:
-        gemv._DECODE_GEMM = decode_gemm
-    gemv.skinny_linear(torch.zeros(256, 4096, dtype=torch.bfloat16), torch.zeros(2048, 4096, dtype=torch.bfloat16),
-                       config=cfg)
 
 
 _JOBS: list = []  # (kernel, signature, constexprs, attrs, options): one per distinct compiled kernel

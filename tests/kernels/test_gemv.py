@@ -64,38 +64,6 @@ def test_split_k_counters_reset_and_deterministic(device):
     assert not gemv._workspaces[x.device][1].any()
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_row_blocks_past_max_m(device, split_k):
-    # Decode GEMMs of more than MAX_M rows with a config's BLOCK_M: row blocks as a third program axis
-    # (40 rows in 16-row blocks, the last ragged), each (row block, N-block) with its own split-K counter.
-    x, w, b = _inputs(40, 37, 100, torch.float32, device, bias=True)
-    cfg = GemvConfig(16, 16, split_k, 4, 2, True, BLOCK_M=16)
-    torch.testing.assert_close(skinny_linear(x, w, b, config=cfg), skinny_linear_ref(x, w, b), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(skinny_linear(x, w, b, config=cfg), skinny_linear_ref(x, w, b), atol=1e-5, rtol=1e-5)
-    if split_k > 1:
-        assert not gemv._workspaces[x.device][1].any()
-
-
-def test_decode_gemm_config_rule(monkeypatch, device):
-    # Off by default (PAGEDLLM_DECODE_GEMM); on: 64 x 128 tiles and K split toward two programs an SM,
-    # each split at least 512 deep, for 17..512 rows of a 16-bit weight of >= 256K elements.
-    assert gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16) is None
-    monkeypatch.setattr(gemv, "_DECODE_GEMM", True)
-    o_proj = gemv.decode_gemm_config(256, 2048, 4096, torch.bfloat16)
-    assert (o_proj.BLOCK_M, o_proj.BLOCK_N, o_proj.BLOCK_K, o_proj.SPLIT_K, o_proj.USE_DOT) == (64, 128, 64, 4, True)
-    assert gemv.decode_gemm_config(256, 5120, 2048, torch.bfloat16).SPLIT_K == 1  # 160 tiles already
-    assert gemv.decode_gemm_config(256, 128, 2048, torch.bfloat16).SPLIT_K == 4  # K 2048: 512 deep at least
-    for m, n, k, dtype in [(16, 2048, 4096, torch.bfloat16), (513, 2048, 4096, torch.bfloat16),
-                           (256, 2048, 4096, torch.float32), (256, 64, 64, torch.bfloat16), (256, 2048, 4000, torch.float16),
-                           (256, 151936, 2048, torch.bfloat16)]:  # an LM head: cuBLAS fills the GPU
-        assert gemv.decode_gemm_config(m, n, k, dtype) is None, (m, n, k, dtype)
-    # Its config computes the product (fp32 here: the interpreter's bf16 dots are wrong) at a ragged row count.
-    x, w, b = _inputs(70, 256, 1024, torch.float32, device, bias=True)
-    cfg = gemv.decode_gemm_config(70, 256, 1024, torch.bfloat16)
-    assert cfg.SPLIT_K == 2
-    torch.testing.assert_close(skinny_linear(x, w, b, config=cfg), skinny_linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
-
-
 def test_default_config_and_strided_inputs(device):
     # A column slice of x (row stride 130) and rows of a bigger weight, through gemv_config's choice.
     x_full, w_full, _ = _inputs(2, 80, 130, torch.bfloat16, device, bias=False)

@@ -43,22 +43,3 @@ def test_fused_shared_experts_are_appended_at_weight_one(renormalize, scale):
     assert ref_ids[:, :6].equal(plain_ids) and (ref_ids[:, 6:] == torch.tensor([64, 65], dtype=torch.int32)).all()
     assert ref_w[:, :6].equal(plain_w) and (ref_w[:, 6:] == 1.0).all()
     torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("t, e, top_k, hidden, renormalize, scale, dtype", [
-    (37, 128, 8, 256, True, 1.0, torch.float32),   # Qwen3-30B-A3B's routing, 3 token blocks
-    (5, 8, 2, 64, True, 1.0, torch.float32),       # Mixtral's
-    (20, 60, 4, 96, False, 2.5, torch.float16),    # experts not a power of two; hidden past one K tile
-])
-def test_router_gemm_and_topk_in_one_kernel_match_the_two_steps(t, e, top_k, hidden, renormalize, scale, dtype):
-    from pagedllm.kernels.moe_router import router_topk_softmax
-
-    g = torch.Generator().manual_seed(t)
-    x = torch.randn(t, hidden, generator=g).to(dtype).to(DEVICE)
-    w = (torch.randn(e, hidden, generator=g) * 0.1).to(dtype).to(DEVICE)
-    weights, ids = router_topk_softmax(x, w, top_k, renormalize, scale)
-    # The two steps it replaces: the gate's logits in x's dtype, then the routing.
-    logits = torch.nn.functional.linear(x.cpu().float(), w.cpu().float()).to(dtype)
-    ref_w, ref_ids = select_experts(logits, top_k, renormalize, routed_scaling_factor=scale)
-    assert ids.cpu().equal(ref_ids)
-    torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-5, rtol=1e-4)

@@ -2,7 +2,9 @@
 unconstrained text.
 
 Tool calling and structured outputs are served (structured_fields.py, serving_chat.py); what is
-left here are the deprecated function-calling fields.
+left here are the deprecated function-calling fields, and OpenAI's output modalities other than text
+(audio answers, web search): a client that asks for them would read a text-only answer as if it had
+what it asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ UNBUILT_FIELDS: dict[str, str] = {
     "functions": _WHY,
     "function_call": _WHY,
     "structural_tag": "give it as response_format {\"type\": \"structural_tag\", ...} or structured_outputs",
+    "audio": "this server answers in text only (no audio output)",
+    "modalities": "this server answers in text only: give [\"text\"] or leave it out",
+    "web_search_options": "this server has no web search (give retrieved text in the messages)",
 }
 
 
@@ -29,6 +34,8 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
     if name == "tool_choice" and value == "none":
         return True
     if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+        return True
+    if name == "modalities" and value == ["text"]:
         return True
     return name == "parallel_tool_calls"  # meaningless without tools, which are refused
 

@@ -35,12 +35,7 @@ from pagedllm.layers.tp import (
 from pagedllm.layers.utils import check_shape, divide
 from pagedllm.quantization.base import QuantizationConfig
 
-# Read once at import: PAGEDLLM_FUSED_ROUTER=1 runs the router GEMM and the top-k as one kernel (forward_gate).
-_FUSED_ROUTER = kernel_switches().fused_router
 _SUM_IN_NORM = kernel_switches().moe_sum_in_norm  # PAGEDLLM_MOE_SUM_IN_NORM=0: the top-k sum as its own kernel
-# Larger steps keep the two: each of the fused kernel's 16-token programs reads the whole router
-# weight (Qwen3-30B-A3B: 512 KB) from L2, which at prefill sizes outweighs one GEMM's launch.
-FUSED_ROUTER_MAX_TOKENS = 1024
 # Checkpoint projection -> (our parameter, shard): w1 = gate, w3 = up, w2 = down.
 _SHARDS = ("w1", "w2", "w3")
 
@@ -148,7 +143,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, sum_topk: bool = True) -> torch.Tensor:
         """hidden_states (T, hidden), router_logits (T, E) -> (T, hidden), summed over ranks. sum_topk=False
         (only where `can_leave_topk_unsummed`): the (T, top_k + shared, hidden) expert outputs unsummed,
-        for the next residual add + RMSNorm to sum (DeepSeek's blocks, as forward_gate's for Qwen's)."""
+        for the next residual add + RMSNorm to sum (Qwen2/3-MoE, Mixtral and DeepSeek blocks)."""
         if not sum_topk and not self.can_leave_topk_unsummed(hidden_states):
             raise ValueError(f"{self}: the top-k outputs can be left unsummed only on one CUDA rank and stage, "
                              "with unquantized experts")
@@ -156,11 +151,6 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
             self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor, self.num_fused_shared_experts,
         )
-        return self._run_experts(hidden_states, topk_weights, topk_ids, sum_topk)
-
-    def _run_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     sum_topk: bool) -> torch.Tensor:
-        """The experts on routed tokens: summed (and all-reduced over ranks), or left unsummed."""
         if not sum_topk:
             from pagedllm.kernels.fused_moe import fused_experts
 
@@ -172,39 +162,13 @@ class FusedMoE(nn.Module):
         return out
 
     def can_leave_topk_unsummed(self, hidden_states: torch.Tensor) -> bool:
-        """Whether forward_gate(..., sum_topk=False) may hand back the top-k outputs unsummed: the
+        """Whether forward(..., sum_topk=False) may hand back the top-k outputs unsummed: the
         dense experts on CUDA, one tensor-parallel rank (the sum must come before an all-reduce) and
         one pipeline stage (stage hand-offs have (T, hidden) buffers)."""
         from pagedllm.distributed.parallel_state import get_pp_group
 
         return (_SUM_IN_NORM and hidden_states.is_cuda and self.tp_size == 1
                 and type(self.quant_method) is UnquantizedFusedMoEMethod and get_pp_group().world_size == 1)
-
-    def forward_gate(self, hidden_states: torch.Tensor, gate: nn.Module, sum_topk: bool = True) -> torch.Tensor:
-        """forward(hidden_states, gate(hidden_states)); with PAGEDLLM_FUSED_ROUTER=1 the router's GEMM
-        and the softmax top-k as one kernel where they can be (`router_topk_softmax`: CUDA, a 16-bit
-        unquantized bias-free gate, plain softmax routing, no fused shared experts, at most
-        FUSED_ROUTER_MAX_TOKENS tokens). sum_topk=False (only where `can_leave_topk_unsummed`): the
-        (T, top_k, hidden) expert outputs unsummed, for the next residual add + RMSNorm to sum."""
-        from pagedllm.quantization.base import UnquantizedLinearMethod
-
-        if not sum_topk and not self.can_leave_topk_unsummed(hidden_states):
-            raise ValueError(f"{self}: the top-k outputs can be left unsummed only on one CUDA rank and stage, "
-                             "with unquantized experts")
-
-        weight = getattr(gate, "weight", None)
-        if not (_FUSED_ROUTER and hidden_states.is_cuda and weight is not None and getattr(gate, "bias", None) is None
-                and isinstance(getattr(gate, "quant_method", None), UnquantizedLinearMethod)
-                and hidden_states.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden_states.dtype
-                and self.scoring_func == "softmax" and self.e_score_correction_bias is None
-                and (self.num_expert_group or 1) <= 1 and not self.num_fused_shared_experts
-                and weight.shape[0] <= 256 and hidden_states.shape[0] <= FUSED_ROUTER_MAX_TOKENS):
-            return self.forward(hidden_states, gate(hidden_states), sum_topk)
-        from pagedllm.kernels.moe_router import router_topk_softmax
-
-        topk_weights, topk_ids = router_topk_softmax(hidden_states, weight, self.top_k, self.renormalize,
-                                                     self.routed_scaling_factor)
-        return self._run_experts(hidden_states, topk_weights, topk_ids, sum_topk)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "

@@ -72,7 +72,8 @@ def test_tokens_as_token_ids_and_forced_usage(client):
 # test_tool_calling.py); OpenAI's deprecated function-calling fields are still refused by name.
 @pytest.mark.parametrize("field,value", [
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
-    ("structural_tag", '{"type": "structural_tag"}'),
+    ("structural_tag", '{"type": "structural_tag"}'), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]), ("web_search_options", {"search_context_size": "low"}),
 ])
 def test_unbuilt_fields_are_refused_by_name(client, field, value):
     r = chat(client, **{field: value})
@@ -81,7 +82,8 @@ def test_unbuilt_fields_are_refused_by_name(client, field, value):
 
 
 def test_fields_that_ask_for_nothing_pass(client):
-    assert chat(client, response_format={"type": "text"}, tool_choice="none").status_code == 200
+    assert chat(client, response_format={"type": "text"}, tool_choice="none",
+                modalities=["text"]).status_code == 200
 
 
 def test_bad_words_and_allowed_token_ids_and_truncation(client, tiny_tokenizer):
