@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.rmsnorm import add_residual_rms_norm
+
 __all__ = ["quantize_activation_triton", "rms_norm_quant", "rms_norm_quant_ref", "scale_epilogue", "silu_and_mul_quant",
            "silu_and_mul_quant_ref"]
 
@@ -166,7 +168,7 @@ def _rms_norm_quant_kernel(
     QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IN_SCALES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One program per row; the arithmetic of rmsnorm._rms_norm_kernel, then the quantizer's. IN_SCALES: x is
+    # One program per row; the arithmetic of rmsnorm._rms_norm_kernel (add_residual_rms_norm), then the quantizer's. IN_SCALES: x is
     # a ScaledOutput's unscaled sums, scaled here by the row's and the columns' scales and rounded to the
     # activation dtype, as kernels/scaled_mm.materialize would store it.
     row = tl.program_id(0).to(tl.int64)
@@ -178,14 +180,9 @@ def _rms_norm_quant_kernel(
     if IN_SCALES:
         cs = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
         x = (x * tl.load(row_scale_ptr + row) * cs).to(act_dtype).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(residual_out_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
-        x = summed.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rstd * w).to(act_dtype).to(tl.float32)  # the normed activation as the unfused norm stores it
+    y = add_residual_rms_norm(x, row, cols, mask, residual_ptr, residual_out_ptr, weight_ptr, stride_r, stride_ro,
+                              hidden, eps, HAS_RESIDUAL)
+    y = y.to(act_dtype).to(tl.float32)  # the normed activation as the unfused norm stores it
     _quant_store_row(y, mask, xq_ptr + row * stride_q, scale_ptr, row, QMAX, IS_INT)
 
 

@@ -18,6 +18,23 @@ _MAX_HIDDEN = 65536  # one program holds a whole row in registers
 
 
 @triton.jit
+def add_residual_rms_norm(x, row, cols, mask, residual_ptr, residual_out_ptr, weight_ptr, stride_r, stride_ro,
+                          hidden, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row's (residual add +) RMSNorm in fp32, the part `_rms_norm_kernel` and the norm + quantize
+    kernel (kernels/quant_act.py) share: x (BLOCK,) fp32 -> x * rsqrt(mean(x^2) + eps) * w (fp32,
+    unrounded). HAS_RESIDUAL: x + residual[row] is rounded to the residual's dtype, stored as the new
+    residual and normalised instead."""
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x * rstd * w
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # (rows, hidden)
     residual_ptr,  # (rows, hidden); only read when HAS_RESIDUAL
@@ -44,14 +61,9 @@ def _rms_norm_kernel(
         for j in tl.static_range(PARTS):
             x += tl.load(x_ptr + (row * PARTS + j) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(residual_out_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
-        x = summed.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = add_residual_rms_norm(x, row, cols, mask, residual_ptr, residual_out_ptr, weight_ptr, stride_r, stride_ro,
+                              hidden, eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
