@@ -31,6 +31,41 @@ async def wait_until(pred, timeout: float = 20.0) -> bool:
     return True
 
 
+async def start_in_flight(http: httpx.AsyncClient, server, body: dict) -> list[asyncio.Task]:
+    """3 streams and 2 non-streaming requests of `body`, returned once all 5 run (each stream has its
+    first chunk): the streams' tasks give (status, events, done), the others the responses."""
+    url = server.url("/v1/completions")
+    started = [asyncio.Event() for _ in range(3)]
+
+    async def stream(i: int):
+        async with http.stream("POST", url, json={**body, "stream": True}) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if line.startswith("data: {"):
+                    started[i].set()
+            return r.status_code, *parse_sse(lines)
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(3)]
+    tasks += [asyncio.create_task(http.post(url, json=body)) for _ in range(2)]
+
+    async def all_running() -> bool:
+        m = await asyncio.to_thread(server.metrics)
+        running = m.get(("vllm:num_requests_running", ()), m.get(("pagedllm:num_requests_running", ())))
+        return running == 5 and all(e.is_set() for e in started)
+
+    assert await wait_until(all_running)
+    return tasks
+
+
+async def wait_draining(http: httpx.AsyncClient, server) -> bool:
+    """Whether /health turns 503 (the server is draining) within 5 s."""
+    async def draining() -> bool:
+        return (await http.get(server.url("/health"))).status_code == 503
+
+    return await wait_until(draining, 5)
+
+
 def run_with_sigterm(server, max_tokens: int) -> dict:
     """3 streams and 2 non-streaming requests; SIGTERM once they all run; then probe the server."""
     out: dict = {}
@@ -39,32 +74,10 @@ def run_with_sigterm(server, max_tokens: int) -> dict:
         async with httpx.AsyncClient(timeout=120) as http:
             url = server.url("/v1/completions")
             body = {"model": MODEL, "prompt": "drain me", "max_tokens": max_tokens, "ignore_eos": True}
-            started = [asyncio.Event() for _ in range(3)]
-
-            async def stream(i: int):
-                async with http.stream("POST", url, json={**body, "stream": True}) as r:
-                    lines = []
-                    async for line in r.aiter_lines():
-                        lines.append(line)
-                        if line.startswith("data: {"):
-                            started[i].set()
-                    return r.status_code, *parse_sse(lines)
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(3)]
-            tasks += [asyncio.create_task(http.post(url, json=body)) for _ in range(2)]
-
-            async def all_running() -> bool:
-                m = await asyncio.to_thread(server.metrics)
-                return m[("vllm:num_requests_running", ())] == 5 and all(e.is_set() for e in started)
-
-            assert await wait_until(all_running)
+            tasks = await start_in_flight(http, server, body)
             server.proc.send_signal(signal.SIGTERM)
             out["sigterm_at"] = time.monotonic()
-
-            async def draining() -> bool:
-                return (await http.get(server.url("/health"))).status_code == 503
-
-            assert await wait_until(draining, 5)
+            assert await wait_draining(http, server)
             out["health"] = await http.get(server.url("/health"))
             out["late"] = await http.post(url, json={**body, "max_tokens": 2})
             out["late_models"] = await http.get(server.url("/v1/models"))
@@ -124,34 +137,11 @@ def run_and_stop_now(server, signals: list[signal.Signals]) -> dict:
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=120) as http:
-            url = server.url("/v1/completions")
             body = {"model": MODEL, "prompt": "stop me", "max_tokens": 1900, "ignore_eos": True}
-            started = [asyncio.Event() for _ in range(3)]
-
-            async def stream(i: int):
-                async with http.stream("POST", url, json={**body, "stream": True}) as r:
-                    lines = []
-                    async for line in r.aiter_lines():
-                        lines.append(line)
-                        if line.startswith("data: {"):
-                            started[i].set()
-                    return r.status_code, *parse_sse(lines)
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(3)]
-            tasks += [asyncio.create_task(http.post(url, json=body)) for _ in range(2)]
-
-            async def all_running() -> bool:
-                m = await asyncio.to_thread(server.metrics)
-                running = m.get(("vllm:num_requests_running", ()), m.get(("pagedllm:num_requests_running", ())))
-                return running == 5 and all(e.is_set() for e in started)
-
-            assert await wait_until(all_running)
+            tasks = await start_in_flight(http, server, body)
             for i, sig in enumerate(signals):
                 if i:
-                    async def draining() -> bool:
-                        return (await http.get(server.url("/health"))).status_code == 503
-
-                    assert await wait_until(draining, 5)
+                    assert await wait_draining(http, server)
                 server.proc.send_signal(sig)
             out["signal_at"] = time.monotonic()
             results = await asyncio.gather(*tasks)
