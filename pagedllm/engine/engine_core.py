@@ -97,7 +97,8 @@ class EngineCore:
         # Async scheduling, constrained rows whose grammars are active: the step samples with its
         # launch and the device waits for the bitmask (structured_output/gate.py); needs the runner
         # in this process (it reads the gate's host memory). Opt-in (PAGEDLLM_GRAMMAR_GATE=1): on the H200 a
-        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48).
+        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48); the
+        # cause (the wait queued before its job was posted, _step_gated) is fixed, not yet run on a GPU (h52).
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
                               and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is True)
         self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)

@@ -437,9 +437,11 @@ class StructuredOutputManager:
             wait()
 
     def fail_over(self) -> list[str]:
-        """The grammar workers failed (GrammarBackendError): every constrained request is dropped here
-        and returned (the engine core finishes them as aborted: their grammars were in the workers), the
-        worker processes ended, and constrained requests from now on get the in-process bitmask thread.
+        """The grammar workers failed (GrammarBackendError), or a gate was forced open (a dead or stuck
+        filler, the bitmask thread's too): every constrained request is dropped here and returned (the
+        engine core finishes them as aborted: their grammars were in the workers, or in a thread that
+        may never return), the worker processes ended, and constrained requests from now on get a new
+        in-process bitmask thread.
         The failed backend's shared memory stays until `shutdown` (the step in flight may still read
         its bitmask and flag words: a gated copy on the device, a gated CPU step's sampling)."""
         ids = list(self.requests)
