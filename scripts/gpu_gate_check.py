@@ -5,6 +5,8 @@ order: the fill job is posted before the device wait is queued), then plain agai
     PYTHONPATH=$PWD python3 -u scripts/gpu_gate_check.py --model "$PEER_MODEL"          # the H200, ~90 s
     PYTHONPATH=$PWD python scripts/gpu_gate_check.py --device cpu --num-requests 8 --max-tokens 16 \\
         --first-tokens 16 --rounds 1 --sync-at-launch 20                                 # this CPU
+    # the cause's confirmation (a separate call): the pre-h52 order should hang in the first batch
+    PYTHONPATH=$PWD python3 -u scripts/gpu_gate_check.py --model "$PEER_MODEL" --old-order --first-timeout 20
 
 One engine in this process at the Qwen3-0.6B shape ($PEER_MODEL: SmolLM2's 49,152-token tokenizer, the
 Qwen3-0.6B config, dummy weights), async scheduling, gated sampling with grammar workers and their job
@@ -90,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "device's worst case), failing after this many seconds")
     ap.add_argument("--no-workers", action="store_true", help="the bitmask thread instead of grammar workers")
     ap.add_argument("--no-spin", action="store_true", help="the workers' jobs on their sockets, not their job areas")
+    ap.add_argument("--old-order", action="store_true",
+                    help="the pre-h52 order (the device wait queued with the forward, the job posted after the "
+                         "collect): expected to hang in the first constrained batch on a GPU, confirming the cause")
     ap.add_argument("--dry-run", action="store_true", help="parse, print the plan and exit")
     args = ap.parse_args(argv)
     if args.num_requests < 1 or args.num_requests > MAX_NUM_SEQS:
@@ -162,6 +167,21 @@ class Watch:
             os._exit(3)
 
 
+def step_gated_old_order(self, so, gate):
+    """EngineCore._step_gated as it was until h52 (--old-order): sampling, and with it the device wait,
+    launched with the forward; the step in flight collected and the job posted only after them."""
+    so.grammar_gate = gate
+    outputs = []
+    self.model_executor.execute_model(so)
+    pending = self.model_executor.sample_tokens(gate)
+    self.step_count += 1
+    if self.inflight is not None:
+        outputs = self._collect_inflight()
+    self.inflight = (so, pending)
+    self.structured_output_manager.submit_gate(gate)
+    return outputs
+
+
 def gate_state(core) -> dict:
     """What a hang's diagnosis needs: the flag words against the newest gate, the workers' state."""
     manager = core.structured_output_manager
@@ -226,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         gate_mod.GATE_TIMEOUT_S = args.gate_timeout
     if args.sync_at_launch is not None:
         gate_mod.SYNC_AT_LAUNCH_S = args.sync_at_launch
+    if args.old_order:
+        from pagedllm.engine.engine_core import EngineCore
+
+        EngineCore._step_gated = step_gated_old_order
+        say("# --old-order: the device wait is queued before the job is posted (pre-h52)")
     kwargs = dict(max_model_len=1024, seed=0, async_scheduling=True, max_num_seqs=MAX_NUM_SEQS)
     if args.model:
         kwargs.update(model=args.model, load_format="dummy")
