@@ -190,7 +190,7 @@ def gate_state(core) -> dict:
            "waiting_for_grammar": len(core.waiting_for_grammar), "constrained": len(manager.requests)}
     flags = manager._flags
     if flags is not None:
-        out.update(seq=flags.seq, words=flags.words.tolist(), failure=flags.failure)
+        out.update(seq=flags.seq, words=flags.words.tolist(), failure=getattr(flags, "failure", None))
     backend = manager._backend
     if backend is not None and getattr(backend, "remote", False):
         out["workers_alive"] = [p.poll() is None for p in backend._workers.procs]
