@@ -232,7 +232,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
     # with its launch and waits on the device for its bitmask. 1 on; unset or 0 off (the step samples in
     # a call of its own once its bitmask is filled). Opt-in: on the H200 a first constrained batch gated
-    # with grammar workers did not end, while runs after main's path did (BENCHMARKS.md, issue 22, h48).
+    # with grammar workers did not end, while runs after main's path did (BENCHMARKS.md, issue 22, h48); the
+    # cause found and fixed on the CPU (h52: the fill job is now posted before the device wait) awaits a GPU
+    # run of scripts/gpu_gate_check.py.
     "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
     # Grammar workers, gated jobs: 1 the engine writes each job into the worker's shared-memory area,
     # which the worker polls (one core each while constrained requests decode, then idle), instead of

@@ -97,7 +97,8 @@ class EngineCore:
         # Async scheduling, constrained rows whose grammars are active: the step samples with its
         # launch and the device waits for the bitmask (structured_output/gate.py); needs the runner
         # in this process (it reads the gate's host memory). Opt-in (PAGEDLLM_GRAMMAR_GATE=1): on the H200 a
-        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48).
+        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48); the
+        # cause (the wait queued before its job was posted, _step_gated) is fixed, not yet run on a GPU (h52).
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
                               and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is True)
         self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)
@@ -238,29 +239,37 @@ class EngineCore:
         return outputs
 
     def _step_gated(self, so: SchedulerOutput, gate: GrammarGate) -> list[EngineCoreOutput]:
-        """Launch forward and sampling of a gated step, collect the step in flight (its tokens
-        advance the grammars), and submit the bitmask job, whose filler opens the gate:
+        """Launch the forward of a gated step, collect the step in flight (its tokens advance the
+        grammars), submit the bitmask job, whose filler opens the gate, and only then launch the
+        step's sampling, which waits on the device for the gate:
 
-            step k:  schedule k | launch forward k + gate k + sample k | collect k-1 | submit fill k | return
-            filler:                                                                 [accept k-1, fill k] -> open k
+            step k:  schedule k | launch forward k | collect k-1 | submit fill k | launch gate k + sample k | return
+            filler:                                              [accept k-1, fill k] -> open k
             device:  ... forward k | (waits for gate k) | sample k | forward k+1 ...
 
-        The gate is opened whatever fails here (manager.submit_gate too), never left shut."""
+        Why the job goes before the wait (gate.py says more): once the wait is queued, a host call
+        that synchronizes the device (a kernel's first load, a cudaMalloc...) waits for the gate; with
+        the job not yet posted it would wait for a fill that this thread posts only after it: the
+        device and the host each waiting for the other, for good. Queued after the post, such a call
+        waits only for the fill. The gate is opened whatever fails here (manager.submit_gate too),
+        never left shut."""
         so.grammar_gate = gate
         outputs: list[EngineCoreOutput] = []
         try:
-            pending = self.model_executor.execute_model(so)
+            pending = self.model_executor.execute_model(so)  # None: its sampling waits for the call below
             self.step_count += 1
             if self.inflight is not None:
                 outputs = self._collect_inflight()
         except BaseException:
             gate.open()
             raise
-        self.inflight = (so, pending)  # kept whatever the job does: its step is launched
         try:
             self.structured_output_manager.submit_gate(gate)  # (opens the gate itself if it fails)
         except GrammarBackendError as e:
             self._grammar_failed(e)
+        if pending is None:
+            pending = self.model_executor.sample_tokens(gate)
+        self.inflight = (so, pending)
         return outputs
 
     def _sample_deferred(self) -> None:
@@ -327,7 +336,14 @@ class EngineCore:
         assert self.inflight is not None
         so, pending = self.inflight
         self.inflight = None
-        outputs = self.scheduler.update_from_output(so, pending.get())
+        result = pending.get()
+        gate = so.grammar_gate
+        if gate is not None and (why := self.structured_output_manager.gate_forced(gate)) is not None:
+            # A watchdog opened this step's gate before its rows were filled (gate.py): its constrained
+            # rows sampled under a stale bitmask. Their requests are aborted before the scheduler takes
+            # the step's tokens (it drops those of finished requests): no such token is emitted.
+            self._grammar_failed(GrammarBackendError(f"gated step {gate.seq}: {why}"))
+        outputs = self.scheduler.update_from_output(so, result)
         self.structured_output_manager.advance(outputs)  # the one place grammars advance
         return outputs
 

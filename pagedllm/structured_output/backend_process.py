@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedllm.structured_output import gate as gate_mod
 from pagedllm.structured_output.backend_types import (
     GrammarBackendError,
     StructuredOutputBackend,
@@ -58,7 +59,6 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 0.2  # gated sampling: how often the watchdog looks for a dead worker
-GATE_STUCK_S = 120.0  # gated sampling: a gate the workers leave shut this long is opened (an error)
 START_TIMEOUT_S = 120.0  # the worker imports torch and xgrammar: seconds on a loaded host
 NUM_BUFFERS = 2  # the manager's bitmasks, used in turn (manager._take_bitmask says why two)
 # The job channel: a job goes through the worker's area only while its spin deadline is this far
@@ -341,46 +341,58 @@ class ProcessBackend(StructuredOutputBackend):
 
     def watch_gates(self, flags: FlagWords) -> None:
         """Start the watchdog over the gates of `flags` (the manager's, on this backend's flag words).
-        Every WATCHDOG_PERIOD_S: once a worker is dead it opens every gate issued, and keeps doing so
-        until the backend is gone (the engine's next job raises); a gate still shut one period later gets its workers poked (a job
-        written into a job area as the worker stopped polling it runs then); one shut for
-        GATE_STUCK_S is opened and the next job raises (a worker alive but stuck must not stop
-        the device's stream for good)."""
+        Every WATCHDOG_PERIOD_S: once a worker is dead it forces every gate issued open
+        (`FlagWords.force_open`: the engine core aborts the constrained rows of those steps at their
+        collect), and keeps doing so until the backend is retired (the engine may issue more gates
+        before it notices); a gate still shut one period later gets its workers poked (a job written
+        into a job area as the worker stopped polling it runs then); when the workers fill nothing
+        for gate.GATE_TIMEOUT_S with a gate shut, they count as stuck, the same way (a worker alive
+        but stuck must not stop the device's stream for good, nor its unfilled rows be emitted)."""
         if self._watchdog is not None:
             return
         procs, finalizer, lanes = list(self._workers.procs), self._finalizer, list(self._lanes)
         state = self._watch  # not `self`: the thread must not keep the backend alive
 
         def watch() -> None:
-            shut_seq, since = 0, 0.0
+            filled, since = -1, 0.0  # the lowest worker word (the last gate filled), and since when
             while finalizer.alive and not state.retired:
                 if state.dead is None:
                     state.dead = next((code for p in procs if (code := p.poll()) is not None), None)
-                if state.dead is not None:
-                    # Every gate issued so far opened, again each period: until the engine's next job
-                    # raises (_check_gated), it may issue more (a job written into a dead worker's job
-                    # area raises nothing by itself).
-                    flags.open_all()
+                    if state.dead is not None:
+                        logger.error("gated sampling: a grammar worker exited (code %s); its gates are forced "
+                                     "open and their constrained requests aborted", state.dead)
+                if state.dead is not None or state.stuck:
+                    # Every gate issued so far opened, again each period: until the engine fails over
+                    # (retire) it may issue more (a job written into a dead worker's job area raises
+                    # nothing by itself).
+                    flags.force_open(flags.failure or f"the grammar worker exited (code {state.dead})")
                     time.sleep(WATCHDOG_PERIOD_S / 4)
                     continue
                 if flags.pending():
-                    seq, now = flags.seq, time.monotonic()
-                    if shut_seq != seq:
-                        shut_seq, since = seq, now
+                    low, now = int(flags.words[: flags.fillers].min()), time.monotonic()
+                    if low != filled:
+                        filled, since = low, now  # progress, or the first look at this shut gate
                     else:
                         for lane in lanes:
                             try:
                                 lane.send(("poke",))
                             except GrammarBackendError:
                                 pass  # exited: the next period opens the gates
-                        if now - since > GATE_STUCK_S:
-                            state.stuck = seq
-                            logger.error("gated sampling: the grammar workers left gate %d shut for %.0f s; "
-                                         "it is opened and the engine's next job raises", seq, now - since)
-                            flags.open_all()
+                        if now - since > gate_mod.GATE_TIMEOUT_S:
+                            state.stuck = low + 1
+                            reason = (f"the grammar workers did not fill gated step {low + 1} within "
+                                      f"{gate_mod.GATE_TIMEOUT_S:.0f} s")
+                            logger.error("gated sampling: %s; it is forced open and its constrained requests "
+                                         "aborted", reason)
+                            flags.force_open(reason)
+                            continue
                 time.sleep(WATCHDOG_PERIOD_S)
             if state.retired:
-                flags.open_all()  # nothing more fills them
+                # Nothing fills them any more (the workers are ended); a gate forced open stays so.
+                if flags.failure is not None:
+                    flags.force_open(flags.failure)
+                else:
+                    flags.open_all()
 
         self._watchdog = threading.Thread(target=watch, name="pagedllm-grammar-watchdog", daemon=True)
         self._watchdog.start()
@@ -552,7 +564,8 @@ class ProcessBackend(StructuredOutputBackend):
         if state.dead is not None:
             raise GrammarBackendError(f"the grammar worker exited (code {state.dead})")
         if state.stuck:
-            raise GrammarBackendError(f"the grammar workers did not fill gated step {state.stuck} within {GATE_STUCK_S:.0f} s")
+            raise GrammarBackendError(f"the grammar workers did not fill gated step {state.stuck} within "
+                                      f"{gate_mod.GATE_TIMEOUT_S:.0f} s")
         if any(self._errors):
             failed = [i for i, seq in enumerate(self._errors) if seq]
             for i in failed:

@@ -24,6 +24,23 @@ after the fill's last store (the flag is written after it; x86 stores reach the 
 and the buffer's next fill is two steps later, after that step's tokens were collected, i.e. after
 its copy ran. The step loop must open every gate it launched, whatever happens: a gate left shut
 stops the device's stream for good (engine_core.py opens it in a `finally`).
+
+The job is posted BEFORE the wait is queued (engine_core._step_gated: launch forward k, collect k-1,
+submit job k, only then queue wait k + sampling k). Once the wait is in the stream, any host call
+that synchronizes the device blocks until the gate opens, and the CUDA calls that may do so are
+not only the obvious ones: the first launch of a kernel (lazy module loading, CUDA's default, "may
+require context synchronization"), a cudaMalloc of the caching allocator's next segment, a pinned
+host allocation. The first gated sampling of an engine launches the Gumbel kernel's masked variant
+for the first time, and a batch whose rows join step by step asks new tensor sizes each step; with
+the wait queued before the job was posted, such a call waited for a fill that only the same thread
+would post later: the hang of h48's round 2 (BENCHMARKS.md, issue 22, h52). Posted first, the fill
+runs without this thread (a worker process, or the bitmask thread, which gets the GIL: the CUDA
+calls release it), so a synchronizing call only waits for it.
+
+A gate its filler leaves shut for GATE_TIMEOUT_S (a dead or stuck worker, a stuck bitmask thread) is
+forced open by a watchdog (`FlagWords.force_open`): the device samples with whatever the buffer
+holds, so the step's constrained rows are not to be trusted; `GrammarGate.forced()` says so, and the
+engine core aborts those requests at that step's collect (their tokens dropped, never emitted).
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +58,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 HOST_WAIT_TIMEOUT_S = 120.0  # a CPU step's wait for its bitmask: a hung filler is an error, not a hang
+# A gate shut this long is forced open (its constrained rows then aborted): far above any fill (~1-3 ms
+# a step) and a worker's wait for its own compile of a grammar the engine has compiled (seconds).
+GATE_TIMEOUT_S = 30.0
+WATCH_PERIOD_S = 0.2  # how often the bitmask thread's watchdog looks at the gates
+# The CPU's stand-in for the device's worst case (tests): a gated CPU step then waits for its gate
+# at its sampling launch (engine_core calls sample_tokens), as the sampling launch may synchronize
+# the device there (see above), instead of when its tokens are first needed; its wait fails after
+# this many seconds. With the wait queued before the job was posted it always failed.
+SYNC_AT_LAUNCH_S: float | None = None
 CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0
 
 
@@ -58,15 +85,24 @@ class GrammarGate:
     seq: int
     device_flags: int | None = None  # the flags' device address (CUDA), from FlagWords
     opened: bool = field(default=False)
+    source: FlagWords | None = None  # the FlagWords that issued it (None: a gate made by hand)
 
     def open(self) -> None:
         """Let the step sample with whatever the buffer holds (the fillers open it themselves; the
-        step loop calls this only to release a gate whose job failed)."""
-        self.flags[:] = self.seq
+        step loop calls this only to release a gate whose job failed or was never posted)."""
+        if self.source is not None:
+            self.source.raise_words(self.flags, self.seq)
+        else:
+            self.flags[:] = self.seq
         self.opened = True
 
     def is_open(self) -> bool:
         return bool((self.flags.astype(np.int64) >= self.seq).all())
+
+    def forced(self) -> bool:
+        """Whether a watchdog opened it before its fillers had filled its rows: the step's constrained
+        rows sampled under an unfilled (stale) bitmask and must not be emitted."""
+        return self.source is not None and self.source.was_forced(self.seq)
 
 
 class FlagWords:
@@ -86,6 +122,12 @@ class FlagWords:
         self.fillers, self.combined = fillers, combined
         self.seq = 0
         self.device_address: int | None = None
+        # In-process writers (the bitmask thread, the watchdog, the step loop) raise words under this
+        # lock, never lower them: a late fill's store must not shut a gate a watchdog forced open.
+        self.lock = threading.Lock()
+        # force_open: gates with seq > forced_after were opened unfilled; failure says why.
+        self.forced_after: int | None = None
+        self.failure: str | None = None
         if device is not None and device.type == "cuda":
             self.device_address = device_pointer(memory.data_ptr())
 
@@ -102,16 +144,70 @@ class FlagWords:
         if combined and self.combined is not None:
             c = self.combined
             return GrammarGate(request_ids, bitmask, self.words[c:c + 1], self.next_seq(),
-                               None if address is None else address + 4 * c)
-        return GrammarGate(request_ids, bitmask, self.words[: self.fillers], self.next_seq(), address)
+                               None if address is None else address + 4 * c, source=self)
+        return GrammarGate(request_ids, bitmask, self.words[: self.fillers], self.next_seq(), address, source=self)
+
+    def raise_words(self, words: np.ndarray, seq: int) -> None:
+        """words (a view of these flags) raised to seq, none lowered (the in-process writers' store)."""
+        with self.lock:
+            np.maximum(words, seq, out=words)
 
     def pending(self) -> bool:
         """A gate issued whose fillers have not all raised their words yet."""
         return self.seq > 0 and int(self.words[: self.fillers].min()) < self.seq
 
     def open_all(self) -> None:
-        """Every gate issued so far open (the watchdog's, for fillers that died or stuck)."""
-        self.words[:] = self.seq
+        """Every gate issued so far open (after the fillers were ended: nothing fills them any more)."""
+        with self.lock:
+            self.words[:] = self.seq
+
+    def force_open(self, reason: str) -> None:
+        """A watchdog's: every gate issued so far opened although its fillers may not have filled it
+        (dead, stuck). The first call records which gates were not filled (those above the lowest
+        filler word: the fillers raise their words after their rows) and why, before any word moves,
+        so that whoever sees a forced gate open also sees it marked. Later calls only open again."""
+        with self.lock:
+            if self.forced_after is None:
+                self.forced_after = int(self.words[: self.fillers].min())
+                self.failure = reason
+            self.words[:] = self.seq
+
+    def was_forced(self, seq: int) -> bool:
+        return self.forced_after is not None and seq > self.forced_after
+
+
+class GateWatchdog:
+    """The bitmask thread's watchdog (the grammar workers have their own: backend_process.watch_gates):
+    a gate left shut GATE_TIMEOUT_S is forced open, and every gate issued after it too until `stop`
+    (the engine core aborts their constrained rows and fails the thread over to a new one)."""
+
+    def __init__(self, flags: FlagWords, filler: str = "the bitmask thread") -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(flags, filler, self._stop),
+                                        name="pagedllm-gate-watchdog", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _watch(flags: FlagWords, filler: str, stop: threading.Event) -> None:
+        filled, since = -1, 0.0  # the lowest filler word (the last gate filled), and since when
+        while not stop.wait(WATCH_PERIOD_S):
+            if flags.failure is not None:
+                flags.force_open(flags.failure)  # gates issued since: open them too
+                continue
+            if not flags.pending():
+                continue
+            low, now = int(flags.words[: flags.fillers].min()), time.monotonic()
+            if low != filled:
+                filled, since = low, now  # progress (or the first look at this shut gate)
+            elif now - since > GATE_TIMEOUT_S:
+                reason = f"{filler} did not fill gated step {low + 1} within {GATE_TIMEOUT_S:.0f} s"
+                logger.error("gated sampling: %s; it is forced open and its constrained requests aborted", reason)
+                flags.force_open(reason)
+        if flags.failure is not None:
+            flags.force_open(flags.failure)  # stopped after a failure: nothing fills these gates any more
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 # -- CUDA -----------------------------------------------------------------------------------------

@@ -30,9 +30,11 @@ sums the gated jobs' times since the last "stats"). A slot is the engine's numbe
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import mmap
 import os
+import signal
 import socket
 import sys
 import time
@@ -290,6 +292,9 @@ class GrammarWorker:
 
 
 def main() -> None:
+    # SIGUSR1 prints every thread's stack to stderr (the engine's): a hang's diagnosis
+    # (scripts/gpu_gate_check.py's watchdog sends it), without stopping the worker.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     fd = int(sys.argv[1])
     logging.basicConfig(level=int(sys.argv[2]) if len(sys.argv) > 2 else logging.WARNING,
                         format="%(asctime)s %(levelname)s [grammar worker] %(name)s: %(message)s")

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm import envs
-from pagedllm.structured_output.backend_types import StructuredOutputBackend
+from pagedllm.structured_output.backend_types import GrammarBackendError, StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.fill_thread import FillThread
-from pagedllm.structured_output.gate import FlagWords, GrammarGate
+from pagedllm.structured_output.gate import FlagWords, GateWatchdog, GrammarGate
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -111,6 +111,7 @@ class StructuredOutputManager:
         self._remote = False  # the backend is the grammar worker process (backend_process.py)
         # Gated sampling (gate.py): the flag words, and the last gated job (waited for before the next job).
         self._flags: FlagWords | None = None
+        self._gate_watchdog: GateWatchdog | None = None  # the bitmask thread's (the workers have theirs)
         self._gate_job: Callable[[], None] | None = None
         # Gated, bitmask thread: the batch accept on the thread before the fill, not in the step
         # loop. The thread needs the GIL between the two C++ calls, which a busy step loop gives up
@@ -336,7 +337,17 @@ class StructuredOutputManager:
                 self._flags = FlagWords(torch.zeros(1, dtype=torch.int32, pin_memory=cuda), device)
             if self._remote:
                 backend.watch_gates(self._flags)
+            else:
+                self._gate_watchdog = GateWatchdog(self._flags)
         return self._flags
+
+    def gate_forced(self, gate: GrammarGate) -> str | None:
+        """Why `gate` was forced open unfilled (a watchdog's: its fillers died or stuck), if it was and
+        its flags are still this manager's (after fail_over its constrained requests are aborted already)."""
+        flags = self._flags
+        if flags is None or gate.source is not flags or not gate.forced():
+            return None
+        return flags.failure or "a gate was forced open"
 
     def submit_gate(self, gate: GrammarGate) -> None:
         """After the step in flight was collected (its tokens queued by `advance`): feed the queued
@@ -345,6 +356,11 @@ class StructuredOutputManager:
         or free). If anything here fails, the gate is opened before the error propagates: a shut
         gate would stop the device's stream for good."""
         try:
+            if gate.source is not self._flags:
+                # Issued before a fail_over (in this very step, by the collect's): its requests are
+                # aborted and nothing will fill it; opened so that the step's sampling can run.
+                gate.open()
+                return
             if self._gate_job is not None:
                 self._wait_gate_job()
             requests, bitmask = self.requests, gate.bitmask
@@ -385,7 +401,7 @@ class StructuredOutputManager:
                 self._gate_layout = (self._layout_version, list(gate.request_ids), layout) if full else None
                 return
             fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
-            words, seq = gate.flags, gate.seq
+            flags, words, seq = self._flags, gate.flags, gate.seq
 
             def fill_and_open() -> None:
                 try:
@@ -396,7 +412,9 @@ class StructuredOutputManager:
                     if grammars:
                         fill()
                 finally:
-                    words[0] = seq  # after the fill's stores: the device may copy the rows now
+                    # After the fill's stores: the device may copy the rows now. Raised, never lowered
+                    # (a watchdog may have forced it further meanwhile).
+                    flags.raise_words(words, seq)
 
             if self._fill_thread is None:
                 self._fill_thread = FillThread()
@@ -410,13 +428,20 @@ class StructuredOutputManager:
         """The last gated job's end before another job uses the thread or the grammars (the thread's
         return; for the grammar workers, which send no reply, their error words), re-raising its error."""
         wait, self._gate_job = self._gate_job, None
+        flags = self._flags
+        if flags is not None and flags.failure is not None:
+            # A watchdog forced a gate open: the filler is dead or stuck (a stuck bitmask thread's
+            # wait would never return), so its job is not waited for; the caller fails over.
+            raise GrammarBackendError(f"gated sampling: {flags.failure}")
         if wait is not None:
             wait()
 
     def fail_over(self) -> list[str]:
-        """The grammar workers failed (GrammarBackendError): every constrained request is dropped here
-        and returned (the engine core finishes them as aborted: their grammars were in the workers), the
-        worker processes ended, and constrained requests from now on get the in-process bitmask thread.
+        """The grammar workers failed (GrammarBackendError), or a gate was forced open (a dead or stuck
+        filler, the bitmask thread's too): every constrained request is dropped here and returned (the
+        engine core finishes them as aborted: their grammars were in the workers, or in a thread that
+        may never return), the worker processes ended, and constrained requests from now on get a new
+        in-process bitmask thread.
         The failed backend's shared memory stays until `shutdown` (the step in flight may still read
         its bitmask and flag words: a gated copy on the device, a gated CPU step's sampling)."""
         ids = list(self.requests)
@@ -427,6 +452,12 @@ class StructuredOutputManager:
             old, self._backend, self._remote = self._backend, None, False
             self._workers_failed = True
         self._flags = None
+        self._stop_gate_watchdog()
+        if self._fill_thread is not None:
+            # A busy thread may be the stuck filler: left to itself (a daemon), later jobs get a new one.
+            if not self._fill_thread.busy:
+                self._fill_thread.close()
+            self._fill_thread = None
         self._bitmasks, self._bitmask_views = [], []
         if old is not None:
             retire = getattr(old, "retire", None)
@@ -435,7 +466,13 @@ class StructuredOutputManager:
             self._retired.append(old)  # shut down with the engine: a step in flight may read its memory
         return ids
 
+    def _stop_gate_watchdog(self) -> None:
+        if self._gate_watchdog is not None:
+            self._gate_watchdog.stop()  # (after a failure it forces the gates open once more)
+            self._gate_watchdog = None
+
     def shutdown(self) -> None:
+        self._stop_gate_watchdog()
         if self._gate_job is not None:
             try:
                 self._wait_gate_job()

@@ -63,6 +63,7 @@ class ModelRunner:
         self._gate_mask: torch.Tensor | None = None
         self._gate_pinned: set[int] = set()  # host bitmask addresses found pinned
         self._gated_cpu: _GatedCpuSample | None = None
+        self._gated_prep: tuple | None = None  # the deferred gated step's _prepare_gated, for sample_tokens(gate)
         self.gate_waits: dict[str, int] = {}  # which device wait each gated step used (counts)
 
     def make_graph_runner(self, tuning: bool = True) -> CudaGraphRunner | None:
@@ -199,7 +200,11 @@ class ModelRunner:
             return PendingOutput(self.step_id, inp.req_ids, [], None, None, [])
         logits = self.model.compute_logits(hidden)
         if so.grammar_gate is not None:
-            return self._sample_gated(inp, logits, so.grammar_gate)
+            # Gated: the sampling is launched by sample_tokens(gate), once the engine core has posted
+            # the gate's fill (engine_core._step_gated says why); its host work is done here.
+            self._deferred = (inp, logits)
+            self._gated_prep = self._prepare_gated(inp, logits, so.grammar_gate)
+            return None
         if so.has_structured_output_requests:
             # The grammar bitmask needs the tokens of the step in flight: the caller collects it
             # (while this forward runs) and then calls sample_tokens.
@@ -208,10 +213,15 @@ class ModelRunner:
         return self._sample(inp, logits, None)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
-        """Sample the step `execute_model` left unsampled (it returned None), under the grammar bitmask."""
+    def sample_tokens(self, grammar_output: GrammarOutput | GrammarGate | None) -> PendingOutput:
+        """Sample the step `execute_model` left unsampled (it returned None), under the grammar bitmask;
+        a GrammarGate (gated sampling): under the bitmask its fillers fill, waiting on the device."""
         assert self._deferred is not None, "sample_tokens without a deferred step"
         (inp, logits), self._deferred = self._deferred, None
+        if isinstance(grammar_output, GrammarGate):
+            prep, self._gated_prep = self._gated_prep, None
+            assert prep is not None and prep[0] is grammar_output, "sample_tokens with another step's gate"
+            return self._sample_gated(inp, logits, prep)
         return self._sample(inp, logits, grammar_output)
 
     def _sampling_metadata(self, inp: StepInputs, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -245,19 +255,14 @@ class ModelRunner:
         self._smd_cache = None if smd.min_tokens else (key, smd)
         return smd
 
-    def _sample_gated(self, inp: StepInputs, logits: torch.Tensor, gate: GrammarGate) -> PendingOutput:
-        """Sample a gated step now, in stream order: wait for its flag words on the device, copy its
-        bitmask rows up, sample under them (structured_output/gate.py). On the CPU the same, when
-        the step's output or tokens are first needed (`_GatedCpuSample`)."""
+    def _prepare_gated(self, inp: StepInputs, logits: torch.Tensor, gate: GrammarGate) -> tuple:
+        """A gated step's host work before its sampling launch, done with its forward (the core's
+        collect and job come between): its rows, metadata, the device buffer for its mask."""
         states = [self.input_batch.requests[inp.req_ids[r]] for r in inp.sample_rows]
         ids = gate.request_ids
         all_rows = ids == [st.req_id for st in states]
         if not logits.is_cuda:
-            pending = self._finish_sample(inp, states, None, None)
-            self._gated_cpu = _GatedCpuSample(self, pending, inp, states, logits, gate, all_rows)
-            return pending
-        # Everything that could copy from pageable memory comes before the wait: after it, a copy
-        # that waited for the stream would wait for a fill this thread has not submitted yet.
+            return gate, states, all_rows, None, None
         md = self._sampling_metadata(inp, states)
         rows = None
         if not all_rows:
@@ -272,9 +277,25 @@ class ModelRunner:
         if self._gate_mask is None or self._gate_mask.shape[0] < k or self._gate_mask.shape[1] != words:
             self._gate_mask = torch.empty((max(k, self.config.scheduler_config.max_num_seqs), words),
                                           dtype=torch.int32, device=logits.device)
-        from pagedllm.structured_output.gate import device_wait
+        return gate, states, all_rows, md, rows
 
-        how = device_wait(gate)
+    def _sample_gated(self, inp: StepInputs, logits: torch.Tensor, prep: tuple) -> PendingOutput:
+        """Sample a gated step now, in stream order: wait for its flag words on the device, copy its
+        bitmask rows up, sample under them (structured_output/gate.py). Called once the gate's fill
+        is posted: whatever here synchronizes the device (a kernel's first load, an allocation)
+        then waits for the fill, not for this thread. On the CPU the same, when the step's output or
+        tokens are first needed (`_GatedCpuSample`), or at once under gate.SYNC_AT_LAUNCH_S."""
+        from pagedllm.structured_output import gate as gate_mod
+
+        gate, states, all_rows, md, rows = prep
+        if not logits.is_cuda:
+            pending = self._finish_sample(inp, states, None, None)
+            self._gated_cpu = _GatedCpuSample(self, pending, inp, states, logits, gate, all_rows)
+            if gate_mod.SYNC_AT_LAUNCH_S is not None:
+                self._gated_cpu.sample(gate_mod.SYNC_AT_LAUNCH_S)  # the device's worst case: a sync here
+            return pending
+        k = gate.bitmask.shape[0]
+        how = gate_mod.device_wait(gate)
         self.gate_waits[how] = self.gate_waits.get(how, 0) + 1
         mask = self._gate_mask[:k]
         mask.copy_(gate.bitmask, non_blocking=True)  # queued behind the wait: reads the filled rows
@@ -331,16 +352,16 @@ class _GatedCpuSample:
         pending.before_read = self.sample
 
     @torch.inference_mode()
-    def sample(self) -> None:
+    def sample(self, timeout_s: float | None = None) -> None:
         runner = self.runner
         if runner._gated_cpu is self:
             runner._gated_cpu = None
         self.pending.before_read = None
         if self.logits is None:
             return
-        from pagedllm.structured_output.gate import host_wait
+        from pagedllm.structured_output.gate import HOST_WAIT_TIMEOUT_S, host_wait
 
-        host_wait(self.gate)
+        host_wait(self.gate, HOST_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
         runner.gate_waits["host"] = runner.gate_waits.get("host", 0) + 1
         logits, self.logits = self.logits, None
         if self.all_rows:
