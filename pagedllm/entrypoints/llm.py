@@ -70,12 +70,20 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                f"prompts must be a string, a token-id list, a prompt dict or a list of them, got {type(prompts).__name__}."
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, Sequence) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params
+            ):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt).")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
@@ -93,6 +101,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a list of {{role, content}} dicts (or a list of such lists), "
+                            f"got {type(messages).__name__}.")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
@@ -140,7 +151,7 @@ class LLM:
                 rid = str(next(self._counter))
                 engine.add_request(rid, prompt, params)
                 ids.append(rid)
-        except ValueError:
+        except Exception:  # a refused prompt (ValueError, TypeError): the ones added before it must not run on
             engine.abort_request(ids)
             raise
         return engine.run_to_completion(ids, use_tqdm)
