@@ -16,7 +16,7 @@ import jinja2
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_stream import RequestOutputStream
-from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.chat_output import ChoiceOutputParser, required_tools_schema
 from pagedllm.entrypoints.openai.errors import APIError
@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, EventStream, OpenAIServing, sse, sse_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.structured_fields import constraint_field
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -57,12 +58,6 @@ def chat_content_chunk(head: str, index: int, content: str) -> str:
 _CONTENT_TAIL = ',"logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":null}],"usage":null,' \
     '"system_fingerprint":null,"prompt_token_ids":null}\n\n'
 
-# apply_chat_template arguments a request may not set through chat_template_kwargs: they would
-# change what rendering returns (token ids, tensors, dicts) instead of the template's variables.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "add_generation_prompt", "tokenize", "padding", "truncation", "max_length",
-     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents"}
-)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -152,6 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             params,
             arrival_time,
             "messages",
+            constraint_field(request, tool_mode),
         )
         if request.stream:
             events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text, make_parser)
@@ -173,12 +169,10 @@ class OpenAIServingChat(OpenAIServing):
                 " to false to continue the final message.",
                 param="continue_final_message",
             )
-        if request.chat_template_kwargs:
-            bad = sorted(set(request.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
-            if bad:
-                raise APIError(
-                    f"chat_template_kwargs may not set {', '.join(bad)}.", param="chat_template_kwargs"
-                )
+        try:
+            check_chat_template_kwargs(request.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param="chat_template_kwargs") from None
 
     def _tool_mode(self, request: ChatCompletionRequest) -> tuple[str, str | None]:
         """Check tools / tool_choice; -> ("none" | "auto" | "required" | "named", the named function)."""

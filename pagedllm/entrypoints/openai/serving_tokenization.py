@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
@@ -47,6 +47,10 @@ class OpenAIServingTokenization(OpenAIServing):
 
         if isinstance(request, TokenizeChatRequest):
             try:
+                check_chat_template_kwargs(request.chat_template_kwargs)
+            except ValueError as e:
+                raise APIError(str(e), param="chat_template_kwargs") from None
+            try:
                 messages = normalize_messages(request.messages)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
@@ -73,7 +77,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 self.budgeted(work, "messages" if isinstance(request, TokenizeChatRequest) else "prompt")
             )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(str(e)) from None
+            raise APIError(str(e), param="messages" if isinstance(request, TokenizeChatRequest) else "prompt") from None
         token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs)
 
