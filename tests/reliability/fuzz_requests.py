@@ -123,7 +123,7 @@ def _malformed_values(fld: str, vocab: int, max_len: int) -> list[tuple[Any, str
         "repetition_penalty": [(0.0, REJECT), (-1.0, REJECT), (1e300, ANY), (2.0, ANY), (0.01, ANY)],
         "n": [(0, REJECT), (-1, REJECT), (10**6, REJECT), (2, ANY), (3, ANY)],
         "best_of": [(0, REJECT), (-1, REJECT), (5, ANY), (1, ANY)],
-        "seed": [(-1, ANY), (0, ANY), (2**63 - 1, ANY), (2**63, ANY), (2**64, REJECT), (-(2**63) - 1, REJECT),
+        "seed": [(-1, ANY), (0, ANY), (2**63 - 1, ANY), (2**63, REJECT), (2**64, REJECT), (-(2**63) - 1, REJECT),
                  (10**30, REJECT)],
         "max_tokens": [(0, REJECT), (-1, REJECT), (max_len, REJECT), (10**12, REJECT), (1, ANY), (None, ANY)],
         "max_completion_tokens": [(0, REJECT), (-5, REJECT), (max_len * 4, REJECT), (1, ANY)],
@@ -167,7 +167,7 @@ def _malformed_values(fld: str, vocab: int, max_len: int) -> list[tuple[Any, str
         "guided_json": [("{", REJECT), ({"type": "nope"}, REJECT), ("{\"type\": \"string\"}", ANY),
                         ({"type": "object", "properties": {"a": {"type": "integer"}}}, ANY),
                         ({"$ref": "#/nope"}, REJECT)],
-        "guided_regex": [("(", REJECT), ("[", REJECT), ("a{5,1}", REJECT), ("a+", ANY), ("", ANY)],
+        "guided_regex": [("(", REJECT), ("[", REJECT), ("a{5,1}", REJECT), ("a+", ANY), ("", REJECT)],
         "guided_choice": [([], REJECT), (["x"], ANY), ([""], ANY), (["a"] * 3, ANY)],
         "guided_grammar": [("", REJECT), ("root ::= ", REJECT), ("nonsense", REJECT), ('root ::= "a"', ANY)],
         "guided_decoding_backend": [("nope", REJECT), ("xgrammar", ANY), ("", REJECT)],
@@ -368,7 +368,15 @@ class RequestFuzzer:
             body = make()
             expects: dict[str, str] = {}  # field -> the expectation of its last mutation
             names: list[str] = []
-            for _m in range(rng.choice([1, 1, 1, 2, 3])):
+            if rng.random() < 0.25:
+                # A combination of values each fine alone (echo + logprobs + n + stop + a token prompt ...).
+                for fld in rng.sample(sorted(fields), min(len(fields), rng.randint(3, 8))):
+                    good = [v for v, e in _malformed_values(fld, self.vocab, self.max_len) if e == ANY]
+                    if good:
+                        body[fld] = copy.deepcopy(rng.choice(good))
+                        names.append(f"{fld}={body[fld]!r:.30}")
+                        expects[fld] = ANY  # fine alone; together with another, a 4xx may name it
+            for _m in range(rng.choice([0, 0, 1, 1, 1, 2, 3]) if names else rng.choice([1, 1, 1, 2, 3])):
                 fld, what, exp = self._mutate_field(body, fields)
                 expects[fld] = self._fix_expectation(path, body, fld, exp)
                 names.append(what)
@@ -558,22 +566,73 @@ def _sse_events(text: str) -> tuple[list[Any], bool]:
     return [json.loads(d) for d in (data[:-1] if done else data)], done
 
 
+FINISH_REASONS = ("stop", "length", "tool_calls")
+
+
+def _num_choices(case: Case) -> int | None:
+    """How many choices the request asks for (n x prompts), or None when the body cannot say."""
+    try:
+        req = json.loads(case.body)
+    except ValueError:
+        return None
+    n = req.get("n", 1)
+    n = 1 if n is None else n
+    prompt = req.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return n * prompts if isinstance(n, int) else None
+
+
+def _stream_problems(case: Case, text: str) -> list[str]:
+    events, done = _sse_events(text)
+    problems = [] if done else ["stream did not end with data: [DONE]"]
+    finished: dict[int, int] = {}
+    for ev in events:
+        if "error" in ev:
+            problems.append(f"in-band stream error: {ev['error']!r:.300}")
+        elif ev.get("object") not in ("text_completion", "chat.completion.chunk"):
+            problems.append(f"stream chunk object {ev.get('object')!r}")
+        else:
+            for c in ev.get("choices", []):
+                if c.get("finish_reason") is not None:
+                    if c["finish_reason"] not in FINISH_REASONS:
+                        problems.append(f"finish_reason {c['finish_reason']!r}")
+                    finished[c["index"]] = finished.get(c["index"], 0) + 1
+    want = _num_choices(case)
+    if want is not None and done and sorted(finished) != list(range(want)):
+        problems.append(f"stream finished choices {sorted(finished)} of {want}")
+    if any(k > 1 for k in finished.values()):
+        problems.append(f"a choice finished more than once: {finished}")
+    return problems
+
+
+def _generation_problems(case: Case, body: dict[str, Any]) -> list[str]:
+    problems = []
+    want = _num_choices(case)
+    choices = body.get("choices", [])
+    if want is not None and sorted(c.get("index") for c in choices) != list(range(want)):
+        problems.append(f"choices {[c.get('index') for c in choices]} for {want} asked")
+    for c in choices:
+        if c.get("finish_reason") not in FINISH_REASONS:
+            problems.append(f"finish_reason {c.get('finish_reason')!r}")
+    usage = body.get("usage") or {}
+    if usage.get("total_tokens") != usage.get("prompt_tokens", 0) + (usage.get("completion_tokens") or 0):
+        problems.append(f"usage does not add up: {usage}")
+    return problems
+
+
 def _shape_problems(case: Case, answer: Answer) -> list[str]:
     text = answer.body.decode("utf-8", "replace")
     try:
         # A duplicate "stream" key decides by its last value: the answer's type says which it was.
         if answer.content_type.startswith("text/event-stream"):
-            events, done = _sse_events(text)
-            problems = [] if done else ["stream did not end with data: [DONE]"]
-            for ev in events:
-                if "error" in ev:
-                    problems.append(f"in-band stream error: {ev['error']!r:.300}")
-                elif ev.get("object") not in ("text_completion", "chat.completion.chunk"):
-                    problems.append(f"stream chunk object {ev.get('object')!r}")
-            return problems
+            return _stream_problems(case, text)
         body = json.loads(text)
     except (json.JSONDecodeError, ValueError) as e:
         return [f"200 body is not JSON: {e}: {text[:200]!r}"]
+    if case.path in ("/v1/completions", "/v1/chat/completions") and isinstance(body, dict):
+        more = _generation_problems(case, body)
+        if more:
+            return more
     if case.path == "/v1/completions":
         ok = body.get("object") == "text_completion" and all(isinstance(c.get("text"), str) for c in body["choices"])
     elif case.path == "/v1/chat/completions":
