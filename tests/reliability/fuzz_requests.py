@@ -70,13 +70,13 @@ SAMPLING_FIELDS: dict[str, str] = {
 CHAT_FIELDS = {**SAMPLING_FIELDS, "messages": "messages", "logprobs": BOOL, "top_logprobs": INT,
                "max_completion_tokens": INT, "echo": BOOL, "add_generation_prompt": BOOL,
                "continue_final_message": BOOL, "add_special_tokens": BOOL, "chat_template_kwargs": "obj",
-               "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": BOOL}
+               "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": BOOL, "chat_template": STR}
 COMPLETION_FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "logprobs": INT, "echo": BOOL, "suffix": STR,
                      "add_special_tokens": BOOL}
 TOKENIZE_FIELDS = {"model": STR, "prompt": STR, "add_special_tokens": BOOL, "return_token_strs": BOOL}
 TOKENIZE_CHAT_FIELDS = {"model": STR, "messages": "messages", "add_generation_prompt": BOOL,
                         "continue_final_message": BOOL, "add_special_tokens": BOOL, "return_token_strs": BOOL,
-                        "chat_template_kwargs": "obj"}
+                        "chat_template_kwargs": "obj", "chat_template": STR}
 DETOKENIZE_FIELDS = {"model": STR, "tokens": "ids"}
 EMBEDDING_FIELDS = {"model": STR, "input": "input", "encoding_format": STR, "dimensions": INT, "normalize": BOOL,
                     "user": STR, "truncate_prompt_tokens": INT}
@@ -176,6 +176,13 @@ def _malformed_values(fld: str, vocab: int, max_len: int) -> list[tuple[Any, str
         "chat_template_kwargs": [({"tokenize": True}, REJECT), ({"enable_thinking": False}, ANY),
                                  ({"add_generation_prompt": 1}, REJECT), ({"x": [1, {"y": None}]}, ANY),
                                  ({"return_dict": True}, REJECT)],
+        # the fuzz server trusts request templates (--trust-request-chat-template)
+        "chat_template": [("{{ 1/0 }}", REJECT), ("{% for %}", REJECT), ("{{ messages[99].content }}", REJECT),
+                          ("{{ raise_exception('no') }}", REJECT), ("{% for i in range(10**9) %}x{% endfor %}", REJECT),
+                          ("{{ 'x' * 10**9 }}", REJECT), ("{{ cycler.__init__.__globals__ }}", REJECT),
+                          ("{{ messages[0].content.x.y }}", REJECT), ("{{ {}[1] }}", ANY), ("", ANY),
+                          ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", ANY),
+                          ("{{ tools | tojson }}{{ messages | tojson }}", ANY)],
         "model": [("nope", REJECT), ("", REJECT), ("tiny", ANY), ("TINY", REJECT)],
         "request_id": [("", ANY), ("x" * 600, REJECT), ("\u0000\n\r", ANY), ("a/b c", ANY)],
         "user": [("", ANY), ("\u0000", ANY)],

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.reliability.conftest import MODEL, assert_idle
+from tests.reliability.conftest import MODEL, assert_idle, assert_openai_error
 from tests.reliability.fuzz_requests import OfflineFuzzer, RequestFuzzer, run_cases, run_offline_case
 
 CASES = int(os.environ.get("FUZZ_CASES", "400"))
@@ -24,10 +24,11 @@ BATCH = 100
 MAX_MODEL_LEN = 512
 VOCAB = 49152  # SmolLM2's tokenizer
 
-# Auto tool choice on, so tool_choice "auto" runs the hermes parser over random text too.
+# Auto tool choice on, so tool_choice "auto" runs the hermes parser over random text too; request chat
+# templates trusted, so broken ones are fuzzed.
 SERVERS = {"fuzz": (["--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256", "--max-num-seqs", "8",
                      "--max-request-body-bytes", "200000", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                     "--disable-log-requests"], {})}
+                     "--trust-request-chat-template", "--max-prompt-cpu-seconds", "0.5", "--disable-log-requests"], {})}
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,24 @@ def test_offline_fuzz(llm):
     assert not failures, _report(failures)
     out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 1/0 }}", ["ZeroDivisionError"]),  # was a 500 ("Internal server error: ZeroDivisionError")
+    ("{% for i in range(10**9) %}x{% endfor %}", ["Range too big"]),  # was a 500 (OverflowError)
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_template_that_raises_is_a_400_naming_chat_template(server, path, template, words):
+    """serving_chat.py / serving_tokenization.py: a request's template may raise anything, not only
+    jinja2's errors; each is the request's fault."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": template}
+    err = assert_openai_error(server.post(path, body), 400, *words)
+    assert err["param"] == "chat_template"
+    assert_idle(server)
+
+
+def test_a_template_rendering_nothing_names_messages(server):
+    """serving_engine.py: "the prompt is empty" had param null."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": "{{ {}[1] }}"}
+    err = assert_openai_error(server.post("/v1/chat/completions", body), 400, "the prompt is empty")
+    assert err["param"] == "messages"

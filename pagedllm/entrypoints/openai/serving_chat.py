@@ -12,8 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
-
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_stream import RequestOutputStream
 from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
@@ -128,8 +126,12 @@ class OpenAIServingChat(OpenAIServing):
             prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(
                 self.budgeted(self._render, "messages"), request
             )
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
+        except APIError:
+            raise  # the CPU budget, the prompt's size
+        except Exception as e:  # noqa: BLE001 - a template may raise anything ({{ 1/0 }}, range(10**9)): a 400
+            param = "chat_template" if request.chat_template is not None else "messages"
+            raise APIError(f"Cannot apply the chat template to these messages: {type(e).__name__}: {e}",
+                           param=param) from None
         thinking = self._thinking(request, prompt_text)
         if thinking and params.structured_outputs is not None:
             # The grammar starts after the thinking text (request.py).

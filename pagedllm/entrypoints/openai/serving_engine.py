@@ -264,7 +264,7 @@ class OpenAIServing:
                 param = first
             elif "maximum context length" in msg:
                 code, param = "context_length_exceeded", prompt_param
-            elif msg.startswith("prompt"):
+            elif msg.startswith(("prompt", "the prompt")):  # "the prompt is empty; ..."
                 param = prompt_param
             elif constraint is not None:
                 # Nothing else claims it, and the request is constrained: the grammar's own check
