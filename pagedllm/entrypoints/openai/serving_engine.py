@@ -46,7 +46,7 @@ MIN_LOGPROB = -9999.0
 
 # Request fields an engine-side ValueError may name first.
 _SAMPLING_FIELDS = frozenset({"stop_token_ids", "logit_bias", "logprobs", "prompt_logprobs", "min_tokens", "max_tokens",
-                              "allowed_token_ids", "bad_words"})
+                              "allowed_token_ids", "bad_words", "truncate_prompt_tokens"})
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:

@@ -138,3 +138,10 @@ def test_embeddings_fuzz(embed_server):
     assert embed_server.get("/health").status_code == 200
     m = embed_server.wait_idle()
     assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
+
+
+def test_truncate_prompt_tokens_past_the_context_names_the_field(embed_server):
+    """serving_engine.add_request: the refusal had param null."""
+    r = embed_server.post("/v1/embeddings", {"model": NAME, "input": "hi", "truncate_prompt_tokens": 10**30})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
