@@ -109,6 +109,8 @@ def render_chat(
 ) -> str:
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this engine has none (skip_tokenizer_init).")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a Jinja template string, got {type(chat_template).__name__}.")
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template; pass chat_template (a Jinja string).")

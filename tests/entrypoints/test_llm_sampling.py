@@ -183,6 +183,8 @@ def test_bad_calls_are_refused_by_name_and_leave_nothing_behind(llm):
         llm.generate(["a", "b"], [{"max_tokens": 2}, {"max_tokens": 2}], use_tqdm=False)
     with pytest.raises(TypeError, match="messages must be a list"):
         llm.chat("hi", use_tqdm=False)
+    with pytest.raises(TypeError, match="chat_template must be a Jinja template string"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=5, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
         llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"tokenize": True}, use_tqdm=False)
     with pytest.raises(TypeError):
