@@ -266,6 +266,8 @@ class OpenAIServing:
                 code, param = "context_length_exceeded", prompt_param
             elif msg.startswith(("prompt", "the prompt")):  # "the prompt is empty; ..."
                 param = prompt_param
+            elif msg.startswith("request id"):  # "request id 'cmpl-x' is already in use."
+                param = "request_id"
             elif constraint is not None:
                 # Nothing else claims it, and the request is constrained: the grammar's own check
                 # ("structured_outputs.regex cannot be compiled: ...", "JSON schema keyword ...", or a

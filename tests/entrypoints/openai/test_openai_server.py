@@ -229,3 +229,30 @@ def test_fuzzer_finds_are_400_naming_the_field_sent(tiny_server, path, body, par
     assert tiny_server.get("/health").status_code == 200
     r = post("/v1/completions", CMPL)  # still serving
     assert r.status_code == 200, r.text
+
+
+
+@pytest.mark.parametrize("message, param", [
+    ("request id 'cmpl-x' is already in use.", "request_id"),  # two requests of one id tokenizing at once
+    ("prompt_logprobs is not supported yet.", "prompt_logprobs"),
+    ("the prompt is empty; it needs at least one token.", "prompt"),
+    ("truncate_prompt_tokens (9) is larger than the model's max_model_len (8).", "truncate_prompt_tokens"),
+    ("bad_words needs a tokenizer; this engine runs without one (skip_tokenizer_init).", "bad_words"),
+])
+def test_engine_refusals_name_their_field(message, param):
+    """serving_engine.add_request maps the engine's ValueError to the request field it is about (param
+    was null or "prompt" for these). A unit test: a concurrent duplicate id is a race to reproduce."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.errors import APIError
+    from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    class Engine:
+        async def add_request(self, *args):
+            raise ValueError(message)
+
+    serving = object.__new__(OpenAIServing)
+    serving.engine = Engine()
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.add_request("r", {"prompt": "x"}, None, 0.0))
+    assert e.value.param == param and e.value.message == message
