@@ -666,6 +666,8 @@ def check_response(case: Case, answer: Answer) -> list[str]:
         if "oversize" in case.name:
             return []  # a body over the limit may be cut off by closing the connection
         return [f"no answer: {answer.error}"]
+    if answer.status == 503 and b"server_overloaded" in answer.body:
+        return []  # full (admission): a concurrent run may fill the server; its answer is the 503
     if answer.status >= 500:
         return [f"status {answer.status}: {answer.body[:400]!r}"]
     if answer.status == 200:
@@ -683,12 +685,20 @@ def check_response(case: Case, answer: Answer) -> list[str]:
 
 def run_cases(base_url: str, cases: list[Case], headers: dict[str, str] | None = None,
               log: Callable[[str], None] | None = None, statuses: dict[int | None, int] | None = None,
-              timeout: float = 60) -> list[tuple[Case, list[str]]]:
-    """Send every case, one at a time; -> the cases that had problems (`statuses` counts the codes)."""
+              timeout: float = 60, resets: list[Case] | None = None) -> list[tuple[Case, list[str]]]:
+    """Send every case, one at a time; -> the cases that had problems (`statuses` counts the codes).
+
+    With `resets` (a list), a case whose kept-alive connection was reset before any answer is sent
+    again once on a new connection, as HTTP clients do (the openai client retries it), and listed
+    there; seen under concurrent load only (3 of 2,500 cases once), cause not found yet."""
     failures = []
     with httpx.Client() as client:
         for i, case in enumerate(cases):
             answer = send_case(client, base_url, case, headers, timeout)
+            if resets is not None and answer.status is None and "reset by peer" in answer.error:
+                resets.append(case)
+                with httpx.Client() as fresh:
+                    answer = send_case(fresh, base_url, case, headers, timeout)
             if statuses is not None:
                 statuses[answer.status] = statuses.get(answer.status, 0) + 1
             problems = check_response(case, answer)
@@ -697,6 +707,24 @@ def run_cases(base_url: str, cases: list[Case], headers: dict[str, str] | None =
                 if log is not None:
                     log(f"[{i}] {case}\n      {problems}")
     return failures
+
+
+def run_concurrently(base_url: str, cases: list[Case], threads: int, timeout: float = 60,
+                     statuses: dict[int | None, int] | None = None,
+                     resets: list[Case] | None = None) -> list[tuple[Case, list[str]]]:
+    """run_cases on `threads` interleaved slices of the cases at once (one client each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    counts: list[dict[int | None, int]] = [{} for _ in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(lambda i: run_cases(base_url, cases[i::threads], statuses=counts[i], timeout=timeout,
+                                                    resets=resets),
+                                range(threads)))
+    if statuses is not None:
+        for c in counts:
+            for k, v in c.items():
+                statuses[k] = statuses.get(k, 0) + v
+    return [f for r in results for f in r]
 
 
 def main() -> int:
@@ -709,12 +737,22 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--embeddings", action="store_true", help="the server runs a pooling model")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--threads", type=int, default=1, help="send this many cases at once")
     args = p.parse_args()
     fuzz = RequestFuzzer(args.seed, model=args.model, vocab_size=args.vocab_size, max_model_len=args.max_model_len,
                          generate=not args.embeddings, embeddings=args.embeddings)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     statuses: dict[int | None, int] = {}
-    failures = run_cases(args.url.rstrip("/"), list(fuzz.cases(args.cases)), headers, log=print, statuses=statuses)
+    cases = list(fuzz.cases(args.cases))
+    if args.threads > 1:
+        resets: list[Case] = []
+        failures = run_concurrently(args.url.rstrip("/"), cases, args.threads, statuses=statuses, resets=resets)
+        for case, problems in failures:
+            print(f"{case}\n      {problems}")
+        for case in resets:
+            print(f"connection reset, answered when sent again: {case}")
+    else:
+        failures = run_cases(args.url.rstrip("/"), cases, headers, log=print, statuses=statuses)
     health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).status_code
     print(f"{len(failures)} of {args.cases} cases had problems; /health {health}; statuses "
           + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items(), key=lambda kv: str(kv[0]))))
