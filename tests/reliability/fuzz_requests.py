@@ -477,7 +477,8 @@ class OfflineFuzzer:
                     ({"prompt_token_ids": [self.vocab + 1]}, REJECT), ({}, REJECT), ({"prompt": 5}, REJECT),
                     ([1] * (self.max_len + 1), REJECT), (["hi", 5], REJECT), ([[1], [2]], ANY), (None, REJECT), (["a"], ANY),
                     (5, REJECT), ({"prompt_token_ids": "12"}, REJECT), ("\u0000\u202e", ANY), ([[]], REJECT),
-                    (["hi", [self.vocab]], REJECT)])
+                    (["hi", [self.vocab]], REJECT), ({"prompt": "hi", "multi_modal_data": {"image": None}}, REJECT),
+                    ({"prompt_token_ids": [1, 2], "cache_salt": "s"}, ANY)])
                 expects["prompt"] = exp
                 names = [f"prompt={prompt!r:.60}"]
             elif roll < 0.4:  # LLM.chat with odd messages / template arguments
