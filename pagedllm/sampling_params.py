@@ -28,6 +28,8 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# The largest integer field value (int64), so every request can be sent to the engine process.
+MAX_INT = 2**63 - 1
 
 
 class RequestOutputKind(IntEnum):
@@ -42,6 +44,26 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_list(value: Any, name: str, what: str) -> list[Any]:
+    """An iterable (list, tuple, set, generator: as vLLM's list(value)) -> a list. A number, a dict,
+    bytes or a lone string where a list of items goes -> TypeError naming the field, not "'int'
+    object is not iterable" (or b"\x01" silently read as [1])."""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r:.60}.")
+    return list(value)
+
+
+def _check_structured_option_types(p: StructuredOutputsParams) -> None:
+    """The flags of StructuredOutputsParams are bools (json_object: or None): a string there would be
+    sent to the engine process, whose decoder refuses it and dies."""
+    for name in ("json_object", "disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+        v = getattr(p, name)
+        if not isinstance(v, bool) and not (v is None and name == "json_object"):
+            raise ValueError(f"structured_outputs.{name} must be true or false, got {v!r}.")
+    if p._backend is not None and not isinstance(p._backend, str):
+        raise ValueError(f"structured_outputs.backend must be a string, got {type(p._backend).__name__}.")
 
 
 @dataclass
@@ -87,16 +109,26 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            self.stop = _as_list(self.stop, "stop", "a string or a list of strings")
+        self.stop_token_ids = _as_list(self.stop_token_ids or [], "stop_token_ids", "a list of token ids")
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _as_list(getattr(self, name), name, "a list"))
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}.")
         if self.top_k == -1:
             self.top_k = 0
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding (its older name), not both.")
             self.structured_outputs, self.guided_decoding = coerce_structured_outputs(self.guided_decoding), None
+        if isinstance(self.structured_outputs, dict):
+            backend = self.structured_outputs.get("backend")
+            if backend is not None and not isinstance(backend, str):
+                raise ValueError(f"structured_outputs.backend must be a string, got {type(backend).__name__}.")
         self.structured_outputs = coerce_structured_outputs(self.structured_outputs)
         if self.structured_outputs is not None:
+            _check_structured_option_types(self.structured_outputs)
             check_backend(self.structured_outputs._backend, "structured_outputs backend")
         self._verify()
         # A union, not a reset: a copy decoded in a worker process keeps what the engine added.
@@ -107,6 +139,19 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
 
+        # Every field crosses to the engine process as msgpack, decoded by its annotation: a value of
+        # another type there would kill the engine, so the types are checked here (True is not an int).
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind")
+        # msgpack holds integers in [-2**63, 2**64 - 1]: a larger one could not be sent to the engine.
+        for name in ("top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+            v = getattr(self, name)
+            if _is_int(v) and v > MAX_INT:
+                raise bad(name, f"at most {MAX_INT} (2**63 - 1)")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer in [1, {MAX_N}]")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
@@ -156,9 +201,12 @@ class SamplingParams:
             clean: dict[int, float] = {}
             for k, v in self.logit_bias.items():
                 try:
-                    tok = int(k)
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias keys must be token ids (integers), got {k!r}.") from None
+                    # An int, or its decimal text (JSON keys are strings); never a float (1.5 -> 1).
+                    tok = k if _is_int(k) else int(k) if isinstance(k, str) else None
+                except ValueError:
+                    tok = None
+                if tok is None:
+                    raise ValueError(f"logit_bias keys must be token ids (integers), got {k!r}.")
                 if not _is_number(v) or math.isnan(v) or not -100.0 <= v <= 100.0:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}.")
                 clean[tok] = float(v)

@@ -12,6 +12,25 @@ from typing import Any
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
+# apply_chat_template arguments a request may not set through chat_template_kwargs: they would
+# change what rendering returns (token ids, tensors, dicts) instead of the template's variables, or
+# collide with the arguments render_chat passes itself.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "add_generation_prompt", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents"}
+)
+
+
+def check_chat_template_kwargs(kwargs: Any) -> None:
+    """ValueError naming chat_template_kwargs when it is not an object or sets a reserved argument."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}.")
+    bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}.")
+
 
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
@@ -90,9 +109,12 @@ def render_chat(
 ) -> str:
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this engine has none (skip_tokenizer_init).")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a Jinja template string, got {type(chat_template).__name__}.")
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template; pass chat_template (a Jinja string).")
+    check_chat_template_kwargs(chat_template_kwargs)
     return tokenizer.apply_chat_template(
         normalize_messages(messages),
         chat_template=template,

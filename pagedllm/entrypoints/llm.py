@@ -18,6 +18,8 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.vllm_flags import check_llm_kwargs
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+# The keys of a prompt dict the processor reads (engine/processor.py).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class LLM:
@@ -70,12 +72,25 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                f"prompts must be a string, a token-id list, a prompt dict or a list of them, got {type(prompts).__name__}."
+            )
         prompts = list(prompts)
+        for p in prompts:
+            if isinstance(p, dict) and not set(p) <= _PROMPT_KEYS:
+                # vLLM's TextPrompt / TokensPrompt keys not built here (multi_modal_data, ...): refused, not ignored.
+                raise ValueError(f"prompt dicts take {', '.join(sorted(_PROMPT_KEYS))}; not supported: "
+                                 f"{', '.join(sorted(map(str, set(p) - _PROMPT_KEYS)))}.")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, Sequence) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params
+            ):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt).")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
@@ -93,6 +108,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a list of {{role, content}} dicts (or a list of such lists), "
+                            f"got {type(messages).__name__}.")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
@@ -140,7 +158,7 @@ class LLM:
                 rid = str(next(self._counter))
                 engine.add_request(rid, prompt, params)
                 ids.append(rid)
-        except ValueError:
+        except Exception:  # a refused prompt (ValueError, TypeError): the ones added before it must not run on
             engine.abort_request(ids)
             raise
         return engine.run_to_completion(ids, use_tqdm)

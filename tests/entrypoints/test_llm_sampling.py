@@ -170,3 +170,28 @@ def test_repetition_penalty_covers_the_prompt_as_in_transformers():
     assert any(t in prompt for t in got_plain)  # the penalty has prompt ids to act on
     assert got_penalized == hf_greedy(hf, prompt, 8, repetition_penalty=2.0)
     assert got_penalized != got_plain
+
+
+def test_bad_calls_are_refused_by_name_and_leave_nothing_behind(llm):
+    """Found by the offline fuzzer (tests/reliability/test_fuzz_requests.py): these raised "'NoneType'
+    object is not iterable" and the like, and a prompt refused with a TypeError left the prompts
+    before it queued in the engine (their blocks held, their outputs never returned)."""
+    for prompts, words in [(None, "prompts must be"), (5, "prompts must be")]:
+        with pytest.raises(TypeError, match=words):
+            llm.generate(prompts, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be"):
+        llm.generate(["a", "b"], [{"max_tokens": 2}, {"max_tokens": 2}], use_tqdm=False)
+    with pytest.raises(TypeError, match="messages must be a list"):
+        llm.chat("hi", use_tqdm=False)
+    with pytest.raises(TypeError, match="chat_template must be a Jinja template string"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=5, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+    with pytest.raises(TypeError):
+        llm.generate([PROMPT, {"prompt": "a", "prompt_token_ids": 5}], SamplingParams(max_tokens=2), use_tqdm=False)
+    # vLLM's multimodal prompt key: the image was ignored and text-only output returned
+    with pytest.raises(ValueError, match="not supported: multi_modal_data"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, use_tqdm=False)
+    assert_pool_idle(llm)
+    out = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3

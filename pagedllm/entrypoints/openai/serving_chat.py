@@ -12,11 +12,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
-
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_stream import RequestOutputStream
-from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.chat_output import ChoiceOutputParser, required_tools_schema
 from pagedllm.entrypoints.openai.errors import APIError
@@ -33,6 +31,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, EventStream, OpenAIServing, sse, sse_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.structured_fields import constraint_field
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -57,12 +56,6 @@ def chat_content_chunk(head: str, index: int, content: str) -> str:
 _CONTENT_TAIL = ',"logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":null}],"usage":null,' \
     '"system_fingerprint":null,"prompt_token_ids":null}\n\n'
 
-# apply_chat_template arguments a request may not set through chat_template_kwargs: they would
-# change what rendering returns (token ids, tensors, dicts) instead of the template's variables.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "add_generation_prompt", "tokenize", "padding", "truncation", "max_length",
-     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents"}
-)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -133,8 +126,12 @@ class OpenAIServingChat(OpenAIServing):
             prompt_text, prompt_ids, echo_text = await self.engine.run_in_tokenizer_pool(
                 self.budgeted(self._render, "messages"), request
             )
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(f"Cannot apply the chat template to these messages: {e}") from None
+        except APIError:
+            raise  # the CPU budget, the prompt's size
+        except Exception as e:  # noqa: BLE001 - a template may raise anything ({{ 1/0 }}, range(10**9)): a 400
+            param = "chat_template" if request.chat_template is not None else "messages"
+            raise APIError(f"Cannot apply the chat template to these messages: {type(e).__name__}: {e}",
+                           param=param) from None
         thinking = self._thinking(request, prompt_text)
         if thinking and params.structured_outputs is not None:
             # The grammar starts after the thinking text (request.py).
@@ -152,6 +149,7 @@ class OpenAIServingChat(OpenAIServing):
             params,
             arrival_time,
             "messages",
+            constraint_field(request, tool_mode),
         )
         if request.stream:
             events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text, make_parser)
@@ -173,12 +171,10 @@ class OpenAIServingChat(OpenAIServing):
                 " to false to continue the final message.",
                 param="continue_final_message",
             )
-        if request.chat_template_kwargs:
-            bad = sorted(set(request.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
-            if bad:
-                raise APIError(
-                    f"chat_template_kwargs may not set {', '.join(bad)}.", param="chat_template_kwargs"
-                )
+        try:
+            check_chat_template_kwargs(request.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param="chat_template_kwargs") from None
 
     def _tool_mode(self, request: ChatCompletionRequest) -> tuple[str, str | None]:
         """Check tools / tool_choice; -> ("none" | "auto" | "required" | "named", the named function)."""

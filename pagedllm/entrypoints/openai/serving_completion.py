@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.structured_fields import constraint_field
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -157,7 +158,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.log_request(sub_id, len(ids), params, text if text is not None else ids)
                 # cache_salt (vLLM): only requests with the same salt share prefix-cache blocks.
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}
-                streams.append(await self.add_request(sub_id, prompt, params, arrival_time))
+                streams.append(await self.add_request(sub_id, prompt, params, arrival_time,
+                                                      constraint=constraint_field(request)))
         except BaseException:
             for s in streams:
                 s.abort()

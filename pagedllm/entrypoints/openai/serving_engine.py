@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -44,7 +45,8 @@ MIN_LOGPROB = -9999.0
 
 
 # Request fields an engine-side ValueError may name first.
-_SAMPLING_FIELDS = frozenset({"stop_token_ids", "logit_bias", "logprobs", "prompt_logprobs", "min_tokens", "max_tokens"})
+_SAMPLING_FIELDS = frozenset({"stop_token_ids", "logit_bias", "logprobs", "prompt_logprobs", "min_tokens", "max_tokens",
+                              "allowed_token_ids", "bad_words", "truncate_prompt_tokens"})
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -228,9 +230,10 @@ class OpenAIServing:
         try:
             return request.to_sampling_params(self.default_sampling_params)
         except ValueError as e:
-            # SamplingParams' messages start with the field: "temperature must be ..." -> param.
+            # SamplingParams' messages start with the field: "temperature must be ..." -> param
+            # ("structured_outputs.json_object must be ..." -> structured_outputs).
             msg = str(e)
-            first = msg.split(" ", 1)[0]
+            first = re.split(r"[ .=\[]", msg, maxsplit=1)[0]
             param = first if first in type(request).model_fields else None
             if getattr(request, "max_completion_tokens", None) is not None and "max_tokens" in msg:
                 # The chat request set max_completion_tokens (SamplingParams calls it max_tokens).
@@ -245,7 +248,10 @@ class OpenAIServing:
         params: SamplingParams,
         arrival_time: float,
         prompt_param: str = "prompt",
+        constraint: tuple[str, str] | None = None,
     ) -> RequestOutputStream:
+        """`constraint`: (param, name) of the request field that set params.structured_outputs
+        (structured_fields.constraint_field), so a grammar that does not compile names what was sent."""
         try:
             return await self.engine.add_request(request_id, prompt, params, arrival_time)
         except ValueError as e:
@@ -253,13 +259,23 @@ class OpenAIServing:
             # "prompt token id 999999 is ...", "This model's maximum context length is ...".
             msg = str(e)
             code, param = None, None
-            if "maximum context length" in msg:
+            first = msg.split(" ", 1)[0].split("=", 1)[0]
+            if first in _SAMPLING_FIELDS:  # before "prompt": prompt_logprobs is a sampling field
+                param = first
+            elif "maximum context length" in msg:
                 code, param = "context_length_exceeded", prompt_param
-            elif msg.startswith("prompt"):
+            elif msg.startswith(("prompt", "the prompt")):  # "the prompt is empty; ..."
                 param = prompt_param
-            else:
-                first = msg.split(" ", 1)[0].split("=", 1)[0]
-                param = first if first in _SAMPLING_FIELDS else None
+            elif msg.startswith("request id"):  # "request id 'cmpl-x' is already in use."
+                param = "request_id"
+            elif constraint is not None:
+                # Nothing else claims it, and the request is constrained: the grammar's own check
+                # ("structured_outputs.regex cannot be compiled: ...", "JSON schema keyword ...", or a
+                # backend's bare message).
+                param, name = constraint
+                if not msg.startswith(name):
+                    renamed = re.sub(r"^structured_outputs\.\w+ ", f"{name} ", msg)
+                    msg = renamed if renamed != msg else f"{name}: {msg}"
             raise APIError(msg, param=param, code=code) from None
         except EngineDeadError as e:
             raise APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead") from None

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import jinja2
-
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
@@ -47,6 +45,10 @@ class OpenAIServingTokenization(OpenAIServing):
 
         if isinstance(request, TokenizeChatRequest):
             try:
+                check_chat_template_kwargs(request.chat_template_kwargs)
+            except ValueError as e:
+                raise APIError(str(e), param="chat_template_kwargs") from None
+            try:
                 messages = normalize_messages(request.messages)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
@@ -72,8 +74,12 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = await self.engine.run_in_tokenizer_pool(
                 self.budgeted(work, "messages" if isinstance(request, TokenizeChatRequest) else "prompt")
             )
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(str(e)) from None
+        except APIError:
+            raise  # the CPU budget, the prompt's size
+        except Exception as e:  # noqa: BLE001 - a chat template may raise anything ({{ 1/0 }}): a 400
+            chat = isinstance(request, TokenizeChatRequest)
+            param = ("chat_template" if request.chat_template is not None else "messages") if chat else "prompt"
+            raise APIError(f"{type(e).__name__}: {e}" if chat else str(e), param=param) from None
         token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs)
 

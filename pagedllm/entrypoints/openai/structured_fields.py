@@ -54,6 +54,9 @@ def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | N
             msg = str(e)
             raise ValueError(msg if msg.startswith("response_format") else f"response_format is invalid: {msg}") from None
     if request.structured_outputs is not None:
+        backend = request.structured_outputs.get("backend")
+        if backend is not None and not isinstance(backend, str):
+            raise ValueError(f"structured_outputs.backend must be a string, got {type(backend).__name__}.")
         try:
             sources.append(("structured_outputs", coerce_structured_outputs(request.structured_outputs)))
         except (ValueError, TypeError) as e:
@@ -84,3 +87,22 @@ def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | N
     if request.guided_decoding_backend is not None:
         params._backend = request.guided_decoding_backend
     return params
+
+
+def constraint_field(request: Any, tool_mode: str = "none") -> tuple[str, str] | None:
+    """The request field whose constraint became the params' structured_outputs, as (param, the
+    name its errors should start with), for errors found later (the grammar compiled before
+    queueing: "structured_outputs.regex cannot be compiled: ..." -> "guided_regex cannot be ...").
+    None when the request constrains nothing."""
+    if tool_mode in ("required", "named"):
+        return "tools", f"the tools' parameters schema (tool_choice {tool_mode!r})"
+    fmt = getattr(request, "response_format", None)
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        kind = fmt.get("type")
+        return "response_format", "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+    if request.structured_outputs is not None:
+        return "structured_outputs", "structured_outputs"
+    for name in _GUIDED:
+        if getattr(request, name) is not None:
+            return name, name
+    return None

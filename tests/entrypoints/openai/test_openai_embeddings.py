@@ -125,3 +125,23 @@ def test_embeddings_on_a_generation_server_name_the_runner(tiny_server):
     assert "--runner pooling" in r.json()["error"]["message"]
     r = tiny_server.post("/rerank", {"model": TINY_NAMES[0], "query": "q", "documents": ["d"]})
     assert r.status_code == 400 and "runner='generate'" in r.text
+
+
+def test_embeddings_fuzz(embed_server):
+    """Seeded bad /v1/embeddings bodies (tests/reliability/fuzz_requests.py): 200 or a 4xx naming
+    the field, never a 5xx or a hang; the server is idle and healthy after them."""
+    from tests.reliability.fuzz_requests import RequestFuzzer, run_cases
+
+    fuzz = RequestFuzzer(0, model=NAME, vocab_size=30522, max_model_len=256, generate=False, embeddings=True)
+    failures = run_cases(embed_server.url(""), list(fuzz.cases(200)), timeout=20)
+    assert not failures, [f"{c}: {p}" for c, p in failures[:5]]
+    assert embed_server.get("/health").status_code == 200
+    m = embed_server.wait_idle()
+    assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
+
+
+def test_truncate_prompt_tokens_past_the_context_names_the_field(embed_server):
+    """serving_engine.add_request: the refusal had param null."""
+    r = embed_server.post("/v1/embeddings", {"model": NAME, "input": "hi", "truncate_prompt_tokens": 10**30})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

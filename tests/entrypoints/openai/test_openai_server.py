@@ -175,3 +175,84 @@ def test_unbuilt_or_bad_flags_fail_at_start(bad_flag_starts, case):
     assert returncode == 2
     for w in BAD_FLAGS[case][1]:
         assert w in stderr
+
+
+# -- fuzzer finds (tests/reliability/test_fuzz_requests.py): each was a 500, a dead engine, a hang, or
+# an error naming another field than the one sent -------------------------------------------------
+CMPL = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        # the engine process died decoding it (the server shut down)
+        ("/v1/completions", {**CMPL, "structured_outputs": {"json_object": "yes"}}, "structured_outputs",
+         ["structured_outputs.json_object", "true or false"]),
+        ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a", "disable_any_whitespace": "x"}},
+         "structured_outputs", ["disable_any_whitespace"]),
+        # 500 (AttributeError)
+        ("/v1/completions", {**CMPL, "structured_outputs": {"regex": "a", "backend": 5}}, "structured_outputs",
+         ["structured_outputs.backend must be a string"]),
+        # hung: the frontend's sender thread died on an integer msgpack cannot hold, and every later request hung
+        ("/v1/completions", {**CMPL, "top_k": 10**30}, "top_k", ["top_k must be at most"]),
+        ("/v1/completions", {**CMPL, "truncate_prompt_tokens": 10**30}, "truncate_prompt_tokens",
+         ["truncate_prompt_tokens"]),
+        # param was "prompt" (the message starts with "prompt")
+        ("/v1/completions", {**CMPL, "prompt_logprobs": 1}, "prompt_logprobs", ["prompt_logprobs"]),
+        # named structured_outputs.regex / .grammar / .json, param null: not what was sent
+        ("/v1/completions", {**CMPL, "guided_regex": "("}, "guided_regex", ["guided_regex cannot be compiled"]),
+        ("/v1/chat/completions", {**CHAT, "guided_grammar": "root ::= "}, "guided_grammar",
+         ["guided_grammar cannot be compiled"]),
+        ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "nope"}}, "guided_json", ["guided_json"]),
+        ("/v1/completions", {**CMPL, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "nope"}}}}, "response_format", ["response_format.json_schema.schema"]),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "structural_tag", "structures": "x",
+                                                             "triggers": 1}}, "response_format", ["response_format"]),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools", ["tools"]),
+        # /tokenize took the reserved arguments chat completions refuse (200, or apply_chat_template's
+        # "got multiple values for keyword argument" with param null)
+        ("/tokenize", {"messages": CHAT["messages"], "chat_template_kwargs": {"tokenize": True}},
+         "chat_template_kwargs", ["chat_template_kwargs may not set tokenize"]),
+        ("/tokenize", {"messages": CHAT["messages"], "chat_template_kwargs": {"return_dict": True}},
+         "chat_template_kwargs", ["return_dict"]),
+        ("/tokenize", {"messages": CHAT["messages"], "chat_template_kwargs": {"conversation": 5}},
+         "chat_template_kwargs", ["conversation"]),
+    ],
+)
+def test_fuzzer_finds_are_400_naming_the_field_sent(tiny_server, path, body, param, words):
+    def post(path: str, body: dict) -> httpx.Response:  # 20 s: a hang fails here, not at the suite's timeout
+        return httpx.post(tiny_server.url(path), json=body, headers=tiny_server.headers, timeout=20)
+
+    err = assert_openai_error(post(path, body), 400, *words)
+    assert err["param"] == param, err
+    assert tiny_server.get("/health").status_code == 200
+    r = post("/v1/completions", CMPL)  # still serving
+    assert r.status_code == 200, r.text
+
+
+
+@pytest.mark.parametrize("message, param", [
+    ("request id 'cmpl-x' is already in use.", "request_id"),  # two requests of one id tokenizing at once
+    ("prompt_logprobs is not supported yet.", "prompt_logprobs"),
+    ("the prompt is empty; it needs at least one token.", "prompt"),
+    ("truncate_prompt_tokens (9) is larger than the model's max_model_len (8).", "truncate_prompt_tokens"),
+    ("bad_words needs a tokenizer; this engine runs without one (skip_tokenizer_init).", "bad_words"),
+])
+def test_engine_refusals_name_their_field(message, param):
+    """serving_engine.add_request maps the engine's ValueError to the request field it is about (param
+    was null or "prompt" for these). A unit test: a concurrent duplicate id is a race to reproduce."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.errors import APIError
+    from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    class Engine:
+        async def add_request(self, *args):
+            raise ValueError(message)
+
+    serving = object.__new__(OpenAIServing)
+    serving.engine = Engine()
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.add_request("r", {"prompt": "x"}, None, 0.0))
+    assert e.value.param == param and e.value.message == message
