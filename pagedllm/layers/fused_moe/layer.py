@@ -16,7 +16,8 @@ down(silu(gate x) * up x) sums over the units); `split_shared_expert_weights` na
 
 Quantization hook: the layer asks `quant_config.get_quant_method(self, prefix)` like a linear layer;
 the answer must be a `FusedMoEMethodBase` (it creates the weights and runs the experts), else the
-config does not support MoE experts and construction fails naming the layer.
+config does not support MoE experts and construction fails naming the layer. FP8 experts:
+quantization/fp8_moe.py `Fp8MoEMethod` (its scale parameters load through the same mapping).
 """
 
 from __future__ import annotations
@@ -97,13 +98,16 @@ class FusedMoE(nn.Module):
     def make_expert_params_mapping(
         ckpt_gate_proj_name: str, ckpt_down_proj_name: str, ckpt_up_proj_name: str, num_experts: int
     ) -> list[tuple[str, str, tuple[int, str]]]:
-        """(our param, checkpoint name, (expert_id, shard)) for `load_weights_with_mapping`, e.g.
-        (".experts.w13_weight", ".experts.3.gate_proj.weight", (3, "w1"))."""
+        """(our param prefix, checkpoint prefix, (expert_id, shard)) for `load_weights_with_mapping`, e.g.
+        (".experts.w13_", ".experts.3.gate_proj.", (3, "w1")): vLLM's form, one entry per expert and
+        projection for all of its tensors, "experts.3.gate_proj.weight" -> "experts.w13_weight" and, for
+        FP8 experts (quantization/fp8_moe.py), ".weight_scale" / ".input_scale" -> "w13_weight_scale" /
+        "w13_input_scale". Every expert's shards are then required of each of those parameters."""
         mapping = []
         for e in range(num_experts):
             for ckpt, shard in ((ckpt_gate_proj_name, "w1"), (ckpt_down_proj_name, "w2"), (ckpt_up_proj_name, "w3")):
-                param = "w2_weight" if shard == "w2" else "w13_weight"
-                mapping.append((f".experts.{param}", f".experts.{e}.{ckpt}.weight", (e, shard)))
+                param = "w2_" if shard == "w2" else "w13_"
+                mapping.append((f".experts.{param}", f".experts.{e}.{ckpt}.", (e, shard)))
         return mapping
 
     @staticmethod
