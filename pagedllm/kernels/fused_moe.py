@@ -103,7 +103,8 @@ def fused_experts(
         cfg = {k: v for k, v in cfg.items() if k != "TMA"}
     weights = topk_weights.reshape(-1).float().contiguous()
     if cfg.get("SCAN"):
-        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg, shared_experts, w13_scale, w2_scale)
+        scales = (w13_scale, w2_scale) if fp8 else ()  # the unquantized call as it was
+        down = _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg, shared_experts, *scales)
         return moe_sum(down, top_k) if sum_topk else down.view(t, top_k, hidden)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e)
     if cfg.get("FUSE_SILU", cfg["BLOCK_M"] * cfg["BLOCK_N"] <= FUSED_SILU_MAX_TILE):
