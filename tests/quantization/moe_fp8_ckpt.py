@@ -78,14 +78,16 @@ def _quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp(-448, 448).to(FP8)
 
 
-def fp8_moe_checkpoint(model: nn.Module, static: bool) -> tuple[str, nn.Module]:
-    """(checkpoint dir, transformers model on its dequantized weights) for `model`."""
+def fp8_moe_checkpoint(model: nn.Module, static: bool, attention: bool = True) -> tuple[str, nn.Module]:
+    """(checkpoint dir, transformers model on its dequantized weights) for `model`. attention=False:
+    only the experts are FP8, the attention linears listed in `ignored_layers` (the reference is then
+    exact without activation hooks)."""
     state, config = _state(model)
     amax = _input_amax(model, None) if static else {}
     ckpt, deq = dict(state), dict(state)
     gen = torch.Generator().manual_seed(1)
     for name, w in state.items():
-        if not (_EXPERT.search(name) or _ATTN.search(name)):
+        if not (_EXPERT.search(name) or (attention and _ATTN.search(name))):
             continue
         scale = (w.float().abs().amax() / 448.0).reshape(())
         ckpt[name], ckpt[name.replace(".weight", ".weight_scale")] = _quant(w, scale), scale
@@ -106,6 +108,8 @@ def fp8_moe_checkpoint(model: nn.Module, static: bool) -> tuple[str, nn.Module]:
         for n, s in scales.items():
             deq[n] = (ckpt[n].float() * (s / top)).clamp(-448, 448).to(FP8).float() * top
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
+    if not attention:
+        config["quantization_config"]["ignored_layers"] = [r"re:.*\.self_attn\..*"]
     ref = _reference(deq, config)
     ref.static_input_scales = {n.removesuffix(".input_scale"): float(t) for n, t in ckpt.items()
                                if n.endswith(".input_scale") and _ATTN.search(n.replace(".input_scale", ".weight"))}
