@@ -45,6 +45,8 @@ _W13_COLUMN = {"w1": 0, "w3": 1}
 class Fp8MoEMethod(FusedMoEMethodBase):
     """FP8 experts, weight-only (W8A16): per-expert e4m3 weights, one fp32 scale per expert and GEMM."""
 
+    supports_unsummed_topk = True  # the fused kernels on CUDA may leave the top-k sum to the next norm
+
     def __init__(self, serialized: bool, static_input: bool) -> None:
         if not serialized and static_input:
             raise ValueError("online fp8 has no calibrated input scales: activation_scheme must be 'dynamic'")
@@ -108,6 +110,12 @@ class Fp8MoEMethod(FusedMoEMethodBase):
 
         return fused_experts_ref(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                  layer.w13_weight_scale, layer.w2_weight_scale)
+
+    def apply_unsummed(self, layer, x, topk_weights, topk_ids):
+        from pagedllm.kernels.fused_moe import fused_experts
+
+        return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, sum_topk=False,
+                             w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale)
 
 
 def _expert_scale_loader(layer: nn.Module, kind: str) -> Callable[..., None]:

@@ -177,3 +177,37 @@ def test_w1_w3_requantized_to_the_larger_scale():
     out, scale = _requantize_w13(w13.clone(), torch.tensor([[0.01, 0.02]]))
     assert scale.tolist() == pytest.approx([0.02])
     assert out.float().flatten().tolist() == [80.0, 160.0]
+
+
+def test_fp8_unsummed_topk_outputs_sum_to_forward(monkeypatch):
+    # On one CUDA rank the MoE block hands the next RMSNorm its (T, top_k, hidden) outputs unsummed
+    # (FusedMoE.can_leave_topk_unsummed): the fused kernels' fp8 variant (the interpreter here, forced
+    # past the CUDA check) summed equals forward's torch reference on the same experts.
+    from pagedllm.quantization.fp8 import Fp8Config
+
+    g = torch.Generator().manual_seed(4)
+    e, hidden, inter, top_k = 4, 32, 16, 2
+    moe = FusedMoE(e, top_k, hidden, inter, quant_config=Fp8Config(is_checkpoint_fp8_serialized=False),
+                   prefix="model.layers.0.mlp.experts")
+    for p in (moe.w13_weight, moe.w2_weight):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    moe.quant_method.process_weights_after_loading(moe)
+    assert moe.w13_weight.dtype == FP8_DTYPE
+    x, logits = torch.randn(5, hidden, generator=g), torch.randn(5, e, generator=g)
+    with pytest.raises(ValueError, match="unquantized or FP8 experts"):
+        moe(x, logits, sum_topk=False)  # a CPU tensor: not allowed
+    monkeypatch.setattr(FusedMoE, "can_leave_topk_unsummed", lambda self, h: True)
+    parts = moe(x, logits, sum_topk=False)
+    assert parts.shape == (5, top_k, hidden)
+    torch.testing.assert_close(parts.sum(1), moe(x, logits), atol=1e-4, rtol=1e-4)
+
+
+def test_dummy_weights_with_online_fp8_give_fp8_experts():
+    # `--load-format dummy --quantization fp8` (the W1 benchmark's shape runs): random experts, then
+    # quantized after loading like a real bf16 checkpoint.
+    ckpt, _ = mc.online_moe_checkpoint(mc.tiny_moe("qwen3_moe"))
+    model = _load(ckpt, quantization="fp8", load_format="dummy")
+    moes = _experts(model)
+    assert moes and all(m.w13_weight.dtype == FP8_DTYPE and torch.isfinite(m.w13_weight_scale).all() for m in moes)
+    logits = PagedRunner(model).step({"a": LOGIT_PROMPT})["a"]
+    assert torch.isfinite(logits).all()
