@@ -12,7 +12,7 @@
              weight copies, so the experts come from HBM), with the floor (experts hit, read once)
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_fp8_check.py [--only kernel greedy speed]
-    PYTHONPATH=$PWD python3 scripts/gpu_moe_fp8_check.py --cpu    # the greedy check on the CPU (no GPU)
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 scripts/gpu_moe_fp8_check.py --cpu   # kernel + greedy, no GPU
 
 Exit status 1 if a check is WRONG or fails. The table last; figures go to BENCHMARKS.md.
 """
@@ -38,27 +38,35 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / s[:, None, None]).clamp(-448, 448).to(FP8), s.contiguous()
 
 
-def check_kernel() -> None:
-    from _gpu_common import MOE_SHAPES, moe_expert_weights, record, rel_err
+def check_kernel(device: str = "cuda") -> None:
+    """device "cpu" (--cpu): Triton's interpreter at a tiny shape in fp16 (its bf16 dot is wrong)."""
+    from _gpu_common import MOE_SHAPES, record, rel_err
 
     from pagedllm.kernels.fused_moe import _config, _scan_config, fused_experts
     from pagedllm.layers.fused_moe.router import select_experts
     from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
-    e, top_k, hidden, inter = MOE_SHAPES["qwen3-30b-a3b"]
-    w13, w2 = moe_expert_weights(e, hidden, inter)
+    cpu = device == "cpu"
+    e, top_k, hidden, inter = (8, 2, 64, 32) if cpu else MOE_SHAPES["qwen3-30b-a3b"]
+    dtype = torch.float16 if cpu else torch.bfloat16
+    w13 = torch.randn(e, 2 * inter, hidden, device=device, dtype=dtype) * 0.02
+    w2 = torch.randn(e, hidden, inter, device=device, dtype=dtype) * 0.02
     (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
     del w13, w2
-    for t in (1, 32, 256, 1024, 8192):
-        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
-        w, ids = select_experts(torch.randn(t, e, device="cuda"), top_k, True)
-        cfg = _scan_config(t * top_k, e, torch.bfloat16) or _config(t * top_k, torch.bfloat16)
-        err = rel_err(fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2),
-                      fused_experts_ref(x, q13, q2, w, ids, s13, s2))
-        good = err < 2e-2  # bf16 outputs, fp32 sums in another order (a wrong scale or expert is O(1))
+    for t in (1, 32) if cpu else (1, 32, 256, 1024, 8192):
+        x = torch.randn(t, hidden, device=device, dtype=dtype)
+        w, ids = select_experts(torch.randn(t, e, device=device), top_k, True)
+        cfg = _scan_config(t * top_k, e, dtype) or _config(t * top_k, dtype)
+        ref = fused_experts_ref(x, q13, q2, w, ids, s13, s2)
+        # 16-bit outputs, fp32 sums in another order (a wrong scale or expert is O(1))
+        err = rel_err(fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2), ref)
+        # the top-k outputs unsummed (for the next residual add + RMSNorm), summed here
+        parts = fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, sum_topk=False)
+        err_parts = rel_err(parts.float().sum(1), ref)
+        good = err < 2e-2 and parts.shape == (t, top_k, hidden) and err_parts < 2e-2
         OK["ok"] &= good
-        record(f"fp8 fused_experts {t} tokens ({'row lists' if cfg.get('SCAN') else 'align'})",
-               f"rel err {err:.1e} {'OK' if good else 'WRONG'}")
+        record(f"fp8 fused_experts {t} tokens on {device} ({'row lists' if cfg.get('SCAN') else 'align'})",
+               f"rel err {err:.1e}, unsummed {err_parts:.1e} {'OK' if good else 'WRONG'}")
 
 
 def check_greedy(device: str = "cuda") -> None:
@@ -120,13 +128,15 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="+", choices=["kernel", "greedy", "speed"],
                         default=["kernel", "greedy", "speed"])
-    parser.add_argument("--cpu", action="store_true", help="run the greedy check on the CPU (no GPU needed)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="kernel (interpreter, tiny shape) and greedy on the CPU; speed needs the GPU")
     args = parser.parse_args()
     from _gpu_common import print_results
 
     sections = {"kernel": check_kernel, "greedy": check_greedy, "speed": check_speed}
     if args.cpu:
-        sections, args.only = {"greedy": lambda: check_greedy("cpu")}, ["greedy"]
+        sections = {"kernel": lambda: check_kernel("cpu"), "greedy": lambda: check_greedy("cpu")}
+        args.only = [n for n in args.only if n in sections]
     else:
         print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for name in args.only:
