@@ -51,9 +51,13 @@ def _rows_gemm(
     pid_n, N, K, stride_am, stride_be, stride_bn, stride_cm,
     TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_SILU: tl.constexpr,
+    b_scale_ptr=None, W_SCALED: tl.constexpr = False,
 ):
     """c[pair, n-block] = a[pair // TOP_K] @ b[expert, n-block]^T (the grouped GEMM's one tile), with
-    SiLU-and-mul of the gate and up columns (FUSE_SILU) and the routed weight (MUL_ROUTED_WEIGHT)."""
+    SiLU-and-mul of the gate and up columns (FUSE_SILU) and the routed weight (MUL_ROUTED_WEIGHT).
+    W_SCALED (FP8 experts, W8A16): b holds float8_e4m3fn tiles, converted to a's dtype for the dot
+    (exact: every e4m3 value is a bf16 / fp16 / fp32 value) and the accumulators multiplied by the
+    expert's scale b_scale_ptr[expert] before the epilogue (before SiLU: the scale is the weights')."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -65,18 +69,26 @@ def _rows_gemm(
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if W_SCALED:
+            b = b.to(a.dtype)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         if FUSE_SILU:  # the same columns of the up half: weight rows N + offs_n
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if W_SCALED:
+                b_up = b_up.to(a.dtype)
             if IEEE_FP32:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if W_SCALED:  # one scale per expert: gate and up share it (quantization/fp8_moe.py requantizes them)
+        w_scale = tl.load(b_scale_ptr + expert)
+        acc = acc * w_scale
+        acc_up = acc_up * w_scale
     _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm, FUSE_SILU,
                        MUL_ROUTED_WEIGHT)
 
@@ -107,6 +119,8 @@ def _fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     FUSE_SILU: tl.constexpr = False,  # GEMM 1 with SiLU-and-mul: c = silu(gate) * up, N = inter
     GROUP_M: tl.constexpr = 8,
+    b_scale_ptr=None,  # W_SCALED only: (E,) float32 per-expert weight scales (None: a constexpr, no argument)
+    W_SCALED: tl.constexpr = False,  # FP8 experts (W8A16): fp8 weight tiles x the expert's scale
 ):
     # Programs in groups of GROUP_M row blocks (grouped_tile): an expert's row blocks share weight tiles in L2.
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
@@ -117,7 +131,7 @@ def _fused_moe_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     _rows_gemm(a_ptr, b_ptr, c_ptr, topk_weights_ptr, pair, pair < num_valid_pairs, expert, pid_n, N, K,
                stride_am, stride_be, stride_bn, stride_cm, TOP_K, MUL_ROUTED_WEIGHT, IEEE_FP32,
-               BLOCK_M, BLOCK_N, BLOCK_K, FUSE_SILU)
+               BLOCK_M, BLOCK_N, BLOCK_K, FUSE_SILU, b_scale_ptr, W_SCALED)
 
 
 @triton.jit
@@ -224,13 +238,15 @@ def down_config(cfg: dict) -> dict:
 
 
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, mul_weight, cfg,
-                  fuse_silu: bool = False) -> None:
+                  fuse_silu: bool = False, w_scale: torch.Tensor | None = None) -> None:
+    """w_scale (E,) float32 with float8_e4m3fn `w`: the FP8 experts' variant (W_SCALED), pointer kernel only."""
     n, k = w.shape[1] // (2 if fuse_silu else 1), w.shape[2]
     num_m_blocks, num_n_blocks = triton.cdiv(sorted_ids.numel(), cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
     grid = (num_m_blocks * num_n_blocks,)
     if cfg.get("TMA"):
-        if TensorDescriptor is None or w.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError("fused_experts: TMA tiles need Triton's TensorDescriptor and 16-bit weights")
+        if TensorDescriptor is None or w.dtype not in (torch.bfloat16, torch.float16) or w_scale is not None:
+            raise ValueError("fused_experts: TMA tiles need Triton's TensorDescriptor and 16-bit weights "
+                             "(FP8 experts take the pointer kernel)")
         e, n_total = w.shape[0], w.shape[1]
         desc = TensorDescriptor(w.view(e * n_total, k), [e * n_total, k], [k, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         _fused_moe_tma_kernel[grid](
@@ -238,6 +254,16 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k, 
             num_n_blocks, a.stride(0), out.stride(0),
             TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], FUSE_SILU=fuse_silu, GROUP_M=cfg.get("GROUP_M", 8),
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        )
+        return
+    if w_scale is not None:  # FP8 experts: the W_SCALED variant; fp32 activations keep exact fp32 products
+        _fused_moe_kernel[grid](
+            a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, n, k, out.shape[0], num_m_blocks, num_n_blocks,
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, IEEE_FP32=a.dtype == torch.float32,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], FUSE_SILU=fuse_silu,
+            GROUP_M=cfg.get("GROUP_M", 8), b_scale_ptr=w_scale, W_SCALED=True,
             num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
         )
         return

@@ -53,6 +53,8 @@ def _fused_moe_rows_kernel(
     num_routed=0,
     num_tokens=0,
     pairs_per_token=1,  # top_k + NUM_SHARED: token i's pair for shared expert j is i * pairs_per_token + top_k + j
+    b_scale_ptr=None,  # W_SCALED only: (E,) float32 per-expert weight scales
+    W_SCALED: tl.constexpr = False,  # FP8 experts (W8A16), as moe_grouped_gemm._rows_gemm
 ):
     """The grouped GEMM over per-expert row lists: program (expert, column block) takes its
     expert's pairs BLOCK_M at a time. One flat loop over (row block, K tile), the epilogue at each
@@ -101,6 +103,8 @@ def _fused_moe_rows_kernel(
     pair = tl.zeros([BLOCK_M], tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FUSE_SILU only
+    if W_SCALED:
+        w_scale = tl.load(b_scale_ptr + expert)
     for _ in range(0, tl.cdiv(count, BLOCK_M) * k_tiles):
         ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
         if ki == 0:
@@ -114,17 +118,24 @@ def _fused_moe_rows_kernel(
         a = tl.load(a_ptr + (pair // TOP_K)[:, None] * stride_am + k0 + offs_k[None, :],
                     mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_base + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if W_SCALED:  # fp8 tiles -> the activations' dtype (exact), the scale on the accumulators below
+            b = b.to(a.dtype)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         if FUSE_SILU:
             b_up = tl.load(b_base + k0 + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if W_SCALED:
+                b_up = b_up.to(a.dtype)
             if IEEE_FP32:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
         if ki == k_tiles - 1:
+            if W_SCALED:
+                acc = acc * w_scale
+                acc_up = acc_up * w_scale
             _store_expert_tile(acc, acc_up, c_ptr, topk_weights_ptr, pair, valid, offs_n, n_mask, stride_cm,
                                FUSE_SILU, MUL_ROUTED_WEIGHT)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -151,10 +162,12 @@ def _scan_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict |
                 DOWN=dict(BLOCK_N=128))
 
 
-def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict, shared: int = 0) -> torch.Tensor:
+def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict, shared: int = 0,
+                        w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fused_experts without the sorted list: each expert's row list (`_moe_expert_rows_kernel`,
     one program per routed expert), GEMM 1 (+ SiLU) and GEMM 2 over the lists -> (T * top_k, hidden).
-    shared: the last `shared` experts take every token (no lists: their programs compute the pairs)."""
+    shared: the last `shared` experts take every token (no lists: their programs compute the pairs).
+    w13_scale / w2_scale (E,) float32: FP8 experts (the kernel's W_SCALED variant)."""
     t, top_k = topk_ids.shape
     e, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -169,11 +182,21 @@ def _fused_experts_scan(x, w13, w2, weights, topk_ids, cfg: dict, shared: int = 
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     fp32 = w13.dtype == torch.float32
-    for a, w, out, n, k, tk, first, gemm in ((x, w13, h, inter, hidden, top_k, True, cfg),
-                                              (h, w2, down, hidden, inter, 1, False, down_config(cfg))):
+    for a, w, out, n, k, tk, first, gemm, scale in ((x, w13, h, inter, hidden, top_k, True, cfg, w13_scale),
+                                                     (h, w2, down, hidden, inter, 1, False, down_config(cfg), w2_scale)):
         n_blocks = triton.cdiv(n, gemm["BLOCK_N"])
         shared_progs = shared * n_blocks * triton.cdiv(t, gemm["BLOCK_M"])
-        _fused_moe_rows_kernel[(routed * n_blocks + shared_progs,)](
+        grid = (routed * n_blocks + shared_progs,)
+        if scale is not None:  # FP8 experts: fp32 activations keep exact fp32 products
+            _fused_moe_rows_kernel[grid](
+                a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1),
+                out.stride(0), TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=x.dtype == torch.float32,
+                BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first,
+                NUM_SHARED=shared, num_routed=routed, num_tokens=t, pairs_per_token=top_k, b_scale_ptr=scale,
+                W_SCALED=True, num_warps=gemm["num_warps"], num_stages=gemm.get("num_stages", 3),
+            )
+            continue
+        _fused_moe_rows_kernel[grid](
             a, w, out, weights, rows, counts, n, k, n_blocks, t, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
             TOP_K=tk, MUL_ROUTED_WEIGHT=not first, IEEE_FP32=fp32, BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"],
             BLOCK_K=gemm["BLOCK_K"], FUSE_SILU=first, NUM_SHARED=shared, num_routed=routed, num_tokens=t,

@@ -53,8 +53,10 @@ def load_weights_with_mapping(
     # Modules of other pipeline stages: their checkpoint tensors are not this rank's to load.
     other_stages = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, PPMissingLayer))
     expected_shards: dict[str, set[str | int]] = {}
-    for fused, _, shard_id in stacked_params_mapping:
+    ckpt_of: dict[tuple[str, object], str] = {}  # (fused, shard) -> checkpoint name, for the error below
+    for fused, ckpt_name, shard_id in stacked_params_mapping:
         expected_shards.setdefault(fused, set()).add(shard_id)
+        ckpt_of[(fused, shard_id)] = ckpt_name
     loaded: set[str] = set()
     shards_seen: dict[str, set[str | int]] = {}
 
@@ -88,7 +90,15 @@ def load_weights_with_mapping(
             continue
         for fused, need in expected_shards.items():
             if fused in param_name and not need <= seen:
-                partial.append(f"{param_name} (has shards {sorted(map(str, seen))})")
+                # The checkpoint tensors that would have filled the missing shards, e.g.
+                # "model.layers.0.mlp.experts.3.w1.weight_scale" for param "...experts.w13_weight_scale".
+                absent = sorted(param_name.replace(fused, ckpt_of[(fused, s)]) for s in need - seen)
+                more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+                if any(isinstance(s, tuple) for s in need):  # MoE (expert, shard): count them
+                    has = f"has {len(seen)} of {len(need)} shards"
+                else:
+                    has = f"has shards {sorted(map(str, seen))}"
+                partial.append(f"{param_name} ({has}), missing checkpoint tensors: {', '.join(absent[:8])}{more}")
     if missing or partial:
         raise ValueError(f"checkpoint is incomplete; parameters without weights: {missing + partial}")
     return loaded

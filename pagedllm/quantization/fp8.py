@@ -6,7 +6,8 @@ config.json of an FP8 checkpoint (vLLM's "fp8" format, as written by AutoFP8 / v
                             "ignored_layers": ["lm_head", ...]}
 
 Weight scales may be per tensor or per output channel; `weight_block_size` (DeepSeek-style
-128x128 block scales) is refused by name: not built. Method: quantization/w8a8.py.
+128x128 block scales) is refused by name: not built (for MoE experts too). Methods: the linears
+quantization/w8a8.py; MoE experts (`FusedMoE`) quantization/fp8_moe.py (per-expert scales, W8A16).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from pagedllm.kernels.scaled_mm import FP8_DTYPE
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
+from pagedllm.quantization.fp8_moe import Fp8MoEMethod
 from pagedllm.quantization.utils import is_layer_skipped
 from pagedllm.quantization.w8a8 import W8A8LinearMethod
 
@@ -66,10 +68,13 @@ class Fp8Config(QuantizationConfig):
         return cls(is_checkpoint_fp8_serialized=False)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from pagedllm.layers.fused_moe.layer import FusedMoE
         from pagedllm.layers.linear import LinearBase
 
-        if not isinstance(layer, LinearBase) or is_layer_skipped(prefix, self.ignored_layers,
-                                                                 self.packed_modules_mapping):
+        if not isinstance(layer, LinearBase | FusedMoE) or is_layer_skipped(prefix, self.ignored_layers,
+                                                                            self.packed_modules_mapping):
             return None
+        if isinstance(layer, FusedMoE):  # the routed experts (the router gate stays dense, as vLLM's)
+            return Fp8MoEMethod(self.is_checkpoint_fp8_serialized, self.activation_scheme == "static")
         return W8A8LinearMethod(FP8_DTYPE, static_input=self.activation_scheme == "static",
                                 serialized=self.is_checkpoint_fp8_serialized)

@@ -90,8 +90,8 @@ def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict
     const_names = {names[p.num] for p in kernel.params if p.is_constexpr}
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(names):
-        v = values[name]
-        if name in const_names:
+        v = values.get(name, kernel.params[i].default)  # arguments left to their defaults
+        if name in const_names or v is None:  # None arguments: constexprs, as Triton's JIT specializes them
             sig[name], consts[name] = "constexpr", v
             continue
         if isinstance(v, torch.Tensor):
@@ -246,6 +246,14 @@ def _record_model_families() -> None:
         ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
         fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), w13, w2, torch.ones(t, 8), ids)
         moe_router.topk_softmax(torch.zeros(t, 128, dtype=bf16), 8, True)  # Qwen3-30B-A3B's routing
+    # FP8 experts (quantization/fp8_moe.py, the kernels' W_SCALED variant) at the same shape: the row
+    # lists (4 / 256 tokens), the align path's mid tile (512) and the prefill tile without TMA (8192).
+    fp8 = torch.float8_e4m3fn
+    q13, q2, scales = torch.zeros(128, 2 * 768, 2048, dtype=fp8), torch.zeros(128, 2048, 768, dtype=fp8), torch.ones(128)
+    for t in (4, 256, 512, 8192):
+        ids = (torch.arange(t * 8, dtype=torch.int32) % 128).view(t, 8)
+        fused_moe.fused_experts(torch.zeros(t, 2048, dtype=bf16), q13, q2, torch.ones(t, 8), ids, w13_scale=scales,
+                                w2_scale=scales)
     # The two-launch align of prefill-sized steps (PAGEDLLM_MOE_ALIGN_ROWS), 8192 tokens x 8.
     fused_moe.moe_align_block_size_rows((torch.arange(8192 * 8, dtype=torch.int32) % 128).view(8192, 8), 128, 128)
     # The next layer's residual add + RMSNorm summing the MoE block's top-8 outputs (kernels/rmsnorm.py).

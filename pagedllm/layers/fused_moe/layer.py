@@ -16,7 +16,8 @@ down(silu(gate x) * up x) sums over the units); `split_shared_expert_weights` na
 
 Quantization hook: the layer asks `quant_config.get_quant_method(self, prefix)` like a linear layer;
 the answer must be a `FusedMoEMethodBase` (it creates the weights and runs the experts), else the
-config does not support MoE experts and construction fails naming the layer.
+config does not support MoE experts and construction fails naming the layer. FP8 experts:
+quantization/fp8_moe.py `Fp8MoEMethod` (its scale parameters load through the same mapping).
 """
 
 from __future__ import annotations
@@ -97,13 +98,16 @@ class FusedMoE(nn.Module):
     def make_expert_params_mapping(
         ckpt_gate_proj_name: str, ckpt_down_proj_name: str, ckpt_up_proj_name: str, num_experts: int
     ) -> list[tuple[str, str, tuple[int, str]]]:
-        """(our param, checkpoint name, (expert_id, shard)) for `load_weights_with_mapping`, e.g.
-        (".experts.w13_weight", ".experts.3.gate_proj.weight", (3, "w1"))."""
+        """(our param prefix, checkpoint prefix, (expert_id, shard)) for `load_weights_with_mapping`, e.g.
+        (".experts.w13_", ".experts.3.gate_proj.", (3, "w1")): vLLM's form, one entry per expert and
+        projection for all of its tensors, "experts.3.gate_proj.weight" -> "experts.w13_weight" and, for
+        FP8 experts (quantization/fp8_moe.py), ".weight_scale" / ".input_scale" -> "w13_weight_scale" /
+        "w13_input_scale". Every expert's shards are then required of each of those parameters."""
         mapping = []
         for e in range(num_experts):
             for ckpt, shard in ((ckpt_gate_proj_name, "w1"), (ckpt_down_proj_name, "w2"), (ckpt_up_proj_name, "w3")):
-                param = "w2_weight" if shard == "w2" else "w13_weight"
-                mapping.append((f".experts.{param}", f".experts.{e}.{ckpt}.weight", (e, shard)))
+                param = "w2_" if shard == "w2" else "w13_"
+                mapping.append((f".experts.{param}", f".experts.{e}.{ckpt}.", (e, shard)))
         return mapping
 
     @staticmethod
@@ -146,16 +150,13 @@ class FusedMoE(nn.Module):
         for the next residual add + RMSNorm to sum (Qwen2/3-MoE, Mixtral and DeepSeek blocks)."""
         if not sum_topk and not self.can_leave_topk_unsummed(hidden_states):
             raise ValueError(f"{self}: the top-k outputs can be left unsummed only on one CUDA rank and stage, "
-                             "with unquantized experts")
+                             "with unquantized or FP8 experts")
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group,
             self.topk_group, self.e_score_correction_bias, self.routed_scaling_factor, self.num_fused_shared_experts,
         )
         if not sum_topk:
-            from pagedllm.kernels.fused_moe import fused_experts
-
-            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 shared_experts=self.num_fused_shared_experts, sum_topk=False)
+            return self.quant_method.apply_unsummed(self, hidden_states, topk_weights, topk_ids)
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
@@ -163,12 +164,13 @@ class FusedMoE(nn.Module):
 
     def can_leave_topk_unsummed(self, hidden_states: torch.Tensor) -> bool:
         """Whether forward(..., sum_topk=False) may hand back the top-k outputs unsummed: the
-        dense experts on CUDA, one tensor-parallel rank (the sum must come before an all-reduce) and
-        one pipeline stage (stage hand-offs have (T, hidden) buffers)."""
+        dense or FP8 experts (a method with supports_unsummed_topk) on CUDA, one tensor-parallel rank
+        (the sum must come before an all-reduce) and one pipeline stage (stage hand-offs have
+        (T, hidden) buffers)."""
         from pagedllm.distributed.parallel_state import get_pp_group
 
         return (_SUM_IN_NORM and hidden_states.is_cuda and self.tp_size == 1
-                and type(self.quant_method) is UnquantizedFusedMoEMethod and get_pp_group().world_size == 1)
+                and self.quant_method.supports_unsummed_topk and get_pp_group().world_size == 1)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "

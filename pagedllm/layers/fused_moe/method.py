@@ -20,6 +20,10 @@ from pagedllm.quantization.base import QuantizeMethodBase
 
 
 class FusedMoEMethodBase(QuantizeMethodBase):
+    # Whether `apply_unsummed` is built: the top-k outputs left unsummed for the next residual add +
+    # RMSNorm to sum (FusedMoE.can_leave_topk_unsummed; the fused kernels on CUDA).
+    supports_unsummed_topk: bool = False
+
     @abstractmethod
     def create_weights(
         self,
@@ -41,9 +45,16 @@ class FusedMoEMethodBase(QuantizeMethodBase):
     ) -> torch.Tensor:  # (T, hidden), this rank's partial sum
         ...
 
+    def apply_unsummed(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:  # (T, top_k, hidden)
+        """`apply` without the top-k sum (only where supports_unsummed_topk)."""
+        raise NotImplementedError(f"{type(self).__name__} always sums the top-k outputs")
+
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Dense experts in the model dtype: Triton grouped GEMMs on CUDA, the torch reference elsewhere."""
+
+    supports_unsummed_topk = True
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -65,3 +76,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
         return fused_experts_ref(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+    def apply_unsummed(self, layer, x, topk_weights, topk_ids):
+        from pagedllm.kernels.fused_moe import fused_experts
+
+        return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             shared_experts=layer.num_fused_shared_experts, sum_topk=False)
