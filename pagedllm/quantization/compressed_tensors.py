@@ -123,6 +123,12 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_min_capability(cls) -> int:
         return 75
 
+    def required_capability(self) -> int:
+        # FP8 W8A8 runs FP8 tensor-core GEMMs (Triton's fp8e4nv dot, torch._scaled_mm): sm_89 and up, as
+        # Fp8Config; INT8 W8A8 (torch._int_mm) and the int4/int8 weight-only kernels run from sm_75.
+        fp8 = any(s.kind == "w8a8" and s.qdtype == FP8_DTYPE for s in self.schemes)
+        return max(self.get_min_capability(), 89 if fp8 else 0)
+
     @staticmethod
     def get_config_filenames() -> list[str]:
         return []
