@@ -43,7 +43,7 @@ from pagedllm.quantization.utils import (
     name_matches,
 )
 from pagedllm.quantization.w8a8 import W8A8LinearMethod
-from pagedllm.quantization.wna16 import WNA16LinearMethod, check_weight_scheme, unpack_int32
+from pagedllm.quantization.wna16 import WNA16LinearMethod, act_order_loader, check_weight_scheme, unpack_int32
 
 FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 
@@ -203,7 +203,8 @@ class CTPackedLinearMethod(WNA16LinearMethod):
         if self.actorder:
             add_param(layer, "weight_g_idx", torch.arange(k, dtype=torch.int32) // group,
                       {"input_dim": 0, "skip_dummy_init": True, **attrs,
-                       "weight_loader": checked_loader(loader, f"{p}.weight_g_idx", (torch.int32, torch.int64))})
+                       "weight_loader": checked_loader(act_order_loader(layer, loader, f"{p}.weight_g_idx", k, group),
+                                                       f"{p}.weight_g_idx", (torch.int32, torch.int64))})
         add_param(layer, "weight_shape", torch.zeros(2, dtype=torch.int64),
                   {"weight_loader": _shape_checker(layer, f"{p}.weight_shape"), "skip_dummy_init": True})
 

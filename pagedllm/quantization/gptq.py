@@ -28,7 +28,7 @@ from torch import nn
 
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 from pagedllm.quantization.utils import FLOAT_DTYPES, add_param, checked_loader, is_layer_skipped
-from pagedllm.quantization.wna16 import WNA16LinearMethod, check_weight_scheme, unpack_int32
+from pagedllm.quantization.wna16 import WNA16LinearMethod, act_order_loader, check_weight_scheme, unpack_int32
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
@@ -115,7 +115,8 @@ class GPTQLinearMethod(WNA16LinearMethod):
         # Present in every AutoGPTQ checkpoint (trivial without desc_act): optional, never random.
         add_param(layer, "g_idx", torch.arange(k, dtype=torch.int32) // group,
                   {"input_dim": 0, "optional": True, "skip_dummy_init": True, **attrs,
-                   "weight_loader": _g_idx_loader(loader, f"{p}.g_idx")})
+                   "weight_loader": _g_idx_loader(act_order_loader(layer, loader, f"{p}.g_idx", k, group),
+                                                  f"{p}.g_idx")})
 
     def _unpack(self, layer: nn.Module):
         q = unpack_int32(layer.qweight.data, self.bits, dim=0)
