@@ -188,7 +188,7 @@ class CTPackedLinearMethod(WNA16LinearMethod):
                                   group: int, params_dtype: torch.dtype, attrs: dict[str, Any]) -> None:
         pf = self.pack_factor
         loader, p = attrs.pop("weight_loader"), layer.prefix
-        grouped = {"input_dim": 1, "group_dims": {1: group}} if group != layer.input_size else {}
+        grouped = {"input_dim": 1, "group_dims": {1: group}} if self.group_size != -1 else {}
         add_param(layer, "weight_packed", torch.zeros(n, k // pf, dtype=torch.int32),
                   {"output_dim": 0, "input_dim": 1, "packed_dim": 1, "pack_factor": pf, **attrs,
                    "weight_loader": checked_loader(loader, f"{p}.weight_packed", (torch.int32,))})
@@ -203,7 +203,7 @@ class CTPackedLinearMethod(WNA16LinearMethod):
         if self.actorder:
             add_param(layer, "weight_g_idx", torch.arange(k, dtype=torch.int32) // group,
                       {"input_dim": 0, "skip_dummy_init": True, **attrs,
-                       "weight_loader": checked_loader(act_order_loader(layer, loader, f"{p}.weight_g_idx", k, group),
+                       "weight_loader": checked_loader(act_order_loader(layer, loader, f"{p}.weight_g_idx", k, group, bool(grouped)),
                                                        f"{p}.weight_g_idx", (torch.int32, torch.int64))})
         add_param(layer, "weight_shape", torch.zeros(2, dtype=torch.int64),
                   {"weight_loader": _shape_checker(layer, f"{p}.weight_shape"), "skip_dummy_init": True})

@@ -58,15 +58,16 @@ def check_weight_scheme(bits: int, group_size: int) -> None:
                          f"got {group_size}")
 
 
-def act_order_loader(layer: nn.Module, inner: Callable[..., None], what: str, k: int, group: int
-                     ) -> Callable[..., None]:
+def act_order_loader(layer: nn.Module, inner: Callable[..., None], what: str, k: int, group: int,
+                     sliced: bool) -> Callable[..., None]:
     """The g_idx (K,) loader of a layer with `k` inputs on this rank. A row-parallel layer at
     tensor_parallel_size > 1 (k < layer.input_size) keeps rank r's slice of g_idx, made relative to its
     own groups: global group ids first..first + k // G - 1 -> 0..k // G - 1 (first = r * k // G). Any
-    of its inputs in another rank's group is a ValueError (see the module docstring).
+    of its inputs in another rank's group is a ValueError (see the module docstring). `sliced` False
+    (group_size -1: one group, its scales on every rank): g_idx is all 0 and stays so.
 
     K 128, G 32, tp 2, rank 1: inputs 64..127; g_idx there in 2..3 -> 0..1; a 0 or 1 there is refused."""
-    if k == layer.input_size:
+    if k == layer.input_size or not sliced:
         return inner  # the whole input on every rank (column-parallel, or tp 1): g_idx as it is
 
     def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -104,7 +105,9 @@ class WNA16LinearMethod(LinearMethodBase):
 
     def groups(self, layer: nn.Module, input_size_per_partition: int, input_size: int) -> tuple[int, int]:
         """(group size G along this rank's inputs, number of groups) with exact-division checks."""
-        g = input_size if self.group_size == -1 else self.group_size
+        # group_size -1 (one group per output channel): one group over this rank's inputs, its scale row
+        # the same on every rank (a row-parallel layer at tp 2 has K / 2 inputs, one group of K / 2).
+        g = input_size_per_partition if self.group_size == -1 else self.group_size
         what = getattr(layer, "prefix", "layer")
         if input_size_per_partition % g:
             raise ValueError(f"{what}: {input_size_per_partition} inputs are not a whole number of groups of {g}")

@@ -2,7 +2,8 @@
 row-parallel layer's rank keeps its slice of the inputs and of the group scales, which is right when its
 inputs belong to its own groups (an act order within each rank's half of K, or GPTQ's static_groups:
 the greedy tokens of TP=1), and is refused at load, naming the layer and what to do, when the groups are
-scattered over all of K (plain desc_act: no kernel here reads a group index per input)."""
+scattered over all of K (plain desc_act: no kernel here reads a group index per input). group_size -1
+(one group per channel) at TP=2 gives the tokens of TP=1 too."""
 
 from __future__ import annotations
 
@@ -60,3 +61,12 @@ def test_act_order_scattered_over_all_inputs_is_refused_at_tp2(model):
                                         r"rank \d of this row-parallel layer .* Run this checkpoint at "
                                         r"tensor_parallel_size 1"):
         _tokens(path, 2)
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_one_group_per_channel_at_tp2_gives_tp1s_tokens(model, desc_act):
+    # group_size -1: one scale row, the same on every rank; a row-parallel rank's inputs are one group of
+    # K / 2 (before: refused as "32 inputs are not a whole number of groups of 64"). With act order, g_idx
+    # is all 0: nothing to slice or refuse.
+    path = qc.gptq_checkpoint(model, 8, -1, desc_act=desc_act)[0]
+    assert _tokens(path, 2) == _tokens(path, 1)
