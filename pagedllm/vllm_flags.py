@@ -6,7 +6,9 @@ ParallelConfig, CacheConfig, SchedulerConfig, ...) is in one of three states:
 
     works    the parser defines it and it does what vLLM's does (not listed here: the parser itself
              holds those; tests/test_vllm_flags.py holds the whole table against the parser)
-    note     vLLM-design-only: accepted, has no effect here, one warning line says what runs instead
+    note     vLLM-design-only: accepted, has no effect here, one warning line says what runs instead;
+             where only some values mean what runs here (`--logprobs-mode raw_logprobs`), the others are
+             refused like the third state (`FlagNote.accepted`)
     refused  a feature that is not built: the flag is parsed, and using it stops start-up with a
              message saying why and what to use
 
@@ -34,6 +36,12 @@ Arity = Literal[0, 1, "+"]
 class FlagNote:
     note: str  # what runs instead (note) / why not and what to use (refused)
     arity: Arity = 1
+    # A note flag's values that ask for what runs here (vLLM's spelling); any other value asks for a
+    # feature that is not built and is refused. Empty: every value only warns.
+    accepted: tuple[str, ...] = ()
+
+    def refuses(self, value: Any) -> bool:
+        return bool(self.accepted) and str(value) not in self.accepted
 
 
 _GPU_ONLY_ATTN = "pagedllm runs its own attention kernels (TRITON_ATTN on a GPU, CPU_ATTN on the CPU)"
@@ -48,34 +56,47 @@ NOTE_FLAGS: dict[str, FlagNote] = {
     "--scheduler-delay-factor": FlagNote("the token-budget scheduler admits waiting requests every step"),
     "--num-lookahead-slots": FlagNote("no speculative decoding: no lookahead slots are reserved"),
     "--disable-async-output-proc": FlagNote("outputs are processed on the frontend's own thread", 0),
-    "--disable-custom-all-reduce": FlagNote("there is one GPU per engine: no all-reduce runs", 0),
+    "--disable-custom-all-reduce": FlagNote(
+        "no custom all-reduce kernel is built: tensor-parallel layers always all-reduce through "
+        "torch.distributed (NCCL on GPUs, gloo on the CPU)", 0),
     "--max-parallel-loading-workers": FlagNote("weights load in one pass per process"),
-    "--ray-workers-use-nsight": FlagNote("no Ray workers are started", 0),
     "--disable-cascade-attn": FlagNote("cascade attention is not built; shared prefixes use the prefix cache", 0),
     "--disable-chunked-mm-input": FlagNote("no multimodal inputs are handled", 0),
     "--disable-hybrid-kv-cache-manager": FlagNote("one KV cache group per model: there is no hybrid manager", 0),
     "--prefix-caching-hash-algo": FlagNote("prefix blocks are keyed by chained hashes of their token ids"),
-    "--calculate-kv-scales": FlagNote("the KV cache is not quantized, so there are no scales", 0),
     "--kv-sharing-fast-prefill": FlagNote("no cross-layer KV sharing is built", 0),
     "--use-tqdm-on-load": FlagNote("a progress bar is shown while weights load", 0),
     "--no-use-tqdm-on-load": FlagNote("a progress bar is shown while weights load", 0),
-    "--disable-frontend-multiprocessing": FlagNote("the frontend and the engine run as pagedllm arranges them", 0),
+    "--disable-frontend-multiprocessing": FlagNote(
+        "the engine runs in its own process; PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs it in a thread of the "
+        "server's process", 0),
     "--disable-fastapi-docs": FlagNote("FastAPI's /docs pages are served as usual", 0),
     "--enable-server-load-tracking": FlagNote("server load is exported as pagedllm:num_admitted_seqs on /metrics", 0),
     "--enable-prompt-tokens-details": FlagNote("usage.prompt_tokens_details (cached_tokens) is always returned", 0),
     "--show-hidden-metrics-for-version": FlagNote("every metric (and vLLM's older names the Grafana dashboard reads) is shown"),
-    "--model-impl": FlagNote("pagedllm's own model classes always run"),
-    "--config-format": FlagNote("configs are read in Hugging Face format (config.json or GGUF metadata)"),
+    "--model-impl": FlagNote("pagedllm's own model classes always run (auto, vllm); the transformers "
+                             "backend is not built", accepted=("auto", "vllm")),
+    "--config-format": FlagNote("configs are read in Hugging Face format (config.json or GGUF metadata); "
+                                "Mistral's params.json is not read", accepted=("auto", "hf")),
     "--safetensors-load-strategy": FlagNote("safetensors shards are memory-mapped and read one by one"),
-    "--worker-cls": FlagNote("pagedllm's own worker runs"),
-    "--logprobs-mode": FlagNote("logprobs are those of the processed (penalized, temperature-scaled) distribution"),
+    "--worker-cls": FlagNote("pagedllm's own worker runs; a worker class of your own is not loaded",
+                             accepted=("auto",)),
+    "--logprobs-mode": FlagNote(
+        "logprobs are vLLM's raw_logprobs (the log-softmax of the model's logits, before penalties, "
+        "temperature, top-k and top-p); the other modes are not built", accepted=("raw_logprobs",)),
     "--headless": FlagNote("one server, one engine: there is no headless data-parallel mode", 0),
-    "--api-server-count": FlagNote("one API server process runs"),
-    "-asc": FlagNote("one API server process runs"),
+    "--api-server-count": FlagNote("one API server process runs; more are not built", accepted=("1",)),
+    "-asc": FlagNote("one API server process runs; more are not built", accepted=("1",)),
     "--enable-ssl-refresh": FlagNote("certificates are read once at start-up; restart to pick up new ones", 0),
 }
 
 REFUSED_FLAGS: dict[str, FlagNote] = {
+    "--calculate-kv-scales": FlagNote(
+        "computing KV-cache scales from the first batch is not built: an fp8 KV cache (--kv-cache-dtype fp8) "
+        "uses the checkpoint's k_scale / v_scale, else 1.0 (docs/QUANTIZATION.md)", 0),
+    "--ray-workers-use-nsight": FlagNote(
+        "Nsight profiling of Ray workers is not built; run the server under `nsys profile` with "
+        "--distributed-executor-backend mp", 0),
     "--uds": FlagNote("Unix domain sockets are not built; serve on --host/--port"),
     "--hf-config-path": FlagNote("the config is read from the model itself; pass a local model directory"),
     "--code-revision": FlagNote("remote code is loaded from the local model directory only"),
@@ -208,6 +229,8 @@ def check_table_flags(args: argparse.Namespace) -> None:
                 continue
             if refuse:
                 raise ValueError(f"{flag} is not supported: {entry.note}.")
+            if entry.refuses(getattr(args, dest)):
+                raise ValueError(f"{flag} {getattr(args, dest)} is not supported: {entry.note}.")
             logger.warning("%s has no effect in pagedllm: %s.", flag, entry.note)
 
 
@@ -232,6 +255,8 @@ def check_llm_kwargs(kwargs: dict[str, Any], engine_arg_names: frozenset[str] | 
                 continue
             raise ValueError(f"{name}={value!r} is not supported: {REFUSED_FLAGS[flag].note}.")
         if flag in NOTE_FLAGS:
+            if value is not None and NOTE_FLAGS[flag].refuses(value):
+                raise ValueError(f"{name}={value!r} is not supported: {NOTE_FLAGS[flag].note}.")
             if value not in (None, False):
                 logger.warning("%s=%r has no effect in pagedllm: %s.", name, value, NOTE_FLAGS[flag].note)
             continue

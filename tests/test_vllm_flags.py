@@ -42,7 +42,8 @@ def _parser():
 @pytest.mark.parametrize("flag", sorted(NOTE_FLAGS))
 def test_note_flags_are_accepted_with_one_warning(flag, caplog):
     caplog.set_level(logging.WARNING)
-    parse_server_args(_value_args(flag, NOTE_FLAGS[flag].arity))
+    entry = NOTE_FLAGS[flag]
+    parse_server_args([flag, entry.accepted[0]] if entry.accepted else _value_args(flag, entry.arity))
     lines = [r.getMessage() for r in caplog.records if flag in r.getMessage()]
     assert len(lines) == 1 and NOTE_FLAGS[flag].note in lines[0], lines
 
@@ -51,6 +52,26 @@ def test_note_flags_are_accepted_with_one_warning(flag, caplog):
 def test_refused_flags_say_why(flag):
     with pytest.raises(ValueError, match=re.escape(f"{flag} is not supported: {REFUSED_FLAGS[flag].note}")):
         parse_server_args(_value_args(flag, REFUSED_FLAGS[flag].arity))
+
+
+@pytest.mark.parametrize("flag", sorted(f for f, e in NOTE_FLAGS.items() if e.accepted))
+def test_note_flag_values_that_ask_for_what_is_not_built_are_refused(flag):
+    # --logprobs-mode processed_logprobs asks for logprobs after penalties and temperature: not built.
+    with pytest.raises(ValueError, match=re.escape(f"{flag} other is not supported: {NOTE_FLAGS[flag].note}")):
+        parse_server_args([flag, "other"])
+    with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs' is not supported: logprobs are"):
+        check_llm_kwargs({"logprobs_mode": "processed_logprobs"})
+    assert check_llm_kwargs({"logprobs_mode": "raw_logprobs", "max_model_len": 8}) == {"max_model_len": 8}
+
+
+def test_notes_that_the_code_contradicted_now_say_what_runs():
+    # An fp8 KV cache exists (scales from the checkpoint), so computing scales is refused, not "no cache";
+    # a Ray executor exists, so nsight on its workers is refused; TP does all-reduce (torch.distributed).
+    for flag in ("--calculate-kv-scales", "--ray-workers-use-nsight"):
+        assert flag in REFUSED_FLAGS and flag not in NOTE_FLAGS
+    assert "checkpoint's k_scale" in REFUSED_FLAGS["--calculate-kv-scales"].note
+    assert "torch.distributed" in NOTE_FLAGS["--disable-custom-all-reduce"].note
+    assert "raw_logprobs" in NOTE_FLAGS["--logprobs-mode"].note
 
 
 def test_unused_table_flags_say_nothing(caplog):

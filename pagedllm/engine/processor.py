@@ -19,6 +19,36 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
 PromptType = Union[str, Mapping[str, Any], list[int]]
 
+# The keys of vLLM's TextPrompt / TokensPrompt (vllm/inputs) that are built: the text, the token ids
+# (with, optionally, the text they came from) and the prefix-cache salt. Pooling adds token_type_ids.
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+# vLLM's other prompt keys, and why each is refused: pagedllm serves text-only decoder models, and a key
+# that is dropped would run the prompt without what it asked for (an image, its embeddings, ...).
+_NOT_BUILT_KEYS = {
+    "multi_modal_data": "multimodal inputs are not built (pagedllm serves text-only models); give text only",
+    "mm_processor_kwargs": "multimodal inputs are not built (pagedllm serves text-only models)",
+    "multi_modal_uuids": "multimodal inputs are not built (pagedllm serves text-only models)",
+    "prompt_embeds": "prompt embeddings as input are not built; give text or prompt_token_ids",
+    "token_type_ids": "token_type_ids are read by pooling models only (LLM.embed / LLM.score)",
+    "encoder_prompt": "encoder-decoder models are not built",
+    "decoder_prompt": "encoder-decoder models are not built",
+}
+
+
+def check_prompt_keys(prompt: Mapping[str, Any], accepted: frozenset[str] = PROMPT_KEYS) -> None:
+    """ValueError naming the first key of a prompt dict that is not built. A multimodal key set to None
+    or an empty dict asks for nothing (vLLM's types allow None) and passes.
+
+    {"prompt": "hi", "multi_modal_data": {"image": img}} -> ValueError naming multi_modal_data."""
+    for key, value in prompt.items():
+        if key in accepted:
+            continue
+        if key in _NOT_BUILT_KEYS:
+            if key.startswith(("multi_modal", "mm_")) and (value is None or value == {}):
+                continue
+            raise ValueError(f"prompt key {key!r} is not supported: {_NOT_BUILT_KEYS[key]}.")
+        raise ValueError(f"unknown prompt key {key!r}; a prompt dict takes {', '.join(sorted(accepted))}.")
+
 # Keys of generation_config.json that become default sampling parameters (as in vLLM).
 _GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -74,15 +104,18 @@ class Processor:
             kwargs["max_tokens"] = gen["max_new_tokens"]  # vLLM: generation_config's max_new_tokens
         return SamplingParams(**kwargs)
 
-    def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def tokenize_prompt(self, prompt: PromptType, accepted_keys: frozenset[str] = PROMPT_KEYS) -> ProcessedPrompt:
         salt = None
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, Mapping):
+            check_prompt_keys(prompt, accepted_keys)
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             salt = prompt.get("cache_salt")
             if text is None and ids is None:
                 raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}.")
         elif isinstance(prompt, list):
             text, ids = None, prompt
         else:

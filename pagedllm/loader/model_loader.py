@@ -29,16 +29,40 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def check_capability(config: QuantizationConfig, device: torch.device) -> None:
+    """ValueError, before any weight is read, when the CUDA device is older than the method needs: an
+    FP8 checkpoint on an A100 (sm_80) would otherwise load and then fail inside its first FP8 GEMM
+    (Triton: fp8e4nv not supported; torch._scaled_mm: sm_89+). FP8's weight-only GEMV would run a
+    1-16-row decode there, but every prefill takes an FP8 GEMM, so no batch size is exempt.
+    The CPU runs every method (its torch references)."""
+    if device.type != "cuda":
+        return
+    need = config.required_capability()
+    major, minor = torch.cuda.get_device_capability(device)
+    have = major * 10 + minor
+    if have < need:
+        raise ValueError(
+            f"quantization {config.get_name()!r} needs a GPU of compute capability {need // 10}.{need % 10} or "
+            f"newer (get_min_capability: {need}); {device} has {major}.{minor} ({have}). Use a checkpoint of a "
+            "method this GPU runs (each QuantizationConfig's get_min_capability), or a newer GPU."
+        )
+
+
 def get_quant_config(model_config: ModelConfig, device: torch.device) -> QuantizationConfig | None:
-    """The quantization config the model is built with (None: dense weights in model_config.dtype)."""
+    """The quantization config the model is built with (None: dense weights in model_config.dtype);
+    refused on a CUDA device older than the method's minimum (check_capability)."""
     from pagedllm.quantization.gguf import select_gguf_config
     from pagedllm.quantization.registry import build_quant_config
 
     if model_config.quantization not in (None, "gguf"):
         config = build_quant_config(model_config.quantization, model_config.hf_config, model_config.load_format)
+        check_capability(config, device)
         logger.info("quantization: %s", config.get_name())
         return config
-    return select_gguf_config(model_config, device)
+    config = select_gguf_config(model_config, device)
+    if config is not None:
+        check_capability(config, device)
+    return config
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.engine.processor import PROMPT_KEYS, check_prompt_keys
 from pagedllm.pooling.config import check_dimensions
 from pagedllm.pooling.outputs import PoolingRequestState
 from pagedllm.pooling.params import PoolingParams
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 # Which endpoints each runner serves, for the error a request of the wrong kind gets.
 GENERATE_ENDPOINTS = "/v1/completions, /v1/chat/completions (LLM.generate, LLM.chat)"
 POOLING_ENDPOINTS = "/v1/embeddings, /pooling, /v1/score, /rerank, /classify (LLM.embed, LLM.score, LLM.encode)"
+# A pooling prompt dict may carry token_type_ids too (vLLM's TokensPrompt: cross-encoders' segments).
+POOLING_PROMPT_KEYS = PROMPT_KEYS | {"token_type_ids"}
 
 
 def wrong_runner_message(config: EngineConfig, wants_pooling: bool) -> str:
@@ -55,13 +58,14 @@ def tokenize_for_pooling(processor: Processor, prompt: PromptType, truncate: int
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, Mapping):
+        check_prompt_keys(prompt, POOLING_PROMPT_KEYS)  # before the dict is rebuilt below
         text, ids, types = prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("token_type_ids")
     if ids is None and isinstance(text, str) and k is not None:
         if processor.tokenizer is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init); pass prompt_token_ids.")
         ids = processor.tokenizer(text, truncation=True, max_length=k)["input_ids"]
         prompt = {"prompt": text, "prompt_token_ids": ids}
-    pp = processor.tokenize_prompt(prompt)
+    pp = processor.tokenize_prompt(prompt, POOLING_PROMPT_KEYS)
     ids = pp.prompt_token_ids
     if k is not None and len(ids) > k:
         ids = ids[-k:]

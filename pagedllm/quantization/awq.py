@@ -97,7 +97,7 @@ class AWQLinearMethod(WNA16LinearMethod):
         self.check_outputs(layer, output_partition_sizes, 8)
         loader, p = attrs.pop("weight_loader"), layer.prefix
         # Group-wise tensors split over TP ranks by groups of inputs (`group_dims`).
-        grouped = {"input_dim": 0, "group_dims": {0: group}} if group != layer.input_size else {}
+        grouped = {"input_dim": 0, "group_dims": {0: group}} if self.group_size != -1 else {}
         add_param(layer, "qweight", torch.zeros(k, n // 8, dtype=torch.int32),
                   {"input_dim": 0, "output_dim": 1, "packed_dim": 1, "pack_factor": 8, **attrs,
                    "weight_loader": checked_loader(loader, f"{p}.qweight", (torch.int32,))})

@@ -147,6 +147,12 @@ class QuantizationConfig(ABC):
     def get_min_capability(cls) -> int:
         """Minimum CUDA compute capability * 10 (e.g. 80 for Ampere); 0 = runs anywhere."""
 
+    def required_capability(self) -> int:
+        """The compute capability * 10 this checkpoint's layers need on CUDA (the loader refuses a GPU
+        below it: loader/model_loader.check_capability). The class's floor unless a config's own
+        schemes need more (compressed-tensors: FP8 schemes 89, INT8 75)."""
+        return self.get_min_capability()
+
     @staticmethod
     @abstractmethod
     def get_config_filenames() -> list[str]:

@@ -43,7 +43,7 @@ from pagedllm.quantization.utils import (
     name_matches,
 )
 from pagedllm.quantization.w8a8 import W8A8LinearMethod
-from pagedllm.quantization.wna16 import WNA16LinearMethod, check_weight_scheme, unpack_int32
+from pagedllm.quantization.wna16 import WNA16LinearMethod, act_order_loader, check_weight_scheme, unpack_int32
 
 FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 
@@ -123,6 +123,12 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_min_capability(cls) -> int:
         return 75
 
+    def required_capability(self) -> int:
+        # FP8 W8A8 runs FP8 tensor-core GEMMs (Triton's fp8e4nv dot, torch._scaled_mm): sm_89 and up, as
+        # Fp8Config; INT8 W8A8 (torch._int_mm) and the int4/int8 weight-only kernels run from sm_75.
+        fp8 = any(s.kind == "w8a8" and s.qdtype == FP8_DTYPE for s in self.schemes)
+        return max(self.get_min_capability(), 89 if fp8 else 0)
+
     @staticmethod
     def get_config_filenames() -> list[str]:
         return []
@@ -182,7 +188,7 @@ class CTPackedLinearMethod(WNA16LinearMethod):
                                   group: int, params_dtype: torch.dtype, attrs: dict[str, Any]) -> None:
         pf = self.pack_factor
         loader, p = attrs.pop("weight_loader"), layer.prefix
-        grouped = {"input_dim": 1, "group_dims": {1: group}} if group != layer.input_size else {}
+        grouped = {"input_dim": 1, "group_dims": {1: group}} if self.group_size != -1 else {}
         add_param(layer, "weight_packed", torch.zeros(n, k // pf, dtype=torch.int32),
                   {"output_dim": 0, "input_dim": 1, "packed_dim": 1, "pack_factor": pf, **attrs,
                    "weight_loader": checked_loader(loader, f"{p}.weight_packed", (torch.int32,))})
@@ -197,7 +203,8 @@ class CTPackedLinearMethod(WNA16LinearMethod):
         if self.actorder:
             add_param(layer, "weight_g_idx", torch.arange(k, dtype=torch.int32) // group,
                       {"input_dim": 0, "skip_dummy_init": True, **attrs,
-                       "weight_loader": checked_loader(loader, f"{p}.weight_g_idx", (torch.int32, torch.int64))})
+                       "weight_loader": checked_loader(act_order_loader(layer, loader, f"{p}.weight_g_idx", k, group, bool(grouped)),
+                                                       f"{p}.weight_g_idx", (torch.int32, torch.int64))})
         add_param(layer, "weight_shape", torch.zeros(2, dtype=torch.int64),
                   {"weight_loader": _shape_checker(layer, f"{p}.weight_shape"), "skip_dummy_init": True})
 

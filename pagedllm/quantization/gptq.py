@@ -28,7 +28,7 @@ from torch import nn
 
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 from pagedllm.quantization.utils import FLOAT_DTYPES, add_param, checked_loader, is_layer_skipped
-from pagedllm.quantization.wna16 import WNA16LinearMethod, check_weight_scheme, unpack_int32
+from pagedllm.quantization.wna16 import WNA16LinearMethod, act_order_loader, check_weight_scheme, unpack_int32
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
@@ -102,7 +102,7 @@ class GPTQLinearMethod(WNA16LinearMethod):
         pf = self.pack_factor
         self.check_outputs(layer, output_partition_sizes, pf)
         loader, p = attrs.pop("weight_loader"), layer.prefix
-        grouped = {"input_dim": 0, "group_dims": {0: group}} if group != layer.input_size else {}
+        grouped = {"input_dim": 0, "group_dims": {0: group}} if self.group_size != -1 else {}
         add_param(layer, "qweight", torch.zeros(k // pf, n, dtype=torch.int32),
                   {"input_dim": 0, "packed_dim": 0, "pack_factor": pf, "output_dim": 1, **attrs,
                    "weight_loader": checked_loader(loader, f"{p}.qweight", (torch.int32,))})
@@ -115,7 +115,8 @@ class GPTQLinearMethod(WNA16LinearMethod):
         # Present in every AutoGPTQ checkpoint (trivial without desc_act): optional, never random.
         add_param(layer, "g_idx", torch.arange(k, dtype=torch.int32) // group,
                   {"input_dim": 0, "optional": True, "skip_dummy_init": True, **attrs,
-                   "weight_loader": _g_idx_loader(loader, f"{p}.g_idx")})
+                   "weight_loader": _g_idx_loader(act_order_loader(layer, loader, f"{p}.g_idx", k, group, bool(grouped)),
+                                                  f"{p}.g_idx")})
 
     def _unpack(self, layer: nn.Module):
         q = unpack_int32(layer.qweight.data, self.bits, dim=0)

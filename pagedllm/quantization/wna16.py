@@ -9,11 +9,20 @@ Act-order (GPTQ desc_act, compressed-tensors actorder): g_idx[k] is the group of
 scattered over K. Sorting K by group (a stable argsort, `perm`) makes each group contiguous; the
 weight rows are stored in that order and x is gathered x[:, perm] before the GEMM, which gives the
 same y. All checkpoints these tools write have groups of exactly G inputs; anything else is refused.
+
+Act order at tensor_parallel_size > 1: a row-parallel layer (o_proj, down_proj) gives each rank a
+contiguous slice of K and its slice of the group rows of scales / zeros. That is only right when the
+rank's inputs all belong to its own groups (`act_order_loader`): g_idx natural, as GPTQ's static_groups
+writes, or permuted within each rank's slice. A checkpoint whose groups are scattered over the whole of
+K (plain desc_act) would need every rank to keep all the group scales and a kernel that reads a group
+index per input (vLLM's Marlin with is_k_full=False); that is not built, so it is refused at the layer's
+g_idx, the first tensor of it read.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +58,39 @@ def check_weight_scheme(bits: int, group_size: int) -> None:
                          f"got {group_size}")
 
 
+def act_order_loader(layer: nn.Module, inner: Callable[..., None], what: str, k: int, group: int,
+                     sliced: bool) -> Callable[..., None]:
+    """The g_idx (K,) loader of a layer with `k` inputs on this rank. A row-parallel layer at
+    tensor_parallel_size > 1 (k < layer.input_size) keeps rank r's slice of g_idx, made relative to its
+    own groups: global group ids first..first + k // G - 1 -> 0..k // G - 1 (first = r * k // G). Any
+    of its inputs in another rank's group is a ValueError (see the module docstring). `sliced` False
+    (group_size -1: one group, its scales on every rank): g_idx is all 0 and stays so.
+
+    K 128, G 32, tp 2, rank 1: inputs 64..127; g_idx there in 2..3 -> 0..1; a 0 or 1 there is refused."""
+    if k == layer.input_size or not sliced:
+        return inner  # the whole input on every rank (column-parallel, or tp 1): g_idx as it is
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            inner(param, loaded)
+        else:
+            inner(param, loaded, shard_id)
+        first, num = layer.tp_rank * (k // group), k // group
+        local = param.data.to(torch.int64) - first
+        if bool(((local < 0) | (local >= num)).any()):
+            r, tp = layer.tp_rank, layer.tp_size
+            raise ValueError(
+                f"{what}: act order (GPTQ desc_act / compressed-tensors actorder) with groups scattered over "
+                f"all inputs is not built at tensor_parallel_size {tp}: rank {r} of this row-parallel layer "
+                f"holds inputs {r * k}..{(r + 1) * k - 1}, and some of them belong to groups outside its "
+                f"groups {first}..{first + num - 1} (the kernels need each rank's groups whole). Run this "
+                "checkpoint at tensor_parallel_size 1, or use one quantized without act order (desc_act "
+                "false) or with static_groups."
+            )
+        param.data.copy_(local.to(param.dtype))
+    return load
+
+
 class WNA16LinearMethod(LinearMethodBase):
     """Weight-only int4/int8 linear: y = x @ ((q - z) * s) + b, activations in the model dtype."""
 
@@ -63,7 +105,9 @@ class WNA16LinearMethod(LinearMethodBase):
 
     def groups(self, layer: nn.Module, input_size_per_partition: int, input_size: int) -> tuple[int, int]:
         """(group size G along this rank's inputs, number of groups) with exact-division checks."""
-        g = input_size if self.group_size == -1 else self.group_size
+        # group_size -1 (one group per output channel): one group over this rank's inputs, its scale row
+        # the same on every rank (a row-parallel layer at tp 2 has K / 2 inputs, one group of K / 2).
+        g = input_size_per_partition if self.group_size == -1 else self.group_size
         what = getattr(layer, "prefix", "layer")
         if input_size_per_partition % g:
             raise ValueError(f"{what}: {input_size_per_partition} inputs are not a whole number of groups of {g}")

@@ -86,7 +86,9 @@ def gptq_pack_qzeros(zeros_gn: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def gptq_checkpoint(model: nn.Module, bits: int = 4, group_size: int = 32, desc_act: bool = False,
-                    sym: bool = True, seed: int = 0) -> tuple[Path, nn.Module]:
+                    sym: bool = True, seed: int = 0, order_blocks: int = 1) -> tuple[Path, nn.Module]:
+    """order_blocks > 1 (desc_act): the act order permutes the inputs only within each of that many
+    contiguous blocks of K, so each tensor-parallel rank of that many keeps its own groups."""
     deq = copy.deepcopy(model)
     maxq = (1 << bits) - 1
     gen = torch.Generator().manual_seed(seed)
@@ -99,7 +101,9 @@ def gptq_checkpoint(model: nn.Module, bits: int = 4, group_size: int = 32, desc_
         if desc_act:  # GPTQ's act order: columns taken in a permuted order, groups formed along it
             # The order comes from the input's Hessian: q/k/v share one, gate/up another.
             key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-            order = orders.setdefault(key, torch.randperm(k, generator=gen))
+            blk = k // order_blocks
+            order = orders.setdefault(key, torch.cat([b * blk + torch.randperm(blk, generator=gen)
+                                                      for b in range(order_blocks)]))
             g_idx = torch.argsort(order) // g
         else:
             g_idx = torch.arange(k) // g
