@@ -18,8 +18,6 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.vllm_flags import check_llm_kwargs
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
-# The keys of a prompt dict the processor reads (engine/processor.py).
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class LLM:
@@ -77,11 +75,6 @@ class LLM:
                 f"prompts must be a string, a token-id list, a prompt dict or a list of them, got {type(prompts).__name__}."
             )
         prompts = list(prompts)
-        for p in prompts:
-            if isinstance(p, dict) and not set(p) <= _PROMPT_KEYS:
-                # vLLM's TextPrompt / TokensPrompt keys not built here (multi_modal_data, ...): refused, not ignored.
-                raise ValueError(f"prompt dicts take {', '.join(sorted(_PROMPT_KEYS))}; not supported: "
-                                 f"{', '.join(sorted(map(str, set(p) - _PROMPT_KEYS)))}.")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):

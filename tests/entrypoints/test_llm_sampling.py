@@ -190,7 +190,7 @@ def test_bad_calls_are_refused_by_name_and_leave_nothing_behind(llm):
     with pytest.raises(TypeError):
         llm.generate([PROMPT, {"prompt": "a", "prompt_token_ids": 5}], SamplingParams(max_tokens=2), use_tqdm=False)
     # vLLM's multimodal prompt key: the image was ignored and text-only output returned
-    with pytest.raises(ValueError, match="not supported: multi_modal_data"):
+    with pytest.raises(ValueError, match="prompt key 'multi_modal_data' is not supported"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, use_tqdm=False)
     assert_pool_idle(llm)
     out = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
