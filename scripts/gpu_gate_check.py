@@ -33,24 +33,13 @@ import sys
 import threading
 import time
 
+import gpu_structured_bench
+
 T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_NUM_SEQS = 64
-BASE_SCHEMA = {  # scripts/gpu_structured_bench.py's shape: an array no 512-token answer completes
-    "type": "array",
-    "minItems": 10000,
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 16},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "role": {"enum": ["admin", "user", "guest"]},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        },
-        "required": ["name", "age", "role", "tags"],
-        "additionalProperties": False,
-    },
-}
+# gpu_structured_bench's schema: an array no 512-token answer completes.
+BASE_SCHEMA = gpu_structured_bench.SCHEMA
 
 
 def say(obj) -> None:
