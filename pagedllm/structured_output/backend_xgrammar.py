@@ -73,6 +73,17 @@ def check_json_schema(schema: Any, where: str = "schema") -> None:
         if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
             raise ValueError(f"JSON schema 'pattern' together with minLength / maxLength (at {where}) is not supported "
                              "by the xgrammar backend (it would drop the length); put the length in the pattern.")
+        if key in ("anyOf", "oneOf", "allOf") and value == []:
+            # JSON Schema requires a non-empty list; xgrammar compiles [] to a grammar that ends at once.
+            raise ValueError(f"JSON schema {key!r} (at {where}) must be a non-empty list of schemas.")
+        if key == "required" and isinstance(value, list) and isinstance(schema.get("properties", {}), dict):
+            # xgrammar enforces only the required names that `properties` declares: {"required": ["a"],
+            # "properties": {}} would give {} - refused rather than answered with a JSON that breaks the schema.
+            missing = [n for n in value if n not in schema.get("properties", {})]
+            if missing:
+                raise ValueError(f"JSON schema 'required' names {', '.join(map(repr, missing))} (at {where}) that "
+                                 "'properties' does not declare; the xgrammar backend would not enforce them: "
+                                 "declare each one in 'properties'.")
         if key in _SUBSCHEMA and isinstance(value, (dict, bool)):
             check_json_schema(value, f"{where}.{key}")
         elif key in _SUBSCHEMA_LISTS and isinstance(value, list):

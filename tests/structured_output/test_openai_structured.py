@@ -96,6 +96,8 @@ def test_choice_regex_and_parse(server):
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "nope"),
         ({"guided_grammar": "root ::= undefined_rule"}, "undefined_rule"),
+        ({"guided_json": {"anyOf": []}}, "non-empty"),
+        ({"guided_json": {"type": "object", "required": ["a"], "properties": {}}}, "'a'"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
         ({"guided_choice": ["a"], "guided_regex": "a"}, "only one"),
         ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "outlines"),
