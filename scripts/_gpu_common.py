@@ -41,24 +41,31 @@ def print_results() -> None:
         print(f"| {name} | {value} |")
 
 
-def run_sections(sections: dict[str, Callable[[], None]]) -> None:
-    """`--only NAME ...` (default: all, in order): run each section, a failing one recorded as an error
-    without stopping the rest, GPU memory freed between them; the results table last."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
-    args = parser.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for name in args.only:
+def run_sections(sections: dict[str, Callable[[], None]], only: list[str] | None = None) -> bool:
+    """Run each section of `only` (default: `--only NAME ...` from the command line, all in order), a
+    failing one recorded as an error without stopping the rest, GPU memory freed between them; the results
+    table last. True when no section raised."""
+    if only is None:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--only", nargs="+", choices=list(sections), default=list(sections))
+        only = parser.parse_args().only
+    if torch.cuda.is_available():
+        print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    passed = True
+    for name in only:
         t0 = time.monotonic()
         try:
             sections[name]()
         except Exception:
             traceback.print_exc()
             record(name, "ERROR (traceback above)")
+            passed = False
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
     print_results()
+    return passed
 
 
 def copy_bandwidth() -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 
 import torch
 
@@ -131,28 +130,14 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="kernel (interpreter, tiny shape) and greedy on the CPU; speed needs the GPU")
     args = parser.parse_args()
-    from _gpu_common import print_results
+    from _gpu_common import run_sections
 
     sections = {"kernel": check_kernel, "greedy": check_greedy, "speed": check_speed}
     if args.cpu:
         sections = {"kernel": lambda: check_kernel("cpu"), "greedy": lambda: check_greedy("cpu")}
         args.only = [n for n in args.only if n in sections]
-    else:
-        print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for name in args.only:
-        t0 = time.monotonic()
-        try:
-            sections[name]()
-        except Exception:
-            traceback.print_exc()
-            from _gpu_common import record
-
-            record(name, "ERROR (traceback above)")
-            OK["ok"] = False
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        print(f"[{name}: {time.monotonic() - t0:.0f} s]", flush=True)
-    print_results()
+    if not run_sections(sections, args.only):
+        OK["ok"] = False
     return 0 if OK["ok"] else 1
 
 
