@@ -230,11 +230,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # PAGEDLLM_XGRAMMAR_THREADS says), else 1.
     "PAGEDLLM_GRAMMAR_WORKERS": lambda: _positive_int("PAGEDLLM_GRAMMAR_WORKERS"),
     # Gated sampling under async scheduling (structured_output/gate.py): a constrained step samples
-    # with its launch and waits on the device for its bitmask. 1 on; unset or 0 off (the step samples in
-    # a call of its own once its bitmask is filled). Opt-in: on the H200 a first constrained batch gated
-    # with grammar workers did not end, while runs after main's path did (BENCHMARKS.md, issue 22, h48); the
-    # cause found and fixed on the CPU (h52: the fill job is now posted before the device wait) awaits a GPU
-    # run of scripts/gpu_gate_check.py.
+    # with its launch and waits on the device for its bitmask. 1 on; 0 off (the step samples in a call
+    # of its own once its bitmask is filled); unset: on when the device is CUDA, off on the CPU
+    # (the fillers would take the model's cores).
     "PAGEDLLM_GRAMMAR_GATE": lambda: _optional_flag("PAGEDLLM_GRAMMAR_GATE"),
     # Grammar workers, gated jobs: 1 the engine writes each job into the worker's shared-memory area,
     # which the worker polls (one core each while constrained requests decode, then idle), instead of

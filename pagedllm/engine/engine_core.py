@@ -96,11 +96,14 @@ class EngineCore:
         self.submit_before_launch = False
         # Async scheduling, constrained rows whose grammars are active: the step samples with its
         # launch and the device waits for the bitmask (structured_output/gate.py); needs the runner
-        # in this process (it reads the gate's host memory). Opt-in (PAGEDLLM_GRAMMAR_GATE=1): on the H200 a
-        # first constrained batch gated with grammar workers did not end (BENCHMARKS.md, issue 22, h48); the
-        # cause (the wait queued before its job was posted, _step_gated) is fixed, not yet run on a GPU (h52).
+        # in this process (it reads the gate's host memory). PAGEDLLM_GRAMMAR_GATE unset: on for CUDA, where
+        # it was as fast as the ungated path or faster in every measured pair (BENCHMARKS.md, issue 22,
+        # fifteenth session); off on the CPU, where the model and the fillers share the few cores.
+        gate_choice = envs.PAGEDLLM_GRAMMAR_GATE
+        if gate_choice is None:
+            gate_choice = config.device_config.device == "cuda"
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
-                              and self.model_executor.shares_scheduler_output and envs.PAGEDLLM_GRAMMAR_GATE is True)
+                              and self.model_executor.shares_scheduler_output and gate_choice)
         self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}

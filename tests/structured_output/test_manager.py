@@ -216,7 +216,8 @@ def test_the_grammar_backend_defaults(monkeypatch):
     assert not manager_mod.use_grammar_worker(gated=True, device="cuda")
 
 
-def test_gated_sampling_is_opt_in(monkeypatch):
+def test_gated_sampling_is_off_by_default_on_the_cpu(monkeypatch):
+    """Unset, PAGEDLLM_GRAMMAR_GATE gates on CUDA only (engine_core); the CPU samples after the fill."""
     from pagedllm import LLM
     from tests.utils import tiny_model
 
