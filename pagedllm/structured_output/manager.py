@@ -38,6 +38,7 @@ from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.fill_thread import FillThread
 from pagedllm.structured_output.gate import FlagWords, GateWatchdog, GrammarGate
 from pagedllm.structured_output.request import StructuredOutputRequest
+from pagedllm.structured_output.sample_check import SampleChecks, needs_sample_check
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -124,6 +125,11 @@ class StructuredOutputManager:
         self._gate_rows: tuple[int, list[str]] | None = None  # gate_step's rows, all active, kept the same way
         self._workers_failed = False  # fail_over: the grammar workers failed, the thread serves from now on
         self._retired: list[StructuredOutputBackend] = []  # failed backends, shut down with the engine
+        # Rows whose sampled token is checked against their bitmask at collect (sample_check.py): the
+        # requests with another mask that may leave no token, counted (0: nothing is recorded).
+        self._checks = SampleChecks()
+        self._num_checked = 0
+        self.refused_ids: list[str] = []  # take_refused's
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -150,6 +156,9 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(2, thread_name_prefix="pagedllm-grammar")
         future = self._pool.submit(lambda: self.backend().compile_grammar(params, stop_ids))
         sor = StructuredOutputRequest(request.request_id, params, future)
+        if needs_sample_check(request.sampling_params):
+            sor.check_samples = True
+            self._num_checked += 1
         self.requests[request.request_id] = sor
         return sor
 
@@ -158,6 +167,7 @@ class StructuredOutputManager:
         for rid in request_ids:
             sor = self.requests.pop(rid, None)
             if sor is not None:
+                self._num_checked -= sor.check_samples
                 self._to_accept.pop(sor, None)
                 self._to_accept_one.pop(sor, None)
                 if self._remote:
@@ -217,11 +227,19 @@ class StructuredOutputManager:
                 for (sor, token), ok in zip(one.items(), refused, strict=True):
                     if not ok:
                         sor.accepted([], ok=False, refused=[token])
+                        self.refused_ids.append(sor.request_id)
         if many:
             self._to_accept = {}
             self._layout_version += 1  # a stop token among them may end a grammar
             for sor, new in many.items():
-                sor.advance(new)
+                if not sor.advance(new):
+                    self.refused_ids.append(sor.request_id)
+
+    def take_refused(self) -> list[str]:
+        """Requests whose grammar refused a token since the last call (request.accepted: never expected),
+        still constrained; the engine core ends them with an error."""
+        ids, self.refused_ids = self.refused_ids, []
+        return [rid for rid in ids if rid in self.requests]
 
     def sampling_request_ids(self, so: SchedulerOutput) -> list[str]:
         """Constrained requests that sample in this step, in batch order (the runner's row order)."""
@@ -272,7 +290,26 @@ class StructuredOutputManager:
         if not ids:
             return None
         bitmask = self._take_bitmask(len(ids))
+        if self._num_checked:
+            self._record_checks(so, ids, bitmask)
         return self.backend().fill_job(grammars, bitmask), GrammarOutput(ids, bitmask)
+
+    def _record_checks(self, so: SchedulerOutput, ids: list[str], bitmask: torch.Tensor) -> None:
+        requests = self.requests
+        rows = [(rid, i) for i, rid in enumerate(ids) if (sor := requests.get(rid)) is not None and sor.check_samples]
+        if rows:
+            self._checks.record(so, rows, bitmask)
+
+    def refused_samples(self, so: SchedulerOutput, result) -> dict[str, int]:
+        """At the step's collect, before the scheduler takes its tokens: the constrained rows whose
+        sampled token their bitmask forbids (another mask left none the grammar allows: sample_check.py),
+        request id -> token. Empty at once when no request carries such a mask."""
+        if not self._num_checked:
+            return {}
+        gate = so.grammar_gate
+        if gate is not None and gate.source is self._flags:
+            self._record_checks(so, gate.request_ids, gate.bitmask)  # (a row all ones: finished or ended)
+        return self._checks.refused(so, result, self.requests)
 
     def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The step's bitmask, computed now (in the caller's thread)."""
@@ -280,6 +317,8 @@ class StructuredOutputManager:
         if job is None:
             return None
         job[0]()
+        if self._num_checked:
+            self._checks.snapshot(so)  # filled now; the step may be collected after the buffer's next turn
         return job[1]
 
     def submit_grammar_bitmask(self, so: SchedulerOutput) -> BitmaskJob:
@@ -364,7 +403,7 @@ class StructuredOutputManager:
             if self._gate_job is not None:
                 self._wait_gate_job()
             requests, bitmask = self.requests, gate.bitmask
-            accept = None
+            accept, accepted_by = None, []
             if self._remote:
                 layout = self._gate_layout
                 if (layout is not None and not self._to_accept and layout[0] == self._layout_version
@@ -380,6 +419,7 @@ class StructuredOutputManager:
                 # The batch accept goes to the thread too, its C++ call bound here (the fast path's
                 # tokens are no stop tokens: nothing the step loop reads changes).
                 one, self._to_accept_one = self._to_accept_one, {}
+                accepted_by = list(one)
                 accept = self.backend().accept_job([sor.active_grammar for sor in one], list(one.values()))
             elif self._to_accept_one or self._to_accept:
                 self._accept_queued()  # xgrammar's batch accept, here (see accept_on_thread)
@@ -408,7 +448,10 @@ class StructuredOutputManager:
                     if accept is not None:
                         refused = accept()
                         if 0 in refused:
-                            logger.error("the grammar refused %d sampled tokens", list(refused).count(0))
+                            for sor, ok in zip(accepted_by, refused):
+                                if not ok:
+                                    sor.accepted([], ok=False)
+                                    self.refused_ids.append(sor.request_id)
                     if grammars:
                         fill()
                 finally:
@@ -446,6 +489,8 @@ class StructuredOutputManager:
         its bitmask and flag words: a gated copy on the device, a gated CPU step's sampling)."""
         ids = list(self.requests)
         self.requests.clear()
+        self._checks.clear()
+        self._num_checked = 0
         self._to_accept, self._to_accept_one = {}, {}
         self._gate_job, self._gate_layout, self._gate_rows, self._rows_of = None, None, None, (None, [])
         with self._backend_lock:
