@@ -263,3 +263,19 @@ def test_reasoning_rows_move_steps_between_the_gated_and_the_main_path(llm):
         assert refused(llm, plain, ids[first + 1:]) is None, o.outputs[0].text
     assert ended >= 6
     assert_pool_idle(llm)
+
+
+def test_a_gated_row_whose_masks_leave_no_token_ends_with_an_error(llm):
+    # sample_check.py on gated steps (the gate's rows and bitmask): "[0-9]{2}" at min_tokens=5 leaves only
+    # EOS after two digits, which min_tokens bans. The request ends with finish_reason "error" before a
+    # token that breaks the grammar is emitted; the greedy row beside it keeps its tokens.
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    conflict = SamplingParams(temperature=1.0, seed=4, max_tokens=16, min_tokens=5,
+                              structured_outputs=StructuredOutputsParams(regex="[0-9]{2}"))
+    outs = llm.generate(PROMPTS[:2], [greedy, conflict], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    out = outs[1].outputs[0]
+    assert out.finish_reason == "error" and "min_tokens" in out.stop_reason, (out.text, out.stop_reason)
+    assert refused(llm, conflict.structured_outputs, list(out.token_ids)) is None, out.text
+    assert_pool_idle(llm)
