@@ -76,6 +76,9 @@ class ProcessBackend(StructuredOutputBackend):
         self.local = XgrammarBackend(tokenizer, vocab_size, max_threads=max_threads)
         self.rows, self.words = rows, (vocab_size + 31) // 32
         # The workers' own times (summed over their jobs) and matchers after the last jobs.
+        # Slots whose grammar refused a token, from the workers' replies (gated jobs send none: logged
+        # there); the manager's take_refused reads them.
+        self.refused_slots: list[int] = []
         self.stats = {"steps": 0, "jobs": 0, "accept_s": 0.0, "fill_s": 0.0, "wake_s": 0.0, "back_s": 0.0, "live": 0}
         if num_workers > ERROR_WORDS:
             raise ValueError(f"at most {ERROR_WORDS} grammar workers, not {num_workers}")

@@ -204,6 +204,14 @@ class StructuredOutputManager(GatedSamplingMixin):
         ids, self.refused_ids = self.refused_ids, []
         return [rid for rid in ids if rid in self.requests]
 
+    def _remote_refusals(self) -> None:
+        """The grammar workers' refused slots (their replies) -> refused_ids."""
+        slots, self._backend.refused_slots = set(self._backend.refused_slots), []
+        for rid, sor in self.requests.items():
+            if sor._grammar is not None and getattr(sor._grammar, "slot", None) in slots:
+                sor.refused = True
+                self.refused_ids.append(rid)
+
     def sampling_request_ids(self, so: SchedulerOutput) -> list[str]:
         """Constrained requests that sample in this step, in batch order (the runner's row order)."""
         if not self.requests:
@@ -237,6 +245,8 @@ class StructuredOutputManager(GatedSamplingMixin):
             self._wait_gate_job()
         if self._to_accept_one or self._to_accept:
             self._accept_queued()
+        if self._remote and self._backend.refused_slots:
+            self._remote_refusals()
         requests = self.requests
         grammars, ids = [], []
         for rid in self.sampling_request_ids(so):

@@ -172,6 +172,8 @@ class _Lane:
         stats["back_s"] += t_got - max(t_done, t_wait)
         for slot in refused:
             logger.error("grammar slot %d: the grammar worker refused a sampled token", slot)
+        if refused:
+            self.backend.refused_slots.extend(refused)  # the manager ends their requests (take_refused)
 
 
 class _Workers:
