@@ -160,6 +160,7 @@ class StructuredOutputManager(GatedSamplingMixin):
                 continue
             if out.finish_reason is not None:
                 del requests[out.request_id]
+                self._num_checked -= sor.check_samples
                 self._layout_version += 1
                 many.pop(sor, None)
                 one.pop(sor, None)

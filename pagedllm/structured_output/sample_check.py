@@ -53,19 +53,26 @@ class SampleChecks:
     row)], the step's host bitmask). Recorded when the step's bitmask is taken (its fill may still run),
     read once when it is collected (the buffer's next fill comes two steps later: manager.py)."""
 
+    # More steps than ever in flight at once (async scheduling: 2; a pipeline-parallel batch queue: its
+    # depth): an entry this old belongs to a step that was never collected (an engine failing over).
+    MAX_STEPS = 16
+
     def __init__(self) -> None:
-        self._steps: dict[int, tuple[list[tuple[str, int]], torch.Tensor]] = {}
+        # The entry holds its SchedulerOutput, so that object's id cannot be reused while it is here.
+        self._steps: dict[int, tuple[SchedulerOutput, list[tuple[str, int]], torch.Tensor]] = {}
 
     def record(self, so: SchedulerOutput, rows: list[tuple[str, int]], bitmask: torch.Tensor) -> None:
-        self._steps[id(so)] = (rows, bitmask)
+        if len(self._steps) >= self.MAX_STEPS:
+            del self._steps[next(iter(self._steps))]
+        self._steps[id(so)] = (so, rows, bitmask)
 
     def snapshot(self, so: SchedulerOutput) -> None:
         """Keep copies of the checked rows (a bitmask filled at once, whose buffer may be reused before
         the step is collected: a pipeline-parallel batch queue deeper than the two buffers)."""
         entry = self._steps.get(id(so))
         if entry is not None:
-            rows, bitmask = entry
-            self._steps[id(so)] = ([(rid, i) for i, (rid, _) in enumerate(rows)],
+            _, rows, bitmask = entry
+            self._steps[id(so)] = (so, [(rid, i) for i, (rid, _) in enumerate(rows)],
                                    bitmask[[row for _, row in rows]].clone())
 
     def refused(self, so: SchedulerOutput, result: ModelRunnerOutput, live) -> dict[str, int]:
@@ -74,7 +81,7 @@ class SampleChecks:
         entry = self._steps.pop(id(so), None)
         if entry is None:
             return {}
-        rows, bitmask = entry
+        _, rows, bitmask = entry
         refused: dict[str, int] = {}
         req_ids = result.req_ids
         for rid, row in rows:

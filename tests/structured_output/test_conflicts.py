@@ -3,6 +3,8 @@ messages) and the bit arithmetic of the sampled-token check. No model: xgrammar 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import xgrammar as xgr
@@ -11,7 +13,7 @@ from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 from pagedllm.structured_output.conflicts import unpack_bitmask_row
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.structured_output.productive import check_productive, class_is_empty, unproductive_rules
-from pagedllm.structured_output.sample_check import token_allowed
+from pagedllm.structured_output.sample_check import SampleChecks, token_allowed
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +80,18 @@ def test_bitmask_bits():
     row = torch.tensor([0b101, -(2**31)], dtype=torch.int32)  # tokens 0, 2 and 63 (the sign bit)
     assert [token_allowed(row, t) for t in (0, 1, 2, 62, 63)] == [True, False, True, False, True]
     assert unpack_bitmask_row(row, 64).nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_sample_checks_find_the_forbidden_token_once():
+    checks = SampleChecks()
+    so = object()
+    bitmask = torch.zeros((2, 2), dtype=torch.int32)
+    bitmask[0, 0] = 0b100  # row 0 allows token 2 only; row 1 allows nothing
+    checks.record(so, [("a", 0), ("b", 1)], bitmask)
+    checks.snapshot(so)
+    bitmask.fill_(-1)  # the buffer's next fill: the snapshot kept this step's rows
+    result = SimpleNamespace(req_ids=["x", "b", "a"], sampled_token_ids=[5, 7, 2])
+    assert checks.refused(so, result, {"a": None}) == {}  # "b" left meanwhile: skipped
+    checks.record(so, [("a", 0), ("b", 1)], bitmask.zero_())
+    assert checks.refused(so, result, {"a": None, "b": None}) == {"a": 2, "b": 7}
+    assert checks.refused(so, result, {"a": None, "b": None}) == {}  # read once

@@ -123,6 +123,7 @@ def test_masks_that_leave_the_grammar_no_token_end_the_request_with_an_error(llm
         for a, b in zip(alone, outs[1:]):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert_pool_idle(llm)
+        assert llm.llm_engine.engine_core.structured_output_manager._num_checked == 0  # nothing checked now
 
 
 @pytest.mark.parametrize("params, words", [
