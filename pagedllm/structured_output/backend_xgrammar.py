@@ -247,10 +247,13 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def validate(self, params: StructuredOutputsParams) -> None:
         self._compile(params)
+        # A grammar whose root derives no finite string compiles, then masks every token or never allows
+        # a stop token: refused here (productive.py).
         if params.kind in ("grammar", "regex"):
-            # A grammar whose root derives no finite string compiles, then masks every token or never
-            # allows a stop token: refused here (productive.py).
             check_productive(params.kind, params.grammar if params.kind == "grammar" else params.regex)
+        elif params.kind == "json":
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            check_productive("json", json.dumps(schema), not params.disable_any_whitespace, MAX_WHITESPACE)
 
     def compile_grammar(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> XgrammarGrammar:
         compiled = self._compile(params)

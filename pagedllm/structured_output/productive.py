@@ -11,6 +11,9 @@ computed to a fixpoint; the grammar is refused when its root is not productive:
     root ::= "a" root | "b"           productive ("b")
     root ::= x "!"   x ::= x "a"      x, root: not productive
 
+JSON schemas too (their grammar, as xgrammar converts them): a required string whose pattern matches
+nothing, a required property whose schema is the whole schema again ({"$ref": "#"}).
+
 The check reads xgrammar's own normalized print of the grammar (`str(xgr.Grammar)`), whose shape
 is regular: one rule per line, `name ::= ((a b) | (c))`, repetitions as helper rules or `x{m, n}`,
 a lookahead as a trailing `(=(...))`. Regexes go through the same print (`Grammar.from_regex`): an
@@ -21,8 +24,10 @@ regex matches nothing.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 
+logger = logging.getLogger(__name__)
 _ESCAPES = {"0": 0, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27, "a": 7}
 _MAX_CODE_POINT = 0x10FFFF
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -215,18 +220,31 @@ def unproductive_rules(printed: str, root: str = "root") -> list[str]:
 
 
 @functools.lru_cache(maxsize=256)
-def check_productive(kind: str, source: str) -> None:
-    """ValueError when the grammar (kind 'grammar': EBNF) or regex (kind 'regex') derives no finite
-    string, naming the rules (those the user wrote; xgrammar's helper rules are left out)."""
+def check_productive(kind: str, source: str, any_whitespace: bool = True, max_whitespace: int | None = None) -> None:
+    """ValueError when the grammar (kind 'grammar': EBNF), regex ('regex') or JSON schema ('json', its
+    text; the whitespace settings as compiled) derives no finite string, naming the rules of a grammar
+    (those the user wrote; xgrammar's helper rules are left out)."""
     import xgrammar as xgr
 
-    printed = str(xgr.Grammar.from_ebnf(source) if kind == "grammar" else xgr.Grammar.from_regex(source))
     try:
-        bad = unproductive_rules(printed)
-    except (ValueError, IndexError):
-        return  # a print this reader does not know: the grammar runs as compiled (never seen)
+        if kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(source)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(source)
+        else:
+            grammar = xgr.Grammar.from_json_schema(source, any_whitespace=any_whitespace, strict_mode=True,
+                                                   max_whitespace_cnt=max_whitespace)
+        bad = unproductive_rules(str(grammar))
+    except Exception:  # noqa: BLE001 - it compiled already; a print this reader does not know runs as compiled
+        logger.warning("structured outputs: the productivity check could not read the %s's grammar", kind,
+                       exc_info=True)
+        return
     if not bad:
         return
+    if kind == "json":
+        raise ValueError("structured_outputs.json: the schema admits no finite JSON value (e.g. a string "
+                         "pattern that matches nothing, or a required property whose schema refers back to "
+                         "itself), so no output can match it.")
     if kind == "regex":
         raise ValueError("structured_outputs.regex matches no string (an empty character class such as "
                          "[^\\s\\S] on every path), so no output can match it.")

@@ -3,6 +3,7 @@ messages) and the bit arithmetic of the sampled-token check. No model: xgrammar 
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -95,3 +96,26 @@ def test_sample_checks_find_the_forbidden_token_once():
     checks.record(so, [("a", 0), ("b", 1)], bitmask.zero_())
     assert checks.refused(so, result, {"a": None, "b": None}) == {"a": 2, "b": 7}
     assert checks.refused(so, result, {"a": None, "b": None}) == {}  # read once
+
+
+@pytest.mark.parametrize("schema, empty", [
+    ({"type": "string", "pattern": "[^\\s\\S]"}, True),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a[^\\d\\D]"}}, "required": ["a"]}, True),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, True),  # never ends
+    ({"type": "array", "items": {"type": "string", "pattern": "[^\\s\\S]"}}, False),  # [] is fine
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}}, False),  # {} is fine
+])
+def test_a_json_schema_that_admits_no_value_is_refused(backend, schema, empty):
+    params = StructuredOutputsParams(json=schema)
+    if empty:
+        with pytest.raises(ValueError, match="admits no finite JSON value"):
+            backend.validate(params)
+    else:
+        backend.validate(params)
+
+
+def test_the_fifty_schemas_are_productive():
+    from tests.structured_output.schemas import SCHEMAS
+
+    for schema in SCHEMAS:
+        check_productive("json", json.dumps(schema), True, 24)
