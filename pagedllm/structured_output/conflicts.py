@@ -67,6 +67,6 @@ def check_conflicts(backend: StructuredOutputBackend, params: SamplingParams) ->
     if not bool(allowed.any()):
         masks = conflicting_masks(params)
         raise ValueError(
-            f"{masks} conflict{'' if ',' in masks else 's'} with "
+            f"{masks} conflict{'' if ' and ' in masks else 's'} with "
             f"structured_outputs.{so.kind}: none of the {grammar_first} tokens the grammar may start with is left "
             "to sample, so no output can match it.")

@@ -242,16 +242,16 @@ def check_productive(kind: str, source: str, any_whitespace: bool = True, max_wh
     if not bad:
         return
     if kind == "json":
-        raise ValueError("structured_outputs.json: the schema admits no finite JSON value (e.g. a string "
-                         "pattern that matches nothing, or a required property whose schema refers back to "
-                         "itself), so no output can match it.")
+        raise ValueError("structured_outputs.json cannot be matched: the schema admits no finite JSON value "
+                         "(e.g. a string pattern that matches nothing, or a required property whose schema refers "
+                         "back to itself), so no output can match it.")
     if kind == "regex":
         raise ValueError("structured_outputs.regex matches no string (an empty character class such as "
                          "[^\\s\\S] on every path), so no output can match it.")
     written = [r for r in bad if re.search(rf"(^|\n)\s*{re.escape(r)}\s*::=", source)] or bad[:1]
     names = ", ".join(repr(r) for r in written)
     raise ValueError(
-        f"structured_outputs.grammar: {'rule' if len(written) == 1 else 'rules'} {names} "
+        f"structured_outputs.grammar cannot be matched: {'rule' if len(written) == 1 else 'rules'} {names} "
         f"derive{'s' if len(written) == 1 else ''} no finite string: "
         "every alternative refers back to an unproductive rule (or an empty character class), so no output "
         "can end; give the rule an alternative that ends, e.g. root ::= \"a\" root | \"a\".")

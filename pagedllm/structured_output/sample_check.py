@@ -35,11 +35,11 @@ def needs_sample_check(params: SamplingParams) -> bool:
 
 
 def conflicting_masks(params: SamplingParams) -> str:
-    """The request's masks besides the grammar, by their field names: 'allowed_token_ids, min_tokens'."""
+    """The request's masks besides the grammar, by their field names: 'allowed_token_ids and min_tokens'."""
     names = [name for name, on in (("allowed_token_ids", params.allowed_token_ids),
                                    ("bad_words", params.bad_words_token_ids),
                                    ("min_tokens", params.min_tokens)) if on]
-    return ", ".join(names)
+    return " and ".join(names)
 
 
 def token_allowed(bitmask_row: torch.Tensor, token: int) -> bool:

@@ -754,6 +754,9 @@ def structured_outputs_cases(model: str) -> list[Case]:
         ({"guided_grammar": 'root ::= x "!"\nx ::= x "a"'}, ("structured_outputs", "guided_grammar"), "'x'"),
         ({"guided_regex": "[^\\s\\S]"}, ("structured_outputs", "guided_regex"), "matches no string"),
         ({"structured_outputs": {"regex": "a[^\\d\\D]"}}, ("structured_outputs",), "matches no string"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, ("response_format",),
+         "admits no finite JSON value"),
         ({"guided_grammar": 'root ::= "é" é'}, ("structured_outputs", "guided_grammar"), "'é'"),
         ({"guided_grammar": 'root ::= "日本" 語'}, ("structured_outputs", "guided_grammar"), "'語'"),
         ({"guided_choice": ["yes", "no"], "min_tokens": 4}, ("min_tokens",), "min_tokens=4"),

@@ -113,6 +113,9 @@ def test_choice_regex_and_parse(server):
         ({"guided_grammar": 'root ::= "a" root'}, "rule 'root' derives no finite string"),
         ({"guided_grammar": 'root ::= x\nx ::= "a" x'}, "rules 'root', 'x' derive"),
         ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "matches no string"),
+        ({"guided_regex": "a[^\\d\\D]"}, "guided_regex matches no string"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "[^\\s\\S]"}}}}, "response_format.json_schema.schema cannot be matched"),
         # xgrammar's message naming a non-ASCII character, whole.
         ({"guided_grammar": 'root ::= "é" é'}, "column 14: Unexpected character: 'é'"),
     ],
