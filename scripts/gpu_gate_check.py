@@ -156,21 +156,6 @@ class Watch:
             os._exit(3)
 
 
-def step_gated_old_order(self, so, gate):
-    """EngineCore._step_gated as it was until h52 (--old-order): sampling, and with it the device wait,
-    launched with the forward; the step in flight collected and the job posted only after them."""
-    so.grammar_gate = gate
-    outputs = []
-    self.model_executor.execute_model(so)
-    pending = self.model_executor.sample_tokens(gate)
-    self.step_count += 1
-    if self.inflight is not None:
-        outputs = self._collect_inflight()
-    self.inflight = (so, pending)
-    self.structured_output_manager.submit_gate(gate)
-    return outputs
-
-
 def gate_state(core) -> dict:
     """What a hang's diagnosis needs: the flag words against the newest gate, the workers' state."""
     manager = core.structured_output_manager
@@ -238,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.old_order:
         from pagedllm.engine.engine_core import EngineCore
 
-        EngineCore._step_gated = step_gated_old_order
+        EngineCore._step_gated = gate_mod.step_gated_old_order  # the order before h52 (gate.py keeps it)
         say("# --old-order: the device wait is queued before the job is posted (pre-h52)")
     kwargs = dict(max_model_len=1024, seed=0, async_scheduling=True, max_num_seqs=MAX_NUM_SEQS)
     if args.model:

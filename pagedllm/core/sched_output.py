@@ -91,8 +91,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # with "error": the message
     num_cached_tokens: int = 0
     pooling_output: torch.Tensor | None = None  # a finished pooling request's result
 

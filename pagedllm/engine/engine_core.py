@@ -16,7 +16,7 @@ import time
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
@@ -25,6 +25,7 @@ from pagedllm.structured_output.backend_types import GrammarBackendError
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
+from pagedllm.structured_output.sample_check import conflicting_masks
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,43 @@ class EngineCore:
         requests are finished as aborted, their tokens of this step left out (a bitmask may have been
         left unfilled), and later constrained requests run on the in-process bitmask thread."""
         outputs = self._step()
+        if self.structured_output_manager.refused_ids:
+            # A grammar refused a token it was fed (never expected: sample_check.py catches the rows
+            # that other masks left without a token before their token is emitted): ended with an error
+            # rather than run on unconstrained; this step's tokens of theirs are left out.
+            for rid in self.structured_output_manager.take_refused():
+                self._grammar_aborted[rid] = self._end_with_error(
+                    rid, "structured outputs: the request's grammar refused a sampled token; the request was ended")
         if self._grammar_aborted:
             aborted, self._grammar_aborted = self._grammar_aborted, {}
             outputs = [o for o in outputs if o.request_id not in aborted] + list(aborted.values())
         return outputs
+
+    def _end_with_error(self, rid: str, message: str) -> EngineCoreOutput:
+        """Finish a request with finish_reason "error" and `message` (its blocks freed, its grammar
+        dropped); the frontends turn it into an error for the client (a 400, or a stream's error event)."""
+        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        self.structured_output_manager.remove([rid])
+        return EngineCoreOutput(rid, [], finish_reason="error", stop_reason=message)
+
+    def _update_from_output(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """scheduler.update_from_output, and the grammars advanced by its tokens. A constrained row whose
+        token its bitmask forbids (its other masks left no token the grammar allows: sample_check.py)
+        ends its request with an error first, so the scheduler drops that token: it is never emitted."""
+        manager = self.structured_output_manager
+        refused = manager.refused_samples(so, result)
+        ended = []
+        for rid, token in refused.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            ended.append(self._end_with_error(rid, (
+                f"structured outputs: the request's grammar and its {conflicting_masks(req.sampling_params)} "
+                f"leave no token to sample at output token {req.num_output_tokens + 1}; the request was ended "
+                f"there (the sampler's token {token} breaks the grammar and was dropped)")))
+        outputs = self.scheduler.update_from_output(so, result)
+        manager.advance(outputs)  # the one place grammars advance
+        return outputs + ended if ended else outputs
 
     def _grammar_failed(self, error: BaseException) -> None:
         """manager.fail_over, and the constrained requests finished as aborted (returned by `step`)."""
@@ -328,9 +362,7 @@ class EngineCore:
             return outputs  # filling the pipeline comes before reading outputs
         if queue:
             so, pending = queue.pop()
-            collected = self.scheduler.update_from_output(so, pending.get())
-            self.structured_output_manager.advance(collected)
-            outputs += collected
+            outputs += self._update_from_output(so, pending.get())
         elif self.waiting_for_grammar:
             self._wait_for_a_grammar()
         return outputs
@@ -346,9 +378,7 @@ class EngineCore:
             # rows sampled under a stale bitmask. Their requests are aborted before the scheduler takes
             # the step's tokens (it drops those of finished requests): no such token is emitted.
             self._grammar_failed(GrammarBackendError(f"gated step {gate.seq}: {why}"))
-        outputs = self.scheduler.update_from_output(so, result)
-        self.structured_output_manager.advance(outputs)  # the one place grammars advance
-        return outputs
+        return self._update_from_output(so, result)
 
     def _wait_for_a_grammar(self) -> None:
         """Nothing to run but grammars compiling: sleep until one is done instead of spinning."""

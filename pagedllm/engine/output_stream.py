@@ -108,6 +108,14 @@ class RequestOutputStream:
         except BaseException:
             self.abort()
             raise
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                # The engine ended this sequence (e.g. its grammar and its other token masks left nothing
+                # to sample: structured_output/sample_check.py); stop_reason holds why. Raised, as the
+                # server answers it (a 400, or a stream's error event): vLLM's serving layer raises on
+                # finish_reason "error" too. The request's other sequences (n > 1) are aborted.
+                self.abort()
+                raise ValueError(str(c.stop_reason or "the engine ended the request with an error"))
         if out.finished:
             self.finished = True
         return out

@@ -84,7 +84,8 @@ class Processor:
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the request's grammar once here (tokenizer pool thread, cached by xgrammar) so a
-        bad schema, regex or grammar is refused before queueing, with the backend's message."""
+        bad schema, regex or grammar is refused before queueing, with the backend's message (and a
+        grammar that other masks leave nothing to sample: structured_output/conflicts.py)."""
         so = params.structured_outputs
         if so is None:
             return
@@ -96,6 +97,10 @@ class Processor:
 
                 self._structured_backend = make_backend(self.tokenizer, self.vocab_size)
         self._structured_backend.validate(so)
+        # The grammar against allowed_token_ids / bad_words / min_tokens: a certain conflict is a 400 now.
+        from pagedllm.structured_output.conflicts import check_conflicts
+
+        check_conflicts(self._structured_backend, params)
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model_config.generation_config
@@ -166,9 +171,9 @@ class Processor:
             raise ValueError(f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens}).")
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         params.update_from_generation_config(self.config.model_config.generation_config, self.eos_token_ids)
-        self.check_structured_outputs(params)
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        self.check_structured_outputs(params)
         return params
 
     def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:

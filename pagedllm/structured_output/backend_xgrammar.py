@@ -21,6 +21,7 @@ import xgrammar as xgr
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.productive import check_productive
 
 # Keywords the JSON-schema converter does not enforce (xgrammar 0.2.x): refused.
 UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
@@ -56,6 +57,30 @@ def clean_error(e: BaseException) -> str:
     """xgrammar's C++ message without its timestamp and source location:
     '[08:57:21] /project/cpp/regex_converter.cc:94: Regex parsing error ...' -> 'Regex parsing error ...'."""
     return _CPP_PREFIX.sub("", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+_AT_LINE_COLUMN = re.compile(r"line (\d+), column (\d+): Unexpected character: ")
+
+
+def cut_error_text(e: UnicodeDecodeError, source: str | None) -> str:
+    """xgrammar's message when it does not decode: its EBNF lexer quotes an unexpected character by
+    its first byte only ('Unexpected character: \\xc3' for 'é'), so the message is not UTF-8 and
+    Python's decoding of it fails. The character is read back from `source` at the line and byte column
+    the message names, and the column given in characters:
+        'root ::= "é" é' -> 'EBNF lexer error at line 1, column 14: Unexpected character: 'é''"""
+    raw = e.object if isinstance(e.object, bytes) else bytes(e.object)
+    text = raw.decode("utf-8", errors="replace")
+    m = _AT_LINE_COLUMN.search(text)
+    lines = source.split("\n") if source is not None else []
+    if m is None or not 0 < int(m.group(1)) <= len(lines):
+        return clean_error(RuntimeError(text))
+    line = lines[int(m.group(1)) - 1].encode("utf-8")
+    byte_col = int(m.group(2)) - 1
+    char = line[byte_col:].decode("utf-8", errors="ignore")[:1]
+    char_col = len(line[:byte_col].decode("utf-8", errors="ignore")) + 1
+    rest = text[m.end():].lstrip("\ufffd")
+    fixed = f"{text[:m.start()]}line {m.group(1)}, column {char_col}: Unexpected character: {char!r}{rest}"
+    return clean_error(RuntimeError(fixed))
 
 
 def check_json_schema(schema: Any, where: str = "schema") -> None:
@@ -156,6 +181,9 @@ class XgrammarBackend(StructuredOutputBackend):
             if kind == "grammar":
                 return self.compiler.compile_grammar(p.grammar)
             return self._compile_structural_tag(p.structural_tag)
+        except UnicodeDecodeError as e:  # a message naming a non-ASCII character, cut by xgrammar (a ValueError)
+            source = p.grammar if kind == "grammar" else choice_to_ebnf(p.choice) if kind == "choice" else None
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {cut_error_text(e, source)}") from None
         except ValueError:
             raise
         except (RuntimeError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
@@ -219,6 +247,13 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def validate(self, params: StructuredOutputsParams) -> None:
         self._compile(params)
+        # A grammar whose root derives no finite string compiles, then masks every token or never allows
+        # a stop token: refused here (productive.py).
+        if params.kind in ("grammar", "regex"):
+            check_productive(params.kind, params.grammar if params.kind == "grammar" else params.regex)
+        elif params.kind == "json":
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            check_productive("json", json.dumps(schema), not params.disable_any_whitespace, MAX_WHITESPACE)
 
     def compile_grammar(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> XgrammarGrammar:
         compiled = self._compile(params)

@@ -293,3 +293,23 @@ def host_wait(gate: GrammarGate, timeout_s: float = HOST_WAIT_TIMEOUT_S) -> None
                                f"{timeout_s:.0f} s")
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
+
+
+# -- the order before h52, kept for its A/B ----------------------------------------------------------
+def step_gated_old_order(core, so, gate: GrammarGate) -> list:
+    """EngineCore._step_gated as it was until h52: the sampling, and with it the device wait, launched
+    with the forward; the step in flight collected and the job posted only after them. A call that
+    synchronizes the device between the wait and the post then waits for a fill nobody has posted yet
+    (the hang above). Not used by the engine: put in place of `EngineCore._step_gated` by
+    scripts/gpu_gate_check.py --old-order and tests/structured_output/test_gate_joining.py, which show
+    the hang (GPU) and its CPU stand-in (SYNC_AT_LAUNCH_S) with it. `core`: the EngineCore."""
+    so.grammar_gate = gate
+    outputs: list = []
+    core.model_executor.execute_model(so)
+    pending = core.model_executor.sample_tokens(gate)
+    core.step_count += 1
+    if core.inflight is not None:
+        outputs = core._collect_inflight()
+    core.inflight = (so, pending)
+    core.structured_output_manager.submit_gate(gate)
+    return outputs

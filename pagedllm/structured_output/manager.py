@@ -19,12 +19,14 @@
 
 Rows whose next token is free (the reasoning text, a grammar already ended) get no row: the mask
 is applied to constrained rows only. A step with none samples unmasked (GrammarOutput None).
+
+Gated sampling's half (gate_step, submit_gate) is gated_manager.py's mixin; the backend choice
+(make_backend, use_grammar_worker) backend_select.py's, imported here for the callers.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +34,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm import envs
-from pagedllm.structured_output.backend_types import GrammarBackendError, StructuredOutputBackend
+from pagedllm.structured_output.backend_select import SPARE_CORES, make_backend, use_grammar_worker
+from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.fill_thread import FillThread
-from pagedllm.structured_output.gate import FlagWords, GateWatchdog, GrammarGate
+from pagedllm.structured_output.gate import FlagWords, GateWatchdog
+from pagedllm.structured_output.gated_manager import GatedSamplingMixin
 from pagedllm.structured_output.request import StructuredOutputRequest
+from pagedllm.structured_output.sample_check import SampleChecks, needs_sample_check
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -46,50 +50,10 @@ if TYPE_CHECKING:
     from pagedllm.structured_output.backend_process import WorkerJob
 
 logger = logging.getLogger(__name__)
+__all__ = ["SPARE_CORES", "BitmaskJob", "StructuredOutputManager", "make_backend", "use_grammar_worker"]
 
 
-SPARE_CORES = 8  # a host with this many cores runs the grammar workers (and lets them poll) by default
-
-
-def use_grammar_worker(gated: bool = False, device: str = "cpu") -> bool:
-    """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker processes, 0 the bitmask thread; unset: the
-    workers when constrained steps are gated (gate.py) on a GPU host of SPARE_CORES or more cores,
-    else the thread (main's path alone measured no faster with a worker on the H200, h38; gated
-    with two workers and their job areas it was the fastest, BENCHMARKS.md, issue 22, h48)."""
-    choice = envs.PAGEDLLM_GRAMMAR_WORKER
-    if choice is not None:
-        return choice
-    return gated and device == "cuda" and (os.cpu_count() or 1) >= SPARE_CORES
-
-
-def make_backend(tokenizer, vocab_size: int, worker: bool = False, rows: int = 0,
-                 pin_memory: bool = False, threads: int | None = None,
-                 num_workers: int | None = None, spin: bool | None = None) -> StructuredOutputBackend:
-    from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
-
-    # xgrammar's compile and batch-fill threads: half the host's cores, 2 to 8 (the fill must stay
-    # well under a GPU decode step), unless PAGEDLLM_XGRAMMAR_THREADS (or the caller) says.
-    cores = os.cpu_count() or 2
-    if worker:
-        from pagedllm.structured_output.backend_process import ProcessBackend
-
-        # Two worker processes of 6 threads on a host of 12+ cores: on the H200's 16-core host each
-        # one's accept + fill of its ~32 of 64 rows took 0.80 ms a step, against one worker's 1.10-1.17
-        # for all 64 (8 threads; 12 threads: 1.20-1.25), BENCHMARKS.md, issue 22, h38. Else one.
-        num_workers = num_workers or envs.PAGEDLLM_GRAMMAR_WORKERS or (2 if cores >= 12 else 1)
-        threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or (
-            6 if num_workers == 2 and cores >= 12 else max(2, min(8, cores // 2)))
-        if spin is None:  # PAGEDLLM_GRAMMAR_SPIN (grammar_worker.py's job channel), opt-in
-            spin = bool(envs.PAGEDLLM_GRAMMAR_SPIN)
-        try:
-            return ProcessBackend(tokenizer, vocab_size, threads, rows, pin_memory, num_workers=num_workers, spin=spin)
-        except Exception as e:  # noqa: BLE001 - the thread path serves the same requests
-            logger.warning("grammar worker process unavailable (%s); bitmasks are filled on a thread", e)
-    threads = threads or envs.PAGEDLLM_XGRAMMAR_THREADS or max(2, min(8, cores // 2))
-    return XgrammarBackend(tokenizer, vocab_size, max_threads=threads)
-
-
-class StructuredOutputManager:
+class StructuredOutputManager(GatedSamplingMixin):
     def __init__(self, config: EngineConfig, gated: bool = False) -> None:
         self.config = config
         self.gated = gated  # the engine core gates constrained steps (the default backend depends on it)
@@ -124,6 +88,11 @@ class StructuredOutputManager:
         self._gate_rows: tuple[int, list[str]] | None = None  # gate_step's rows, all active, kept the same way
         self._workers_failed = False  # fail_over: the grammar workers failed, the thread serves from now on
         self._retired: list[StructuredOutputBackend] = []  # failed backends, shut down with the engine
+        # Rows whose sampled token is checked against their bitmask at collect (sample_check.py): the
+        # requests with another mask that may leave no token, counted (0: nothing is recorded).
+        self._checks = SampleChecks()
+        self._num_checked = 0
+        self.refused_ids: list[str] = []  # take_refused's
 
     def backend(self) -> StructuredOutputBackend:
         """Built on first use (the core loads a tokenizer only if a request needs a grammar)."""
@@ -150,6 +119,9 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(2, thread_name_prefix="pagedllm-grammar")
         future = self._pool.submit(lambda: self.backend().compile_grammar(params, stop_ids))
         sor = StructuredOutputRequest(request.request_id, params, future)
+        if needs_sample_check(request.sampling_params):
+            sor.check_samples = True
+            self._num_checked += 1
         self.requests[request.request_id] = sor
         return sor
 
@@ -158,6 +130,7 @@ class StructuredOutputManager:
         for rid in request_ids:
             sor = self.requests.pop(rid, None)
             if sor is not None:
+                self._num_checked -= sor.check_samples
                 self._to_accept.pop(sor, None)
                 self._to_accept_one.pop(sor, None)
                 if self._remote:
@@ -187,6 +160,7 @@ class StructuredOutputManager:
                 continue
             if out.finish_reason is not None:
                 del requests[out.request_id]
+                self._num_checked -= sor.check_samples
                 self._layout_version += 1
                 many.pop(sor, None)
                 one.pop(sor, None)
@@ -217,11 +191,27 @@ class StructuredOutputManager:
                 for (sor, token), ok in zip(one.items(), refused, strict=True):
                     if not ok:
                         sor.accepted([], ok=False, refused=[token])
+                        self.refused_ids.append(sor.request_id)
         if many:
             self._to_accept = {}
             self._layout_version += 1  # a stop token among them may end a grammar
             for sor, new in many.items():
-                sor.advance(new)
+                if not sor.advance(new):
+                    self.refused_ids.append(sor.request_id)
+
+    def take_refused(self) -> list[str]:
+        """Requests whose grammar refused a token since the last call (request.accepted: never expected),
+        still constrained; the engine core ends them with an error."""
+        ids, self.refused_ids = self.refused_ids, []
+        return [rid for rid in ids if rid in self.requests]
+
+    def _remote_refusals(self) -> None:
+        """The grammar workers' refused slots (their replies) -> refused_ids."""
+        slots, self._backend.refused_slots = set(self._backend.refused_slots), []
+        for rid, sor in self.requests.items():
+            if sor._grammar is not None and getattr(sor._grammar, "slot", None) in slots:
+                sor.refused = True
+                self.refused_ids.append(rid)
 
     def sampling_request_ids(self, so: SchedulerOutput) -> list[str]:
         """Constrained requests that sample in this step, in batch order (the runner's row order)."""
@@ -256,6 +246,8 @@ class StructuredOutputManager:
             self._wait_gate_job()
         if self._to_accept_one or self._to_accept:
             self._accept_queued()
+        if self._remote and self._backend.refused_slots:
+            self._remote_refusals()
         requests = self.requests
         grammars, ids = [], []
         for rid in self.sampling_request_ids(so):
@@ -272,7 +264,26 @@ class StructuredOutputManager:
         if not ids:
             return None
         bitmask = self._take_bitmask(len(ids))
+        if self._num_checked:
+            self._record_checks(so, ids, bitmask)
         return self.backend().fill_job(grammars, bitmask), GrammarOutput(ids, bitmask)
+
+    def _record_checks(self, so: SchedulerOutput, ids: list[str], bitmask: torch.Tensor) -> None:
+        requests = self.requests
+        rows = [(rid, i) for i, rid in enumerate(ids) if (sor := requests.get(rid)) is not None and sor.check_samples]
+        if rows:
+            self._checks.record(so, rows, bitmask)
+
+    def refused_samples(self, so: SchedulerOutput, result) -> dict[str, int]:
+        """At the step's collect, before the scheduler takes its tokens: the constrained rows whose
+        sampled token their bitmask forbids (another mask left none the grammar allows: sample_check.py),
+        request id -> token. Empty at once when no request carries such a mask."""
+        if not self._num_checked:
+            return {}
+        gate = so.grammar_gate
+        if gate is not None and gate.source is self._flags:
+            self._record_checks(so, gate.request_ids, gate.bitmask)  # (a row all ones: finished or ended)
+        return self._checks.refused(so, result, self.requests)
 
     def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The step's bitmask, computed now (in the caller's thread)."""
@@ -280,6 +291,8 @@ class StructuredOutputManager:
         if job is None:
             return None
         job[0]()
+        if self._num_checked:
+            self._checks.snapshot(so)  # filled now; the step may be collected after the buffer's next turn
         return job[1]
 
     def submit_grammar_bitmask(self, so: SchedulerOutput) -> BitmaskJob:
@@ -298,144 +311,6 @@ class StructuredOutputManager:
         self._fill_thread.submit(fill)
         return BitmaskJob(self._fill_thread, job[1])
 
-    # -- gated sampling (gate.py) ----------------------------------------------------------------
-    def gate_step(self, so: SchedulerOutput) -> GrammarGate | None:
-        """Before the launch: the step's gate, if it can sample with its launch, i.e. every
-        constrained request that samples has its grammar active already (or ended for good). A
-        request still reasoning is not gated: the token in flight may end its reasoning, and only
-        the fill after it knows. None also when no row is constrained."""
-        ids = self.sampling_request_ids(so)
-        if not ids:
-            return None
-        last = self._gate_rows
-        if last is not None and last[0] == self._layout_version and last[1] == ids:
-            rows = last[1]  # the last gated step's rows, every grammar still active (nothing ended or left)
-        else:
-            requests = self.requests
-            rows = []
-            for rid in ids:
-                sor = requests[rid]
-                if sor.active_grammar is None and sor.activate() is None:
-                    if sor.ended:
-                        continue  # its grammar took its stop token: free from now on
-                    return None
-                rows.append(rid)
-            if not rows:
-                return None
-            self._gate_rows = (self._layout_version, rows) if len(rows) == len(ids) else None
-        combined = self._remote and self._backend.combined_gates
-        return self._gate_flags().next_gate(rows, self._take_bitmask(len(rows)), combined)
-
-    def _gate_flags(self) -> FlagWords:
-        if self._flags is None:
-            backend = self.backend()
-            cuda = self.config.device_config.device == "cuda"
-            device = torch.device("cuda") if cuda else None
-            if self._remote:  # one flag word per worker (and their combined word), in the shared block
-                self._flags = backend.gate_flags(device)
-            else:
-                self._flags = FlagWords(torch.zeros(1, dtype=torch.int32, pin_memory=cuda), device)
-            if self._remote:
-                backend.watch_gates(self._flags)
-            else:
-                self._gate_watchdog = GateWatchdog(self._flags)
-        return self._flags
-
-    def gate_forced(self, gate: GrammarGate) -> str | None:
-        """Why `gate` was forced open unfilled (a watchdog's: its fillers died or stuck), if it was and
-        its flags are still this manager's (after fail_over its constrained requests are aborted already)."""
-        flags = self._flags
-        if flags is None or gate.source is not flags or not gate.forced():
-            return None
-        return flags.failure or "a gate was forced open"
-
-    def submit_gate(self, gate: GrammarGate) -> None:
-        """After the step in flight was collected (its tokens queued by `advance`): feed the queued
-        tokens and fill the gate's rows beside the step loop; the filler opens the gate. A row
-        whose request finished or whose grammar ended meanwhile is all ones (its token is dropped,
-        or free). If anything here fails, the gate is opened before the error propagates: a shut
-        gate would stop the device's stream for good."""
-        try:
-            if gate.source is not self._flags:
-                # Issued before a fail_over (in this very step, by the collect's): its requests are
-                # aborted and nothing will fill it; opened so that the step's sampling can run.
-                gate.open()
-                return
-            if self._gate_job is not None:
-                self._wait_gate_job()
-            requests, bitmask = self.requests, gate.bitmask
-            accept = None
-            if self._remote:
-                layout = self._gate_layout
-                if (layout is not None and not self._to_accept and layout[0] == self._layout_version
-                        and layout[1] == gate.request_ids):
-                    # The same rows as the last gated step, none finished or ended since: its layout.
-                    if self._to_accept_one:
-                        self._accept_queued()  # only queues them into the workers' next messages
-                    self._gate_job = self.backend().send_gated(layout[2], bitmask, gate.seq)
-                    return
-                if self._to_accept_one or self._to_accept:
-                    self._accept_queued()
-            elif self.accept_on_thread and self._to_accept_one and not self._to_accept:
-                # The batch accept goes to the thread too, its C++ call bound here (the fast path's
-                # tokens are no stop tokens: nothing the step loop reads changes).
-                one, self._to_accept_one = self._to_accept_one, {}
-                accept = self.backend().accept_job([sor.active_grammar for sor in one], list(one.values()))
-            elif self._to_accept_one or self._to_accept:
-                self._accept_queued()  # xgrammar's batch accept, here (see accept_on_thread)
-            grammars, rows = [], []
-            for row, rid in enumerate(gate.request_ids):
-                sor = requests.get(rid)
-                g = sor.active_grammar if sor is not None else None
-                if g is None:
-                    bitmask[row] = -1  # finished (its token is dropped) or ended (free)
-                    continue
-                grammars.append(g)
-                rows.append(row)
-            backend = self.backend()
-            if self._remote:
-                self._gate_job, layout = backend.gate_job(grammars, bitmask, rows, gate.seq)
-                # Kept for the next step while its rows are these (a row all ones is rewritten each
-                # step, in the other buffer: not kept).
-                full = len(rows) == len(gate.request_ids)
-                self._gate_layout = (self._layout_version, list(gate.request_ids), layout) if full else None
-                return
-            fill = backend.fill_job(grammars, bitmask, None if len(rows) == len(gate.request_ids) else rows)
-            flags, words, seq = self._flags, gate.flags, gate.seq
-
-            def fill_and_open() -> None:
-                try:
-                    if accept is not None:
-                        refused = accept()
-                        if 0 in refused:
-                            logger.error("the grammar refused %d sampled tokens", list(refused).count(0))
-                    if grammars:
-                        fill()
-                finally:
-                    # After the fill's stores: the device may copy the rows now. Raised, never lowered
-                    # (a watchdog may have forced it further meanwhile).
-                    flags.raise_words(words, seq)
-
-            if self._fill_thread is None:
-                self._fill_thread = FillThread()
-            self._fill_thread.submit(fill_and_open)
-            self._gate_job = self._fill_thread.wait
-        except BaseException:
-            gate.open()
-            raise
-
-    def _wait_gate_job(self) -> None:
-        """The last gated job's end before another job uses the thread or the grammars (the thread's
-        return; for the grammar workers, which send no reply, their error words), re-raising its error."""
-        wait, self._gate_job = self._gate_job, None
-        flags = self._flags
-        if flags is not None and flags.failure is not None:
-            # A watchdog forced a gate open: the filler is dead or stuck (a stuck bitmask thread's
-            # wait would never return), so its job is not waited for; the caller fails over.
-            raise GrammarBackendError(f"gated sampling: {flags.failure}")
-        if wait is not None:
-            wait()
-
     def fail_over(self) -> list[str]:
         """The grammar workers failed (GrammarBackendError), or a gate was forced open (a dead or stuck
         filler, the bitmask thread's too): every constrained request is dropped here and returned (the
@@ -446,6 +321,8 @@ class StructuredOutputManager:
         its bitmask and flag words: a gated copy on the device, a gated CPU step's sampling)."""
         ids = list(self.requests)
         self.requests.clear()
+        self._checks.clear()
+        self._num_checked = 0
         self._to_accept, self._to_accept_one = {}, {}
         self._gate_job, self._gate_layout, self._gate_rows, self._rows_of = None, None, None, (None, [])
         with self._backend_lock:
@@ -465,11 +342,6 @@ class StructuredOutputManager:
                 retire()
             self._retired.append(old)  # shut down with the engine: a step in flight may read its memory
         return ids
-
-    def _stop_gate_watchdog(self) -> None:
-        if self._gate_watchdog is not None:
-            self._gate_watchdog.stop()  # (after a failure it forces the gates open once more)
-            self._gate_watchdog = None
 
     def shutdown(self) -> None:
         self._stop_gate_watchdog()

@@ -25,6 +25,8 @@ class StructuredOutputRequest:
         self.reasoning_end_ids = frozenset(params._reasoning_end_token_ids)
         self.reasoning_ended = not self.reasoning_end_ids
         self.ended = False  # the grammar accepted a stop token (kept here: read per row per step)
+        self.check_samples = False  # its sampled tokens are checked against its bitmask (sample_check.py)
+        self.refused = False  # the grammar refused an accepted token: the request is ended with an error
         self._grammar: StructuredOutputGrammar | None = None
         # The grammar while it constrains the next token (compiled, reasoning over, not ended), else
         # None: the one attribute the manager's per-row loops read (set by `activate`).
@@ -66,12 +68,15 @@ class StructuredOutputRequest:
             if self.ended:
                 self.active_grammar = None
         if not ok:
+            # Never expected: the bitmask allowed the token, and a row that another mask left without
+            # any allowed token is caught before its token is emitted (sample_check.py). The manager
+            # reports the request (`refused_ids`) and the engine core ends it with an error.
             logger.error("%s: the grammar refused sampled tokens %s", self.request_id, refused or tokens)
+            self.refused = True
         return ok
 
     def advance(self, new_token_ids: list[int]) -> bool:
-        """Feed accepted tokens; False if the grammar refused one (never expected: the bitmask
-        allowed it; logged, and the rest of the output runs unconstrained)."""
+        """Feed accepted tokens; False if the grammar refused one (see `accepted`)."""
         tokens = self.grammar_tokens(new_token_ids)
         if not tokens:
             return True

@@ -599,9 +599,12 @@ def _stream_problems(case: Case, text: str) -> list[str]:
     events, done = _sse_events(text)
     problems = [] if done else ["stream did not end with data: [DONE]"]
     finished: dict[int, int] = {}
+    errored = False
     for ev in events:
         if "error" in ev:
-            problems.append(f"in-band stream error: {ev['error']!r:.300}")
+            if not structured_outputs_error(case, ev):
+                problems.append(f"in-band stream error: {ev['error']!r:.300}")
+            errored = True
         elif ev.get("object") not in ("text_completion", "chat.completion.chunk"):
             problems.append(f"stream chunk object {ev.get('object')!r}")
         else:
@@ -611,7 +614,7 @@ def _stream_problems(case: Case, text: str) -> list[str]:
                         problems.append(f"finish_reason {c['finish_reason']!r}")
                     finished[c["index"]] = finished.get(c["index"], 0) + 1
     want = _num_choices(case)
-    if want is not None and done and sorted(finished) != list(range(want)):
+    if want is not None and done and not errored and sorted(finished) != list(range(want)):
         problems.append(f"stream finished choices {sorted(finished)} of {want}")
     if any(k > 1 for k in finished.values()):
         problems.append(f"a choice finished more than once: {finished}")
@@ -726,6 +729,73 @@ def run_concurrently(base_url: str, cases: list[Case], threads: int, timeout: fl
             for k, v in c.items():
                 statuses[k] = statuses.get(k, 0) + v
     return [f for r in results for f in r]
+
+
+# -- structured outputs: grammars refused, and grammars other masks leave without a token (h59) ------
+def structured_outputs_error(case: Case, event: dict[str, Any]) -> bool:
+    """A stream's in-band error that is an answer, not a failure: the request's grammar and a mask the case
+    set (allowed_token_ids, bad_words, min_tokens) left no token mid-output, so the engine ended it
+    (structured_output/sample_check.py); it names the mask, and the stream still ends with [DONE]."""
+    err = event.get("error")
+    message = err.get("message", "") if isinstance(err, dict) else ""
+    return message.startswith("structured outputs:") and any(f in message for f in case.fields)
+
+
+def structured_outputs_cases(model: str) -> list[Case]:
+    """Fixed cases, chat and completions: grammars that derive no finite string or regexes that match
+    nothing (a 4xx naming them; they ran unconstrained before), a grammar error naming a non-ASCII
+    character (whole, not cut), a grammar and another mask that leave nothing to sample from the first
+    token (a 4xx), and ones that meet the conflict only while running (a 400, or in a stream an in-band
+    error then [DONE]; before, a 200 whose output broke the grammar). `check_structured_outputs_answer`
+    checks each."""
+    refused = [
+        ({"structured_outputs": {"grammar": "root ::= root"}}, ("structured_outputs",), "root ::= root"),
+        ({"guided_grammar": 'root ::= "a" root'}, ("structured_outputs", "guided_grammar"), "no finite string"),
+        ({"guided_grammar": 'root ::= x "!"\nx ::= x "a"'}, ("structured_outputs", "guided_grammar"), "'x'"),
+        ({"guided_regex": "[^\\s\\S]"}, ("structured_outputs", "guided_regex"), "matches no string"),
+        ({"structured_outputs": {"regex": "a[^\\d\\D]"}}, ("structured_outputs",), "matches no string"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, ("response_format",),
+         "admits no finite JSON value"),
+        ({"guided_grammar": 'root ::= "é" é'}, ("structured_outputs", "guided_grammar"), "'é'"),
+        ({"guided_grammar": 'root ::= "日本" 語'}, ("structured_outputs", "guided_grammar"), "'語'"),
+        ({"guided_choice": ["yes", "no"], "min_tokens": 4}, ("min_tokens",), "min_tokens=4"),
+        ({"structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [0]}, ("allowed_token_ids",), "conflicts"),
+        ({"guided_choice": ["{"], "bad_words": ["{"]}, ("bad_words",), "conflicts"),
+    ]
+    running = [
+        ({"structured_outputs": {"regex": "[0-9]{2}"}, "min_tokens": 6}, ("min_tokens",)),
+        ({"guided_regex": "[0-9]{1,2}x", "bad_words": ["x"]}, ("bad_words",)),
+    ]
+    cases = []
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        head: dict[str, Any] = {"model": model, "max_tokens": 12, "temperature": 0}
+        head.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+        for extra, fields, words in refused:
+            body = json.dumps({**head, **extra}, ensure_ascii=False).encode()
+            cases.append(Case(f"{path}: structured outputs refused ({words})", path, body, REJECT, fields))
+        for extra, fields in running:
+            for stream in (False, True):
+                body = json.dumps({**head, **extra, "stream": stream}).encode()
+                cases.append(Case(f"{path}: structured outputs conflict while running{' (stream)' if stream else ''}",
+                                  path, body, ANY, fields, stream))
+    return cases
+
+
+def check_structured_outputs_answer(case: Case, answer: Answer) -> list[str]:
+    """check_response, and for a conflict met while running: a 400 naming the mask, or a stream whose last
+    event before [DONE] is the error naming it (a 200 without it: the output broke the grammar)."""
+    problems = check_response(case, answer)
+    if problems or case.expect == REJECT:
+        return problems
+    if answer.status != 200:
+        return []  # a 400 naming a touched field (check_response checked it)
+    if not case.stream:
+        return [f"200 for a request whose grammar and masks leave no token: {answer.body[:300]!r}"]
+    events, done = _sse_events(answer.body.decode("utf-8", "replace"))
+    if not done or not events or not structured_outputs_error(case, events[-1]):
+        return [f"the stream did not end with the conflict's error event: {answer.body[-300:]!r}"]
+    return []
 
 
 def main() -> int:

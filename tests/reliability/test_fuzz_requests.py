@@ -19,9 +19,12 @@ from tests.reliability.conftest import MODEL, assert_idle, assert_openai_error
 from tests.reliability.fuzz_requests import (
     OfflineFuzzer,
     RequestFuzzer,
+    check_structured_outputs_answer,
     run_cases,
     run_concurrently,
     run_offline_case,
+    send_case,
+    structured_outputs_cases,
 )
 
 CASES = int(os.environ.get("FUZZ_CASES", "400"))
@@ -119,3 +122,20 @@ def test_a_template_rendering_nothing_names_messages(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": "{{ {}[1] }}"}
     err = assert_openai_error(server.post("/v1/chat/completions", body), 400, "the prompt is empty")
     assert err["param"] == "messages"
+
+
+def test_structured_outputs_refusals_and_conflicts(server):
+    """structured_output/productive.py, conflicts.py, sample_check.py: grammars deriving no finite string
+    and empty regexes are 4xx naming them (were served unconstrained), a non-ASCII grammar error is whole,
+    and a grammar plus a mask that leave no token is a 4xx, or ends the request with an error naming the
+    mask (were 200s whose output broke the grammar); the server is idle after."""
+    import httpx
+
+    failures = []
+    with httpx.Client() as client:
+        for case in structured_outputs_cases(MODEL):
+            problems = check_structured_outputs_answer(case, send_case(client, server.url(""), case, timeout=20))
+            if problems:
+                failures.append((case, problems))
+    assert not failures, _report(failures)
+    assert_idle(server)

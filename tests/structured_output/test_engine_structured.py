@@ -96,3 +96,43 @@ def test_bad_constraints_are_refused_before_queueing(llm):
     with pytest.raises(ValueError, match="not available"):
         SamplingParams(guided_decoding=GuidedDecodingParams(regex="a", backend="outlines"))
     assert_pool_idle(llm)
+
+
+def test_masks_that_leave_the_grammar_no_token_end_the_request_with_an_error(llm):
+    # The grammar and another mask together leave no token at some output token (not visible before
+    # queueing): that request ends there with finish_reason "error" naming the mask, none of its tokens
+    # breaks the grammar, the rows beside it keep their greedy tokens, and every KV block comes back.
+    tok = llm.get_tokenizer()
+    prompts = chat_prompts(llm, QUESTIONS)
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate(prompts[1:3], plain, use_tqdm=False)
+    cases = [
+        # "[0-9]{2}": after two digits only EOS is allowed, which min_tokens=6 still bans
+        (SamplingParams(temperature=0, max_tokens=20, min_tokens=6, structured_outputs=StructuredOutputsParams(
+            regex="[0-9]{2}")), "min_tokens", r"[0-9]{1,2}"),
+        # "{" is allowed first; the grammar's next token (a quote, "}" or a space) is not (sampled rows too)
+        (SamplingParams(temperature=0.8, seed=5, max_tokens=20, allowed_token_ids=tok.encode("{", add_special_tokens=False),
+                        structured_outputs=StructuredOutputsParams(json_object=True)), "allowed_token_ids", r"\{"),
+    ]
+    for params, mask, text in cases:
+        outs = llm.generate(prompts[:3], [params, plain, plain], use_tqdm=False)
+        out = outs[0].outputs[0]
+        assert out.finish_reason == "error", (out.text, out.finish_reason)
+        assert mask in out.stop_reason and "no token" in out.stop_reason, out.stop_reason
+        assert re.fullmatch(text, out.text), out.text
+        for a, b in zip(alone, outs[1:]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert_pool_idle(llm)
+        assert llm.llm_engine.engine_core.structured_output_manager._num_checked == 0  # nothing checked now
+
+
+@pytest.mark.parametrize("params, words", [
+    (dict(min_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), "min_tokens=4"),
+    (dict(bad_words=["{"], structured_outputs=StructuredOutputsParams(choice=["{", "{"])), "bad_words"),
+    (dict(structured_outputs=StructuredOutputsParams(grammar="root ::= root")), "'root'"),
+    (dict(structured_outputs=StructuredOutputsParams(regex="x[^\\s\\S]")), "matches no string"),
+])
+def test_conflicts_seen_before_queueing_are_refused(llm, params, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate("hi", SamplingParams(max_tokens=8, **params), use_tqdm=False)
+    assert_pool_idle(llm)

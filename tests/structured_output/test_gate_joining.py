@@ -142,21 +142,6 @@ def test_a_first_constrained_batch_joining_step_by_step_finishes(filler, monkeyp
         engine.shutdown()
 
 
-def _wait_queued_before_the_job(self: EngineCore, so, gate):
-    """_step_gated as it was until h52: the sampling (and with it the device wait) launched with the
-    forward, the job posted after the collect."""
-    so.grammar_gate = gate
-    outputs = []
-    self.model_executor.execute_model(so)
-    pending = self.model_executor.sample_tokens(gate)
-    self.step_count += 1
-    if self.inflight is not None:
-        outputs = self._collect_inflight()
-    self.inflight = (so, pending)
-    self.structured_output_manager.submit_gate(gate)
-    return outputs
-
-
 def test_the_launch_wait_catches_a_wait_queued_before_its_job(monkeypatch):
     # The check above is not vacuous: with the old order, the CPU's stand-in for a synchronizing call in
     # the sampling launch finds the gate shut (its job not posted yet) and the step fails, where the
@@ -164,7 +149,7 @@ def test_the_launch_wait_catches_a_wait_queued_before_its_job(monkeypatch):
     monkeypatch.setattr(gate_mod, "SYNC_AT_LAUNCH_S", 1.0)
     llm = gated_llm("thread", num_gpu_blocks_override=64)
     engine = llm.llm_engine
-    monkeypatch.setattr(EngineCore, "_step_gated", _wait_queued_before_the_job)
+    monkeypatch.setattr(EngineCore, "_step_gated", gate_mod.step_gated_old_order)  # the order before h52
     try:
         with pytest.raises(RuntimeError, match="was not filled within 1 s"):
             llm.generate(PROMPTS[:2], joining_requests(2), use_tqdm=False)

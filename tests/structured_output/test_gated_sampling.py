@@ -163,15 +163,19 @@ def test_preempted_constrained_requests_stay_valid(llm, monkeypatch):
 
 
 def test_without_the_wait_stale_masks_are_caught(llm, monkeypatch):
-    # The check above is not vacuous: a gated step that samples before its fill emits refused tokens.
+    # The check above is not vacuous: a gated step that samples before its fill samples tokens its
+    # grammar refuses; the grammar's refusal ends the request with an error (engine_core.step), or a
+    # token refused after the request's last step stays in its output.
     if llm.llm_engine.engine_core.structured_output_manager._remote:
         pytest.skip("the late fill is made on the thread")
     slow_fills(llm, monkeypatch)
     monkeypatch.setattr(gate_mod, "host_wait", lambda gate, timeout_s=0: None)
     params = constrained_params()
     outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-    assert any(refused(llm, p.structured_outputs, list(o.outputs[0].token_ids)) is not None
-               for o, p in zip(outs, params))
+    errors = [o.outputs[0].stop_reason for o in outs if o.outputs[0].finish_reason == "error"]
+    assert all("refused" in e for e in errors), errors
+    assert errors or any(refused(llm, p.structured_outputs, list(o.outputs[0].token_ids)) is not None
+                         for o, p in zip(outs, params))
     time.sleep(0.1)  # the last late fill ends before the next test's engine use
 
 
@@ -258,4 +262,20 @@ def test_reasoning_rows_move_steps_between_the_gated_and_the_main_path(llm):
         plain = StructuredOutputsParams(**{k: getattr(p.structured_outputs, k) for k in ("json", "regex")})
         assert refused(llm, plain, ids[first + 1:]) is None, o.outputs[0].text
     assert ended >= 6
+    assert_pool_idle(llm)
+
+
+def test_a_gated_row_whose_masks_leave_no_token_ends_with_an_error(llm):
+    # sample_check.py on gated steps (the gate's rows and bitmask): "[0-9]{2}" at min_tokens=5 leaves only
+    # EOS after two digits, which min_tokens bans. The request ends with finish_reason "error" before a
+    # token that breaks the grammar is emitted; the greedy row beside it keeps its tokens.
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    conflict = SamplingParams(temperature=1.0, seed=4, max_tokens=16, min_tokens=5,
+                              structured_outputs=StructuredOutputsParams(regex="[0-9]{2}"))
+    outs = llm.generate(PROMPTS[:2], [greedy, conflict], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    out = outs[1].outputs[0]
+    assert out.finish_reason == "error" and "min_tokens" in out.stop_reason, (out.text, out.stop_reason)
+    assert refused(llm, conflict.structured_outputs, list(out.token_ids)) is None, out.text
     assert_pool_idle(llm)

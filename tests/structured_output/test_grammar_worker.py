@@ -134,9 +134,12 @@ def test_a_refused_token_is_reported(worker_backend, caplog):
     add(manager, "r", StructuredOutputsParams(regex="[0-9]{3}")).future.result()
     manager.submit_grammar_bitmask(step("r")).result()
     manager.advance([EngineCoreOutput("r", [ord("a") % 100 + 1000])])  # not a digit token
-    with caplog.at_level(logging.ERROR, logger="pagedllm.structured_output.backend_process"):
+    with caplog.at_level(logging.ERROR, logger="pagedllm.structured_output.worker_lanes"):
         manager.submit_grammar_bitmask(step("r")).result()
     assert "refused" in caplog.text
+    # The reply's slot is mapped to its request at the next job; the engine core ends it (an error).
+    manager.submit_grammar_bitmask(step("r")).result()
+    assert manager.take_refused() == ["r"] and manager.take_refused() == []
     manager.remove(["r"])
 
 

@@ -199,7 +199,7 @@ def test_the_cpu_bitmask_lookup_masks_as_the_reference(dtype, rows):
 def test_the_grammar_backend_defaults(monkeypatch):
     # Unset: grammar workers when constrained steps are gated on a GPU host with spare cores, else the
     # thread; PAGEDLLM_GRAMMAR_WORKER decides when set.
-    from pagedllm.structured_output import manager as manager_mod
+    from pagedllm.structured_output import backend_select as manager_mod
 
     for var in ("PAGEDLLM_GRAMMAR_WORKER", "PAGEDLLM_GRAMMAR_SPIN", "PAGEDLLM_GRAMMAR_GATE"):
         monkeypatch.delenv(var, raising=False)

@@ -104,6 +104,20 @@ def test_choice_regex_and_parse(server):
         ({"tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g'"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "enable-auto-tool-choice"),
+        # A grammar and another mask that leave nothing to sample (structured_output/conflicts.py).
+        ({"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 4}, "min_tokens=4 conflicts"),
+        ({"guided_choice": ["yes", "no"], "allowed_token_ids": [0]}, "allowed_token_ids conflicts"),
+        ({"structured_outputs": {"choice": ["{"]}, "bad_words": ["{"]}, "bad_words conflicts"),
+        # Grammars that derive no finite string, a regex that matches nothing (productive.py).
+        ({"structured_outputs": {"grammar": "root ::= root"}}, "rule 'root' derives no finite string"),
+        ({"guided_grammar": 'root ::= "a" root'}, "rule 'root' derives no finite string"),
+        ({"guided_grammar": 'root ::= x\nx ::= "a" x'}, "rules 'root', 'x' derive"),
+        ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "matches no string"),
+        ({"guided_regex": "a[^\\d\\D]"}, "guided_regex matches no string"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "[^\\s\\S]"}}}}, "response_format.json_schema.schema cannot be matched"),
+        # xgrammar's message naming a non-ASCII character, whole.
+        ({"guided_grammar": 'root ::= "é" é'}, "column 14: Unexpected character: 'é'"),
     ],
 )
 def test_bad_input_is_400(server, body, words):
@@ -113,3 +127,50 @@ def test_bad_input_is_400(server, body, words):
     assert words in r.json()["error"]["message"]
     m = server.wait_idle()  # nothing held
     assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
+
+
+def test_a_conflict_met_while_running_is_an_error_and_the_other_requests_keep_their_tokens(server):
+    # "[0-9]{2}" at min_tokens=6: after two digits the grammar allows only EOS, which min_tokens bans
+    # (not seen before queueing: a regex). The request ends with an error naming min_tokens (non-streaming:
+    # a 400; streaming: an error event, then [DONE]), no token that breaks the grammar is sent, the
+    # greedy requests beside it keep their tokens, and every KV block comes back.
+    conflict = {"structured_outputs": {"regex": "[0-9]{2}"}, "min_tokens": 6}
+    questions = ["Name a color.", "Count to five.", "What is the capital of France?"]
+
+    async def plain(client, q):
+        r = await client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, logprobs=False,
+                                                 messages=[{"role": "user", "content": q}],
+                                                 extra_body={"return_token_ids": True})
+        return r.choices[0].token_ids
+
+    async def conflicting(client):
+        return await client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, extra_body=conflict,
+                                                    messages=[{"role": "user", "content": "A number?"}])
+
+    async def run():
+        client = server.async_client()
+        alone = await asyncio.gather(*[plain(client, q) for q in questions])
+        beside = await asyncio.gather(*[plain(client, q) for q in questions], conflicting(client), conflicting(client),
+                                      return_exceptions=True)
+        return alone, beside
+
+    alone, beside = asyncio.run(run())
+    assert beside[:3] == alone
+    for e in beside[3:]:
+        assert isinstance(e, openai.BadRequestError), e
+        assert "min_tokens" in e.message and "no token" in e.message, e.message
+    r = server.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 20, "temperature": 0, "stream": True,
+                                                  "messages": [{"role": "user", "content": "A number?"}], **conflict})
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "min_tokens" in error["message"] and error["type"] == "invalid_request_error", error
+    text = "".join(c["delta"].get("content") or "" for e in events[:-2] for c in json.loads(e)["choices"])
+    assert re.fullmatch(r"[0-9]{0,2}", text), text
+    with pytest.raises(openai.APIError, match="min_tokens"):  # the official client raises it too
+        for _ in server.client().chat.completions.create(model=MODEL, max_tokens=20, temperature=0, stream=True,
+                                                          messages=[{"role": "user", "content": "A number?"}],
+                                                          extra_body=conflict):
+            pass
+    m = server.wait_idle()
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
