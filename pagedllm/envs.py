@@ -222,8 +222,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # unset: half the host's cores, 2 to 8.
     "PAGEDLLM_XGRAMMAR_THREADS": lambda: _positive_int("PAGEDLLM_XGRAMMAR_THREADS"),
     # Where xgrammar advances the grammars and fills the bitmasks: 1 grammar worker processes
-    # (structured_output/backend_process.py), 0 a thread of the engine core (fill_thread.py); unset:
-    # the workers when constrained steps are gated on a GPU host of 8+ cores, else the thread.
+    # (structured_output/backend_process.py), 0 or unset a thread of the engine core (fill_thread.py).
     "PAGEDLLM_GRAMMAR_WORKER": lambda: _optional_flag("PAGEDLLM_GRAMMAR_WORKER"),
     # How many grammar worker processes share the constrained rows (a request's grammar lives in
     # one); unset: 2 on a host of 12 or more cores (6 xgrammar threads each unless

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.structured_output.backend_select import SPARE_CORES, make_backend, use_grammar_worker
+from pagedllm.structured_output.backend_select import make_backend, use_grammar_worker
 from pagedllm.structured_output.backend_types import StructuredOutputBackend
 from pagedllm.structured_output.bitmask import GrammarOutput
 from pagedllm.structured_output.fill_thread import FillThread
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from pagedllm.structured_output.backend_process import WorkerJob
 
 logger = logging.getLogger(__name__)
-__all__ = ["SPARE_CORES", "BitmaskJob", "StructuredOutputManager", "make_backend", "use_grammar_worker"]
+__all__ = ["BitmaskJob", "StructuredOutputManager", "make_backend", "use_grammar_worker"]
 
 
 class StructuredOutputManager(GatedSamplingMixin):

@@ -197,22 +197,19 @@ def test_the_cpu_bitmask_lookup_masks_as_the_reference(dtype, rows):
 
 
 def test_the_grammar_backend_defaults(monkeypatch):
-    # Unset: grammar workers when constrained steps are gated on a GPU host with spare cores, else the
-    # thread; PAGEDLLM_GRAMMAR_WORKER decides when set.
+    # Unset or 0: the bitmask thread, gated or not, on any host; 1: the grammar worker processes.
     from pagedllm.structured_output import backend_select as manager_mod
 
     for var in ("PAGEDLLM_GRAMMAR_WORKER", "PAGEDLLM_GRAMMAR_SPIN", "PAGEDLLM_GRAMMAR_GATE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 16)
-    assert manager_mod.use_grammar_worker(gated=True, device="cuda")
-    assert not manager_mod.use_grammar_worker(gated=False, device="cuda")  # main's path alone: the thread
-    assert not manager_mod.use_grammar_worker(gated=True, device="cpu")
-    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 4)
-    assert not manager_mod.use_grammar_worker(gated=True, device="cuda")  # no spare cores
+    for gated in (True, False):
+        for device in ("cuda", "cpu"):
+            assert not manager_mod.use_grammar_worker(gated=gated, device=device)
     monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", "1")
     assert manager_mod.use_grammar_worker(gated=False, device="cpu")
+    assert manager_mod.use_grammar_worker(gated=True, device="cuda")
     monkeypatch.setenv("PAGEDLLM_GRAMMAR_WORKER", "0")
-    monkeypatch.setattr(manager_mod.os, "cpu_count", lambda: 16)
     assert not manager_mod.use_grammar_worker(gated=True, device="cuda")
 
 
