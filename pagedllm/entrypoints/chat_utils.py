@@ -62,7 +62,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than json goes
                 raise ValueError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON.") from None
         out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
     return out

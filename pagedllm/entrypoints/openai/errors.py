@@ -136,4 +136,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).to_json_response()
+        # Starlette's ServerErrorMiddleware sends this answer and then raises the error again, and
+        # uvicorn closes the connection under it: said in the answer, the client opens a new one for
+        # its next request (a kept-alive one was reset by that close: h61's fuzzer, the request after
+        # each 500 failed with "connection reset by peer").
+        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500,
+                        headers={"Connection": "close"}).to_json_response()
