@@ -15,18 +15,30 @@ from typing import Any
 import torch
 
 
-def make_pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, str]]:
+class PairsError(ValueError):
+    """A side of the pairs that cannot be paired; `name` is the argument (or field) that holds it."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def make_pairs(data_1: str | list[str], data_2: str | list[str],
+               names: tuple[str, str] = ("data_1", "data_2")) -> list[tuple[str, str]]:
+    """`names`: what the caller calls the two sides, for the errors (LLM.score's data_1 / data_2, a
+    request's text_1 / text_2 or queries / documents)."""
     left = [data_1] if isinstance(data_1, str) else list(data_1)
     right = [data_2] if isinstance(data_2, str) else list(data_2)
-    for name, side in (("text_1", left), ("text_2", right)):
+    for name, side in zip(names, (left, right), strict=True):
         if not side:
-            raise ValueError(f"{name} is empty; give at least one text.")
+            raise PairsError(f"{name} is empty; give at least one text.", name)
         if not all(isinstance(t, str) for t in side):
-            raise ValueError(f"{name} must hold strings only.")
+            raise PairsError(f"{name} must hold strings only.", name)
     if len(left) == 1:
         left = left * len(right)
     elif len(left) != len(right):
-        raise ValueError(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1, or as many as text_2.")
+        raise PairsError(f"{names[0]} has {len(left)} texts and {names[1]} {len(right)}: give one {names[0]}, or as "
+                         f"many as {names[1]}.", names[1])
     return list(zip(left, right))
 
 

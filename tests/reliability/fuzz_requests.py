@@ -654,6 +654,8 @@ def _shape_problems(case: Case, answer: Answer) -> list[str]:
         ok = isinstance(body.get("tokens"), list) and body.get("count") == len(body["tokens"])
     elif case.path == "/detokenize":
         ok = isinstance(body.get("prompt"), str)
+    elif "rerank" in case.path:
+        ok = isinstance(body.get("results"), list) and isinstance(body.get("usage"), dict)
     else:
         ok = body.get("object") == "list" and isinstance(body.get("data"), list)
     if ok and case.path.startswith("/v1/") and "usage" not in body:

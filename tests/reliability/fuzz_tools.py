@@ -175,14 +175,17 @@ class ToolOutputFuzzer:
             n -= k
         return pieces or [0]
 
+    def output(self, parser: str, reasoning: str | None) -> tuple[str, str]:
+        """One model output in `parser`'s format (behind a think block when `reasoning`) -> (text, how)."""
+        text, how = self._mutate(self._format(parser))
+        return (self._think(text, reasoning) if reasoning is not None else text), how
+
     def cases(self, count: int) -> Iterator[ToolOutputCase]:
         rng = self.rng
         for _ in range(count):
             parser = rng.choice(TOOL_PARSER_NAMES)
-            text, how = self._mutate(self._format(parser))
             reasoning = rng.choice([None, None, *REASONING_PARSER_NAMES])
-            if reasoning is not None:
-                text = self._think(text, reasoning)
+            text, how = self.output(parser, reasoning)
             tool_parser = parser if rng.random() < 0.9 else None
             yield ToolOutputCase(f"{parser}: {how}", tool_parser, reasoning, text, self._pieces(len(text)))
 

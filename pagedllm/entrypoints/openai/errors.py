@@ -92,6 +92,13 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"The request body must be a JSON object, got {_json_kind(got)}.")
     if kind == "missing":
         return APIError(f"Missing required field '{param}'.", param=param)
+    if kind == "extra_forbidden":
+        # Named as sent, even "" (whose loc names nothing: the message read "Invalid value for 'None'").
+        loc = first.get("loc", ())
+        name = str(loc[-1]) if loc else ""
+        where = param.rsplit(".", 1)[0] if param and "." in param else None
+        return APIError(f"Unknown field {name!r}{f' in {where}' if where else ''}: this endpoint does not take it.",
+                        param=param)
     input_repr = repr(first.get("input"))
     if len(input_repr) > 80:
         input_repr = input_repr[:77] + "..."

@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol_pooling import (
     ScoreResponse,
 )
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingPooling
-from pagedllm.pooling.score import cosine_scores, cross_encoder_prompt, make_pairs
+from pagedllm.pooling.score import PairsError, cosine_scores, cross_encoder_prompt, make_pairs
 
 
 class OpenAIServingScores(OpenAIServingPooling):
@@ -49,14 +49,16 @@ class OpenAIServingScores(OpenAIServingPooling):
 
     async def create_score(self, request: ScoreRequest, arrival: float) -> ScoreResponse:
         name = self.check_pooling(request)
-        left = request.text_1 if request.text_1 is not None else request.queries
-        right = request.text_2 if request.text_2 is not None else request.documents
+        left_name = "text_1" if request.text_1 is not None else "queries"
+        right_name = "text_2" if request.text_2 is not None else "documents"
+        left, right = getattr(request, left_name), getattr(request, right_name)
         if left is None or right is None:
-            raise APIError("give text_1 and text_2 (or queries and documents).", param="text_1")
+            raise APIError("give text_1 and text_2 (or queries and documents).",
+                           param=left_name if left is None else right_name)
         try:
-            pairs = make_pairs(left, right)
-        except ValueError as e:
-            raise APIError(str(e), param="text_2") from None
+            pairs = make_pairs(left, right, (left_name, right_name))  # errors name the fields the request used
+        except PairsError as e:
+            raise APIError(str(e), param=e.name) from None
 
         async def work() -> ScoreResponse:
             scores, n = await self.score_pairs("score", request, pairs, arrival)

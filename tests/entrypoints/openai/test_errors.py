@@ -47,3 +47,28 @@ def test_the_request_after_a_500_is_answered():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_unknown_field_is_named_as_sent():
+    """h61's fuzzer: {"": 1} on a pooling endpoint (extra fields forbidden) read "Invalid value for
+    'None': Extra inputs are not permitted"."""
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from pagedllm.entrypoints.openai.errors import from_validation_error
+
+    class Body(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        a: int = 0
+
+    class Outer(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        inner: Body | None = None
+
+    for raw, message, param in [('{"": 1}', "Unknown field '': this endpoint does not take it.", None),
+                                ('{"nope": 1}', "Unknown field 'nope': this endpoint does not take it.", "nope"),
+                                ('{"inner": {"x": 1}}', "Unknown field 'x' in inner", "inner.x")]:
+        try:
+            Outer.model_validate_json(raw)
+        except ValidationError as e:
+            err = from_validation_error(e)
+        assert err.message.startswith(message) and err.param == param, (err.message, err.param)
