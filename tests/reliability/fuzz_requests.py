@@ -76,7 +76,7 @@ COMPLETION_FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "logprobs": INT, "ec
 TOKENIZE_FIELDS = {"model": STR, "prompt": STR, "add_special_tokens": BOOL, "return_token_strs": BOOL}
 TOKENIZE_CHAT_FIELDS = {"model": STR, "messages": "messages", "add_generation_prompt": BOOL,
                         "continue_final_message": BOOL, "add_special_tokens": BOOL, "return_token_strs": BOOL,
-                        "chat_template_kwargs": "obj", "chat_template": STR}
+                        "chat_template_kwargs": "obj", "chat_template": STR, "tools": "tools"}
 DETOKENIZE_FIELDS = {"model": STR, "tokens": "ids"}
 EMBEDDING_FIELDS = {"model": STR, "input": "input", "encoding_format": STR, "dimensions": INT, "normalize": BOOL,
                     "user": STR, "truncate_prompt_tokens": INT}
