@@ -493,6 +493,11 @@ class OfflineFuzzer:
                     chat_kwargs["chat_template_kwargs"] = ctk
                     expects["chat_template_kwargs"] = exp
                     names.append(f"chat_template_kwargs={ctk!r}")
+                if rng.random() < 0.3:  # LLM.chat(tools=...): the server's tools check
+                    tools, exp = rng.choice(_malformed_values("tools", self.vocab, self.max_len))
+                    chat_kwargs["tools"] = copy.deepcopy(tools)
+                    expects["tools"] = exp
+                    names.append(f"tools={tools!r:.60}")
             expect = REJECT if REJECT in expects.values() else ANY
             yield OfflineCase(", ".join(names), kwargs, prompt, chat, chat_kwargs, expect, tuple(expects))
 

@@ -119,3 +119,14 @@ def test_a_template_rendering_nothing_names_messages(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": "{{ {}[1] }}"}
     err = assert_openai_error(server.post("/v1/chat/completions", body), 400, "the prompt is empty")
     assert err["param"] == "messages"
+
+
+@pytest.mark.parametrize("tools", [[{"type": "function"}], [{}], [{"type": "function", "function": {"name": ""}}],
+                                   [{"type": "function", "function": {"name": "f", "parameters": "x"}}]])
+def test_llm_chat_checks_tools_as_the_server_does(llm, tools):
+    """entrypoints/llm.py (h61): LLM.chat handed malformed tools to the template, which ignored them
+    (SmolLM2's) or failed on them with its own error; the server refused them with a 400."""
+    from pagedllm import SamplingParams
+
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False, tools=tools)

@@ -30,9 +30,12 @@ class OpenAIServingScores(OpenAIServingPooling):
         mc = self.engine.model_config
         if mc.pooler_config.task == "classify":
             tok = self.require_tokenizer()
-            prompts = [await self.engine.run_in_tokenizer_pool(
-                cross_encoder_prompt, tok, a, b, request.truncate_prompt_tokens, mc.max_model_len)
-                for a, b in pairs]
+            try:
+                prompts = [await self.engine.run_in_tokenizer_pool(
+                    cross_encoder_prompt, tok, a, b, request.truncate_prompt_tokens, mc.max_model_len)
+                    for a, b in pairs]
+            except ValueError as e:
+                raise APIError(str(e), param="truncate_prompt_tokens") from None
             params = self.pooling_params(request, task="score", use_activation=request.use_activation)
             outs = await self.run_pooling(prefix, prompts, params, arrival, param="documents")
             if any(o.outputs.data.numel() != 1 for o in outs):
