@@ -422,7 +422,9 @@ def _full_problems(case: Case, req: dict[str, Any], body: dict[str, Any]) -> lis
             problems += _chat_logprob_problems(req, c, lp)
             if isinstance(lp, list) and req.get("n", 1) in (1, None) and len(lp) != body["usage"]["completion_tokens"]:
                 problems.append(f"{len(lp)} logprobs for {body['usage']['completion_tokens']} tokens")
-            problems += _stop_problems(req, msg.get("content") or "", c, echo=bool(req.get("echo")))
+            # With a reasoning parser the text (and its stop string) may be all thinking.
+            text = (msg.get("reasoning_content") or "") + (msg.get("content") or "")
+            problems += _stop_problems(req, text, c, echo=bool(req.get("echo")))
     elif case.path == "/v1/completions":
         Completion.model_validate(body)
         for c in body["choices"]:
@@ -492,7 +494,7 @@ def _stream_problems(case: Case, req: dict[str, Any], events: list[Any]) -> list
             if chat:
                 delta = c["delta"]
                 deltas.setdefault(i, []).extend(delta.get("tool_calls") or [])
-                texts[i] = texts.get(i, "") + (delta.get("content") or "")
+                texts[i] = texts.get(i, "") + (delta.get("reasoning_content") or "") + (delta.get("content") or "")
                 lps.setdefault(i, []).extend((c.get("logprobs") or {}).get("content") or [])
             else:
                 texts[i] = texts.get(i, "") + c.get("text", "")
