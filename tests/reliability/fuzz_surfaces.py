@@ -527,6 +527,43 @@ def check_surface(case: Case, answer: Answer) -> list[str]:
         return [f"200 body: {type(e).__name__}: {e!s:.300}"]
 
 
+def _streamed_message(text: str) -> dict[str, Any]:
+    """A chat stream's events -> the message they add up to (choice 0): reasoning, content, calls."""
+    reasoning, content, deltas = "", "", []
+    for ev in _events(text):
+        for c in ev["choices"]:
+            if c["index"] == 0:
+                reasoning += c["delta"].get("reasoning_content") or ""
+                content += c["delta"].get("content") or ""
+                deltas += c["delta"].get("tool_calls") or []
+    _, calls = tool_delta_problems(deltas)
+    return {"reasoning_content": reasoning or None, "content": content,
+            "tool_calls": [(name, _strict_json(args)) for name, args in calls.values()]}
+
+
+def stream_whole_problems(client: Any, base_url: str, case: Case) -> list[str]:
+    """The same answer asked for whole and streamed (greedy): both say the same (thinking, content,
+    calls). For tools cases whose text is forced (guided_choice) and fits max_tokens."""
+    req = json.loads(case.body)
+    req.pop("stream_options", None)
+    # Greedy: with thinking on, the grammar starts only after </think> (which a random model never
+    # writes), so the text is the model's own and must not differ by sampling.
+    req["temperature"] = 0.0
+    whole = client.post(base_url + case.path, json={**req, "stream": False}, timeout=20)
+    streamed = client.post(base_url + case.path, json={**req, "stream": True}, timeout=20)
+    if whole.status_code != 200 or streamed.status_code != 200:
+        return [] if whole.status_code == streamed.status_code else [
+            f"whole {whole.status_code}, streamed {streamed.status_code}: {whole.text[:200]} / {streamed.text[:200]}"]
+    msg = whole.json()["choices"][0]["message"]
+    want = {"reasoning_content": msg.get("reasoning_content"), "content": msg.get("content") or "",
+            "tool_calls": [(t["function"]["name"], _strict_json(t["function"]["arguments"]))
+                           for t in msg.get("tool_calls") or []]}
+    got = _streamed_message(streamed.text)
+    if want["tool_calls"]:  # a whole answer with calls drops the content's trailing whitespace
+        got["content"] = got["content"].rstrip()
+    return [] if got == want else [f"streamed {got!r:.300} != whole {want!r:.300}"]
+
+
 def run_surface_cases(base_url: str, cases: list[Case], timeout: float = 20) -> tuple[list[tuple[Case, list[str]]],
                                                                                        dict[int | None, int]]:
     """Send every case, one at a time -> (the cases with problems, the count of each status)."""

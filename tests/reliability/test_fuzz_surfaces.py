@@ -12,6 +12,7 @@ CI runs seed 0 with the hermes and qwen3 parsers. Longer runs, another parser pa
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 from tests.entrypoints.openai.conftest import RemoteOpenAIServer, start_servers
 from tests.entrypoints.openai.test_tool_calling import TEMPLATE
 from tests.reliability.conftest import assert_idle
+from tests.reliability.fuzz_requests import REJECT
 from tests.reliability.fuzz_surfaces import SurfaceFuzzer, run_surface_cases
 
 CASES = int(os.environ.get("FUZZ_SURFACE_CASES", "120"))
@@ -104,3 +106,29 @@ def test_pooling_surfaces_fuzz(servers):
     fuzz = SurfaceFuzzer(SEED, "pooling", model="tiny", vocab_size=30522, max_model_len=512)
     statuses = _run(servers["pooling"], fuzz)
     assert statuses.get(200, 0) > CASES // 5 and statuses.get(400, 0) > CASES // 10, statuses
+
+
+def test_forced_answers_stream_as_they_answer_whole(servers, think_model):
+    """The tools cases whose answer is forced (guided_choice) and has room (max_tokens), sent whole
+    and streamed: the same thinking, content and tool calls (serving_chat's two paths, one parser)."""
+    import httpx
+
+    from tests.reliability.fuzz_surfaces import stream_whole_problems
+
+    server = servers["chat"]
+    fuzz = SurfaceFuzzer(SEED + 1, "tools", model="tiny", vocab_size=think_model[1], max_model_len=MAX_MODEL_LEN,
+                         tool_parser=TOOL_PARSER, reasoning_parser=REASONING_PARSER)
+    failures, sent = [], 0
+    with httpx.Client() as client:
+        for case in fuzz.cases(CASES):
+            body = json.loads(case.body)
+            forced = body.get("guided_choice")
+            if not forced or body.get("n") or body["max_tokens"] < len(forced[0]) or case.expect == REJECT:
+                continue
+            sent += 1
+            problems = stream_whole_problems(client, server.url(""), case)
+            if problems:
+                failures.append((case, problems))
+    assert sent > CASES // 8, sent
+    assert not failures, _report(failures)
+    assert_idle(server)
