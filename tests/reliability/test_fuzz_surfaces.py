@@ -126,9 +126,11 @@ def test_forced_answers_stream_as_they_answer_whole(servers, think_model):
             if not forced or body.get("n") or body["max_tokens"] < len(forced[0]) or case.expect == REJECT:
                 continue
             sent += 1
+            if sent > CASES // 8:  # two requests a case: a few suffice in CI (FUZZ_SURFACE_CASES for more)
+                break
             problems = stream_whole_problems(client, server.url(""), case)
             if problems:
                 failures.append((case, problems))
-    assert sent > CASES // 8, sent
+    assert sent > CASES // 8, sent  # the cap was reached
     assert not failures, _report(failures)
     assert_idle(server)
