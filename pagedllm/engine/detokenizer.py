@@ -124,14 +124,21 @@ class IncrementalDetokenizer:
         return True
 
     def _check_stop_strings(self, start_len: int) -> str | None:
-        for s in self.stop:
+        """The stop string that appears first in the new text (output_text cut there), or None. One
+        update may add several characters: stop ["e", " "] and new text " competitors" stop at the
+        " " (index 0), not at the "e" listed first, or the text returned would hold a stop string."""
+        best: tuple[int, int] | None = None  # (index, position in self.stop)
+        for k, s in enumerate(self.stop):
             # Only a match that ends inside the new text can be new.
             idx = self.output_text.find(s, max(0, start_len - len(s) + 1))
-            if idx != -1:
-                end = idx + len(s) if self.include_stop_str_in_output else idx
-                self.output_text = self.output_text[:end]
-                return s
-        return None
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, k)
+        if best is None:
+            return None
+        idx, k = best
+        s = self.stop[k]
+        self.output_text = self.output_text[:idx + len(s) if self.include_stop_str_in_output else idx]
+        return s
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text to show now: all of it, or only what is new since the last delta."""

@@ -62,10 +62,25 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than json goes
                 raise ValueError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON.") from None
         out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
     return out
+
+
+def check_tools(tools: Any) -> list[str]:
+    """OpenAI's tools list -> the function names; ValueError naming the first malformed tool."""
+    names: list[str] = []
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string.")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object.")
+        names.append(fn["name"])
+    return names
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

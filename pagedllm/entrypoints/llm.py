@@ -12,7 +12,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import unfreeze_gc_heap
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.entrypoints.chat_utils import render_chat
+from pagedllm.entrypoints.chat_utils import check_tools, render_chat
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.vllm_flags import check_llm_kwargs
@@ -105,6 +105,7 @@ class LLM:
             raise TypeError(f"messages must be a list of {{role, content}} dicts (or a list of such lists), "
                             f"got {type(messages).__name__}.")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        check_tools(tools)  # the server's check: a malformed tool is a ValueError naming it, not a template error
         tok = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
         for conv in conversations:

@@ -12,7 +12,7 @@ from pagedllm.pooling.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.params import POOLING_TASKS, PoolingParams
 from pagedllm.pooling.score import cosine_scores, cross_encoder_prompt, make_pairs
 
 if TYPE_CHECKING:
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 def _as_list(prompts: Any) -> list[Any]:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):  # LLM.generate's rule
+        raise TypeError(f"prompts must be a string, a token-id list, a prompt dict or a list of them, got "
+                        f"{type(prompts).__name__}.")  # was "'NoneType' object is not iterable"
     return list(prompts)
 
 
@@ -29,7 +32,13 @@ def _params_list(pooling_params: PoolingParams | Sequence[PoolingParams] | None,
                  truncate_prompt_tokens: int | None) -> list[PoolingParams]:
     if pooling_params is None:
         pooling_params = PoolingParams()
-    items = [pooling_params] * n if isinstance(pooling_params, PoolingParams) else list(pooling_params)
+    if isinstance(pooling_params, PoolingParams):
+        items = [pooling_params] * n
+    elif isinstance(pooling_params, Sequence) and all(isinstance(p, PoolingParams) for p in pooling_params):
+        items = list(pooling_params)
+    else:  # was AttributeError ('str' object has no attribute 'clone'): h61's fuzzer
+        raise TypeError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), got "
+                        f"{type(pooling_params).__name__}.")
     if len(items) != n:
         raise ValueError(f"got {len(items)} PoolingParams for {n} prompts; give one or one per prompt.")
     out = []
@@ -66,8 +75,11 @@ def pretokenize(llm: LLM, prompts: list[Any], params: list[PoolingParams]) -> li
     if len({p.truncate_prompt_tokens for p in params}) != 1:
         return prompts
     k = params[0].truncate_prompt_tokens
+    max_len = llm.llm_engine.config.model_config.max_model_len
     if k == -1:
-        k = llm.llm_engine.config.model_config.max_model_len
+        k = max_len
+    if k is not None and k > max_len:
+        return prompts  # the processor refuses it (ValueError); the tokenizer's OverflowError at 10**30 was no answer
     enc = tok(prompts, truncation=k is not None, max_length=k)["input_ids"]
     return [{"prompt": t, "prompt_token_ids": list(ids)} for t, ids in zip(prompts, enc)]
 
@@ -98,6 +110,8 @@ def encode(llm: LLM, prompts: Any, pooling_params: Any = None, *, truncate_promp
            use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
     prompts = _as_list(prompts)
     task = pooling_task or "encode"
+    if task not in POOLING_TASKS:  # named as the caller named it (PoolingParams says "task")
+        raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r}.")
     _check_task(llm, task)
     return run_pooling(llm, prompts, _params_list(pooling_params, len(prompts), task, truncate_prompt_tokens), use_tqdm)
 

@@ -15,18 +15,34 @@ from typing import Any
 import torch
 
 
-def make_pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, str]]:
+class PairsError(ValueError):
+    """A side of the pairs that cannot be paired; `name` is the argument (or field) that holds it."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def make_pairs(data_1: str | list[str], data_2: str | list[str],
+               names: tuple[str, str] = ("data_1", "data_2")) -> list[tuple[str, str]]:
+    """`names`: what the caller calls the two sides, for the errors (LLM.score's data_1 / data_2, a
+    request's text_1 / text_2 or queries / documents)."""
+    for name, data in zip(names, (data_1, data_2), strict=True):
+        # A dict would be read as its keys, a str's bytes as numbers: neither is texts.
+        if not isinstance(data, (str, list, tuple)):
+            raise PairsError(f"{name} must be a string or a list of strings, got {type(data).__name__}.", name)
     left = [data_1] if isinstance(data_1, str) else list(data_1)
     right = [data_2] if isinstance(data_2, str) else list(data_2)
-    for name, side in (("text_1", left), ("text_2", right)):
+    for name, side in zip(names, (left, right), strict=True):
         if not side:
-            raise ValueError(f"{name} is empty; give at least one text.")
+            raise PairsError(f"{name} is empty; give at least one text.", name)
         if not all(isinstance(t, str) for t in side):
-            raise ValueError(f"{name} must hold strings only.")
+            raise PairsError(f"{name} must hold strings only.", name)
     if len(left) == 1:
         left = left * len(right)
     elif len(left) != len(right):
-        raise ValueError(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1, or as many as text_2.")
+        raise PairsError(f"{names[0]} has {len(left)} texts and {names[1]} {len(right)}: give one {names[0]}, or as "
+                         f"many as {names[1]}.", names[1])
     return list(zip(left, right))
 
 
@@ -36,7 +52,12 @@ def cross_encoder_prompt(tokenizer: Any, a: str, b: str, truncate: int | None, m
         raise ValueError("scoring text pairs needs a tokenizer (this engine has skip_tokenizer_init).")
     kwargs: dict[str, Any] = {}
     if truncate is not None:
-        kwargs = {"truncation": True, "max_length": max_model_len if truncate == -1 else truncate}
+        k = max_model_len if truncate == -1 else truncate
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max_model_len:
+            # The tokenizer raised OverflowError at 10**30 (a 500 on a cross-encoder server).
+            raise ValueError(f"truncate_prompt_tokens must be -1 or 1 to the model's max_model_len ({max_model_len}), "
+                             f"got {truncate!r}.")
+        kwargs = {"truncation": True, "max_length": k}
     enc = tokenizer(text=a, text_pair=b, **kwargs)
     prompt: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
     if "token_type_ids" in enc:

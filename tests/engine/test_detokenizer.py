@@ -122,3 +122,16 @@ def test_several_tokens_at_once_give_the_text_of_one_at_a_time():
             many.update(ids[i : i + k])
             i += k
             assert many.output_text == one.output_text
+
+
+def test_the_stop_string_first_in_the_text_wins_not_the_first_listed():
+    """h61's fuzzer: stop ["e", " "] and a first token " competitors" answered " comp" with
+    stop_reason "e": the text held the stop string " " (vLLM's loop takes the first listed too)."""
+    tok = smollm_tokenizer()
+    (token,) = tok.encode(" competitors", add_special_tokens=False)
+    for include, text in ((False, ""), (True, " ")):
+        d = IncrementalDetokenizer(tok, [], stop=["e", " "], include_stop_str_in_output=include)
+        assert d.update([token]) == " "
+        assert d.output_text == text
+    d = IncrementalDetokenizer(tok, [], stop=["tit", "pet"])  # same for two later in the text
+    assert d.update([token]) == "pet" and d.output_text == " com"

@@ -76,7 +76,7 @@ COMPLETION_FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "logprobs": INT, "ec
 TOKENIZE_FIELDS = {"model": STR, "prompt": STR, "add_special_tokens": BOOL, "return_token_strs": BOOL}
 TOKENIZE_CHAT_FIELDS = {"model": STR, "messages": "messages", "add_generation_prompt": BOOL,
                         "continue_final_message": BOOL, "add_special_tokens": BOOL, "return_token_strs": BOOL,
-                        "chat_template_kwargs": "obj", "chat_template": STR}
+                        "chat_template_kwargs": "obj", "chat_template": STR, "tools": "tools"}
 DETOKENIZE_FIELDS = {"model": STR, "tokens": "ids"}
 EMBEDDING_FIELDS = {"model": STR, "input": "input", "encoding_format": STR, "dimensions": INT, "normalize": BOOL,
                     "user": STR, "truncate_prompt_tokens": INT}
@@ -493,6 +493,11 @@ class OfflineFuzzer:
                     chat_kwargs["chat_template_kwargs"] = ctk
                     expects["chat_template_kwargs"] = exp
                     names.append(f"chat_template_kwargs={ctk!r}")
+                if rng.random() < 0.3:  # LLM.chat(tools=...): the server's tools check
+                    tools, exp = rng.choice(_malformed_values("tools", self.vocab, self.max_len))
+                    chat_kwargs["tools"] = copy.deepcopy(tools)
+                    expects["tools"] = exp
+                    names.append(f"tools={tools!r:.60}")
             expect = REJECT if REJECT in expects.values() else ANY
             yield OfflineCase(", ".join(names), kwargs, prompt, chat, chat_kwargs, expect, tuple(expects))
 
@@ -657,6 +662,8 @@ def _shape_problems(case: Case, answer: Answer) -> list[str]:
         ok = isinstance(body.get("tokens"), list) and body.get("count") == len(body["tokens"])
     elif case.path == "/detokenize":
         ok = isinstance(body.get("prompt"), str)
+    elif "rerank" in case.path:
+        ok = isinstance(body.get("results"), list) and isinstance(body.get("usage"), dict)
     else:
         ok = body.get("object") == "list" and isinstance(body.get("data"), list)
     if ok and case.path.startswith("/v1/") and "usage" not in body:

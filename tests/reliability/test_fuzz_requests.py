@@ -139,3 +139,14 @@ def test_structured_outputs_refusals_and_conflicts(server):
                 failures.append((case, problems))
     assert not failures, _report(failures)
     assert_idle(server)
+
+
+@pytest.mark.parametrize("tools", [[{"type": "function"}], [{}], [{"type": "function", "function": {"name": ""}}],
+                                   [{"type": "function", "function": {"name": "f", "parameters": "x"}}]])
+def test_llm_chat_checks_tools_as_the_server_does(llm, tools):
+    """entrypoints/llm.py (h61): LLM.chat handed malformed tools to the template, which ignored them
+    (SmolLM2's) or failed on them with its own error; the server refused them with a 400."""
+    from pagedllm import SamplingParams
+
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False, tools=tools)

@@ -108,11 +108,13 @@ class ChoiceOutputParser:
         tool_text = answer[self._tool_start:]
         try:
             calls = parser.parse(tool_text, final)
-        except ToolParseError:
-            if not self.tool_calls:  # not tool calls after all: the text is content (vLLM's rule)
+        except ToolParseError as e:
+            if not self.tool_calls and not e.calls:  # not tool calls after all: the text is content (vLLM's rule)
                 self._tool_start = None
                 return content + self._content_upto(answer, len(answer)), []
-            calls = []
+            # The valid calls before the break stand (a stream sent them as they completed; a whole
+            # answer says the same); the text that broke is dropped.
+            calls = e.calls
         deltas = self._emit(calls[len(self.tool_calls):], parser.make_id)
         return content, deltas
 

@@ -92,6 +92,13 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"The request body must be a JSON object, got {_json_kind(got)}.")
     if kind == "missing":
         return APIError(f"Missing required field '{param}'.", param=param)
+    if kind == "extra_forbidden":
+        # Named as sent, even "" (whose loc names nothing: the message read "Invalid value for 'None'").
+        loc = first.get("loc", ())
+        name = str(loc[-1]) if loc else ""
+        where = param.rsplit(".", 1)[0] if param and "." in param else None
+        return APIError(f"Unknown field {name!r}{f' in {where}' if where else ''}: this endpoint does not take it.",
+                        param=param)
     input_repr = repr(first.get("input"))
     if len(input_repr) > 80:
         input_repr = input_repr[:77] + "..."
@@ -136,4 +143,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).to_json_response()
+        # Starlette's ServerErrorMiddleware sends this answer and then raises the error again, and
+        # uvicorn closes the connection under it: said in the answer, the client opens a new one for
+        # its next request (a kept-alive one was reset by that close: h61's fuzzer, the request after
+        # each 500 failed with "connection reset by peer").
+        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500,
+                        headers={"Connection": "close"}).to_json_response()

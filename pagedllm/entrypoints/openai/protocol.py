@@ -352,6 +352,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template shows them, so the count is the chat prompt's (was an unknown field, left out).
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_stream import RequestOutputStream
-from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, check_tools, normalize_messages, render_chat
 from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.chat_output import ChoiceOutputParser, required_tools_schema
 from pagedllm.entrypoints.openai.errors import APIError
@@ -178,16 +178,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def _tool_mode(self, request: ChatCompletionRequest) -> tuple[str, str | None]:
         """Check tools / tool_choice; -> ("none" | "auto" | "required" | "named", the named function)."""
-        names: list[str] = []
-        for i, tool in enumerate(request.tools or []):
-            fn = tool.get("function") if isinstance(tool, dict) else None
-            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-                raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", param="tools")
-            if not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise APIError(f"tools[{i}].function.name must be a non-empty string.", param="tools")
-            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-                raise APIError(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
-            names.append(fn["name"])
+        try:
+            names = check_tools(request.tools)
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from None
         choice = request.tool_choice
         if choice is None:
             choice = "auto" if names else "none"

@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol_pooling import (
     ScoreResponse,
 )
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingPooling
-from pagedllm.pooling.score import cosine_scores, cross_encoder_prompt, make_pairs
+from pagedllm.pooling.score import PairsError, cosine_scores, cross_encoder_prompt, make_pairs
 
 
 class OpenAIServingScores(OpenAIServingPooling):
@@ -30,9 +30,12 @@ class OpenAIServingScores(OpenAIServingPooling):
         mc = self.engine.model_config
         if mc.pooler_config.task == "classify":
             tok = self.require_tokenizer()
-            prompts = [await self.engine.run_in_tokenizer_pool(
-                cross_encoder_prompt, tok, a, b, request.truncate_prompt_tokens, mc.max_model_len)
-                for a, b in pairs]
+            try:
+                prompts = [await self.engine.run_in_tokenizer_pool(
+                    cross_encoder_prompt, tok, a, b, request.truncate_prompt_tokens, mc.max_model_len)
+                    for a, b in pairs]
+            except ValueError as e:
+                raise APIError(str(e), param="truncate_prompt_tokens") from None
             params = self.pooling_params(request, task="score", use_activation=request.use_activation)
             outs = await self.run_pooling(prefix, prompts, params, arrival, param="documents")
             if any(o.outputs.data.numel() != 1 for o in outs):
@@ -49,14 +52,16 @@ class OpenAIServingScores(OpenAIServingPooling):
 
     async def create_score(self, request: ScoreRequest, arrival: float) -> ScoreResponse:
         name = self.check_pooling(request)
-        left = request.text_1 if request.text_1 is not None else request.queries
-        right = request.text_2 if request.text_2 is not None else request.documents
+        left_name = "text_1" if request.text_1 is not None else "queries"
+        right_name = "text_2" if request.text_2 is not None else "documents"
+        left, right = getattr(request, left_name), getattr(request, right_name)
         if left is None or right is None:
-            raise APIError("give text_1 and text_2 (or queries and documents).", param="text_1")
+            raise APIError("give text_1 and text_2 (or queries and documents).",
+                           param=left_name if left is None else right_name)
         try:
-            pairs = make_pairs(left, right)
-        except ValueError as e:
-            raise APIError(str(e), param="text_2") from None
+            pairs = make_pairs(left, right, (left_name, right_name))  # errors name the fields the request used
+        except PairsError as e:
+            raise APIError(str(e), param=e.name) from None
 
         async def work() -> ScoreResponse:
             scores, n = await self.score_pairs("score", request, pairs, arrival)

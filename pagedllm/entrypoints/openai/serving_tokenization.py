@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, normalize_messages, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, check_tools, normalize_messages, render_chat
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
@@ -49,6 +49,10 @@ class OpenAIServingTokenization(OpenAIServing):
             except ValueError as e:
                 raise APIError(str(e), param="chat_template_kwargs") from None
             try:
+                check_tools(request.tools)
+            except ValueError as e:
+                raise APIError(str(e), param="tools") from None
+            try:
                 messages = normalize_messages(request.messages)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
@@ -63,7 +67,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     kwargs["continue_final_message"] = True
                 text = render_chat(
                     tokenizer, request.messages, request.chat_template or self.chat_template,
-                    request.add_generation_prompt, kwargs,
+                    request.add_generation_prompt, kwargs, tools=request.tools,
                 )
                 self.limits.check_prompt_bytes(len(text.encode()), "messages")  # the whole rendered input
             else:

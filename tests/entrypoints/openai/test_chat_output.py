@@ -112,3 +112,22 @@ def test_named_and_required_modes():
     assert required.finish_reason("stop") == "tool_calls"
     schema = required_tools_schema([{"type": "function", "function": {"name": "f"}}], parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["f"]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call><tool_call>{}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g"'),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name"'),
+    ("pythonic", "[f(x=1)]\n\nDone."),
+])
+def test_stream_and_whole_agree_after_a_broken_call(name, text):
+    """h61's fuzzer: the stream sent call f when it completed, while the whole answer (the same
+    text) had no calls and all of it as content; both now keep f and drop the broken rest."""
+    whole = ChoiceOutputParser(None, "auto", TOOL_PARSERS[name](None))
+    whole.feed(text, final=True)
+    _, content, calls = whole.message()
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1})]
+    assert content is None and whole.finish_reason("stop") == "tool_calls"
+    streamed = ChoiceOutputParser(None, "auto", TOOL_PARSERS[name](None))
+    _, content, deltas = feed_pieces(streamed, text, 3)
+    assert content == "" and [d["function"]["name"] for d in deltas if "id" in d] == ["f"]

@@ -145,3 +145,17 @@ def test_truncate_prompt_tokens_past_the_context_names_the_field(embed_server):
     r = embed_server.post("/v1/embeddings", {"model": NAME, "input": "hi", "truncate_prompt_tokens": 10**30})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"queries": ["a", "b"], "documents": []}, "documents", "documents is empty"),
+    ({"queries": [], "documents": ["a"]}, "queries", "queries is empty"),
+    ({"text_1": ["a", "b"], "documents": ["x", "y", "z"]}, "documents", "text_1 has 2 texts and documents 3"),
+    ({"queries": "q"}, "documents", "give text_1 and text_2"),
+])
+def test_score_errors_name_the_fields_the_request_used(embed_server, body, param, words):
+    """serving_score.py (h61's fuzzer): a body of queries / documents was answered "text_2 is
+    empty" with param text_2."""
+    r = embed_server.post("/v1/score", {"model": NAME, **body})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -214,3 +214,19 @@ def test_reasoning_then_structured_output(served, model_dir):
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.reasoning_content is None
     assert json.loads(r.choices[0].message.content) in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+def test_tokenize_counts_the_tools_the_template_shows(served):
+    """serving_tokenization.py (h61's fuzzer): /tokenize took `tools` as an unknown field and left
+    them out, so its count was not the chat prompt's; malformed tools are a 400 as on chat."""
+    parser, server = served
+    if parser != "hermes":
+        pytest.skip("one server is enough")
+    chat = server.client().chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, max_tokens=1,
+                                                   extra_body=NO_THINKING)
+    r = server.post("/tokenize", {"model": "tiny", "messages": [USER], "tools": TOOLS, **NO_THINKING})
+    assert r.status_code == 200 and r.json()["count"] == chat.usage.prompt_tokens, r.text
+    without = server.post("/tokenize", {"model": "tiny", "messages": [USER], **NO_THINKING}).json()["count"]
+    assert without < chat.usage.prompt_tokens
+    r = server.post("/tokenize", {"model": "tiny", "messages": [USER], "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

@@ -5,8 +5,10 @@ and turn it into OpenAI tool calls. One `parse` serves the whole output and ever
             start_index -> 5; parse(text[5:], final) -> [ToolCall("f", '{"x": 1}')]
 
 `parse(final=False)` returns only the calls that are complete so far (the stream emits each when
-it is); `parse(final=True)` raises ToolParseError when the text is not valid tool calls, and the
-whole output is then returned as content (as vLLM does).
+it is); `parse(final=True)` raises ToolParseError when the text is not valid tool calls. The error
+carries the complete, valid calls before the text that broke (`calls`): a stream has sent those
+already, so the whole answer keeps them too (the two agree); with none, the whole output is content
+(as vLLM does).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any, ClassVar
 
 
 class ToolParseError(ValueError):
-    pass
+    def __init__(self, message: str, calls: list[ToolCall] | None = None) -> None:
+        super().__init__(message)
+        self.calls: list[ToolCall] = list(calls or [])  # the valid calls before the break
 
 
 @dataclass
@@ -28,17 +32,37 @@ class ToolCall:
 
     @staticmethod
     def from_obj(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise ToolParseError(f"a tool call must be an object with a string 'name', got {obj!r}.")
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            raise ToolParseError(f"a tool call must be an object with a non-empty string 'name', got {obj!r:.200}.")
         args = next((obj[k] for k in args_keys if k in obj), {})
         if isinstance(args, str):  # some models write arguments as a JSON string
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise ToolParseError(f"tool call {obj['name']!r} has arguments that are not JSON.") from None
         if not isinstance(args, dict):
             raise ToolParseError(f"tool call {obj['name']!r} has arguments that are not an object.")
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return ToolCall(obj["name"], arguments_json(obj["name"], args))
+
+
+def arguments_json(name: str, args: dict[Any, Any]) -> str:
+    """A call's arguments as strict JSON text. Python's json reads NaN / Infinity and a pythonic call
+    may hold bytes, sets or complex numbers: JSON has no spelling for those, so they are no call."""
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ToolParseError(f"tool call {name!r} has arguments JSON cannot hold: {e}") from None
+
+
+def calls_from_objs(objs: list[Any]) -> list[ToolCall]:
+    """Decoded values -> calls; the first that is no call raises, carrying the calls before it."""
+    calls: list[ToolCall] = []
+    for obj in objs:
+        try:
+            calls.append(ToolCall.from_obj(obj))
+        except ToolParseError as e:
+            raise ToolParseError(str(e), calls) from None
+    return calls
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -61,11 +85,21 @@ def decode_json_values(text: str, final: bool, separators: str = " \t\n\r,;") ->
             return values, ""
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than json goes
             if final:
-                raise ToolParseError(f"tool call text is not valid JSON: {e}") from None
+                raise ToolParseError(f"tool call text is not valid JSON: {type(e).__name__}: {e}") from None
             return values, text[i:]
         values.append(value)
+
+
+def calls_from_json_values(text: str, final: bool) -> list[ToolCall]:
+    """'{..}; {..}' -> the complete calls in it. Final: text that is not calls raises, carrying
+    the calls before it (a stream sent them as they completed)."""
+    values, rest = decode_json_values(text, final=False)
+    calls = calls_from_objs(values)
+    if final and rest:
+        raise ToolParseError(f"tool call text is not valid JSON after {len(calls)} calls: {rest[:50]!r}.", calls)
+    return calls
 
 
 class ToolParser:

@@ -20,10 +20,12 @@ class Hermes2ProToolParser(MarkerToolParser):
             tail = tool_text[tool_text.rfind("</tool_call>") + len("</tool_call>"):] if bodies else tool_text
             if tail.strip().startswith("<tool_call>"):
                 bodies.append(tail.strip()[len("<tool_call>"):])  # a last block the model did not close
-        calls = []
+        calls: list[ToolCall] = []
         for body in bodies:
             try:
                 calls.append(ToolCall.from_obj(json.loads(body)))
-            except json.JSONDecodeError as e:
-                raise ToolParseError(f"a <tool_call> block is not valid JSON: {e}") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ToolParseError(f"a <tool_call> block is not valid JSON: {type(e).__name__}: {e}", calls) from None
+            except ToolParseError as e:
+                raise ToolParseError(str(e), calls) from None
         return calls

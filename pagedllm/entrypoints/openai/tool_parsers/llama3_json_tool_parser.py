@@ -6,7 +6,7 @@ from __future__ import annotations
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     LeadingToolParser,
     ToolCall,
-    decode_json_values,
+    calls_from_json_values,
 )
 
 PYTHON_TAG = "<|python_tag|>"
@@ -21,5 +21,4 @@ class Llama3JsonToolParser(LeadingToolParser):
         text = tool_text.lstrip()
         if text.startswith(PYTHON_TAG):
             text = text[len(PYTHON_TAG):]
-        values, _ = decode_json_values(text, final)
-        return [ToolCall.from_obj(v) for v in values]
+        return calls_from_json_values(text, final)

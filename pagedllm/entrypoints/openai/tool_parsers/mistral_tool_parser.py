@@ -11,7 +11,7 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     MarkerToolParser,
     ToolCall,
     ToolParseError,
-    decode_json_values,
+    calls_from_json_values,
 )
 
 _ALNUM = string.ascii_letters + string.digits
@@ -31,22 +31,20 @@ class MistralToolParser(MarkerToolParser):
             if final:
                 raise ToolParseError("[TOOL_CALLS] is followed by nothing.")
             return []
-        if text[0] == "[":
-            # Elements of the array as they complete: decode inside the brackets.
-            inner = text[1:]
-            end = _array_end(text)
-            if end is None and final:
-                raise ToolParseError("the [TOOL_CALLS] array is not closed.")
-            values, _ = decode_json_values(inner if end is None else text[1:end], final and end is not None)
-        else:
-            values, _ = decode_json_values(text, final)
-        return [ToolCall.from_obj(v) for v in values]
+        if text[0] != "[":
+            return calls_from_json_values(text, final)
+        # Elements of the array as they complete: decode inside the brackets.
+        end = _array_end(text)
+        calls = calls_from_json_values(text[1:] if end is None else text[1:end], final)
+        if final and end is None:
+            raise ToolParseError("the [TOOL_CALLS] array is not closed.", calls)
+        return calls
 
 
 def _array_end(text: str) -> int | None:
-    """Index of the ']' that closes the array opened at text[0], or None (not closed yet)."""
+    """Index of the ']' that closes the array opened at text[0], or None (not closed yet, or no JSON)."""
     try:
         value, end = json.JSONDecoder().raw_decode(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     return end - 1 if isinstance(value, list) else None
