@@ -21,7 +21,10 @@ Either way only one thread ever touches the EngineCore, which stays pure and sin
 
 Failures come back through two callbacks, called on the client's threads: `on_failed` with the
 requests the core refused ({core request id: error}; the engine lives on) and `on_dead` with the
-exception that ended the engine.
+exception that ended the engine. A message that cannot cross the process boundary (a command the
+sender cannot encode, a reply the receiver cannot decode) fails the requests it concerns through
+`on_failed` and the thread goes on with the next one (engine/bad_messages.py): one bad message never
+stops the threads every request's messages go through.
 """
 
 from __future__ import annotations
@@ -32,15 +35,17 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
 import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
+from pagedllm.engine.bad_messages import salvage_reply, unencodable_path
 from pagedllm.engine.core_loop import EngineCoreLoop
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
 from pagedllm.engine.engine_core import EngineCore, unfreeze_gc_heap
 from pagedllm.engine.messages import (
+    AddRequests,
     EngineCoreCommand,
     EngineCoreReply,
     EngineDead,
@@ -51,6 +56,8 @@ from pagedllm.engine.messages import (
     ResetPrefixCache,
     Shutdown,
     StepOutputs,
+    encode,
+    reply_decoder,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,7 +168,7 @@ class EngineCoreClient(ABC):
             case PrefixCacheReset(call_id=call_id, ok=ok):
                 fut = self._calls.pop(call_id, None)
                 if fut is not None:
-                    fut.set_result(ok)
+                    _settle(fut, ok)
             case EngineDead(error=error):
                 self._report_dead(error.to_exception())
                 return False
@@ -171,9 +178,42 @@ class EngineCoreClient(ABC):
 
     def _report_dead(self, error: BaseException) -> None:
         for fut in self._calls.values():
-            fut.set_exception(error)
+            _settle(fut, error=error)
         self._calls.clear()
         self._on_dead(error)
+
+    def _unsendable(self, command: EngineCoreCommand, error: Exception) -> None:
+        """A command the sender could not encode: what it carried fails, naming the value."""
+        where = unencodable_path(command)
+        detail = f"{where} cannot be encoded" if where is not None else f"{type(error).__name__}: {error}"
+        match command:
+            case AddRequests(requests=requests):
+                ids = [r.request_id for r in requests]
+                logger.error("request(s) %s could not be sent to the engine: %s", ", ".join(map(repr, ids)), detail)
+                why = RuntimeError(f"the request could not be sent to the engine: {detail}")
+                self._on_failed(dict.fromkeys(ids, why))
+            case ResetPrefixCache(call_id=call_id):
+                fut = self._calls.pop(call_id, None)
+                if fut is not None:
+                    _settle(fut, error=RuntimeError(f"reset_prefix_cache could not be sent to the engine: {detail}"))
+            case _:
+                logger.error("a %s command could not be sent to the engine and was dropped: %s",
+                             type(command).__name__, detail)
+
+    def _unreadable(self, frame: bytes, error: Exception) -> EngineCoreReply | None:
+        """A reply the receiver could not decode: what of it can be used (engine/bad_messages.py);
+        the requests it concerned fail (AsyncLLM then aborts them in the engine)."""
+        try:
+            reply, failed = salvage_reply(frame, error)
+        except Exception:  # noqa: BLE001 - then nothing of it is used; the receiver goes on
+            logger.exception("reading what remains of an undecodable reply failed")
+            reply, failed = None, {}
+        logger.error("a reply of %d bytes from the engine could not be decoded (%s: %s); %s", len(frame),
+                     type(error).__name__, error,
+                     f"failing request(s) {', '.join(map(repr, failed))}" if failed else "no request to fail")
+        if failed:
+            self._on_failed({rid: RuntimeError(why) for rid, why in failed.items()})
+        return reply
 
     # -- what each transport implements ------------------------------------------------------------
     @property
@@ -293,15 +333,25 @@ class MPClient(EngineCoreClient):
         self._inputs.put(command)
 
     def _run_sender(self) -> None:
-        """Forward commands to the engine process, in order; ends after sending Shutdown."""
-        try:
-            while True:
-                command = self._inputs.get()
-                self.core.send(command)
-                if isinstance(command, Shutdown):
-                    return
-        except OSError:
-            pass  # the engine process is gone; the receiver reports it
+        """Forward commands to the engine process, in order; ends after sending Shutdown, or when the
+        process is gone (the receiver reports that). A command that cannot be encoded fails what it
+        carried and the next one goes."""
+        while True:
+            command = self._inputs.get()
+            try:
+                frame = encode(command)
+            except Exception as e:  # noqa: BLE001 - this command's problem alone
+                try:
+                    self._unsendable(command, e)
+                except Exception:  # noqa: BLE001 - the thread must live on for the other requests
+                    logger.exception("failing an unsendable %s failed", type(command).__name__)
+                continue
+            try:
+                self.core.send_frame(frame)
+            except OSError:
+                return
+            if isinstance(command, Shutdown):
+                return
 
     def _run_receiver(self) -> None:
         """Route the engine process's replies (StepOutputs MAX_PENDING_BATCHES ahead at most: then
@@ -309,12 +359,18 @@ class MPClient(EngineCoreClient):
         try:
             while True:
                 try:
-                    replies = self.core.recv_many()  # what has arrived: one read (and GIL wait) for all
+                    frames = self.core.recv_frames()  # what has arrived: one read (and GIL wait) for all
                 except (EOFError, OSError):
                     if self._stopping.is_set():
                         return
                     raise RuntimeError(f"the engine process exited (exit code {self.core.process.exitcode})") from None
-                for reply in replies:
+                for frame in frames:
+                    try:
+                        reply = reply_decoder.decode(frame)
+                    except Exception as e:  # noqa: BLE001 - this frame's problem alone
+                        reply = self._unreadable(frame, e)
+                        if reply is None:
+                            continue
                     if isinstance(reply, EngineDead):
                         if not self._stopping.is_set():
                             logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
@@ -333,3 +389,15 @@ class MPClient(EngineCoreClient):
             if t is not None and t.is_alive():
                 t.join(timeout)
         self.core.close(timeout)
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete a utility call's future, unless its caller gave up (asyncio.wrap_future cancels it
+    when the awaiting task is cancelled: a disconnected client). Not an error either way."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass

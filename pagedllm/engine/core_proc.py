@@ -134,7 +134,11 @@ class EngineCoreProc:
                 raise AssertionError(f"unexpected first message from the engine process: {reply!r}")
 
     def send(self, command: EngineCoreCommand) -> None:
-        self._inputs.send_bytes(encode(command))
+        self.send_frame(encode(command))
+
+    def send_frame(self, frame: bytes) -> None:
+        """One encoded command (`encode`); OSError when the engine process is gone."""
+        self._inputs.send_bytes(frame)
 
     def recv(self) -> EngineCoreReply:
         """The next message; EOFError when the engine process is gone. Not after recv_many."""
@@ -144,9 +148,14 @@ class EngineCoreProc:
         """Every message that has arrived, in order, at least one (one read for all of them:
         engine/pipe_frames.py); EOFError when the engine process is gone. The receiver thread's, after
         wait_ready (recv and this one must not be mixed: this one reads ahead)."""
+        return [reply_decoder.decode(frame) for frame in self.recv_frames()]
+
+    def recv_frames(self) -> list[bytes]:
+        """recv_many's frames, not decoded yet (the receiver decodes each on its own: a frame that
+        does not decode costs its requests, not the others)."""
         if self._frames is None:
             self._frames = FrameReader(self._outputs.fileno())
-        return [reply_decoder.decode(frame) for frame in self._frames.read_frames()]
+        return self._frames.read_frames()
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask the process to stop (it finishes its step), then make sure it has."""

@@ -8,7 +8,9 @@
     send(command) ... recv_many     <---> EngineCoreLoop (engine/core_loop.py) until Shutdown
 
 Started by `EngineCoreProc` (with the config) or by the prestart (engine/core_prestart.py: without one;
-it builds its own from the frontend's EngineArgs while the frontend builds the same).
+it builds its own from the frontend's EngineArgs while the frontend builds the same). The loop reads
+and writes the pipes through engine/core_proc_wire.py, where a message that cannot be decoded or
+encoded fails its requests and the loop goes on.
 """
 
 from __future__ import annotations
@@ -25,16 +27,8 @@ from typing import Any
 
 import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
-from pagedllm.engine.messages import (
-    EngineCoreCommand,
-    EngineCoreReply,
-    EngineDead,
-    ErrorInfo,
-    Ready,
-    StartupFailed,
-    command_decoder,
-    encode,
-)
+from pagedllm.engine.core_proc_wire import CommandReader, ReplyWriter
+from pagedllm.engine.messages import EngineDead, ErrorInfo, Ready, StartupFailed
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +91,8 @@ def run_engine_core(config_blob: bytes | None, inputs: Connection, outputs: Conn
         except EOFError:
             return  # the frontend did not need this process (a bad flag, a busy port)
 
-    def emit(reply: EngineCoreReply) -> bool:
-        outputs.send_bytes(encode(reply))
-        return True
-
-    def next_commands(block: bool) -> list[EngineCoreCommand]:
-        # Wait for one while idle, else take what is queued and go on stepping.
-        if not block and not inputs.poll(0):
-            return []
-        batch = [command_decoder.decode(inputs.recv_bytes())]
-        while inputs.poll(0):
-            batch.append(command_decoder.decode(inputs.recv_bytes()))
-        return batch
+    emit = ReplyWriter(outputs)
+    next_commands = CommandReader(inputs, emit)  # both answer a bad message and go on (core_proc_wire.py)
 
     try:
         if early_error is not None:
