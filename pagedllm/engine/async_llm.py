@@ -98,8 +98,10 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(0)
             raise
-        self.output_processor = OutputProcessor(self.tokenizer)  # the event loop's alone
+        # The event loop's alone; a request whose output it cannot process fails alone (take_failed).
+        self.output_processor = OutputProcessor(self.tokenizer, isolate_failures=True)
         self.stat_loggers: list[StatLogger] = []
+        self._failed_stat_loggers: set[int] = set()  # ids of those whose failure was logged
         self.dead_error: EngineDeadError | None = None
         # Set by refuse_new_requests (a draining server): add_request raises it.
         self.refusal: BaseException | None = None
@@ -186,6 +188,9 @@ class AsyncLLM:
                 self.processor.process_request, internal_id, prompt, sampling_params, arrival_time
             )
             self._check_accepting()
+            # Built before anything is registered: a request that cannot be turned into the message
+            # raises here, leaving no state behind.
+            add = AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests])
         except BaseException:
             self._requests.release(request_id)
             raise
@@ -196,7 +201,7 @@ class AsyncLLM:
         # States first: they exist before the engine can produce a token for them.
         for st in prep.states:
             self.output_processor.add_request(st)
-        self.engine_core.send(AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests]))
+        self.engine_core.send(add)
         return RequestOutputStream(live, self._abort_live)
 
     def _check_accepting(self) -> None:
@@ -306,7 +311,7 @@ class AsyncLLM:
             request_outputs, stops, it = process_outputs_with_stats(self.output_processor, outputs, queue_times)
             if stops:
                 self.engine_core.send(StopRequests(stops))
-        except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
+        except BaseException as e:  # noqa: BLE001 - past one request's failure (take_failed): fatal, as a step's
             logger.exception("output processing failed")
             self._on_engine_dead(e)
             return
@@ -316,9 +321,11 @@ class AsyncLLM:
         # Every step's scheduler stats, in order (a KV map may ride on any one of them); the
         # iteration's stats with the last.
         for s in steps[:-1]:
-            for log in self.stat_loggers:
-                log(s.stats, None)
+            self._run_stat_loggers(s.stats, None)
         self._deliver(request_outputs, steps[-1].stats, it)
+        failed = self.output_processor.take_failed()
+        if failed:
+            self._fail_requests(failed)
 
     def _count_aborted(self, core_ids: list[str], arrival_time: float) -> None:
         """The sequences an abort found unfinished finish with reason "abort" in the stats (vLLM's
@@ -329,8 +336,16 @@ class AsyncLLM:
             self._log_stats(IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in core_ids]))
 
     def _log_stats(self, it: IterationStats) -> None:
+        self._run_stat_loggers(None, it)
+
+    def _run_stat_loggers(self, stats: SchedulerStats | None, it: IterationStats | None) -> None:
         for log in self.stat_loggers:
-            log(None, it)
+            try:
+                log(stats, it)
+            except Exception:  # noqa: BLE001 - a metrics bug must not cost the requests their outputs
+                if id(log) not in self._failed_stat_loggers:  # once: it would fail every step
+                    self._failed_stat_loggers.add(id(log))
+                    logger.exception("stat logger %r failed (logged once; it keeps being called)", log)
 
     # -- event-loop side ---------------------------------------------------------------------------
     def _deliver(self, request_outputs: list[RequestOutput], stats: SchedulerStats, it: IterationStats) -> None:
@@ -344,8 +359,7 @@ class AsyncLLM:
             live.collector.put(ro)
             if ro.finished:
                 self._requests.forget(live)
-        for log in self.stat_loggers:
-            log(stats, it)
+        self._run_stat_loggers(stats, it)
 
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """The engine core refused requests (it checks what the frontend cannot): fail their owners."""
