@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pagedllm.engine import core_client
+from pagedllm.engine import mp_client
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
@@ -94,10 +94,10 @@ def test_frames_the_engine_process_cannot_decode_fail_their_request_alone(bound:
             return msgspec.msgpack.encode(raw)
         return encode(command)
 
-    monkeypatch.setattr(core_client, "encode", corrupting_encode)
+    monkeypatch.setattr(mp_client, "encode", corrupting_encode)
     with pytest.raises(RuntimeError, match=r"could not read this request: Expected .*max_tokens"):
         bound.run(tokens(bound.engine, "poison"))
-    monkeypatch.setattr(core_client, "encode", encode)
+    monkeypatch.setattr(mp_client, "encode", encode)
     assert_still_serving(bound, "after-poison")
     # Bytes that are not a message at all, written on the pipe while the engine is idle: logged,
     # nobody to answer.
