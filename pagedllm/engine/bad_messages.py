@@ -22,12 +22,15 @@ A worked example: AddRequests([r("a-0") with sampling_params.seed = 2**70]) cann
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
 
 import msgspec
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.messages import (
+    EngineCoreCommand,
     EngineCoreReply,
     ErrorInfo,
     RequestFailure,
@@ -91,6 +94,45 @@ def _raw(frame: bytes) -> object:
         return None
 
 
+_MESSAGES = {cls.__name__: cls for cls in typing.get_args(EngineCoreCommand) + typing.get_args(EngineCoreReply)}
+_WIRE_PATH = re.compile(r"`\$((?:\[\d+\]|\.\w+)*)`")
+
+
+def named_path(cls: type, wire_path: str) -> str:
+    """msgspec's path into a message (array-like structs are arrays: fields by position) as field
+    names: AddRequests, "[1][0][2].max_tokens" -> "requests[0].sampling_params.max_tokens" (a
+    tagged struct's first element is its tag)."""
+    out, kind, tagged = "", cls, True
+    for index, name in re.findall(r"\[(\d+)\]|\.(\w+)", wire_path):
+        if name:  # a map's key: a dataclass field (SamplingParams) by name
+            hints = typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+            out, kind = f"{out}.{name}", hints.get(name)
+        elif isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            fields = msgspec.structs.fields(kind)
+            i = int(index) - (1 if tagged and kind.__struct_config__.tag else 0)
+            if not 0 <= i < len(fields):
+                return f"{out}[{index}]".lstrip(".")
+            out, kind = f"{out}.{fields[i].name}", fields[i].type
+        else:  # a list's element
+            args = typing.get_args(kind)
+            out, kind = f"{out}[{index}]", args[0] if args else None
+        tagged = False
+    return out.lstrip(".")
+
+
+def _in_field_names(cls: type, error: Exception) -> str:
+    return _WIRE_PATH.sub(lambda mt: named_path(cls, mt.group(1)) or cls.__name__, str(error))
+
+
+def readable_decode_error(frame: bytes, error: Exception) -> str:
+    """A decoder's error with its wire path in field names, where the frame's tag names a message:
+    "Expected `int | null`, got `str` - at `$[1][0][2].max_tokens`" -> "... - at
+    requests[0].sampling_params.max_tokens"."""
+    raw = _raw(frame)
+    cls = _MESSAGES.get(raw[0]) if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+    return str(error) if cls is None else _in_field_names(cls, error)
+
+
 def command_request_ids(frame: bytes) -> list[str]:
     """The ids of the requests an undecodable command frame was adding, where they can be read.
     Messages are tagged arrays: AddRequests([EngineCoreRequest]) is ["AddRequests", [[id, ...], ...]]."""
@@ -142,7 +184,7 @@ def salvage_reply(frame: bytes, error: Exception) -> tuple[EngineCoreReply | Non
     A StepOutputs whose envelope reads keeps its readable outputs (the step's stats and its place in
     the backpressure count stay); each unreadable output fails its request. Otherwise no reply, and
     the requests found in the raw frame (a step's outputs, a RequestsFailed's ids) fail."""
-    why = f"the engine's reply for this request could not be read: {error}"
+    why = "the engine's reply for this request could not be read"
     try:
         step = _lenient_step.decode(frame)
     except (msgspec.DecodeError, NotImplementedError, ValueError, TypeError):
@@ -154,7 +196,7 @@ def salvage_reply(frame: bytes, error: Exception) -> tuple[EngineCoreReply | Non
                 good.append(_output_decoder.decode(raw))
             except (msgspec.DecodeError, NotImplementedError, ValueError, TypeError) as e:
                 try:
-                    failed[_output_id_decoder.decode(raw).request_id] = f"{why} ({e})"
+                    failed[_output_id_decoder.decode(raw).request_id] = f"{why}: {_in_field_names(EngineCoreOutput, e)}"
                 except msgspec.DecodeError:
                     pass  # not even an id: nobody to tell
         return StepOutputs(good, step.stats, step.queue_times, step.num_steps), failed
@@ -165,4 +207,4 @@ def salvage_reply(frame: bytes, error: Exception) -> tuple[EngineCoreReply | Non
             ids = [o["request_id"] for o in raw[1] if isinstance(o, dict) and isinstance(o.get("request_id"), str)]
         elif raw[0] == "RequestsFailed":
             ids = [f[0] for f in raw[1] if isinstance(f, list) and f and isinstance(f[0], str)]
-    return None, dict.fromkeys(ids, why)
+    return None, dict.fromkeys(ids, f"{why}: {readable_decode_error(frame, error)}")

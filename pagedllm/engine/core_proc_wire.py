@@ -17,7 +17,12 @@ import logging
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from pagedllm.engine.bad_messages import ENCODE_ERRORS, command_request_ids, split_step_outputs
+from pagedllm.engine.bad_messages import (
+    ENCODE_ERRORS,
+    command_request_ids,
+    readable_decode_error,
+    split_step_outputs,
+)
 from pagedllm.engine.messages import (
     EngineCoreCommand,
     EngineCoreReply,
@@ -81,9 +86,10 @@ class CommandReader:
 
     def _refuse(self, frame: bytes, error: Exception) -> None:
         ids = command_request_ids(frame)
+        error_text = readable_decode_error(frame, error)
         logger.error("engine process: a command of %d bytes could not be decoded (%s: %s); %s", len(frame),
-                     type(error).__name__, error,
+                     type(error).__name__, error_text,
                      f"failing its requests {', '.join(ids)}" if ids else "no request to answer, ignored")
         if ids:
-            why = ErrorInfo.from_exception(RuntimeError(f"the engine could not read this request: {error}"))
+            why = ErrorInfo.from_exception(RuntimeError(f"the engine could not read this request: {error_text}"))
             self._emit(RequestsFailed([RequestFailure(rid, why) for rid in ids]))

@@ -15,6 +15,7 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine import messages as m
 from pagedllm.engine.bad_messages import (
     command_request_ids,
+    readable_decode_error,
     salvage_reply,
     split_step_outputs,
     unencodable_path,
@@ -56,6 +57,16 @@ def test_the_request_ids_of_an_undecodable_command():
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):
         m.command_decoder.decode(frame)
     assert command_request_ids(frame) == ["a-0"]
+    with pytest.raises(msgspec.ValidationError) as e:
+        m.command_decoder.decode(frame)
+    assert readable_decode_error(frame, e.value) == (
+        "Expected `int | null`, got `str` - at requests[0].sampling_params.max_tokens")
+    raw[1][0][1] = [5, "six"]
+    frame = msgspec.msgpack.encode(raw)
+    with pytest.raises(msgspec.ValidationError) as e:
+        m.command_decoder.decode(frame)
+    assert readable_decode_error(frame, e.value).endswith("at requests[0].prompt_token_ids[1]")
+    assert readable_decode_error(b"\xc1", e.value) == str(e.value)  # no command tag: msgspec's words
     assert command_request_ids(b"\xc1 not msgpack") == []
     assert command_request_ids(msgspec.msgpack.encode(["AbortRequests", [1]])) == []
 
@@ -84,10 +95,12 @@ def test_an_undecodable_reply_keeps_its_readable_outputs():
         m.reply_decoder.decode(frame)
     reply, failed = salvage_reply(frame, e.value)
     assert reply == m.StepOutputs([_out("a", 3)], STATS, [], 2)
-    assert list(failed) == ["b"] and "could not be read" in failed["b"]
+    assert failed == {"b": "the engine's reply for this request could not be read: Expected `int`, got `str` - at "
+                           "new_token_ids[0]"}
     raw[3] = {"not": "stats"}  # the envelope too: no step, its requests still fail
     reply, failed = salvage_reply(msgspec.msgpack.encode(raw), e.value)
     assert reply is None and list(failed) == ["a", "b"]
+    assert failed["a"].endswith("- at outputs[1].new_token_ids[0]")  # the error the caller met, in names
     assert salvage_reply(b"\xc1", e.value) == (None, {})
 
 
