@@ -17,7 +17,7 @@ PACKAGE = Path(pagedllm.__file__).parent
 ENVS = PACKAGE / "envs.py"
 # The engine process takes the frontend's whole environment before any pagedllm module reads it:
 # a hand-over, not a read of a variable.
-HANDOVER = {("engine/core_proc.py", "clear"), ("engine/core_proc.py", "update"), ("engine/core_proc.py", "dict"),
+HANDOVER = {("engine/core_proc_main.py", "clear"), ("engine/core_proc_main.py", "update"), ("engine/core_proc.py", "dict"),
             ("executor/multiproc.py", "dict"),  # the rank processes get this process's environment
             ("structured_output/backend_process.py", "dict")}  # so does the grammar worker process
 

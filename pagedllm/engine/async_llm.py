@@ -13,9 +13,10 @@ The event loop does the frontend's work; the step loop runs elsewhere and never 
     abort (disconnect): forget now ---------------- AbortRequests --> applied before the next step
 
 The engine side (`EngineCoreClient`) runs the EngineCore in a process of its own (engine/core_proc.py;
-the default) or in a thread of this one. The loop alone touches the OutputProcessor and the mailboxes. Every request gets an internal id (`"{request_id}-{seq}"`), so a
-caller may reuse a request id the moment its previous request ended, without outputs of the old one
-still in flight reaching the new one.
+the default) or in a thread of this one. The loop alone touches the OutputProcessor, the mailboxes
+and the table of unfinished requests (engine/live_requests.py: every request gets an internal id,
+`"{request_id}-{seq}"`, so a caller may reuse a request id the moment its previous request ended,
+without outputs of the old one still in flight reaching the new one).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.iteration_stats import process_outputs_with_stats
+from pagedllm.engine.live_requests import LiveRequests
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.messages import AbortRequests, AddRequests, EngineCoreRequest, StepOutputs, StopRequests
-from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.output_pump import OutputPump
 from pagedllm.engine.output_stream import LiveRequest, RequestOutputCollector, RequestOutputStream
 from pagedllm.engine.processor import Processor, PromptType
@@ -95,16 +98,15 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(0)
             raise
-        self.output_processor = OutputProcessor(self.tokenizer)  # the event loop's alone
+        # The event loop's alone; a request whose output it cannot process fails alone (take_failed).
+        self.output_processor = OutputProcessor(self.tokenizer, isolate_failures=True)
         self.stat_loggers: list[StatLogger] = []
+        self._failed_stat_loggers: set[int] = set()  # ids of those whose failure was logged
         self.dead_error: EngineDeadError | None = None
         # Set by refuse_new_requests (a draining server): add_request raises it.
         self.refusal: BaseException | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
-        # Event-loop state: internal id -> request; caller's id -> internal id; core id -> internal id.
-        self._live: dict[str, LiveRequest] = {}
-        self._ids_in_use: dict[str, str | None] = {}
-        self._core_owner: dict[str, str] = {}
+        self._requests = LiveRequests()  # the event loop's
         self._seq = itertools.count()
         self._started = False
         # Tokenization and chat-template rendering run here, never on the event loop.
@@ -137,7 +139,7 @@ class AsyncLLM:
         return self.tokenizer
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._live)
+        return len(self._requests)
 
     def request_overview(self, limit: int = 50) -> list[dict[str, Any]]:
         """The unfinished sequences (at most `limit`, oldest first) with their token counts, for the
@@ -178,9 +180,7 @@ class AsyncLLM:
         of outputs. The caller must iterate it to the end or abort it."""
         self._check_accepting()
         self._ensure_started()
-        if request_id in self._ids_in_use:
-            raise ValueError(f"request id {request_id!r} is already in use.")
-        self._ids_in_use[request_id] = None  # reserved while the pool tokenizes
+        self._requests.reserve(request_id)  # while the pool tokenizes
         try:
             internal_id = f"{request_id}-{next(self._seq)}"
             arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -188,20 +188,20 @@ class AsyncLLM:
                 self.processor.process_request, internal_id, prompt, sampling_params, arrival_time
             )
             self._check_accepting()
+            # Built before anything is registered: a request that cannot be turned into the message
+            # raises here, leaving no state behind.
+            add = AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests])
         except BaseException:
-            self._ids_in_use.pop(request_id, None)
+            self._requests.release(request_id)
             raise
         core_ids = [r.request_id for r in prep.requests]
         live = LiveRequest(request_id, internal_id, core_ids, RequestOutputCollector(prep.output_kind))
         live.arrival_time = arrival_time
-        self._live[internal_id] = live
-        self._ids_in_use[request_id] = internal_id
-        for cid in core_ids:
-            self._core_owner[cid] = internal_id
+        self._requests.register(live)
         # States first: they exist before the engine can produce a token for them.
         for st in prep.states:
             self.output_processor.add_request(st)
-        self.engine_core.send(AddRequests([EngineCoreRequest.from_request(r) for r in prep.requests]))
+        self.engine_core.send(add)
         return RequestOutputStream(live, self._abort_live)
 
     def _check_accepting(self) -> None:
@@ -233,30 +233,22 @@ class AsyncLLM:
         """Forget the requests (callers' ids) here and tell the engine thread; their blocks are
         freed before the next step. Must be called on the event loop's thread."""
         for rid in request_ids:
-            internal_id = self._ids_in_use.get(rid)
-            live = self._live.get(internal_id) if internal_id is not None else None
+            live = self._requests.by_request_id(rid)
             if live is not None:
                 self._abort_live(live)
 
     def _abort_live(self, live: LiveRequest) -> None:
-        if self._live.get(live.internal_id) is not live:
+        if not self._requests.is_live(live):
             return  # finished or aborted already
-        self._forget(live)
+        self._requests.forget(live)
         if self.dead_error is None:
             self._count_aborted(self.output_processor.abort_requests([live.internal_id]), live.arrival_time)
             self.engine_core.send(AbortRequests(live.core_ids))
 
-    def _forget(self, live: LiveRequest) -> None:
-        del self._live[live.internal_id]
-        if self._ids_in_use.get(live.request_id) == live.internal_id:
-            del self._ids_in_use[live.request_id]
-        for cid in live.core_ids:
-            self._core_owner.pop(cid, None)
-
     def fail_all_requests(self, error: BaseException) -> int:
         """End every live request with `error` (their consumers raise it) and free their blocks.
         Returns how many there were. Used when a draining server runs out of time."""
-        lives = list(self._live.values())
+        lives = list(self._requests)
         for live in lives:
             live.collector.put(error)
             self._abort_live(live)
@@ -316,8 +308,10 @@ class AsyncLLM:
         outputs = [o for s in steps for o in s.outputs]
         queue_times = [t for s in steps for t in s.queue_times]
         try:
-            request_outputs, it = self._process_outputs(outputs, queue_times)
-        except BaseException as e:  # noqa: BLE001 - a broken detokenizer is as fatal as a broken step
+            request_outputs, stops, it = process_outputs_with_stats(self.output_processor, outputs, queue_times)
+            if stops:
+                self.engine_core.send(StopRequests(stops))
+        except BaseException as e:  # noqa: BLE001 - past one request's failure (take_failed): fatal, as a step's
             logger.exception("output processing failed")
             self._on_engine_dead(e)
             return
@@ -327,9 +321,11 @@ class AsyncLLM:
         # Every step's scheduler stats, in order (a KV map may ride on any one of them); the
         # iteration's stats with the last.
         for s in steps[:-1]:
-            for log in self.stat_loggers:
-                log(s.stats, None)
+            self._run_stat_loggers(s.stats, None)
         self._deliver(request_outputs, steps[-1].stats, it)
+        failed = self.output_processor.take_failed()
+        if failed:
+            self._fail_requests(failed)
 
     def _count_aborted(self, core_ids: list[str], arrival_time: float) -> None:
         """The sequences an abort found unfinished finish with reason "abort" in the stats (vLLM's
@@ -340,64 +336,35 @@ class AsyncLLM:
             self._log_stats(IterationStats(finished_requests=[FinishedRequestStats("abort", e2e, 0) for _ in core_ids]))
 
     def _log_stats(self, it: IterationStats) -> None:
-        for log in self.stat_loggers:
-            log(None, it)
+        self._run_stat_loggers(None, it)
 
-    def _process_outputs(
-        self, outputs: list[Any], queue_times: list[float]
-    ) -> tuple[list[RequestOutput], IterationStats]:
-        now = time.time()
-        it = IterationStats(queue_times=queue_times)
-        op = self.output_processor
-        touched: dict[str, RequestState] = {}
-        with_tokens: set[str] = set()  # requests whose earlier output in `outputs` carried tokens
-        for o in outputs:
-            st = op.request_states.get(o.request_id)
-            if st is None:
-                continue  # aborted, or stopped by a stop string while this step ran
-            touched.setdefault(o.request_id, st)
-            n = len(o.new_token_ids)
-            if not n:
-                continue
-            it.num_generation_tokens += n
-            if o.request_id in with_tokens:  # a later step of merged ones: here at the same instant
-                it.inter_token_latencies.append(0.0)
-            elif st.metrics.first_token_time is None:
-                it.time_to_first_tokens.append(now - st.metrics.arrival_time)
-                if st.index == 0:  # once per prompt, not per choice
-                    it.num_prompt_tokens += len(st.prompt_token_ids)
-            elif st.metrics.last_token_time is not None:
-                it.inter_token_latencies.append(now - st.metrics.last_token_time)
-            with_tokens.add(o.request_id)
-        request_outputs, stops = op.process_outputs(outputs)
-        if stops:
-            self.engine_core.send(StopRequests(stops))
-        for st in touched.values():
-            if st.finish_reason is not None:
-                it.finished_requests.append(
-                    FinishedRequestStats.from_state(st, now)
-                )
-        return request_outputs, it
+    def _run_stat_loggers(self, stats: SchedulerStats | None, it: IterationStats | None) -> None:
+        for log in self.stat_loggers:
+            try:
+                log(stats, it)
+            except Exception:  # noqa: BLE001 - a metrics bug must not cost the requests their outputs
+                if id(log) not in self._failed_stat_loggers:  # once: it would fail every step
+                    self._failed_stat_loggers.add(id(log))
+                    logger.exception("stat logger %r failed (logged once; it keeps being called)", log)
 
     # -- event-loop side ---------------------------------------------------------------------------
     def _deliver(self, request_outputs: list[RequestOutput], stats: SchedulerStats, it: IterationStats) -> None:
         if self.dead_error is not None:
             return
         for ro in request_outputs:
-            live = self._live.get(ro.request_id)
+            live = self._requests.get(ro.request_id)
             if live is None:
                 continue  # aborted after this step's outputs were built
             ro.request_id = live.request_id
             live.collector.put(ro)
             if ro.finished:
-                self._forget(live)
-        for log in self.stat_loggers:
-            log(stats, it)
+                self._requests.forget(live)
+        self._run_stat_loggers(stats, it)
 
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """The engine core refused requests (it checks what the frontend cannot): fail their owners."""
         for core_id, err in failed.items():
-            live = self._live.get(self._core_owner.get(core_id, ""))
+            live = self._requests.owner_of(core_id)
             if live is not None:
                 live.collector.put(err)
                 self._abort_live(live)
@@ -409,11 +376,9 @@ class AsyncLLM:
         self.dead_error.__cause__ = exc
         self.engine_core.stop()
         self._outq.close()
-        for live in self._live.values():
+        for live in self._requests:
             live.collector.put(self.dead_error)
-        self._live.clear()
-        self._ids_in_use.clear()
-        self._core_owner.clear()
+        self._requests.clear()
         for cb in self._dead_callbacks:
             try:
                 cb(self.dead_error)

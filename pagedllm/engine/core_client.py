@@ -11,7 +11,8 @@
       (batch_done() when consumed)          MAX_PENDING_BATCHES ahead of the loop
 
 Both clients speak the same typed messages (engine/messages.py) and hand every reply to
-`_handle_reply`; only the transport differs. `EngineCoreClient.make_client` picks one.
+`_handle_reply`; only the transport differs. `EngineCoreClient.make_client` picks one. InprocClient
+is here, MPClient in engine/mp_client.py.
 
 Where the core runs: vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, here PAGEDLLM_ENABLE_MULTIPROCESSING: "1"
 (the default) its own process, "0" a thread of this one. In one process the step loop and the event
@@ -21,7 +22,10 @@ Either way only one thread ever touches the EngineCore, which stays pure and sin
 
 Failures come back through two callbacks, called on the client's threads: `on_failed` with the
 requests the core refused ({core request id: error}; the engine lives on) and `on_dead` with the
-exception that ended the engine.
+exception that ended the engine. A message that cannot cross the process boundary (a command the
+sender cannot encode, a reply the receiver cannot decode) fails the requests it concerns through
+`on_failed` and the thread goes on with the next one (engine/mp_client.py, engine/bad_messages.py):
+one bad message never stops the threads every request's messages go through.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
 import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_loop import EngineCoreLoop
-from pagedllm.engine.core_proc import EngineCoreProc, multiprocessing_available
+from pagedllm.engine.core_proc import multiprocessing_available
 from pagedllm.engine.engine_core import EngineCore, unfreeze_gc_heap
 from pagedllm.engine.messages import (
     EngineCoreCommand,
@@ -87,8 +91,11 @@ class EngineCoreClient(ABC):
         on_failed: FailedCallback,
         on_dead: Callable[[BaseException], None],
     ) -> EngineCoreClient:
-        cls = MPClient if _use_engine_process(config) else InprocClient
-        return cls(config, outq, on_failed, on_dead)
+        if not _use_engine_process(config):
+            return InprocClient(config, outq, on_failed, on_dead)
+        from pagedllm.engine.mp_client import MPClient  # here: mp_client imports this module
+
+        return MPClient(config, outq, on_failed, on_dead)
 
     def __init__(self, config: EngineConfig, outq: OutputSink,
                  on_failed: FailedCallback,
@@ -161,7 +168,7 @@ class EngineCoreClient(ABC):
             case PrefixCacheReset(call_id=call_id, ok=ok):
                 fut = self._calls.pop(call_id, None)
                 if fut is not None:
-                    fut.set_result(ok)
+                    _settle(fut, ok)
             case EngineDead(error=error):
                 self._report_dead(error.to_exception())
                 return False
@@ -171,7 +178,7 @@ class EngineCoreClient(ABC):
 
     def _report_dead(self, error: BaseException) -> None:
         for fut in self._calls.values():
-            fut.set_exception(error)
+            _settle(fut, error=error)
         self._calls.clear()
         self._on_dead(error)
 
@@ -255,81 +262,22 @@ class InprocClient(EngineCoreClient):
         unfreeze_gc_heap()  # the in-process engine was frozen at start; let it be collected
 
 
-class MPClient(EngineCoreClient):
-    """The EngineCore in its own process (engine/core_proc.py): msgpack frames both ways."""
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete a utility call's future, unless its caller gave up (asyncio.wrap_future cancels it
+    when the awaiting task is cancelled: a disconnected client). Not an error either way."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
-    in_process = False
 
-    def __init__(self, config: EngineConfig, outq: OutputSink,
-                 on_failed: FailedCallback,
-                 on_dead: Callable[[BaseException], None]) -> None:
-        super().__init__(config, outq, on_failed, on_dead)
-        # Started first by AsyncLLM, so the model loads there while the tokenizer loads here.
-        self.core = EngineCoreProc.start(config, self._fail_at)  # the prestarted process, if it fits
-        self._inputs: queue.SimpleQueue[EngineCoreCommand] = queue.SimpleQueue()
-        self._sender_thread: threading.Thread | None = None
-        self._receiver_thread: threading.Thread | None = None
+def __getattr__(name: str) -> Any:
+    """`from pagedllm.engine.core_client import MPClient`, its import path before engine/mp_client.py."""
+    if name == "MPClient":
+        from pagedllm.engine.mp_client import MPClient
 
-    @property
-    def num_gpu_blocks(self) -> int | None:
-        return self.core.num_gpu_blocks
-
-    def wait_ready(self) -> None:
-        self.core.wait_ready()
-
-    def start(self) -> None:
-        if self._receiver_thread is not None:
-            return
-        self._sender_thread = threading.Thread(target=self._run_sender, name="pagedllm-core-sender", daemon=True)
-        self._sender_thread.start()
-        self._receiver_thread = threading.Thread(target=self._run_receiver, name="pagedllm-core-receiver",
-                                                 daemon=True)
-        self._receiver_thread.start()
-
-    def is_alive(self) -> bool:
-        return self._receiver_thread is not None and self._receiver_thread.is_alive()
-
-    def send(self, command: EngineCoreCommand) -> None:
-        self._inputs.put(command)
-
-    def _run_sender(self) -> None:
-        """Forward commands to the engine process, in order; ends after sending Shutdown."""
-        try:
-            while True:
-                command = self._inputs.get()
-                self.core.send(command)
-                if isinstance(command, Shutdown):
-                    return
-        except OSError:
-            pass  # the engine process is gone; the receiver reports it
-
-    def _run_receiver(self) -> None:
-        """Route the engine process's replies (StepOutputs MAX_PENDING_BATCHES ahead at most: then
-        the engine process blocks on its pipe) and report its death."""
-        try:
-            while True:
-                try:
-                    replies = self.core.recv_many()  # what has arrived: one read (and GIL wait) for all
-                except (EOFError, OSError):
-                    if self._stopping.is_set():
-                        return
-                    raise RuntimeError(f"the engine process exited (exit code {self.core.process.exitcode})") from None
-                for reply in replies:
-                    if isinstance(reply, EngineDead):
-                        if not self._stopping.is_set():
-                            logger.error("engine process died: %s: %s", reply.error.type_name, reply.error.message)
-                            self._report_dead(reply.error.to_exception())
-                        return
-                    if not self._handle_reply(reply):
-                        return
-        except BaseException as e:  # noqa: BLE001 - anything that ends the engine ends the server
-            if not self._stopping.is_set():
-                logger.error("engine process died: %s: %s", type(e).__name__, e)
-                self._report_dead(e)
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self.stop()
-        for t in (self._sender_thread, self._receiver_thread):
-            if t is not None and t.is_alive():
-                t.join(timeout)
-        self.core.close(timeout)
+        return MPClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

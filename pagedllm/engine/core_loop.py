@@ -81,14 +81,14 @@ class EngineCoreLoop:
             match cmd:
                 case AddRequests(requests=requests):
                     for r in requests:
-                        req = r.to_request()
-                        try:
+                        try:  # a request the core cannot take fails alone; the loop serves the rest
+                            req = r.to_request()
                             core.add_request(req)
                             self.unscheduled[req.request_id] = req
                         except Exception as e:  # noqa: BLE001 - reported to the request's owner
                             if not isinstance(e, ValueError):
-                                logger.exception("engine core refused request %s", req.request_id)
-                            failures.append(RequestFailure(req.request_id, ErrorInfo.from_exception(e)))
+                                logger.exception("engine core refused request %s", r.request_id)
+                            failures.append(RequestFailure(r.request_id, ErrorInfo.from_exception(e)))
                 case AbortRequests(request_ids=ids):
                     core.abort_requests(ids)
                 case StopRequests(stops=stops):

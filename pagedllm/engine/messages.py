@@ -66,7 +66,9 @@ class ErrorInfo(msgspec.Struct, array_like=True):
 
     @classmethod
     def from_exception(cls, e: BaseException) -> ErrorInfo:
-        return cls(type(e).__name__, str(e))
+        # A message may quote a client's text, and JSON's "\ud800" is a lone surrogate UTF-8 cannot
+        # carry: escaped, so the error itself always encodes.
+        return cls(type(e).__name__, str(e).encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def to_exception(self) -> BaseException:
         cls = _REBUILT_ERRORS.get(self.type_name)

@@ -2,10 +2,16 @@
 
 Shared by LLMEngine and AsyncLLM. Requests with n > 1 run as n child requests in the core
 (`"{index}_{parent_id}"`); a ParentRequest gathers them back into one RequestOutput.
+
+With `isolate_failures` (AsyncLLM: one processor serves every stream) a request whose output cannot
+be processed (its detokenizer raises on a token, say) is dropped and kept in `take_failed()` for the
+caller to fail; the other requests of the batch get their outputs. Without it (LLMEngine) the
+exception propagates to the caller of `step()`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +21,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ParentRequest:
@@ -128,10 +135,26 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, isolate_failures: bool = False) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.isolate_failures = isolate_failures
+        self._failed: dict[str, BaseException] = {}  # core id -> why its output could not be processed
+
+    def take_failed(self) -> dict[str, BaseException]:
+        """The requests dropped since the last call ({core id: error}; with isolate_failures only)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _drop_failed(self, request_id: str, error: Exception) -> None:
+        if not self.isolate_failures:
+            raise error
+        logger.exception("processing the output of request %s failed; it fails alone", request_id)
+        self.request_states.pop(request_id, None)
+        why = RuntimeError(f"this request's output could not be processed: {type(error).__name__}: {error}")
+        why.__cause__ = error
+        self._failed[request_id] = why
 
     def add_request(self, state: RequestState) -> None:
         self.request_states[state.request_id] = state
@@ -167,15 +190,24 @@ class OutputProcessor:
             st = states.get(out.request_id)
             if st is None:
                 continue  # aborted by the frontend while the step ran, or finished in an earlier step
-            stop_str = st.add(out)
+            try:
+                stop_str = st.add(out)
+            except Exception as e:  # noqa: BLE001 - this request's alone (or re-raised: _drop_failed)
+                self._drop_failed(out.request_id, e)
+                touched.pop(out.request_id, None)
+                continue
             if stop_str is not None and not out.finished:
                 stops[out.request_id] = stop_str
             if st.finish_reason is not None:
                 del states[out.request_id]
             touched[out.request_id] = st
         results: list[RequestOutput] = []
-        for st in touched.values():
-            ro = self._make_output(st, st.finish_reason is not None)
+        for rid, st in touched.items():
+            try:
+                ro = self._make_output(st, st.finish_reason is not None)
+            except Exception as e:  # noqa: BLE001 - as above
+                self._drop_failed(rid, e)
+                continue
             if ro is not None:
                 results.append(ro)
         return results, stops

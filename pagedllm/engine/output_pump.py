@@ -16,17 +16,20 @@ when it does not (at most MAX_PENDING_BATCHES, the engine's backpressure): the h
 one output per request for all of them, so each stream writes once for several tokens, and the
 frontend's cost per token falls exactly when it is the bottleneck (BENCHMARKS.md, issue 16, h39).
 
-`put` is safe from any thread and wakes the loop once per batch of items, not once per item.
+`put` is safe from any thread and wakes the loop once per batch of items, not once per item. A
+handler that raises loses that batch (logged), never the pump: the batches after it are delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+logger = logging.getLogger(__name__)
 
 class OutputPump:
     def __init__(self, handle: Callable[[list[Any]], None]) -> None:
@@ -73,7 +76,10 @@ class OutputPump:
                 return
             items = list(self._items)  # everything queued now, in order
             self._items.clear()
-        self._handle(items)
+        try:
+            self._handle(items)
+        except Exception:  # noqa: BLE001 - left to propagate, it would leave _scheduled set: no drain again
+            logger.exception("the engine output handler failed on %d item(s)", len(items))
         with self._lock:
             if not self._items:
                 self._scheduled = False

@@ -17,7 +17,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.pipeline import forward_stage
 from pagedllm.distributed.utils import num_kv_heads_per_rank
@@ -27,6 +27,7 @@ from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
+from pagedllm.worker.gated_cpu_sample import GatedCpuSample
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.mixed_graphs import (
     MixedGraphRunner,
@@ -35,6 +36,7 @@ from pagedllm.worker.mixed_graphs import (
     mixed_capture_sizes,
     mixed_graph_token_cap,
 )
+from pagedllm.worker.pending_output import PendingOutput  # also imported from here (executor, worker)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class ModelRunner:
         # CPU the gated step whose sampling waits until its output or its tokens are first needed.
         self._gate_mask: torch.Tensor | None = None
         self._gate_pinned: set[int] = set()  # host bitmask addresses found pinned
-        self._gated_cpu: _GatedCpuSample | None = None
+        self._gated_cpu: GatedCpuSample | None = None
         self._gated_prep: tuple | None = None  # the deferred gated step's _prepare_gated, for sample_tokens(gate)
         self.gate_waits: dict[str, int] = {}  # which device wait each gated step used (counts)
 
@@ -284,13 +286,13 @@ class ModelRunner:
         bitmask rows up, sample under them (structured_output/gate.py). Called once the gate's fill
         is posted: whatever here synchronizes the device (a kernel's first load, an allocation)
         then waits for the fill, not for this thread. On the CPU the same, when the step's output or
-        tokens are first needed (`_GatedCpuSample`), or at once under gate.SYNC_AT_LAUNCH_S."""
+        tokens are first needed (`GatedCpuSample`), or at once under gate.SYNC_AT_LAUNCH_S."""
         from pagedllm.structured_output import gate as gate_mod
 
         gate, states, all_rows, md, rows = prep
         if not logits.is_cuda:
             pending = self._finish_sample(inp, states, None, None)
-            self._gated_cpu = _GatedCpuSample(self, pending, inp, states, logits, gate, all_rows)
+            self._gated_cpu = GatedCpuSample(self, pending, inp, states, logits, gate, all_rows)
             if gate_mod.SYNC_AT_LAUNCH_S is not None:
                 self._gated_cpu.sample(gate_mod.SYNC_AT_LAUNCH_S)  # the device's worst case: a sync here
             return pending
@@ -326,7 +328,7 @@ class ModelRunner:
     def _finish_sample(self, inp: StepInputs, states: list[CachedRequestState], sampled: torch.Tensor | None,
                        logprobs: LogprobsTensors | None) -> PendingOutput:
         """The step's PendingOutput and the states' in-flight marks (sampled None: a gated CPU
-        step, whose tokens `_GatedCpuSample.sample` sets later)."""
+        step, whose tokens `GatedCpuSample.sample` sets later)."""
         pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, sampled, logprobs,
                                 [st.sampling_params.logprobs for st in states])
         if self.pp_group.world_size > 1:
@@ -339,99 +341,3 @@ class ModelRunner:
             st.pending_step, st.pending_row = step_id, j
         self._uncollected.append(pending)
         return pending
-
-
-class _GatedCpuSample:
-    """A gated step on the CPU: sampled once its bitmask is filled, when first needed (its output's
-    `get()`, or the next launch, whose inputs are its tokens), as a device's stream would."""
-
-    def __init__(self, runner: ModelRunner, pending: PendingOutput, inp: StepInputs,
-                 states: list[CachedRequestState], logits: torch.Tensor, gate: GrammarGate, all_rows: bool) -> None:
-        self.runner, self.pending, self.inp, self.states = runner, pending, inp, states
-        self.logits, self.gate, self.all_rows = logits, gate, all_rows
-        pending.before_read = self.sample
-
-    @torch.inference_mode()
-    def sample(self, timeout_s: float | None = None) -> None:
-        runner = self.runner
-        if runner._gated_cpu is self:
-            runner._gated_cpu = None
-        self.pending.before_read = None
-        if self.logits is None:
-            return
-        from pagedllm.structured_output.gate import HOST_WAIT_TIMEOUT_S, host_wait
-
-        host_wait(self.gate, HOST_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
-        runner.gate_waits["host"] = runner.gate_waits.get("host", 0) + 1
-        logits, self.logits = self.logits, None
-        if self.all_rows:
-            rows = list(range(len(self.states)))
-        else:
-            row_of = {st.req_id: j for j, st in enumerate(self.states)}
-            rows = [row_of[r] for r in self.gate.request_ids]
-        logits = apply_grammar_bitmask(logits, self.gate.bitmask, rows)
-        out = runner.sampler(logits, runner._sampling_metadata(self.inp, self.states), None)
-        self.pending.sampled, self.pending.logprobs = out.sampled_token_ids, out.logprobs
-        runner.last_sampled = out.sampled_token_ids  # the newest step: a later launch samples this one first
-
-
-class PendingOutput:
-    """A launched step's results, copied to the host in the background; `get()` waits for them.
-
-    `get()` may be called more than once (it returns the same output) and touches nothing outside
-    this object: the runner reads `sampled_ids` (None until read) at its next step."""
-
-    def __init__(
-        self,
-        step_id: int,
-        req_ids: list[str],
-        sample_rows: list[int],
-        sampled: torch.Tensor | None,
-        logprobs: LogprobsTensors | None,
-        num_logprobs: list[int | None],
-    ) -> None:
-        self.step_id = step_id
-        self.req_ids = req_ids
-        self.sample_rows = sample_rows
-        self.num_logprobs = num_logprobs
-        self.event = None
-        if sampled is not None and sampled.is_cuda:
-            sampled = sampled.to("cpu", non_blocking=True)
-            if logprobs is not None:
-                logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in logprobs))
-            self.event = torch.cuda.Event()
-            self.event.record()
-        self.sampled = sampled
-        self.logprobs = logprobs
-        self.sampled_ids: list[int] | None = None  # one per sample row, once read
-        self._output: ModelRunnerOutput | None = None
-        self.before_read = None  # a gated CPU step: samples it (model_runner._GatedCpuSample)
-
-    def get(self) -> ModelRunnerOutput:
-        if self._output is None:
-            if self.before_read is not None:
-                self.before_read()
-            self._output = self._read()
-        return self._output
-
-    def _read(self) -> ModelRunnerOutput:
-        if self.event is not None:
-            self.event.synchronize()
-        logprobs: list | None = None
-        if self.sampled is None:
-            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=[0] * len(self.req_ids))
-        ids = self.sampled.tolist()
-        if len(ids) == len(self.req_ids):  # every row sampled (sample_rows is 0..R-1): no scatter
-            sampled = list(ids)
-        else:
-            sampled = [0] * len(self.req_ids)
-            for row, tok in zip(self.sample_rows, ids):
-                sampled[row] = tok
-        self.sampled_ids = ids
-        if self.logprobs is not None:
-            lp_ids, lps, ranks = self.logprobs.tolists()
-            logprobs = [([], [], 0)] * len(self.req_ids)
-            for j, (row, k) in enumerate(zip(self.sample_rows, self.num_logprobs)):
-                if k is not None:
-                    logprobs[row] = (lp_ids[j][: k + 1], lps[j][: k + 1], ranks[j])
-        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs)

@@ -13,8 +13,9 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine import messages as m
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.core_client import MULTIPROCESSING_ENV, InprocClient, MPClient
+from pagedllm.engine.core_client import MULTIPROCESSING_ENV, InprocClient
 from pagedllm.engine.core_proc import multiprocessing_available
+from pagedllm.engine.mp_client import MPClient
 from pagedllm.request import Request
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from tests.entrypoints.conftest import make_tiny_model
