@@ -77,6 +77,14 @@ def _dummy_step(model: torch.nn.Module, sampler: Sampler | None, device: torch.d
     rows[0] = RowInputs(params=SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1), prompt_token_ids=[0],
                         output_token_ids=[])
     sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device))
+    # And constrained rows: the fused kernel's masked variant (sampled rows, no logprobs) and the in-place
+    # mask (rows with logprobs), under a bitmask allowing every token. Loaded here, a gated step's sampling
+    # launch never loads a kernel lazily: a first load may synchronize the device, which by then waits
+    # for the bitmask (BENCHMARKS.md, issue 22: the pre-h52 order hung there).
+    allow_all = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=device)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, logprobs=1)):
+        rows[0] = RowInputs(params=params, prompt_token_ids=[0], output_token_ids=[])
+        sampler(logits, SamplingMetadata.build(rows, shape.vocab_size, device), grammar_bitmask=allow_all)
 
 
 @torch.inference_mode()
