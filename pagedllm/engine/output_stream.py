@@ -108,7 +108,8 @@ class RequestOutputStream:
         except BaseException:
             self.abort()
             raise
-        for c in out.outputs:
+        # A pooling request's outputs is one PoolingOutput, never ended with an error this way.
+        for c in out.outputs if isinstance(out.outputs, list) else ():
             if c.finish_reason == "error":
                 # The engine ended this sequence (e.g. its grammar and its other token masks left nothing
                 # to sample: structured_output/sample_check.py); stop_reason holds why. Raised, as the
