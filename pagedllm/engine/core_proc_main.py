@@ -7,7 +7,7 @@
     wait_ready                      <---- Ready | StartupFailed
     send(command) ... recv_many     <---> EngineCoreLoop (engine/core_loop.py) until Shutdown
 
-Started by `EngineCoreProc` (with the config) or by the prestart (engine/core_prestart.py: without one;
+Started by `EngineCoreProc` (with the config) or by the prestart (engine/core_proc.py: without one;
 it builds its own from the frontend's EngineArgs while the frontend builds the same). The loop reads
 and writes the pipes through engine/core_proc_wire.py, where a message that cannot be decoded or
 encoded fails its requests and the loop goes on.

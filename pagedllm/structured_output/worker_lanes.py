@@ -17,7 +17,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,8 +25,19 @@ import torch
 from pagedllm.structured_output.backend_types import GrammarBackendError, StructuredOutputGrammar
 from pagedllm.structured_output.grammar_worker import JOB_ARRAYS, JOB_HEADER
 
-if TYPE_CHECKING:
-    from pagedllm.structured_output.backend_process import ProcessBackend
+
+class ProcessBackend(Protocol):
+    """What the lanes use of their owner, backend_process.ProcessBackend (named here, not imported:
+    that module imports this one)."""
+
+    stats: dict[str, float]
+    refused_slots: list[int]
+    _lanes: list[_Lane]
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int]) -> None: ...
+
+    def _send_step(self, fill_slots: list[int], buffer: int) -> list[_Lane]: ...
+
 
 logger = logging.getLogger(__name__)
 # The job channel: a job goes through the worker's area only while its spin deadline is this far

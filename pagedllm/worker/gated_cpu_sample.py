@@ -11,17 +11,28 @@ or when the next step launches (its inputs are these tokens), whichever comes fi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.worker.input_batch import CachedRequestState, StepInputs
 from pagedllm.worker.pending_output import PendingOutput
 
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+
+class ModelRunner(Protocol):
+    """What a deferred sampling uses of worker/model_runner.ModelRunner (named here, not imported:
+    that module imports this one)."""
+
+    sampler: Sampler
+    last_sampled: torch.Tensor | None
+    gate_waits: dict[str, int]
+    _gated_cpu: GatedCpuSample | None
+
+    def _sampling_metadata(self, inp: StepInputs, states: list[CachedRequestState]) -> SamplingMetadata: ...
 
 
 class GatedCpuSample:

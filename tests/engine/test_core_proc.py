@@ -92,12 +92,12 @@ def test_a_prestarted_engine_process_serves_the_frontends_config(model_dir):
     same arguments: the prestarted process is taken. Other arguments (never the case in the server,
     which passes the same EngineArgs): the core is built again from the frontend's config. Unused:
     the process is ended."""
-    from pagedllm.engine import core_prestart
+    from pagedllm.engine import core_proc
 
     args = dict(model=model_dir, max_model_len=256, device="cpu", cpu_threads=1)
     same = EngineArgs(**args, num_gpu_blocks_override=64)
-    core_prestart.prestart_engine_process(same, warm_cuda=False)
-    early = core_prestart._prestarted.result(60)
+    core_proc.prestart_engine_process(same, warm_cuda=False)
+    early = core_proc._prestarted.result(60)
     proc = EngineCoreProc.start(same.create_engine_config(), None)
     try:
         assert proc is early
@@ -105,21 +105,21 @@ def test_a_prestarted_engine_process_serves_the_frontends_config(model_dir):
         assert proc.num_gpu_blocks == 64
     finally:
         proc.close()
-    core_prestart.prestart_engine_process(EngineArgs(**args, num_gpu_blocks_override=64), warm_cuda=False)
+    core_proc.prestart_engine_process(EngineArgs(**args, num_gpu_blocks_override=64), warm_cuda=False)
     proc = EngineCoreProc.start(EngineArgs(**args, num_gpu_blocks_override=48).create_engine_config(), None)
     try:
         proc.wait_ready()
         assert proc.num_gpu_blocks == 48  # the frontend's config, not the one the process built first
     finally:
         proc.close()
-    core_prestart.prestart_engine_process(same, warm_cuda=False)
-    unused = core_prestart._prestarted.result(60)
-    core_prestart.discard_prestarted_engine_process()
-    assert not unused.process.is_alive() and core_prestart._prestarted is None
+    core_proc.prestart_engine_process(same, warm_cuda=False)
+    unused = core_proc._prestarted.result(60)
+    core_proc.discard_prestarted_engine_process()
+    assert not unused.process.is_alive() and core_proc._prestarted is None
 
 
 def test_a_prestarted_process_fits_an_environment_with_unread_additions():
-    from pagedllm.engine.core_prestart import env_fits as _env_fits
+    from pagedllm.engine.core_proc import env_fits as _env_fits
 
     then = {"PATH": "/bin", "PAGEDLLM_FUSED_QKV": "1"}
     assert _env_fits(then, dict(then))
