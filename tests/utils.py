@@ -65,6 +65,17 @@ def tiny_model(arch: str, vocab_size: int | None = None, with_tokenizer: bool = 
     return str(path), model
 
 
+def write_tiny_cross_encoder(path: Path) -> None:
+    """A tiny random BERT cross-encoder (one label) with all-MiniLM-L6-v2's tokenizer, saved under `path`."""
+    from pagedllm.pooling.embedded import embedded_embedding_model_path
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=512, num_labels=1)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(embedded_embedding_model_path()).save_pretrained(path)
+
+
 @functools.cache
 def smollm_tokenizer():
     from pagedllm.loader import get_tokenizer, resolve_model

@@ -84,22 +84,16 @@ def test_recall_at_5(rag):
 
 
 def test_post_rag(rag, tmp_path_factory):
-    import torch
-    import transformers
     from fastapi.testclient import TestClient
 
-    from pagedllm.pooling.embedded import embedded_embedding_model_path
     from pagedllm.rag.pipeline import Reranker, Retriever
     from pagedllm.rag.service import InProcessGenerator, RAGService, build_rag_app
+    from tests.utils import write_tiny_cross_encoder
 
     store, embedder, _ = rag
     # A tiny random cross-encoder with MiniLM's tokenizer, served by our engine (pooling runner).
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=512, num_labels=1)
     path = tmp_path_factory.mktemp("tiny-reranker")
-    transformers.BertForSequenceClassification(cfg).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(embedded_embedding_model_path()).save_pretrained(path)
+    write_tiny_cross_encoder(path)
     service = RAGService(Retriever(store, embedder), InProcessGenerator(max_model_len=2048),
                          Reranker(str(path), max_num_seqs=16))
     client = TestClient(build_rag_app(service))

@@ -28,18 +28,11 @@ def embedder():
 
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
-    import torch
-    import transformers
-
     from pagedllm import LLM
-    from pagedllm.pooling.embedded import embedded_embedding_model_path
+    from tests.utils import write_tiny_cross_encoder
 
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=512, num_labels=1)
     path = tmp_path_factory.mktemp("tiny-cross-encoder")
-    transformers.BertForSequenceClassification(cfg).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(embedded_embedding_model_path()).save_pretrained(path)
+    write_tiny_cross_encoder(path)
     return LLM(str(path), max_num_seqs=8)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.entrypoints.openai.conftest import RemoteOpenAIServer, start_servers
-from tests.entrypoints.openai.test_tool_calling import TEMPLATE
+from tests.entrypoints.openai.test_tool_calling import write_think_model
 from tests.reliability.conftest import assert_idle
 from tests.reliability.fuzz_requests import REJECT
 from tests.reliability.fuzz_surfaces import SurfaceFuzzer, run_surface_cases
@@ -35,23 +35,8 @@ BATCH = 60
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory) -> tuple[Path, int]:
     """The tiny random Llama with <think> / </think> added (as Qwen3's), and its vocabulary size."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedllm.loader.source import resolve_model
-    from pagedllm.loader.tokenizer import get_tokenizer
-
     path = tmp_path_factory.mktemp("tiny-think")
-    tok = get_tokenizer(resolve_model(None))
-    tok.add_tokens(["<think>", "</think>"])
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, initializer_range=0.2, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    (path / "template.jinja").write_text(TEMPLATE)
-    return path, len(tok)
+    return path, write_think_model(path)
 
 
 @pytest.fixture(scope="module")

@@ -57,15 +57,15 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 USER = {"role": "user", "content": "What is the weather in Paris for two days?"}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def write_think_model(path: Path) -> int:
+    """A tiny random Llama with SmolLM2's tokenizer plus <think> / </think> and TEMPLATE, saved under
+    `path` (also test_fuzz_surfaces.py's model) -> its vocabulary size."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedllm.loader.source import resolve_model
     from pagedllm.loader.tokenizer import get_tokenizer
 
-    path = tmp_path_factory.mktemp("tiny-tools")
     tok = get_tokenizer(resolve_model(None))
     tok.add_tokens(["<think>", "</think>"])  # as Qwen3's: ordinary (not special) added tokens
     torch.manual_seed(0)
@@ -75,6 +75,13 @@ def model_dir(tmp_path_factory) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     (path / "template.jinja").write_text(TEMPLATE)
+    return len(tok)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-tools")
+    write_think_model(path)
     return path
 
 
