@@ -97,15 +97,13 @@ def ours(args) -> None:
         def prebuild() -> None:
             from pathlib import Path
 
-            from pagedllm import envs
             from pagedllm.loader.tokenizer import load_tokenizer
             from pagedllm.structured_output.manager import use_grammar_worker
 
             try:
                 vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
-                gated = envs.PAGEDLLM_GRAMMAR_GATE is not False and not args.sync  # the engine core's default
                 pre["backend"] = make_backend(load_tokenizer(Path(args.model), False, True), vocab,
-                                              worker=use_grammar_worker(gated, args.device), rows=MAX_NUM_SEQS,
+                                              worker=use_grammar_worker(), rows=MAX_NUM_SEQS,
                                               pin_memory=args.device == "cuda")
             except Exception as e:  # noqa: BLE001 - the manager builds its own then
                 pre["error"] = repr(e)
@@ -135,7 +133,7 @@ def ours(args) -> None:
         from pagedllm.structured_output.manager import use_grammar_worker
 
         builder.join()
-        want_remote = use_grammar_worker(core.gate_sampling, cfg.device_config.device)
+        want_remote = use_grammar_worker()
         if "backend" in pre and getattr(pre["backend"], "remote", False) == want_remote:
             manager._backend, manager._remote = pre["backend"], want_remote
         else:

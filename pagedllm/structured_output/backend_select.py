@@ -14,13 +14,11 @@ from pagedllm.structured_output.backend_types import StructuredOutputBackend
 logger = logging.getLogger(__name__)
 
 
-def use_grammar_worker(gated: bool = False, device: str = "cpu") -> bool:
+def use_grammar_worker() -> bool:
     """PAGEDLLM_GRAMMAR_WORKER: 1 the grammar worker processes, 0 or unset the bitmask thread, gated
     or not, on any device: on the H200 gated sampling with the thread met issue 22's cost bar beside
     vLLM (0.914 / 0.915 of unconstrained at the Qwen3-0.6B shape), and main's path alone was no faster
-    with a worker (BENCHMARKS.md, issue 22, h38 and the fifteenth session). `gated` and `device` are
-    the engine's, kept so a caller need not know which of them the choice reads."""
-    del gated, device
+    with a worker (BENCHMARKS.md, issue 22, h38 and the fifteenth session)."""
     return envs.PAGEDLLM_GRAMMAR_WORKER is True
 
 

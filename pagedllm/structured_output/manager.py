@@ -56,7 +56,7 @@ __all__ = ["BitmaskJob", "StructuredOutputManager", "make_backend", "use_grammar
 class StructuredOutputManager(GatedSamplingMixin):
     def __init__(self, config: EngineConfig, gated: bool = False) -> None:
         self.config = config
-        self.gated = gated  # the engine core gates constrained steps (the default backend depends on it)
+        self.gated = gated  # whether the engine core gates constrained steps (gate.py)
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -106,7 +106,7 @@ class StructuredOutputManager(GatedSamplingMixin):
                 config = self.config
                 self._backend = make_backend(
                     tokenizer, config.model_config.vocab_size,
-                    worker=use_grammar_worker(self.gated, config.device_config.device) and not self._workers_failed,
+                    worker=use_grammar_worker() and not self._workers_failed,
                     rows=config.scheduler_config.max_num_seqs, pin_memory=config.device_config.device == "cuda")
                 self._remote = getattr(self._backend, "remote", False)
             return self._backend
