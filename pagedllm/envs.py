@@ -104,6 +104,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
+    # 0: int4 batches of more rows than the tensor-core GEMV takes go to it / the dequantized scratch
+    # + cuBLAS instead of the one-dot-a-step GEMM (kernels/wna16_mma.py); for comparisons.
+    "PAGEDLLM_WNA16_MMA": _flag("PAGEDLLM_WNA16_MMA", True),
+    # A JSON file of measured wna16_mma launch configurations, {"N,K": [[max_rows, [BLOCK_M, BLOCK_N,
+    # SPLIT_K, num_warps, num_stages(, SWAP)] or null], ...]} (null: the path before it), read at import in
+    # place of the built-in table (scripts/gpu_wna16_mma.py writes one); for tuning runs.
+    "PAGEDLLM_WNA16_MMA_TABLE": _str("PAGEDLLM_WNA16_MMA_TABLE"),
     # 0: decode-sized MoE steps sort their (token, expert) pairs with the one-program align kernel
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.

@@ -47,6 +47,7 @@ from pagedllm.envs import environment_variables
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
 from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
+from pagedllm.kernels.wna16_mma import mma_choice, mma_supported, wna16_mma_linear
 from pagedllm.kernels.wna16_stream import stream_supported, wna16_stream_linear
 from pagedllm.kernels.wna16_tc import tc_supported, wna16_tc_linear
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
@@ -194,6 +195,7 @@ DEQUANT_MIN_M = 128
 # above). Picked from the H200 sweep of the 8B linears: BENCHMARKS.md, issue 19, the h32 subsection.
 TC_ENABLED = environment_variables["PAGEDLLM_WNA16_TC"]()
 STREAM_ENABLED = environment_variables["PAGEDLLM_WNA16_STREAM"]()
+MMA_ENABLED = environment_variables["PAGEDLLM_WNA16_MMA"]()
 TC_MAX_M = 64
 TC_MAX_M_LARGE = 128
 TC_LARGE_WEIGHTS = 40 << 20  # gate_up (28672 x 4096) and down (4096 x 14336) of the 8B; not qkv / o
@@ -212,7 +214,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  dequant_min_m: int | None = None, act: str | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    One row, int4 g128: `wna16_stream_linear`. Int4 g128 with 16-bit x: `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
+    One row, int4 g128: `wna16_stream_linear`. Int4 g128 with 16-bit x: `wna16_mma_linear` where
+    `mma_choice` has a configuration (by default 17..1024 rows), else `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
     act-order: x read through perm up to 16 rows, gathered once above), then the dequantized scratch.
     Otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm), larger M:
     the tile kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
@@ -237,6 +240,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dequant_from = DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m
     if config is None and STREAM_ENABLED and stream_supported(x, bits, group_size, k):
         return wna16_stream_linear(x, qweight, scales, zeros, group_size, bias, perm)
+    if config is None and MMA_ENABLED and mma_supported(x, bits, group_size, k):
+        mma = mma_choice(m, n, k)
+        if mma is not None:
+            return wna16_mma_linear(x, qweight, scales, zeros, group_size, bias, perm, config=mma)
     if config is None and tc_supported(x, bits, group_size, k) and tc_max_m(n, k):
         limit = tc_max_m(n, k)
         if m <= limit and m < dequant_from:

@@ -1,0 +1,266 @@
+"""Issue 19, int4 at W1's batch sizes on the H200: the one-dot-a-step GEMM (kernels/wna16_mma.py) against the
+path before it (tensor-core GEMV <= 64 / 128 rows, then dequantize + cuBLAS) and bf16 cuBLAS, then W1 A/B.
+
+    python3 scripts/gpu_wna16_mma.py [--only compile check time w1] [--shapes 8b|72b|both] [--table OUT.json]
+
+compile  worker processes compile every candidate configuration once (their compiled forms depend on the
+         constexprs only: every shape and row count here is a multiple of 16)
+check    the rule's configuration and a few others == the fp32 reference at each shape (M 16, 64, 200, 256,
+         1024; act-order at 64; fp16 x at 256); max |err| / max |ref| < 1e-2 (bf16 output rounding ~4e-3)
+time     microseconds per call, CUDA-graph replays rotating over >= 150 MB of weight copies: bf16 cuBLAS, the
+         path before (PAGEDLLM_WNA16_MMA=0's dispatch), dequantize + cuBLAS, the rule's config and every
+         candidate; a table per shape, per-layer sums per M, and the measured table written as JSON
+         (PAGEDLLM_WNA16_MMA_TABLE's format: per (N, K) and row bucket the fastest candidate, or null
+         where the path before is faster)
+w1       `pagedllm bench throughput` W1 of the 8B AWQ dummy model: PAGEDLLM_WNA16_MMA=0, the rule, the
+         measured table (each in its own process, back to back)
+"""
+
+# ruff: noqa: B023 - the lambdas are called within the iteration that made them
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
+
+from pagedllm.envs import use_triton_cache_dir  # noqa: E402
+from pagedllm.kernels import wna16_gemm  # noqa: E402
+from pagedllm.kernels.wna16_gemm import dequantize_wna16_triton, pack_along_k, wna16_linear, wna16_linear_ref  # noqa: E402
+from pagedllm.kernels.wna16_mma import MMAConfig, mma_config, wna16_mma_linear  # noqa: E402
+
+T0 = time.monotonic()
+use_triton_cache_dir()
+G = 128
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES_72B = {"qkv72": (10240, 8192), "o72": (8192, 8192), "gate_up72": (59136, 8192), "down72": (8192, 29568)}
+MS = (16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048)
+REPS = 12
+ap = argparse.ArgumentParser()
+ap.add_argument("--only", nargs="+", default=["compile", "check", "time", "w1"])
+ap.add_argument("--shapes", default="8b", choices=["8b", "72b", "both"])
+ap.add_argument("--table", default="/tmp/wna16_mma_table.json")
+ap.add_argument("--budget", type=float, default=540.0, help="seconds; the time section stops short of it")
+ARGS = ap.parse_args()
+SHAPES = {**(SHAPES_8B if ARGS.shapes != "72b" else {}), **(SHAPES_72B if ARGS.shapes != "8b" else {})}
+
+
+def candidates(m: int) -> list[MMAConfig]:
+    """The configurations timed at m rows: tiles of the smallest BLOCK_M holding m up to 64 rows, 64 and
+    128 above; K split up to 4 ways to 64 rows, 2 to 256, none beyond; 2-4 pipeline stages."""
+    bms = [16] if m <= 16 else [32] if m <= 32 else [64] if m <= 64 else [64, 128]
+    out = []
+    for bm in bms:
+        for bn in ((64, 128) if bm == 32 else (64, 128, 256) if bm <= 64 else (128, 256)):  # 32 x 256 spills
+            for split in ((1, 2, 4) if m <= 64 else (1, 2) if m <= 256 else (1,)):
+                for stages in ((2, 3, 4) if bm <= 32 else (2, 3)):
+                    out.append(MMAConfig(bm, bn, split, 8 if bm * bn >= 128 * 128 else 4, stages))
+    # SWAP (out^T = W^T x^T, the weights as the register operand): BLOCK_M is the wgmma's N (16..256)
+    top = min(256, max(16, 1 << (m - 1).bit_length()))
+    for bm in sorted({top, max(16, top // 2)} if m > 16 else {16}):
+        for bn in (64, 128, 256):
+            if bm * bn > 128 * 128 and (bm, bn) != (256, 128):
+                continue  # 128 x 256 spills (sm_90 compile, Triton 3.9)
+            warps = 8 if bm * bn >= 128 * 128 or bn == 256 else 4
+            for split in ((1, 2, 4) if m <= 64 else (1, 2) if m <= 256 else (1,)):
+                for stages in (2, 3):
+                    out.append(MMAConfig(bm, bn, split, warps, stages, SWAP=True))
+    return out
+
+
+def all_configs() -> list[MMAConfig]:
+    seen = {}
+    for m in MS:
+        for c in candidates(m) + [mma_config(m, n, k) for n, k in SHAPES.values()]:
+            seen[(c.BLOCK_M, c.BLOCK_N, c.SPLIT_K > 1, c.num_warps, c.num_stages, c.SWAP)] = c._replace(
+                SPLIT_K=2 if c.SPLIT_K > 1 else 1)
+    return list(seen.values())
+
+
+def weights(n: int, k: int, copies: int = 1, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(copies):
+        q = torch.randint(0, 16, (k, n), device="cuda", generator=gen, dtype=torch.int32)
+        s = (torch.rand(k // G, n, device="cuda", generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+        z = torch.randint(0, 16, (k // G, n), device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8)
+        out.append((pack_along_k(q, 4), s, z))
+        del q
+    return out
+
+
+def _warm(cfg: tuple) -> str:
+    c = MMAConfig(*cfg)
+    try:
+        (w, s, z), = weights(512, 2048)
+        wna16_mma_linear(torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16), w, s, z, G, config=c)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported; the config is then skipped where it fails again
+        return f"{tuple(c)} FAILED {type(e).__name__}: {str(e)[:160]}"
+    return ""
+
+
+def precompile() -> None:
+    cfgs = [tuple(c) for c in all_configs()]
+    t0 = time.monotonic()
+    with mp.get_context("spawn").Pool(min(15, os.cpu_count() or 4)) as pool:
+        done = [d for d in pool.map(_warm, cfgs, chunksize=1) if d]
+    record(f"compile: {len(cfgs)} configurations", f"{time.monotonic() - t0:.1f} s; failed: {done or 'none'}")
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+
+
+def check() -> None:
+    torch.manual_seed(0)
+    worst = (0.0, "")
+    for shape, (n, k) in SHAPES.items():
+        (w, s, z), = weights(n, k)
+        for m in (16, 64, 200, 256, 1024):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = wna16_linear_ref(x, w, s, z, 4, G)
+            cfgs = {"rule": mma_config(m, n, k), "64x128 s2": MMAConfig(64, 128, 2, 4, 3),
+                    "128x256": MMAConfig(128, 256, 1, 8, 3), "swap 64x128 s2": MMAConfig(64, 128, 2, 4, 3, SWAP=True),
+                    "swap 128x128": MMAConfig(128, 128, 1, 8, 2, SWAP=True)}
+            for name, c in cfgs.items():
+                e = rel(wna16_mma_linear(x, w, s, z, G, config=c), ref)
+                worst = max(worst, (e, f"{shape} M={m} {name}"))
+            e = rel(wna16_linear(x, w, s, z, 4, G), ref)
+            worst = max(worst, (e, f"{shape} M={m} dispatch"))
+            if m == 64:
+                perm = torch.randperm(k, device="cuda").to(torch.int32)
+                e = rel(wna16_mma_linear(x, w, s, z, G, perm=perm), wna16_linear_ref(x, w, s, z, 4, G, perm=perm))
+                worst = max(worst, (e, f"{shape} M=64 act-order"))
+            if m == 256:
+                xh = x.half()
+                e = rel(wna16_mma_linear(xh, w, s.half(), z, G), wna16_linear_ref(xh, w, s.half(), z, 4, G))
+                worst = max(worst, (e, f"{shape} M=256 fp16"))
+        print(f"check {shape}: worst so far {worst[0]:.1e} ({worst[1]})", flush=True)
+        del w, s, z
+    record("check: worst max |err| / max |ref| over shapes, rows, configs", f"{worst[0]:.1e} ({worst[1]})"
+           + (" OK" if worst[0] < 1e-2 else " FAIL"))
+
+
+TIMES: dict[str, dict[int, dict[str, float]]] = {}
+BEST: dict[str, dict[int, tuple[float, MMAConfig]]] = {}
+
+
+def old_path(x, w, s, z):
+    wna16_gemm.MMA_ENABLED = False
+    try:
+        return wna16_linear(x, w, s, z, 4, G)
+    finally:
+        wna16_gemm.MMA_ENABLED = True
+
+
+def time_kernels() -> None:
+    for shape, (n, k) in SHAPES.items():
+        nbytes = n * k // 2 + (k // G) * n * 3
+        copies = max(2, min(8, math.ceil(150e6 / nbytes)))
+        ws = weights(n, k, copies)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, math.ceil(150e6 / (2 * n * k))))]
+        for m in MS:
+            if time.monotonic() - T0 > ARGS.budget - 200:  # room for w1
+                print(f"(budget: {shape} M={m} and later not timed)", flush=True)
+                break
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = TIMES.setdefault(shape, {}).setdefault(m, {})
+            row["bf16"] = rotating_graph_us(lambda i: F.linear(x, wb[i]), len(wb), REPS)
+            row["old"] = rotating_graph_us(lambda i: old_path(x, *ws[i]), copies, REPS)
+            row["scratch"] = rotating_graph_us(
+                lambda i: x @ dequantize_wna16_triton(*ws[i], 4, G, x.dtype), copies, REPS)
+            rule = mma_config(m, n, k)
+            row["rule"] = rotating_graph_us(lambda i: wna16_mma_linear(x, *ws[i], G, config=rule), copies, REPS)
+            best = (row["rule"], rule)
+            for c in candidates(m):
+                try:
+                    us = rotating_graph_us(lambda i: wna16_mma_linear(x, *ws[i], G, config=c), copies, REPS)
+                except Exception as e:  # noqa: BLE001
+                    print(f"time {shape} M={m} {tuple(c)} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                best = min(best, (us, c))
+            BEST.setdefault(shape, {})[m] = best
+            print(f"{shape} M={m}: bf16 {row['bf16']:.1f} old {row['old']:.1f} scratch {row['scratch']:.1f} "
+                  f"rule {row['rule']:.1f} best {best[0]:.1f} {tuple(best[1])}", flush=True)
+        ws = wb = None
+    print("\n| shape | M | bf16 cuBLAS | before (tc / scratch) | dequant + cuBLAS | mma rule | mma best (BM, BN, split, warps, stages[, swap]) | before / best |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape, rows in TIMES.items():
+        for m, row in rows.items():
+            if m not in BEST.get(shape, {}):
+                continue
+            b, c = BEST[shape][m]
+            print(f"| {shape} | {m} | {row['bf16']:.1f} | {row['old']:.1f} | {row['scratch']:.1f} | {row['rule']:.1f} | "
+                  f"{b:.1f} ({c.BLOCK_M}, {c.BLOCK_N}, {c.SPLIT_K}, {c.num_warps}, {c.num_stages}{', swap' if c.SWAP else ''}) | {row['old'] / b:.2f}x |")
+    for group in (SHAPES_8B, SHAPES_72B):
+        names = [s for s in group if s in BEST]
+        if len(names) < len(group):
+            continue
+        for m in MS:
+            if all(m in BEST[s] for s in names):
+                tb = sum(TIMES[s][m]["bf16"] for s in names)
+                to = sum(TIMES[s][m]["old"] for s in names)
+                tn = sum(min(BEST[s][m][0], TIMES[s][m]["old"]) for s in names)
+                record(f"a layer ({'8B' if group is SHAPES_8B else '72B'}), M={m}: bf16 / before / with mma",
+                       f"{tb:.1f} / {to:.1f} / {tn:.1f} us ({to / tn:.2f}x)")
+    table = {}
+    for shape, bests in BEST.items():
+        n, k = SHAPES[shape]
+        buckets = []
+        for m in sorted(bests):
+            us, c = bests[m]
+            buckets.append([m, None if TIMES[shape][m]["old"] <= us else [*c[:5], int(c.SWAP)]])
+        table[f"{n},{k}"] = buckets
+    with open(ARGS.table, "w") as f:
+        json.dump(table, f)
+    print(f"measured table -> {ARGS.table}: {json.dumps(table)}", flush=True)
+
+
+def w1() -> None:
+    cfg_dir = tempfile.mkdtemp()
+    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                     "version": "gemm"}
+    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
+    runs = {"before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "mma rule": {}}
+    if os.path.exists(ARGS.table):
+        runs["mma measured table"] = {"PAGEDLLM_WNA16_MMA_TABLE": ARGS.table}
+    for name, extra in runs.items():
+        left = ARGS.budget - (time.monotonic() - T0)
+        if left < 60:
+            print(f"(budget: W1 {name} not run)", flush=True)
+            continue
+        out = tempfile.mktemp(suffix=".json")
+        env = dict(os.environ, PYTHONPATH=os.getcwd(), **extra)
+        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", cfg_dir, "--load-format", "dummy",
+               "--skip-tokenizer-init", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(200, left - 10))
+        except subprocess.TimeoutExpired:
+            record(f"W1 8B AWQ, {name}", "timed out")
+            continue
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
+            record(f"W1 8B AWQ, {name}", f"failed (rc {proc.returncode})")
+            continue
+        d = json.load(open(out))
+        record(f"W1 8B AWQ, {name}", f"{d['output_tokens_per_second']:.1f} output tok/s ({time.monotonic() - t0:.0f} s "
+               "with start)")
+
+
+if __name__ == "__main__":
+    sections = {"compile": precompile, "check": check, "time": time_kernels, "w1": w1}
+    run_sections(sections, only=[s for s in ARGS.only if s in sections])

@@ -1,0 +1,88 @@
+"""The one-dot-a-step int4 GEMM (kernels/wna16_mma.py) against the fp32 reference: zero points, bias,
+act-order (x gathered by perm), split-K, ragged M and N blocks, groups of 128 and 256; fp32 and fp16
+activations in the interpreter (its USE_ASM=False path), the inline-PTX dequantization on a GPU; and
+the dispatch's table / rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm.kernels import wna16_mma
+from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
+from pagedllm.kernels.wna16_mma import MMAConfig, mma_choice, mma_config, wna16_mma_linear
+
+
+def _weights(k: int, n: int, group: int, device):
+    q = torch.randint(0, 16, (k, n), device=device)
+    scales = (torch.rand(k // group, n, device=device) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 16, (k // group, n), device=device, dtype=torch.uint8)
+    return pack_along_k(q, 4), scales, zeros
+
+
+# (m, k, group, config): one tile; two M blocks and a ragged one with K split 2 ways; K split 4 ways
+# over groups of 256 (two steps a group: the scale / zero point prefetch crosses no group edge).
+CASES = [(16, 256, 128, MMAConfig(16, 32, 1, 4, 2)), (40, 512, 128, MMAConfig(16, 32, 2, 4, 3)),
+         (5, 1024, 256, MMAConfig(16, 64, 4, 4, 2))]
+
+
+@pytest.mark.parametrize(("m", "k", "group", "config"), CASES)
+def test_mma_kernel_matches_reference(device, m, k, group, config):
+    n = 80  # not a multiple of BLOCK_N: ragged last block
+    qweight, scales, zeros = _weights(k, n, group, device)
+    perm = torch.randperm(k, device=device).to(torch.int32)
+    x = torch.randn(m, k, device=device)
+    bias = torch.randn(n, device=device)
+    for p in (None, perm):
+        ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group, perm=p, bias=bias)
+        out = wna16_mma_linear(x, qweight, scales, zeros, group, bias=bias, perm=p, config=config, use_asm=False)
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_mma_kernel_16bit(device):
+    """16-bit x: the weights rounded once to x's dtype as (q - z) * s (fp16 in the interpreter; bf16 and
+    the PTX dequantization on a GPU), then fp32 accumulation."""
+    k, n, group = 256, 64, 128
+    qweight, scales, zeros = _weights(k, n, group, device)
+    dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float16,)
+    for dtype in dtypes:
+        x = torch.randn(24, k, device=device).to(dtype)
+        ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group).float()
+        out = wna16_mma_linear(x, qweight, scales, zeros, group, config=MMAConfig(16, 32, 2, 4, 2)).float()
+        assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_mma_errors_name_the_problem(device):
+    qweight, scales, zeros = _weights(256, 64, 128, device)
+    with pytest.raises(ValueError, match="must divide the group size"):
+        wna16_mma_linear(torch.randn(20, 256, device=device), qweight, scales, zeros, 64)
+    with pytest.raises(ValueError, match="x has 128 inputs, the packed weight 256"):
+        wna16_mma_linear(torch.randn(20, 128, device=device), qweight, scales, zeros, 128)
+
+
+def test_choice_rule_table_and_file(tmp_path, monkeypatch, device):
+    # the rule: 17..RULE_MAX_M rows, none for fewer (the tensor-core GEMV) or more (dequantize + cuBLAS)
+    assert mma_choice(16, 4096, 4096) is None and mma_choice(wna16_mma.RULE_MAX_M + 1, 4096, 4096) is None
+    assert mma_choice(200, 4096, 4096) == mma_config(200, 4096, 4096)
+    c = mma_config(200, 4096, 4096)
+    assert (c.BLOCK_M, c.SPLIT_K) == (128, 4)  # 2 x 32 tiles: K split until >= 132 programs (64 x 4)
+    # a table replaces the rule for its shapes: buckets by max rows, None = the path before
+    table = {(64, 256): ((32, MMAConfig(16, 32, 2, 4, 2)), (64, None))}
+    monkeypatch.setattr(wna16_mma, "TABLE", table)
+    assert mma_choice(20, 64, 256) == MMAConfig(16, 32, 2, 4, 2)
+    assert mma_choice(50, 64, 256) is None and mma_choice(500, 64, 256) is None
+    # the dispatch follows it: 20 rows through this kernel, 50 through the path before, both right
+    qweight, scales, zeros = _weights(256, 64, 128, device)
+    for m in (20, 50):
+        x = torch.randn(m, 256, device=device)
+        torch.testing.assert_close(wna16_linear(x, qweight, scales, zeros, 4, 128),
+                                   wna16_linear_ref(x, qweight, scales, zeros, 4, 128), atol=1e-3, rtol=1e-3)
+    # PAGEDLLM_WNA16_MMA_TABLE's file form, and a malformed one named
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"64,256": [[64, None], [32, [16, 32, 2, 4, 2]]]}))
+    assert wna16_mma._read_table(str(f)) == table
+    f.write_text(json.dumps({"64x256": [[32, None]]}))
+    with pytest.raises(ValueError, match="PAGEDLLM_WNA16_MMA_TABLE=.*not a table"):
+        wna16_mma._read_table(str(f))
