@@ -108,7 +108,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # + cuBLAS instead of the one-dot-a-step GEMM (kernels/wna16_mma.py); for comparisons.
     "PAGEDLLM_WNA16_MMA": _flag("PAGEDLLM_WNA16_MMA", True),
     # A JSON file of measured wna16_mma launch configurations, {"N,K": [[max_rows, [BLOCK_M, BLOCK_N,
-    # SPLIT_K, num_warps, num_stages(, SWAP)] or null], ...]} (null: the path before it), read at import in
+    # SPLIT_K, num_warps, num_stages] or null], ...]} (null: the path before it), read at import in
     # place of the built-in table (scripts/gpu_wna16_mma.py writes one); for tuning runs.
     "PAGEDLLM_WNA16_MMA_TABLE": _str("PAGEDLLM_WNA16_MMA_TABLE"),
     # 0: decode-sized MoE steps sort their (token, expert) pairs with the one-program align kernel

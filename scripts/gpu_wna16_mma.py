@@ -8,12 +8,13 @@ compile  worker processes compile every candidate configuration once (their comp
 check    the rule's configuration and a few others == the fp32 reference at each shape (M 16, 64, 200, 256,
          1024; act-order at 64; fp16 x at 256); max |err| / max |ref| < 1e-2 (bf16 output rounding ~4e-3)
 time     microseconds per call, CUDA-graph replays rotating over >= 150 MB of weight copies: bf16 cuBLAS, the
-         path before (PAGEDLLM_WNA16_MMA=0's dispatch), dequantize + cuBLAS, the rule's config and every
-         candidate; a table per shape, per-layer sums per M, and the measured table written as JSON
+         path before (PAGEDLLM_WNA16_MMA=0's dispatch), dequantize + cuBLAS, the dispatch's choice
+         (wna16_mma_config: its table or rule) and every candidate; a table per shape, per-layer sums per
+         M, and the built-in table with this run's buckets put in, written as JSON
          (PAGEDLLM_WNA16_MMA_TABLE's format: per (N, K) and row bucket the fastest candidate, or null
          where the path before is faster)
-w1       `pagedllm bench throughput` W1 of the 8B AWQ dummy model: PAGEDLLM_WNA16_MMA=0, the rule, the
-         measured table (each in its own process, back to back)
+w1       `pagedllm bench throughput` W1 of the 8B AWQ dummy model: PAGEDLLM_WNA16_MMA=0, the built-in
+         table, the written table (each in its own process, back to back)
 """
 
 # ruff: noqa: B023 - the lambdas are called within the iteration that made them
@@ -38,52 +39,50 @@ from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
 from pagedllm.envs import use_triton_cache_dir  # noqa: E402
 from pagedllm.kernels import wna16_gemm  # noqa: E402
 from pagedllm.kernels.wna16_gemm import dequantize_wna16_triton, pack_along_k, wna16_linear, wna16_linear_ref  # noqa: E402
-from pagedllm.kernels.wna16_mma import MMAConfig, mma_config, wna16_mma_linear  # noqa: E402
+from pagedllm.kernels.wna16_mma import wna16_mma_linear  # noqa: E402
+from pagedllm.kernels.wna16_mma_config import TABLE, MMAConfig, mma_choice  # noqa: E402
 
 T0 = time.monotonic()
 use_triton_cache_dir()
 G = 128
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SHAPES_72B = {"qkv72": (10240, 8192), "o72": (8192, 8192), "gate_up72": (59136, 8192), "down72": (8192, 29568)}
-MS = (16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048)
 REPS = 12
 ap = argparse.ArgumentParser()
 ap.add_argument("--only", nargs="+", default=["compile", "check", "time", "w1"])
 ap.add_argument("--shapes", default="8b", choices=["8b", "72b", "both"])
 ap.add_argument("--table", default="/tmp/wna16_mma_table.json")
 ap.add_argument("--budget", type=float, default=540.0, help="seconds; the time section stops short of it")
+ap.add_argument("--ms", default="16,32,64,96,128,192,256,512,1024,2048", help="row counts timed")
+ap.add_argument("--splits", default="1,2,4,8")
 ARGS = ap.parse_args()
+MS = tuple(int(v) for v in ARGS.ms.split(","))
+SPLITS = tuple(int(v) for v in ARGS.splits.split(","))
 SHAPES = {**(SHAPES_8B if ARGS.shapes != "72b" else {}), **(SHAPES_72B if ARGS.shapes != "8b" else {})}
 
 
 def candidates(m: int) -> list[MMAConfig]:
-    """The configurations timed at m rows: tiles of the smallest BLOCK_M holding m up to 64 rows, 64 and
-    128 above; K split up to 4 ways to 64 rows, 2 to 256, none beyond; 2-4 pipeline stages."""
-    bms = [16] if m <= 16 else [32] if m <= 32 else [64] if m <= 64 else [64, 128]
-    out = []
-    for bm in bms:
-        for bn in ((64, 128) if bm == 32 else (64, 128, 256) if bm <= 64 else (128, 256)):  # 32 x 256 spills
-            for split in ((1, 2, 4) if m <= 64 else (1, 2) if m <= 256 else (1,)):
-                for stages in ((2, 3, 4) if bm <= 32 else (2, 3)):
-                    out.append(MMAConfig(bm, bn, split, 8 if bm * bn >= 128 * 128 else 4, stages))
-    # SWAP (out^T = W^T x^T, the weights as the register operand): BLOCK_M is the wgmma's N (16..256)
+    """The configurations timed at m rows: BLOCK_M (wgmma's N) the power of two holding m and half of it
+    (16 at least, 256 at most), 64 / 128 / 256 columns (wgmma's M), K split 1-8 ways, 2-3 stages; the
+    tiles that spill registers (sm_90 compile: 128 x 256, 256 x 256) left out."""
     top = min(256, max(16, 1 << (m - 1).bit_length()))
-    for bm in sorted({top, max(16, top // 2)} if m > 16 else {16}):
+    out = []
+    for bm in sorted({top, max(16, top // 2)}):
         for bn in (64, 128, 256):
             if bm * bn > 128 * 128 and (bm, bn) != (256, 128):
-                continue  # 128 x 256 spills (sm_90 compile, Triton 3.9)
+                continue
             warps = 8 if bm * bn >= 128 * 128 or bn == 256 else 4
-            for split in ((1, 2, 4) if m <= 64 else (1, 2) if m <= 256 else (1,)):
+            for split in SPLITS:
                 for stages in (2, 3):
-                    out.append(MMAConfig(bm, bn, split, warps, stages, SWAP=True))
+                    out.append(MMAConfig(bm, bn, split, warps, stages))
     return out
 
 
 def all_configs() -> list[MMAConfig]:
     seen = {}
     for m in MS:
-        for c in candidates(m) + [mma_config(m, n, k) for n, k in SHAPES.values()]:
-            seen[(c.BLOCK_M, c.BLOCK_N, c.SPLIT_K > 1, c.num_warps, c.num_stages, c.SWAP)] = c._replace(
+        for c in candidates(m) + [c for n, k in SHAPES.values() if (c := mma_choice(m, n, k))]:
+            seen[(c.BLOCK_M, c.BLOCK_N, c.SPLIT_K > 1, c.num_warps, c.num_stages)] = c._replace(
                 SPLIT_K=2 if c.SPLIT_K > 1 else 1)
     return list(seen.values())
 
@@ -131,9 +130,10 @@ def check() -> None:
         for m in (16, 64, 200, 256, 1024):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = wna16_linear_ref(x, w, s, z, 4, G)
-            cfgs = {"rule": mma_config(m, n, k), "64x128 s2": MMAConfig(64, 128, 2, 4, 3),
-                    "128x256": MMAConfig(128, 256, 1, 8, 3), "swap 64x128 s2": MMAConfig(64, 128, 2, 4, 3, SWAP=True),
-                    "swap 128x128": MMAConfig(128, 128, 1, 8, 2, SWAP=True)}
+            cfgs = {"64x128 s2": MMAConfig(64, 128, 2, 4, 3), "128x128": MMAConfig(128, 128, 1, 8, 2),
+                    "256x128 s2": MMAConfig(256, 128, 2, 8, 3), "16x64 s4": MMAConfig(16, 64, 4, 4, 3)}
+            if mma_choice(m, n, k):
+                cfgs["choice"] = mma_choice(m, n, k)
             for name, c in cfgs.items():
                 e = rel(wna16_mma_linear(x, w, s, z, G, config=c), ref)
                 worst = max(worst, (e, f"{shape} M={m} {name}"))
@@ -181,9 +181,10 @@ def time_kernels() -> None:
             row["old"] = rotating_graph_us(lambda i: old_path(x, *ws[i]), copies, REPS)
             row["scratch"] = rotating_graph_us(
                 lambda i: x @ dequantize_wna16_triton(*ws[i], 4, G, x.dtype), copies, REPS)
-            rule = mma_config(m, n, k)
-            row["rule"] = rotating_graph_us(lambda i: wna16_mma_linear(x, *ws[i], G, config=rule), copies, REPS)
-            best = (row["rule"], rule)
+            choice = mma_choice(m, n, k)
+            row["choice"] = row["old"] if choice is None else rotating_graph_us(
+                lambda i: wna16_mma_linear(x, *ws[i], G, config=choice), copies, REPS)
+            best = (float("inf"), None)
             for c in candidates(m):
                 try:
                     us = rotating_graph_us(lambda i: wna16_mma_linear(x, *ws[i], G, config=c), copies, REPS)
@@ -193,17 +194,17 @@ def time_kernels() -> None:
                 best = min(best, (us, c))
             BEST.setdefault(shape, {})[m] = best
             print(f"{shape} M={m}: bf16 {row['bf16']:.1f} old {row['old']:.1f} scratch {row['scratch']:.1f} "
-                  f"rule {row['rule']:.1f} best {best[0]:.1f} {tuple(best[1])}", flush=True)
+                  f"choice {row['choice']:.1f} best {best[0]:.1f} {tuple(best[1] or ())}", flush=True)
         ws = wb = None
-    print("\n| shape | M | bf16 cuBLAS | before (tc / scratch) | dequant + cuBLAS | mma rule | mma best (BM, BN, split, warps, stages[, swap]) | before / best |")
+    print("\n| shape | M | bf16 cuBLAS | before (tc / scratch) | dequant + cuBLAS | the dispatch's choice | mma best (BM, BN, split, warps, stages) | before / best |")
     print("|---|---|---|---|---|---|---|---|")
     for shape, rows in TIMES.items():
         for m, row in rows.items():
             if m not in BEST.get(shape, {}):
                 continue
             b, c = BEST[shape][m]
-            print(f"| {shape} | {m} | {row['bf16']:.1f} | {row['old']:.1f} | {row['scratch']:.1f} | {row['rule']:.1f} | "
-                  f"{b:.1f} ({c.BLOCK_M}, {c.BLOCK_N}, {c.SPLIT_K}, {c.num_warps}, {c.num_stages}{', swap' if c.SWAP else ''}) | {row['old'] / b:.2f}x |")
+            print(f"| {shape} | {m} | {row['bf16']:.1f} | {row['old']:.1f} | {row['scratch']:.1f} | {row['choice']:.1f} | "
+                  f"{b:.1f} ({c.BLOCK_M}, {c.BLOCK_N}, {c.SPLIT_K}, {c.num_warps}, {c.num_stages}) | {row['old'] / b:.2f}x |")
     for group in (SHAPES_8B, SHAPES_72B):
         names = [s for s in group if s in BEST]
         if len(names) < len(group):
@@ -212,17 +213,20 @@ def time_kernels() -> None:
             if all(m in BEST[s] for s in names):
                 tb = sum(TIMES[s][m]["bf16"] for s in names)
                 to = sum(TIMES[s][m]["old"] for s in names)
+                tc = sum(TIMES[s][m]["choice"] for s in names)
                 tn = sum(min(BEST[s][m][0], TIMES[s][m]["old"]) for s in names)
-                record(f"a layer ({'8B' if group is SHAPES_8B else '72B'}), M={m}: bf16 / before / with mma",
-                       f"{tb:.1f} / {to:.1f} / {tn:.1f} us ({to / tn:.2f}x)")
-    table = {}
+                record(f"a layer ({'8B' if group is SHAPES_8B else '72B'}), M={m}: bf16 / before / the choice / best",
+                       f"{tb:.1f} / {to:.1f} / {tc:.1f} / {tn:.1f} us")
+    # the built-in table with this run's buckets put in (a bucket measured here replaces the one of the
+    # same max rows; the others stay), in PAGEDLLM_WNA16_MMA_TABLE's format
+    table = {f"{n},{k}": {mx: (None if c is None else list(c[:5])) for mx, c in b} for (n, k), b in TABLE.items()}
     for shape, bests in BEST.items():
         n, k = SHAPES[shape]
-        buckets = []
+        row = table.setdefault(f"{n},{k}", {})
         for m in sorted(bests):
             us, c = bests[m]
-            buckets.append([m, None if TIMES[shape][m]["old"] <= us else [*c[:5], int(c.SWAP)]])
-        table[f"{n},{k}"] = buckets
+            row[m] = None if c is None or TIMES[shape][m]["old"] <= us else list(c[:5])
+    table = {key: sorted(row.items()) for key, row in table.items()}
     with open(ARGS.table, "w") as f:
         json.dump(table, f)
     print(f"measured table -> {ARGS.table}: {json.dumps(table)}", flush=True)
@@ -234,7 +238,7 @@ def w1() -> None:
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                                      "version": "gemm"}
     json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
-    runs = {"before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "mma rule": {}}
+    runs = {"before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "the built-in table": {}}
     if os.path.exists(ARGS.table):
         runs["mma measured table"] = {"PAGEDLLM_WNA16_MMA_TABLE": ARGS.table}
     for name, extra in runs.items():

@@ -47,7 +47,8 @@ from pagedllm.envs import environment_variables
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.wna16_gemv import MAX_M as MAX_GEMV_M
 from pagedllm.kernels.wna16_gemv import block_k_for, wna16_gemv
-from pagedllm.kernels.wna16_mma import mma_choice, mma_supported, wna16_mma_linear
+from pagedllm.kernels.wna16_mma import mma_supported, wna16_mma_linear
+from pagedllm.kernels.wna16_mma_config import mma_choice
 from pagedllm.kernels.wna16_stream import stream_supported, wna16_stream_linear
 from pagedllm.kernels.wna16_tc import tc_supported, wna16_tc_linear
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile

@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-from pagedllm.kernels import wna16_mma
+from pagedllm.kernels import wna16_mma_config
 from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
-from pagedllm.kernels.wna16_mma import MMAConfig, mma_choice, mma_config, wna16_mma_linear
+from pagedllm.kernels.wna16_mma import wna16_mma_linear
+from pagedllm.kernels.wna16_mma_config import MMAConfig, mma_choice, mma_rule
 
 
 def _weights(k: int, n: int, group: int, device):
@@ -24,13 +25,13 @@ def _weights(k: int, n: int, group: int, device):
 
 # (m, k, group, config): one tile; two M blocks and a ragged one with K split 2 ways; K split 4 ways
 # over groups of 256 (two steps a group: the scale / zero point prefetch crosses no group edge).
-CASES = [(16, 256, 128, MMAConfig(16, 32, 1, 4, 2)), (40, 512, 128, MMAConfig(16, 32, 2, 4, 3)),
+CASES = [(16, 256, 128, MMAConfig(16, 64, 1, 4, 2)), (40, 512, 128, MMAConfig(16, 64, 2, 4, 3)),
          (5, 1024, 256, MMAConfig(16, 64, 4, 4, 2))]
 
 
 @pytest.mark.parametrize(("m", "k", "group", "config"), CASES)
 def test_mma_kernel_matches_reference(device, m, k, group, config):
-    n = 80  # not a multiple of BLOCK_N: ragged last block
+    n = 144  # not a multiple of BLOCK_N: ragged last block
     qweight, scales, zeros = _weights(k, n, group, device)
     perm = torch.randperm(k, device=device).to(torch.int32)
     x = torch.randn(m, k, device=device)
@@ -50,7 +51,7 @@ def test_mma_kernel_16bit(device):
     for dtype in dtypes:
         x = torch.randn(24, k, device=device).to(dtype)
         ref = wna16_linear_ref(x, qweight, scales, zeros, 4, group).float()
-        out = wna16_mma_linear(x, qweight, scales, zeros, group, config=MMAConfig(16, 32, 2, 4, 2)).float()
+        out = wna16_mma_linear(x, qweight, scales, zeros, group, config=MMAConfig(16, 64, 2, 4, 2)).float()
         assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
@@ -63,15 +64,19 @@ def test_mma_errors_name_the_problem(device):
 
 
 def test_choice_rule_table_and_file(tmp_path, monkeypatch, device):
-    # the rule: 17..RULE_MAX_M rows, none for fewer (the tensor-core GEMV) or more (dequantize + cuBLAS)
-    assert mma_choice(16, 4096, 4096) is None and mma_choice(wna16_mma.RULE_MAX_M + 1, 4096, 4096) is None
-    assert mma_choice(200, 4096, 4096) == mma_config(200, 4096, 4096)
-    c = mma_config(200, 4096, 4096)
-    assert (c.BLOCK_M, c.SPLIT_K) == (128, 4)  # 2 x 32 tiles: K split until >= 132 programs (64 x 4)
+    # the measured table: 8B down (4096 x 14336) at 100 rows -> 64 x 64 tiles, K split 2; past its
+    # buckets the path before (None)
+    assert mma_choice(100, 4096, 14336) == MMAConfig(64, 64, 2, 4, 3)
+    assert mma_choice(300, 4096, 14336) is None and mma_choice(4096, 28672, 4096) is None
+    # the rule for other shapes: 16-row tiles up to 16 rows, K split 4 ways for few column blocks;
+    # narrow shapes past 256 rows and wide ones past 1024: None
+    assert mma_choice(8, 5120, 5120) == mma_rule(8, 5120, 5120) == MMAConfig(16, 64, 4, 4, 3)
+    assert mma_rule(300, 5120, 5120) is None and mma_rule(300, 20480, 5120) == MMAConfig(256, 128, 1, 8, 3)
+    assert mma_rule(2000, 20480, 5120) is None
     # a table replaces the rule for its shapes: buckets by max rows, None = the path before
-    table = {(64, 256): ((32, MMAConfig(16, 32, 2, 4, 2)), (64, None))}
-    monkeypatch.setattr(wna16_mma, "TABLE", table)
-    assert mma_choice(20, 64, 256) == MMAConfig(16, 32, 2, 4, 2)
+    table = {(64, 256): ((32, MMAConfig(16, 64, 2, 4, 2)), (64, None))}
+    monkeypatch.setattr(wna16_mma_config, "TABLE", table)
+    assert mma_choice(20, 64, 256) == MMAConfig(16, 64, 2, 4, 2)
     assert mma_choice(50, 64, 256) is None and mma_choice(500, 64, 256) is None
     # the dispatch follows it: 20 rows through this kernel, 50 through the path before, both right
     qweight, scales, zeros = _weights(256, 64, 128, device)
@@ -81,8 +86,8 @@ def test_choice_rule_table_and_file(tmp_path, monkeypatch, device):
                                    wna16_linear_ref(x, qweight, scales, zeros, 4, 128), atol=1e-3, rtol=1e-3)
     # PAGEDLLM_WNA16_MMA_TABLE's file form, and a malformed one named
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"64,256": [[64, None], [32, [16, 32, 2, 4, 2]]]}))
-    assert wna16_mma._read_table(str(f)) == table
+    f.write_text(json.dumps({"64,256": [[64, None], [32, [16, 64, 2, 4, 2]]]}))
+    assert wna16_mma_config._read_table(str(f)) == table
     f.write_text(json.dumps({"64x256": [[32, None]]}))
     with pytest.raises(ValueError, match="PAGEDLLM_WNA16_MMA_TABLE=.*not a table"):
-        wna16_mma._read_table(str(f))
+        wna16_mma_config._read_table(str(f))
