@@ -55,9 +55,12 @@ ap.add_argument("--table", default="/tmp/wna16_mma_table.json")
 ap.add_argument("--budget", type=float, default=540.0, help="seconds; the time section stops short of it")
 ap.add_argument("--ms", default="16,32,64,96,128,192,256,512,1024,2048", help="row counts timed")
 ap.add_argument("--splits", default="1,2,4,8")
+ap.add_argument("--no-before", action="store_true", help="w1: skip the PAGEDLLM_WNA16_MMA=0 run")
+ap.add_argument("--kws", default="16", help="word rows a step (BLOCK_KW) timed: 16 and / or 8")
 ARGS = ap.parse_args()
 MS = tuple(int(v) for v in ARGS.ms.split(","))
 SPLITS = tuple(int(v) for v in ARGS.splits.split(","))
+KWS = tuple(int(v) for v in ARGS.kws.split(","))
 SHAPES = {**(SHAPES_8B if ARGS.shapes != "72b" else {}), **(SHAPES_72B if ARGS.shapes != "8b" else {})}
 
 
@@ -73,8 +76,9 @@ def candidates(m: int) -> list[MMAConfig]:
                 continue
             warps = 8 if bm * bn >= 128 * 128 or bn == 256 else 4
             for split in SPLITS:
-                for stages in (2, 3):
-                    out.append(MMAConfig(bm, bn, split, warps, stages))
+                for kw in KWS:
+                    for stages in ((2, 3) if kw == 16 else (3, 4)):
+                        out.append(MMAConfig(bm, bn, split, warps, stages, kw))
     return out
 
 
@@ -82,7 +86,7 @@ def all_configs() -> list[MMAConfig]:
     seen = {}
     for m in MS:
         for c in candidates(m) + [c for n, k in SHAPES.values() if (c := mma_choice(m, n, k))]:
-            seen[(c.BLOCK_M, c.BLOCK_N, c.SPLIT_K > 1, c.num_warps, c.num_stages)] = c._replace(
+            seen[(c.BLOCK_M, c.BLOCK_N, c.SPLIT_K > 1, c.num_warps, c.num_stages, c.BLOCK_KW)] = c._replace(
                 SPLIT_K=2 if c.SPLIT_K > 1 else 1)
     return list(seen.values())
 
@@ -204,7 +208,8 @@ def time_kernels() -> None:
                 continue
             b, c = BEST[shape][m]
             print(f"| {shape} | {m} | {row['bf16']:.1f} | {row['old']:.1f} | {row['scratch']:.1f} | {row['choice']:.1f} | "
-                  f"{b:.1f} ({c.BLOCK_M}, {c.BLOCK_N}, {c.SPLIT_K}, {c.num_warps}, {c.num_stages}) | {row['old'] / b:.2f}x |")
+                  f"{b:.1f} ({c.BLOCK_M}, {c.BLOCK_N}, {c.SPLIT_K}, {c.num_warps}, {c.num_stages}, kw {c.BLOCK_KW}) | "
+                  f"{row['old'] / b:.2f}x |")
     for group in (SHAPES_8B, SHAPES_72B):
         names = [s for s in group if s in BEST]
         if len(names) < len(group):
@@ -219,13 +224,14 @@ def time_kernels() -> None:
                        f"{tb:.1f} / {to:.1f} / {tc:.1f} / {tn:.1f} us")
     # the built-in table with this run's buckets put in (a bucket measured here replaces the one of the
     # same max rows; the others stay), in PAGEDLLM_WNA16_MMA_TABLE's format
-    table = {f"{n},{k}": {mx: (None if c is None else list(c[:5])) for mx, c in b} for (n, k), b in TABLE.items()}
+    table = {f"{n},{k}": {mx: (None if c is None else list(c[:5]) + ([c.BLOCK_KW] if c.BLOCK_KW != 16 else []))
+                          for mx, c in b} for (n, k), b in TABLE.items()}
     for shape, bests in BEST.items():
         n, k = SHAPES[shape]
         row = table.setdefault(f"{n},{k}", {})
         for m in sorted(bests):
             us, c = bests[m]
-            row[m] = None if c is None or TIMES[shape][m]["old"] <= us else list(c[:5])
+            row[m] = None if c is None or TIMES[shape][m]["old"] <= us else list(c[:5]) + ([c.BLOCK_KW] if c.BLOCK_KW != 16 else [])
     table = {key: sorted(row.items()) for key, row in table.items()}
     with open(ARGS.table, "w") as f:
         json.dump(table, f)
@@ -238,7 +244,8 @@ def w1() -> None:
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                                      "version": "gemm"}
     json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
-    runs = {"before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "the built-in table": {}}
+    runs = {"the built-in table": {}} if ARGS.no_before else {
+        "before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "the built-in table": {}}
     if os.path.exists(ARGS.table):
         runs["mma measured table"] = {"PAGEDLLM_WNA16_MMA_TABLE": ARGS.table}
     for name, extra in runs.items():

@@ -29,21 +29,22 @@ class MMAConfig(NamedTuple):
 _S = MMAConfig
 Bucket = tuple[int, MMAConfig | None]
 # (N, K) -> ((max rows, config or None = the path before this kernel), ...) in increasing max rows; rows past
-# the last bucket take the path before (the dequantized scratch + cuBLAS). H200, 2026-12-02 (the sweep's
-# round 1): rows 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048 timed, each bucket the fastest there.
+# the last bucket take the path before (the dequantized scratch + cuBLAS). H200, 2026-12-02, the sweep's
+# rounds 1 (rows 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048; 8B and 72B) and 2 (8B: 96, 128, 160, 192,
+# 224, 256, 384, 512, 1024, K split up to 8 ways), each bucket the fastest there.
 TABLE: dict[tuple[int, int], tuple[Bucket, ...]] = {
     (6144, 4096): ((16, _S(16, 64, 4, 4, 3)), (32, _S(32, 64, 4, 4, 3)), (64, _S(64, 64, 4, 4, 3)),
-                   (128, _S(64, 64, 2, 4, 3)), (2048, None)),  # Llama-3.1-8B qkv
+                   (128, _S(64, 64, 2, 4, 3)), (192, None), (224, _S(128, 128, 8, 8, 3)), (2048, None)),  # Llama-3.1-8B qkv
     (4096, 4096): ((16, _S(16, 64, 4, 4, 3)), (32, _S(32, 64, 4, 4, 3)), (64, _S(64, 64, 4, 4, 3)),
-                   (128, _S(64, 64, 2, 4, 3)), (192, _S(128, 64, 2, 4, 3)), (2048, None)),  # 8B o
+                   (128, _S(128, 64, 4, 4, 3)), (224, _S(128, 64, 2, 4, 3)), (2048, None)),  # 8B o
     (28672, 4096): ((16, _S(16, 64, 2, 4, 3)), (32, _S(32, 64, 2, 4, 3)), (64, _S(64, 64, 1, 4, 2)),
-                    (128, _S(128, 128, 1, 8, 3)), (256, _S(256, 128, 2, 8, 3)), (1024, _S(256, 128, 1, 8, 3)),
-                    (2048, None)),  # 8B gate_up
+                    (128, _S(128, 128, 8, 8, 3)), (160, _S(256, 128, 2, 8, 3)), (192, _S(256, 128, 8, 8, 3)),
+                    (224, _S(256, 128, 1, 8, 3)), (256, _S(256, 128, 4, 8, 3)), (384, None),
+                    (512, _S(256, 128, 1, 8, 3)), (2048, None)),  # 8B gate_up
     (4096, 14336): ((16, _S(16, 64, 4, 4, 3)), (32, _S(32, 64, 4, 4, 3)), (64, _S(64, 64, 4, 4, 3)),
-                    (128, _S(64, 64, 2, 4, 3)), (2048, None)),  # 8B down
+                    (128, _S(128, 64, 4, 4, 3)), (160, None), (256, _S(256, 128, 4, 8, 3)), (2048, None)),  # 8B down
     (10240, 8192): ((16, _S(16, 64, 4, 4, 3)), (32, _S(32, 64, 4, 4, 3)), (64, _S(64, 64, 4, 4, 3)),
-                    (128, _S(128, 128, 1, 8, 3)), (192, None), (256, _S(256, 128, 1, 8, 3)),
-                    (2048, None)),  # Qwen2.5-72B qkv
+                    (128, _S(128, 128, 1, 8, 3)), (192, None), (256, _S(256, 128, 1, 8, 3)), (2048, None)),  # Qwen2.5-72B qkv
     (8192, 8192): ((16, _S(16, 64, 4, 4, 3)), (32, _S(32, 64, 4, 4, 3)), (64, _S(64, 64, 4, 4, 2)),
                    (128, _S(128, 64, 2, 4, 3)), (256, _S(128, 128, 1, 8, 3)), (512, _S(256, 128, 1, 8, 3)),
                    (2048, None)),  # 72B o
@@ -76,7 +77,7 @@ def mma_rule(m: int, n: int, k: int) -> MMAConfig | None:
 
 def _read_table(path: str) -> dict[tuple[int, int], tuple[Bucket, ...]]:
     """PAGEDLLM_WNA16_MMA_TABLE's JSON ({"N,K": [[max_rows, [BLOCK_M, BLOCK_N, SPLIT_K, num_warps,
-    num_stages] or null], ...]}) as TABLE's form; a malformed file is an error naming it."""
+    num_stages(, BLOCK_KW)] or null], ...]}) as TABLE's form; a malformed file is an error naming it."""
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -98,7 +99,7 @@ if _TABLE_FILE:
 
 def mma_choice(m: int, n: int, k: int) -> MMAConfig | None:
     """The int4 GEMM's configuration for an (m, N, K) call, or None where the path before it is faster.
-    Example: (100, 4096, 14336) -> 64 x 64 tiles, K split 2 (the table); (300, 4096, 14336) -> None."""
+    Example: (100, 4096, 14336) -> 128 x 64 tiles, K split 4 (the table); (300, 4096, 14336) -> None."""
     buckets = TABLE.get((n, k))
     if buckets is None:
         return mma_rule(m, n, k)

@@ -64,9 +64,9 @@ def test_mma_errors_name_the_problem(device):
 
 
 def test_choice_rule_table_and_file(tmp_path, monkeypatch, device):
-    # the measured table: 8B down (4096 x 14336) at 100 rows -> 64 x 64 tiles, K split 2; past its
+    # the measured table: 8B down (4096 x 14336) at 100 rows -> 128 x 64 tiles, K split 4; past its
     # buckets the path before (None)
-    assert mma_choice(100, 4096, 14336) == MMAConfig(64, 64, 2, 4, 3)
+    assert mma_choice(100, 4096, 14336) == MMAConfig(128, 64, 4, 4, 3)
     assert mma_choice(300, 4096, 14336) is None and mma_choice(4096, 28672, 4096) is None
     # the rule for other shapes: 16-row tiles up to 16 rows, K split 4 ways for few column blocks;
     # narrow shapes past 256 rows and wide ones past 1024: None
