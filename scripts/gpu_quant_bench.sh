@@ -9,7 +9,8 @@
 #   int8        W8A8-INT8 (compressed-tensors config), pagedllm then vLLM, ~4 min
 #   awq, gptq   int4 g128 (one section each): W1 and the batch-1 decode step, pagedllm then vLLM, ~4.5 min
 #   72b         Qwen2.5-72B-shaped AWQ (dummy int4 weights) on one H200, max_model_len 4096, W1
-#               (pagedllm, then vLLM), ~7 min
+#               (pagedllm, then vLLM), ~7 min; 72b-ours / 72b-vllm: one side each (two calls)
+# T_OURS / T_VLLM: seconds each W1 run may take (default 170 / 200; the 72B's need more)
 #   w1          the issue's targets in one call, ~6 min: pagedllm W1 bf16, fp8, fp8 + fp8 KV, int8, awq
 #               (+ its batch-1 step), then vLLM fp8 and awq (Marlin)
 #   short       pagedllm W1 fp8 and awq, awq's batch-1 step, then vLLM fp8 W1 (~3 min)
@@ -60,7 +61,7 @@ B="python3 -m pagedllm bench"
 ours_w1() {  # tag model extra-args...
   local tag=$1 model=$2; shift 2
   echo "=== pagedllm W1 $tag"
-  timeout 170 $B throughput --model "$model" --load-format dummy --skip-tokenizer-init --dataset w1 \
+  timeout "${T_OURS:-170}" $B throughput --model "$model" --load-format dummy --skip-tokenizer-init --dataset w1 \
     --max-model-len 4096 --output-json "$OUT/w1_$tag.json" "$@" > "$OUT/w1_$tag.log" 2>&1
   grep -v "it/s" "$OUT/w1_$tag.log" | tail -3
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('| pagedllm', sys.argv[2], '|', round(d['output_tokens_per_second'], 1), '|')" \
@@ -80,7 +81,7 @@ vllm_w1() {  # tag model extra-args...
   [ -d /tmp/site/vllm ] || { echo "(vLLM not under /tmp/site: peer skipped)"; return; }
   local tag=$1 model=$2; shift 2
   echo "=== vLLM W1 $tag"
-  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 timeout 200 python3 scripts/peer_vllm_quant.py "$model" "$@" \
+  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 timeout "${T_VLLM:-200}" python3 scripts/peer_vllm_quant.py "$model" "$@" \
     > "$OUT/vllm_$tag.log" 2>&1
   grep '"peer"' "$OUT/vllm_$tag.log" || tail -4 "$OUT/vllm_$tag.log"
   python3 -c "import json,sys; d=[json.loads(l) for l in open(sys.argv[1]) if l.startswith('{\"peer')][-1]; print('| vLLM', sys.argv[2], '|', d['output_tok_per_s'], '|')" \
@@ -140,8 +141,10 @@ if want short; then
   ours_lat awq "$OUT/cfg/llama3-8b-awq"
   vllm_w1 fp8 $L8 --quantization fp8
 fi
-if want 72b; then
+if want 72b || want 72b-ours; then
   ours_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92
+fi
+if want 72b || want 72b-vllm; then
   vllm_w1 qwen72b-awq "$OUT/cfg/qwen2.5-72b-awq" --gpu-memory-utilization 0.92
 fi
 echo "=== table"
