@@ -21,8 +21,12 @@ CUDA paths (`wna16_linear`), none keeping a dense copy of the weight between cal
     M == 1, int4, G % 128 == 0              kernels/wna16_stream.py: short unrolled programs, many in
                    flight (split-K with an ordered one-launch reduce), fp32 magic-number unpack or
                    packed fp16 math on pairs of values (MATH="f16x2"); its (N, K) table picks per shape
-    M < 128, int4, G % 128 == 0, 16-bit x   kernels/wna16_tc.py: LOP3-unpacked words straight into
-                   tensor-core dots, split-K for skinny batches (act-order: x read through perm)
+    M >= 2, int4, G % 128 == 0, 16-bit x    kernels/wna16_mma.py where its launch table / rule
+                   (wna16_mma_config.py) has a configuration (to 128-1024 rows by shape): one wgmma a
+                   128-input step, the weights dequantized in registers as its register operand
+    M < 128, int4, G % 128 == 0, 16-bit x   (else, and with PAGEDLLM_WNA16_MMA=0) kernels/wna16_tc.py:
+                   LOP3-unpacked words straight into tensor-core dots, split-K for skinny batches
+                   (act-order: x read through perm)
     M <= 16        (other int4 groups, 8-bit) kernels/wna16_gemv.py: the words streamed once, unpacked
                    in registers (split-K)
     16 < M < 128   (same) `_wna16_gemm_kernel`: (BLOCK_M, BLOCK_N) tiles; each step loads its (BLOCK_KP,

@@ -52,6 +52,7 @@ from pagedllm.kernels import (  # noqa: E402
     w8a8_gemm,
     wna16_gemm,
     wna16_gemv,
+    wna16_mma,
     wna16_stream,
     wna16_tc,
 )
@@ -150,6 +151,7 @@ def _record(launches: list) -> None:
         (wna16_gemm, "_wna16_gemm_kernel"),
         (wna16_gemm, "_wna16_dequant_kernel"),
         (wna16_tc, "_wna16_tc_kernel"),
+        (wna16_mma, "_wna16_mma_kernel"),
         (wna16_stream, "_wna16_stream_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
@@ -176,9 +178,9 @@ def _record(launches: list) -> None:
 
 
 def _record_quant() -> None:
-    """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the dispatch's tensor-core
-    kernel (wna16_tc: M 8 and 64; one row: wna16_stream, also at gate_up's 28672 x 4096), the
-    dequantization (larger M); 8-bit weights' GEMV and tile kernel;
+    """Issue 19's kernels at Llama-3.1-8B's down projection (int4 g128): the dispatch's int4 GEMM
+    (wna16_mma: M 8, 64, 200), the tensor-core kernel (wna16_tc: M 8 and 64; one row: wna16_stream, also
+    at gate_up's 28672 x 4096), the dequantization (larger M); 8-bit weights' GEMV and tile kernel;
     W8A8's activation quantizer (int8, fp8) and scale epilogue."""
     bf16 = torch.bfloat16
     n, k = 4096, 14336
@@ -186,10 +188,18 @@ def _record_quant() -> None:
     s, z = torch.zeros(k // 128, n, dtype=bf16), torch.zeros(k // 128, n, dtype=torch.uint8)
     wna16_gemv._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
     wna16_stream._workspaces[torch.device("cpu")] = (torch.zeros(1 << 22), torch.zeros(1 << 15, dtype=torch.int32))
-    # M >= 128 dequantizes and multiplies with torch: the dequant kernel is recorded by the call below; a
-    # wna16_linear call there would run a (256 x 14336) @ (14336 x 4096) bf16 matmul on the CPU (~70 s).
-    for m in (1, 8, 64):
+    wna16_mma._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
+    # Past the int4 GEMM's buckets the dispatch dequantizes and multiplies with torch: the dequant kernel is
+    # recorded by the call below; a wna16_linear call there would run a (512 x 14336) @ (14336 x 4096) bf16
+    # matmul on the CPU. Rows 8, 64 and 200: the GEMM's 16-, 64- and 256-row tiles of its table (200: 64-input
+    # steps); the tensor-core kernel's launches with PAGEDLLM_WNA16_MMA=0's dispatch.
+    for m in (1, 8, 64, 200):
         wna16_gemm.wna16_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 4, 128)
+    for m in (8, 64):
+        wna16_tc.wna16_tc_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 128)
+    # the GPU's form of the GEMM (the inline-PTX dequantization) at the same three launches
+    for m in (8, 64, 200):
+        wna16_mma.wna16_mma_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 128, use_asm=True)
     # the packed fp16 math of the one-row kernel (MATH="f16x2"), plain, with SwiGLU's activation and with
     # residual add + RMSNorm in its x prologue (the norm at qkv / gate_up's K: hidden 4096)
     for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
