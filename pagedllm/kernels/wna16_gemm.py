@@ -245,7 +245,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dequant_from = DEQUANT_MIN_M if dequant_min_m is None else dequant_min_m
     if config is None and STREAM_ENABLED and stream_supported(x, bits, group_size, k):
         return wna16_stream_linear(x, qweight, scales, zeros, group_size, bias, perm)
-    if config is None and MMA_ENABLED and mma_supported(x, bits, group_size, k):
+    # act-order at <= 16 rows stays on the tensor-core kernel, which reads x through perm in the kernel:
+    # the GEMM below gathers x once per call (one more launch a linear), not measured against it there
+    if config is None and MMA_ENABLED and mma_supported(x, bits, group_size, k) and (
+            perm is None or m > MAX_GEMV_M):
         mma = mma_choice(m, n, k)
         if mma is not None:
             return wna16_mma_linear(x, qweight, scales, zeros, group_size, bias, perm, config=mma)

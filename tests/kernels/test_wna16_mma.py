@@ -90,3 +90,20 @@ def test_choice_rule_table_and_file(tmp_path, monkeypatch, device):
     f.write_text(json.dumps({"64x256": [[32, None]]}))
     with pytest.raises(ValueError, match="PAGEDLLM_WNA16_MMA_TABLE=.*not a table"):
         wna16_mma_config._read_table(str(f))
+
+
+def test_act_order_few_rows_stay_on_the_tc_kernel(monkeypatch, device):
+    """Act-order batches of <= 16 rows keep the tensor-core kernel (x read through perm in the kernel);
+    more rows take the GEMM (x gathered once); both equal the reference."""
+    from pagedllm.kernels import wna16_gemm
+
+    calls = []
+    real = wna16_gemm.wna16_mma_linear
+    monkeypatch.setattr(wna16_gemm, "wna16_mma_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    qweight, scales, zeros = _weights(256, 64, 128, device)
+    perm = torch.randperm(256, device=device).to(torch.int32)
+    for m in (8, 24):
+        x = torch.randn(m, 256, device=device)
+        torch.testing.assert_close(wna16_linear(x, qweight, scales, zeros, 4, 128, perm=perm),
+                                   wna16_linear_ref(x, qweight, scales, zeros, 4, 128, perm=perm), atol=1e-3, rtol=1e-3)
+    assert calls == [24]
