@@ -105,7 +105,7 @@ class EngineCore(GrammarStepMixin):
             gate_choice = config.device_config.device == "cuda"
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
                               and self.model_executor.shares_scheduler_output and gate_choice)
-        self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)
+        self.structured_output_manager = StructuredOutputManager(config)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
         self._grammar_aborted: dict[str, EngineCoreOutput] = {}  # _grammar_failed's, returned by step()
