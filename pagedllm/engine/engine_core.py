@@ -9,9 +9,6 @@ sampling) is grammar_step.py's mixin.
 
 from __future__ import annotations
 
-import atexit
-import functools
-import gc
 import logging
 import time
 
@@ -20,6 +17,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
+from pagedllm.engine.gc_heap import freeze_gc_heap
 from pagedllm.engine.grammar_step import GrammarStepMixin
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
@@ -28,33 +26,6 @@ from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManag
 from pagedllm.structured_output.sample_check import conflicting_masks
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _unfreeze_at_exit() -> None:
-    atexit.register(gc.unfreeze)  # once per process, however many engines
-
-
-def freeze_gc_heap() -> None:
-    """Move every live object out of the cyclic collector's sight (vLLM freezes its heap too).
-
-    The model, its buffers and the start-up garbage are long-lived; otherwise each full collection
-    while serving walks them again (a few percent of a W1 run: BENCHMARKS.md, "Measurements behind
-    code decisions"). Frozen objects are
-    never collected, so a frontend that drops its engine calls `unfreeze_gc_heap` (below); at exit
-    the heap is given back too, so interpreter shutdown still collects it (extension modules such
-    as Triton's report frozen objects as leaks otherwise).
-    """
-    gc.collect()
-    gc.freeze()
-    _unfreeze_at_exit()
-
-
-def unfreeze_gc_heap() -> None:
-    """Give frozen objects back to the collector: an engine's reference cycles (and the GPU memory
-    they hold) are freed by the next `gc.collect()`. Other live engines only lose the speed-up
-    until the next engine start freezes again."""
-    gc.unfreeze()
 
 
 class EngineCore(GrammarStepMixin):
