@@ -244,7 +244,7 @@ def workload(seed: int) -> list[list[int]]:
 
 def e2e(label: str, tile=None, splits=None, prefill=None) -> None:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.engine.engine_core import unfreeze_gc_heap
+    from pagedllm.engine.gc_heap import unfreeze_gc_heap
 
     undo = patched(tile, splits, prefill)
     try:

@@ -43,7 +43,8 @@ import pagedllm.envs as envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_loop import EngineCoreLoop
 from pagedllm.engine.core_proc import multiprocessing_available
-from pagedllm.engine.engine_core import EngineCore, unfreeze_gc_heap
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.gc_heap import unfreeze_gc_heap
 from pagedllm.engine.messages import (
     EngineCoreCommand,
     EngineCoreReply,

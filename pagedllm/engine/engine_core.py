@@ -2,15 +2,13 @@
 
 The frontends (LLMEngine for `LLM`, AsyncLLM for the server) own tokenization, detokenization and
 stop strings; the core sees token ids only. It reaches the model only through its Executor
-(pagedllm/executor/): `initialize()` at start, `execute_model()` each step.
+(pagedllm/executor/): `initialize()` at start, `execute_model()` each step. The grammar side of the
+step (structured outputs: requests whose grammar compiles, the bitmask job, deferred and gated
+sampling) is grammar_step.py's mixin.
 """
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
-import functools
-import gc
 import logging
 import time
 
@@ -19,45 +17,18 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.batch_queue import BatchQueue
+from pagedllm.engine.gc_heap import freeze_gc_heap
+from pagedllm.engine.grammar_step import GrammarStepMixin
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputHandle
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.backend_types import GrammarBackendError
-from pagedllm.structured_output.bitmask import GrammarOutput
-from pagedllm.structured_output.gate import GrammarGate
 from pagedllm.structured_output.manager import BitmaskJob, StructuredOutputManager
 from pagedllm.structured_output.sample_check import conflicting_masks
 
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _unfreeze_at_exit() -> None:
-    atexit.register(gc.unfreeze)  # once per process, however many engines
-
-
-def freeze_gc_heap() -> None:
-    """Move every live object out of the cyclic collector's sight (vLLM freezes its heap too).
-
-    The model, its buffers and the start-up garbage are long-lived; otherwise each full collection
-    while serving walks them again (a few percent of a W1 run: BENCHMARKS.md, "Measurements behind
-    code decisions"). Frozen objects are
-    never collected, so a frontend that drops its engine calls `unfreeze_gc_heap` (below); at exit
-    the heap is given back too, so interpreter shutdown still collects it (extension modules such
-    as Triton's report frozen objects as leaks otherwise).
-    """
-    gc.collect()
-    gc.freeze()
-    _unfreeze_at_exit()
-
-
-def unfreeze_gc_heap() -> None:
-    """Give frozen objects back to the collector: an engine's reference cycles (and the GPU memory
-    they hold) are freed by the next `gc.collect()`. Other live engines only lose the speed-up
-    until the next engine start freezes again."""
-    gc.unfreeze()
-
-
-class EngineCore:
+class EngineCore(GrammarStepMixin):
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
         t0 = time.monotonic()
@@ -105,7 +76,7 @@ class EngineCore:
             gate_choice = config.device_config.device == "cuda"
         self.gate_sampling = (self.async_scheduling and self.batch_queue is None
                               and self.model_executor.shares_scheduler_output and gate_choice)
-        self.structured_output_manager = StructuredOutputManager(config, gated=self.gate_sampling)
+        self.structured_output_manager = StructuredOutputManager(config)
         # Constrained requests whose grammar is still compiling: they reach the scheduler when it is.
         self.waiting_for_grammar: dict[str, Request] = {}
         self._grammar_aborted: dict[str, EngineCoreOutput] = {}  # _grammar_failed's, returned by step()
@@ -125,24 +96,6 @@ class EngineCore:
             self.waiting_for_grammar[request.request_id] = request
             return
         self.scheduler.add_request(request)
-
-    def _release_compiled(self) -> list[EngineCoreOutput]:
-        """Hand requests whose grammar finished compiling to the scheduler (a failed compile, which
-        the frontend's check makes unexpected, finishes its request as aborted)."""
-        outputs: list[EngineCoreOutput] = []
-        manager = self.structured_output_manager
-        for rid, req in list(self.waiting_for_grammar.items()):
-            sor = manager.requests[rid]
-            if not sor.ready:
-                continue
-            del self.waiting_for_grammar[rid]
-            if sor.future.exception() is not None:
-                logger.error("request %s: grammar compilation failed: %s", rid, sor.future.exception())
-                manager.remove([rid])
-                outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
-                continue
-            self.scheduler.add_request(req)
-        return outputs
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -199,17 +152,6 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(so, result)
         manager.advance(outputs)  # the one place grammars advance
         return outputs + ended if ended else outputs
-
-    def _grammar_failed(self, error: BaseException) -> None:
-        """manager.fail_over, and the constrained requests finished as aborted (returned by `step`)."""
-        logger.error("structured outputs: %s; the constrained requests in flight are aborted, later ones use "
-                     "the in-process bitmask thread", error)
-        ids = self.structured_output_manager.fail_over()
-        for rid in ids:
-            self.waiting_for_grammar.pop(rid, None)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        for rid in ids:
-            self._grammar_aborted[rid] = EngineCoreOutput(rid, [], finish_reason="abort")
 
     def _step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that just completed.
@@ -275,65 +217,6 @@ class EngineCore:
                 outputs += self._collect_inflight()
         return outputs
 
-    def _step_gated(self, so: SchedulerOutput, gate: GrammarGate) -> list[EngineCoreOutput]:
-        """Launch the forward of a gated step, collect the step in flight (its tokens advance the
-        grammars), submit the bitmask job, whose filler opens the gate, and only then launch the
-        step's sampling, which waits on the device for the gate:
-
-            step k:  schedule k | launch forward k | collect k-1 | submit fill k | launch gate k + sample k | return
-            filler:                                              [accept k-1, fill k] -> open k
-            device:  ... forward k | (waits for gate k) | sample k | forward k+1 ...
-
-        Why the job goes before the wait (gate.py says more): once the wait is queued, a host call
-        that synchronizes the device (a kernel's first load, a cudaMalloc...) waits for the gate; with
-        the job not yet posted it would wait for a fill that this thread posts only after it: the
-        device and the host each waiting for the other, for good. Queued after the post, such a call
-        waits only for the fill. The gate is opened whatever fails here (manager.submit_gate too),
-        never left shut."""
-        so.grammar_gate = gate
-        outputs: list[EngineCoreOutput] = []
-        try:
-            pending = self.model_executor.execute_model(so)  # None: its sampling waits for the call below
-            self.step_count += 1
-            if self.inflight is not None:
-                outputs = self._collect_inflight()
-        except BaseException:
-            gate.open()
-            raise
-        try:
-            self.structured_output_manager.submit_gate(gate)  # (opens the gate itself if it fails)
-        except GrammarBackendError as e:
-            self._grammar_failed(e)
-        if pending is None:
-            pending = self.model_executor.sample_tokens(gate)
-        self.inflight = (so, pending)
-        return outputs
-
-    def _sample_deferred(self) -> None:
-        """Sample the step whose bitmask job ran since the last step; it becomes the step in flight."""
-        assert self.deferred_sample is not None and self.inflight is None
-        so, job = self.deferred_sample
-        self.deferred_sample = None
-        self.inflight = (so, self.model_executor.sample_tokens(self._grammar_result(job)))
-
-    def _grammar_job(self, so: SchedulerOutput) -> BitmaskJob:
-        """manager.submit_grammar_bitmask; a failed grammar backend: no job (the step samples unmasked,
-        its constrained rows aborted)."""
-        try:
-            return self.structured_output_manager.submit_grammar_bitmask(so)
-        except GrammarBackendError as e:
-            self._grammar_failed(e)
-            return BitmaskJob(None, None)
-
-    def _grammar_result(self, job: BitmaskJob | None, so: SchedulerOutput | None = None) -> GrammarOutput | None:
-        """The job's bitmask (or, with `so`, the step's bitmask computed now); None when the grammar
-        backend failed meanwhile (_grammar_failed: the constrained rows are aborted, their tokens dropped)."""
-        try:
-            return job.result() if job is not None else self.structured_output_manager.grammar_bitmask(so)
-        except GrammarBackendError as e:
-            self._grammar_failed(e)
-            return None
-
     def step_with_batch_queue(self, queue: BatchQueue) -> list[EngineCoreOutput]:
         """Pipeline parallel (vLLM's step_with_batch_queue): launch a new batch while the queue
         has room and the scheduler finds work; return at once while the pipeline fills; otherwise
@@ -379,11 +262,6 @@ class EngineCore:
             # the step's tokens (it drops those of finished requests): no such token is emitted.
             self._grammar_failed(GrammarBackendError(f"gated step {gate.seq}: {why}"))
         return self._update_from_output(so, result)
-
-    def _wait_for_a_grammar(self) -> None:
-        """Nothing to run but grammars compiling: sleep until one is done instead of spinning."""
-        futures = [self.structured_output_manager.requests[r].future for r in self.waiting_for_grammar]
-        concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def has_unfinished_requests(self) -> bool:
         return (self.inflight is not None or self.deferred_sample is not None or bool(self.batch_queue)

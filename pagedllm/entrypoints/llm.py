@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.engine_core import unfreeze_gc_heap
+from pagedllm.engine.gc_heap import unfreeze_gc_heap
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import check_tools, render_chat
@@ -41,7 +41,7 @@ class LLM:
         next `LLM(...)` in the process finds the GPU memory free (seed §4.3 / §7.1's loop:
         `del llm; torch.cuda.empty_cache()`, with no gc.collect()). The engine's objects hold
         reference cycles (a layer's parameters point back at it through their weight_loader) and
-        were frozen out of the collector's sight at start (engine_core.freeze_gc_heap), so plain
+        were frozen out of the collector's sight at start (engine/gc_heap.py), so plain
         reference counting would never free them: drop the engine, hand the heap back, collect."""
         engine = self.__dict__.pop("llm_engine", None)
         if engine is None:

@@ -23,10 +23,10 @@ Why the order is safe: the bitmask's copy is queued behind the wait, so it reads
 after the fill's last store (the flag is written after it; x86 stores reach the device in order),
 and the buffer's next fill is two steps later, after that step's tokens were collected, i.e. after
 its copy ran. The step loop must open every gate it launched, whatever happens: a gate left shut
-stops the device's stream for good (engine_core.py opens it in a `finally`).
+stops the device's stream for good (engine/grammar_step.py opens it whatever fails).
 
-The job is posted BEFORE the wait is queued (engine_core._step_gated: launch forward k, collect k-1,
-submit job k, only then queue wait k + sampling k). Once the wait is in the stream, any host call
+The job is posted BEFORE the wait is queued (EngineCore._step_gated, in engine/grammar_step.py: launch
+forward k, collect k-1, submit job k, only then queue wait k + sampling k). Once the wait is in the stream, any host call
 that synchronizes the device blocks until the gate opens, and the CUDA calls that may do so are
 not only the obvious ones: the first launch of a kernel (lazy module loading, CUDA's default, "may
 require context synchronization"), a cudaMalloc of the caching allocator's next segment, a pinned

@@ -54,9 +54,8 @@ __all__ = ["BitmaskJob", "StructuredOutputManager", "make_backend", "use_grammar
 
 
 class StructuredOutputManager(GatedSamplingMixin):
-    def __init__(self, config: EngineConfig, gated: bool = False) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.gated = gated  # whether the engine core gates constrained steps (gate.py)
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None

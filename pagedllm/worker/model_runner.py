@@ -203,7 +203,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if so.grammar_gate is not None:
             # Gated: the sampling is launched by sample_tokens(gate), once the engine core has posted
-            # the gate's fill (engine_core._step_gated says why); its host work is done here.
+            # the gate's fill (EngineCore._step_gated, grammar_step.py, says why); its host work is done here.
             self._deferred = (inp, logits)
             self._gated_prep = self._prepare_gated(inp, logits, so.grammar_gate)
             return None

@@ -210,6 +210,21 @@ def test_the_grammar_backend_defaults(monkeypatch):
     assert not manager_mod.use_grammar_worker()
 
 
+def _gates_made(llm, monkeypatch) -> int:
+    """How many steps of one constrained request got a gate (manager.gate_step, asked by the engine
+    core only when it gates; None: that step samples after its fill)."""
+    manager = llm.llm_engine.engine_core.structured_output_manager
+    gates = []
+    gate_step = manager.gate_step
+
+    def spy(so):
+        gates.append(gate_step(so))
+        return gates[-1]
+    monkeypatch.setattr(manager, "gate_step", spy)
+    llm.generate(["a b c"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-f]{4}")))
+    return sum(g is not None for g in gates)
+
+
 def test_gated_sampling_is_off_by_default_on_the_cpu(monkeypatch):
     """Unset, PAGEDLLM_GRAMMAR_GATE gates on CUDA only (engine_core); the CPU samples after the fill."""
     from pagedllm import LLM
@@ -219,13 +234,14 @@ def test_gated_sampling_is_off_by_default_on_the_cpu(monkeypatch):
     path, _ = tiny_model("qwen3", vocab_size=49152, with_tokenizer=True)
     llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
     try:
-        core = llm.llm_engine.engine_core
-        assert not core.gate_sampling and not core.structured_output_manager.gated
+        assert not llm.llm_engine.engine_core.gate_sampling
+        assert _gates_made(llm, monkeypatch) == 0
     finally:
         llm.llm_engine.shutdown()
     monkeypatch.setenv("PAGEDLLM_GRAMMAR_GATE", "1")
     llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=16, async_scheduling=True)
     try:
         assert llm.llm_engine.engine_core.gate_sampling
+        assert _gates_made(llm, monkeypatch) > 0
     finally:
         llm.llm_engine.shutdown()
