@@ -47,7 +47,7 @@ import triton.language as tl
 
 from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
 from pagedllm.kernels.wna16_mma_config import MMAConfig, mma_choice
-from pagedllm.kernels.wna16_tc import _MAGIC, _SCALE_ASM_BF16, _SCALE_ASM_F16
+from pagedllm.kernels.wna16_tc import _weights, int4_steps_supported, magic_offset
 
 __all__ = ["MMAConfig", "mma_supported", "wna16_mma_linear"]
 
@@ -62,37 +62,6 @@ def _join_cols(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_K: tl.constexpr):
     natural input order: [n, r, a, b, c] = w_(4a + 2b + c)[n, r], flattened to column 8r + 4a + 2b + c."""
     t = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
     return tl.reshape(t, (w0.shape[0], BLOCK_K))
-
-
-@triton.jit
-def _weights_t(words_t, x_ptr, z, s, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.constexpr):
-    """8 tiles (q_i - z) * s in x's dtype from words_t (BLOCK_N, BLOCK_KW) (z, s: (BLOCK_N,) fp32), rounded
-    once as a dequantized weight: wna16_tc's PRESCALE arithmetic (`_weights` there), the scales along rows."""
-    DTYPE = x_ptr.dtype.element_ty
-    if USE_ASM:
-        magic = tl.full(words_t.shape, MAGIC, tl.int32)
-        nz = tl.broadcast_to((-(z + OFF)).to(DTYPE)[:, None], words_t.shape)
-        sb = tl.broadcast_to(s.to(DTYPE)[:, None], words_t.shape)
-        if DTYPE == tl.bfloat16:
-            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                _SCALE_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words_t, magic, nz, sb],
-                dtype=(DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE), is_pure=True, pack=2)
-        else:
-            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                _SCALE_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words_t, magic, nz, sb],
-                dtype=(DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE), is_pure=True, pack=2)
-    else:
-        sd = s.to(DTYPE).to(tl.float32)[:, None]
-        zd = z[:, None]
-        w0 = ((((words_t >> 0) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w1 = ((((words_t >> 4) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w2 = ((((words_t >> 8) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w3 = ((((words_t >> 12) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w4 = ((((words_t >> 16) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w5 = ((((words_t >> 20) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w6 = ((((words_t >> 24) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-        w7 = ((((words_t >> 28) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
-    return w0, w1, w2, w3, w4, w5, w6, w7
 
 
 @triton.jit
@@ -131,7 +100,8 @@ def _wna16_mma_kernel(
         g_next = tl.minimum(k0 + BLOCK_K, K - 1) // GROUP_SIZE  # the last step reads a valid, unused group
         s_next = tl.load(s_ptr + g_next * N + offs_n, mask=mask_n, other=0.0)
         z_next = tl.load(z_ptr + g_next * N + offs_n, mask=mask_n, other=0)
-        w0, w1, w2, w3, w4, w5, w6, w7 = _weights_t(tl.trans(words), x_ptr, z, s, MAGIC, OFF, USE_ASM)
+        # wna16_tc's PRESCALE arithmetic on the transposed words: scales along rows
+        w0, w1, w2, w3, w4, w5, w6, w7 = _weights(tl.trans(words), x_ptr, z[:, None], s[:, None], MAGIC, OFF, USE_ASM)
         acc = tl.dot(_join_cols(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_K), tl.trans(x), acc,
                      input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_KW * N
@@ -140,10 +110,7 @@ def _wna16_mma_kernel(
                          M, N, pid_k, pid, SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
 
 
-def mma_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
-    """Int4, 16-bit activations (fp32 too in the interpreter), groups and K whole 128-input steps."""
-    dtype_ok = x.dtype in _MAGIC or (x.dtype == torch.float32 and not x.is_cuda)
-    return bits == 4 and dtype_ok and group_size % 128 == 0 and k % 128 == 0
+mma_supported = int4_steps_supported  # the tensor-core GEMV's shapes, any number of rows
 
 
 def wna16_mma_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -165,12 +132,7 @@ def wna16_mma_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x = x.contiguous()
     if use_asm is None:
         use_asm = x.is_cuda
-    if x.dtype in _MAGIC:
-        magic, off = _MAGIC[x.dtype]
-    elif x.dtype == torch.float32 and not use_asm:
-        magic, off = 0, 128.0  # the interpreter's fp32 path: OFF + q is exact in fp32 too
-    else:
-        raise ValueError(f"wna16_mma_linear: activations must be bfloat16 or float16, got {x.dtype}")
+    magic, off = magic_offset(x.dtype, use_asm, "wna16_mma_linear")
     steps = k // block_k
     k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
     split = triton.cdiv(k, k_per_split)

@@ -139,12 +139,13 @@ def _nibbles(words, x_ptr, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.c
 
 @triton.jit
 def _weights(words, x_ptr, z, s, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM: tl.constexpr):
-    """8 tiles (q_i - z) * s in x's dtype (z, s: (BLOCK_N,) fp32), rounded once as a dequantized weight."""
+    """8 tiles (q_i - z) * s in x's dtype, rounded once as a dequantized weight; z, s fp32, shaped to
+    broadcast along the words' output axis ((1, BLOCK_N) here, (BLOCK_N, 1) for wna16_mma's transposed words)."""
     DTYPE = x_ptr.dtype.element_ty
     if USE_ASM:
         magic = tl.full(words.shape, MAGIC, tl.int32)
-        nz = tl.broadcast_to((-(z + OFF)).to(DTYPE)[None, :], words.shape)
-        sb = tl.broadcast_to(s.to(DTYPE)[None, :], words.shape)
+        nz = tl.broadcast_to((-(z + OFF)).to(DTYPE), words.shape)
+        sb = tl.broadcast_to(s.to(DTYPE), words.shape)
         if DTYPE == tl.bfloat16:
             w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
                 _SCALE_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, magic, nz, sb],
@@ -154,8 +155,8 @@ def _weights(words, x_ptr, z, s, MAGIC: tl.constexpr, OFF: tl.constexpr, USE_ASM
                 _SCALE_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, magic, nz, sb],
                 dtype=(DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE, DTYPE), is_pure=True, pack=2)
     else:  # s rounded to x's dtype first, as the PTX path sees it
-        sd = s.to(DTYPE).to(tl.float32)[None, :]
-        zd = z[None, :]
+        sd = s.to(DTYPE).to(tl.float32)
+        zd = z
         w0 = ((((words >> 0) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
         w1 = ((((words >> 4) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
         w2 = ((((words >> 8) & 15).to(tl.float32) - zd) * sd).to(DTYPE)
@@ -233,7 +234,7 @@ def _wna16_tc_kernel(
         s_next = tl.load(s_ptr + g_next * N + offs_n, mask=mask_n, other=0.0)
         z_next = tl.load(z_ptr + g_next * N + offs_n, mask=mask_n, other=0)
         if PRESCALE:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _weights(words, x_ptr, z, s, MAGIC, OFF, USE_ASM)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _weights(words, x_ptr, z[None, :], s[None, :], MAGIC, OFF, USE_ASM)
         else:
             z = z + OFF
             v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles(words, x_ptr, MAGIC, OFF, USE_ASM)
@@ -279,11 +280,26 @@ def _wna16_tc_kernel(
                          M, N, pid_k, pid_n * tl.num_programs(0) + pid_m, SPLIT_K, HAS_BIAS, USE_SPLIT, BLOCK_M, BLOCK_N)
 
 
-def tc_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
-    """The shapes this kernel is built for: int4, 16-bit activations (fp32 too in the interpreter),
-    groups (and K) a whole number of 128-input steps."""
+def int4_steps_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
+    """What the LOP3-unpacking tensor-core kernels (this one, wna16_mma) take: int4, 16-bit activations
+    (fp32 too in the interpreter), groups (and K) a whole number of 128-input steps."""
     dtype_ok = x.dtype in _MAGIC or (x.dtype == torch.float32 and not x.is_cuda)
-    return bits == 4 and dtype_ok and group_size % 128 == 0 and k % 128 == 0 and x.shape[0] <= KERNEL_MAX_M
+    return bits == 4 and dtype_ok and group_size % 128 == 0 and k % 128 == 0
+
+
+def tc_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
+    """`int4_steps_supported`, and at most KERNEL_MAX_M rows."""
+    return int4_steps_supported(x, bits, group_size, k) and x.shape[0] <= KERNEL_MAX_M
+
+
+def magic_offset(dtype: torch.dtype, use_asm: bool, who: str) -> tuple[int, float]:
+    """(MAGIC, OFF) of the LOP3 unpack for activations of `dtype`; fp32 only without the PTX (the
+    interpreter's path: OFF + q is exact in fp32 too). Other dtypes: a ValueError naming `who`."""
+    if dtype in _MAGIC:
+        return _MAGIC[dtype]
+    if dtype == torch.float32 and not use_asm:
+        return 0, 128.0
+    raise ValueError(f"{who}: activations must be bfloat16 or float16, got {dtype}")
 
 
 def tc_config(m: int, n: int, k: int) -> TCConfig:
@@ -336,12 +352,7 @@ def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     interp = not x.is_cuda
     if use_asm is None:
         use_asm = not interp
-    if x.dtype in _MAGIC:
-        magic, off = _MAGIC[x.dtype]
-    elif x.dtype == torch.float32 and not use_asm:
-        magic, off = 0, 128.0  # the interpreter's fp32 path: OFF + q is exact in fp32 too
-    else:
-        raise ValueError(f"wna16_tc_linear: activations must be bfloat16 or float16, got {x.dtype}")
+    magic, off = magic_offset(x.dtype, use_asm, "wna16_tc_linear")
     steps = k // block_k
     k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
     split = triton.cdiv(k, k_per_split)
