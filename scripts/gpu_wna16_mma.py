@@ -35,17 +35,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
+from gpu_wna16_stream import QUANT, G, weights  # noqa: E402 - the same dummy int4 weights and AWQ config
+from gpu_wna16_stream import SHAPES as SHAPES_8B  # noqa: E402 - Llama-3.1-8B's four linears
 
-from pagedllm.envs import use_triton_cache_dir  # noqa: E402
 from pagedllm.kernels import wna16_gemm  # noqa: E402
-from pagedllm.kernels.wna16_gemm import dequantize_wna16_triton, pack_along_k, wna16_linear, wna16_linear_ref  # noqa: E402
+from pagedllm.kernels.wna16_gemm import dequantize_wna16_triton, wna16_linear, wna16_linear_ref  # noqa: E402
 from pagedllm.kernels.wna16_mma import wna16_mma_linear  # noqa: E402
 from pagedllm.kernels.wna16_mma_config import TABLE, MMAConfig, mma_choice  # noqa: E402
 
-T0 = time.monotonic()
-use_triton_cache_dir()
-G = 128
-SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+T0 = time.monotonic()  # (gpu_wna16_stream's import set the engine's Triton cache directory)
 SHAPES_72B = {"qkv72": (10240, 8192), "o72": (8192, 8192), "gate_up72": (59136, 8192), "down72": (8192, 29568)}
 REPS = 12
 ap = argparse.ArgumentParser()
@@ -89,18 +87,6 @@ def all_configs() -> list[MMAConfig]:
             seen[(c.BLOCK_M, c.BLOCK_N, c.SPLIT_K > 1, c.num_warps, c.num_stages, c.BLOCK_KW)] = c._replace(
                 SPLIT_K=2 if c.SPLIT_K > 1 else 1)
     return list(seen.values())
-
-
-def weights(n: int, k: int, copies: int = 1, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    out = []
-    for _ in range(copies):
-        q = torch.randint(0, 16, (k, n), device="cuda", generator=gen, dtype=torch.int32)
-        s = (torch.rand(k // G, n, device="cuda", generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
-        z = torch.randint(0, 16, (k // G, n), device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8)
-        out.append((pack_along_k(q, 4), s, z))
-        del q
-    return out
 
 
 def _warm(cfg: tuple) -> str:
@@ -241,8 +227,7 @@ def time_kernels() -> None:
 def w1() -> None:
     cfg_dir = tempfile.mkdtemp()
     config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                     "version": "gemm"}
+    config["quantization_config"] = QUANT["awq"]
     json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
     runs = {"the built-in table": {}} if ARGS.no_before else {
         "before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "the built-in table": {}}

@@ -11,17 +11,10 @@ import pytest
 import torch
 
 from pagedllm.kernels import wna16_mma_config
-from pagedllm.kernels.wna16_gemm import pack_along_k, wna16_linear, wna16_linear_ref
+from pagedllm.kernels.wna16_gemm import wna16_linear, wna16_linear_ref
 from pagedllm.kernels.wna16_mma import wna16_mma_linear
 from pagedllm.kernels.wna16_mma_config import MMAConfig, mma_choice, mma_rule
-
-
-def _weights(k: int, n: int, group: int, device):
-    q = torch.randint(0, 16, (k, n), device=device)
-    scales = (torch.rand(k // group, n, device=device) * 0.02 + 0.001).half()
-    zeros = torch.randint(0, 16, (k // group, n), device=device, dtype=torch.uint8)
-    return pack_along_k(q, 4), scales, zeros
-
+from tests.kernels.test_wna16_tc import _weights  # the int4 g-group weights of every int4 kernel test
 
 # (m, k, group, config): one tile; two M blocks and a ragged one with K split 2 ways; K split 4 ways
 # over groups of 256 (two steps a group: the scale / zero point prefetch crosses no group edge).

@@ -13,13 +13,7 @@ from pagedllm.kernels.wna16_stream import RED, wna16_stream_linear, wna16_stream
 from pagedllm.kernels.wna16_stream_config import StreamConfig, program_steps, stream_config, stream_supported
 from pagedllm.kernels.wna16_stream_packed import wna16_packed_emulation
 from pagedllm.kernels.wna16_tc import TCConfig
-
-
-def _weights(k: int, n: int, group: int, device):
-    q = torch.randint(0, 16, (k, n), device=device)
-    scales = (torch.rand(k // group, n, device=device) * 0.02 + 0.001).half()
-    zeros = torch.randint(0, 16, (k // group, n), device=device, dtype=torch.uint8)
-    return pack_along_k(q, 4), scales, zeros
+from tests.kernels.test_wna16_tc import _weights  # the int4 g-group weights of every int4 kernel test
 
 
 def one_nibble_case(i: int, x_value: float, device):
