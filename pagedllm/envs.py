@@ -104,8 +104,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: one-row int4 linears go to the tensor-core kernel instead of the short-program streaming GEMV
     # (kernels/wna16_stream.py); for comparisons.
     "PAGEDLLM_WNA16_STREAM": _flag("PAGEDLLM_WNA16_STREAM", True),
-    # 0: int4 batches of more rows than the tensor-core GEMV takes go to it / the dequantized scratch
-    # + cuBLAS instead of the one-dot-a-step GEMM (kernels/wna16_mma.py); for comparisons.
+    # 0: int4 batches of 2 or more rows go to the tensor-core kernel (kernels/wna16_tc.py, to 64 / 128
+    # rows) and the dequantized scratch + cuBLAS instead of the one-dot-a-step GEMM (kernels/wna16_mma.py),
+    # the path before it; for comparisons.
     "PAGEDLLM_WNA16_MMA": _flag("PAGEDLLM_WNA16_MMA", True),
     # A JSON file of measured wna16_mma launch configurations, {"N,K": [[max_rows, [BLOCK_M, BLOCK_N,
     # SPLIT_K, num_warps, num_stages] or null], ...]} (null: the path before it), read at import in

@@ -220,7 +220,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
     One row, int4 g128: `wna16_stream_linear`. Int4 g128 with 16-bit x: `wna16_mma_linear` where
-    `mma_choice` has a configuration (by default 17..1024 rows), else `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
+    `mma_choice` has a configuration (2 up to 128-1024 rows by shape), else `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
     act-order: x read through perm up to 16 rows, gathered once above), then the dequantized scratch.
     Otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm), larger M:
     the tile kernel on the packed words (act-order: x gathered by perm once); from `dequant_min_m`
