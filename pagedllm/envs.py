@@ -151,10 +151,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (faster in W1
     # with dummy weights: BENCHMARKS.md, h51).
     "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
-    # 0: no programmatic dependent launch (kernels/pdl.py): the decode path's Triton kernels on sm_90+ start
-    # only when the kernel before them has ended, instead of being placed on the SMs while it finishes
-    # (index math and an L2 prefetch of their weights before they wait for it).
-    "PAGEDLLM_PDL": _flag("PAGEDLLM_PDL", True),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

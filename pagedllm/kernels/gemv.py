@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 
 from pagedllm.envs import kernel_switches
-from pagedllm.kernels.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, prefetch_l2
 
 __all__ = ["GemvConfig", "gemv_config", "skinny_linear", "skinny_linear_ref", "use_skinny_linear"]
 
@@ -150,7 +149,6 @@ def _skinny_linear_kernel(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     VEC: tl.constexpr,  # elements per 16-byte load: 8 for bf16/fp16, 4 for fp32
-    USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -161,13 +159,6 @@ def _skinny_linear_kernel(
     mask_n = offs_n < N
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if USE_PDL:  # launched while the kernel before ends: the first step's weight lines into L2 meanwhile
-        LINE: tl.constexpr = VEC * 8  # elements of a 128-byte line
-        offs_l = k_start + tl.arange(0, max(1, BLOCK_K // LINE)) * LINE
-        prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_l[None, :],
-                    mask_n[:, None] & (offs_l < K)[None, :], USE_PDL)
-    pdl_wait(USE_PDL)  # x, the workspace and its counters: the kernels before wrote them
-    pdl_launch_dependents(USE_PDL)
     if USE_DOT:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
@@ -315,7 +306,6 @@ def skinny_linear(
         VEC=16 // x.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_kwargs(x.device),
     )
     return out
 

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
-
 __all__ = ["is_unsummed_parts", "rms_norm", "rms_norm_ref"]
 
 _MAX_HIDDEN = 65536  # one program holds a whole row in registers
@@ -52,10 +50,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTS: tl.constexpr = 1,  # x holds PARTS rows per output row, summed first (an MoE's top-k outputs)
-    USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
-    pdl_wait(USE_PDL)  # x and the residual: the kernels before wrote them
-    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < hidden
@@ -124,7 +119,6 @@ def rms_norm(
             BLOCK_N=block_n,
             PARTS=parts,
             num_warps=min(16, max(1, block_n // 512)),
-            **launch_kwargs(x2.device),
         )
     if has_residual:
         return out.view(residual.shape), r_out.view(residual.shape)

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 __all__ = ["FEW_DECODE_PROGRAMS", "alloc_partials", "choose_num_splits", "decode_kind", "merge_splits"]
 
@@ -84,12 +83,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     # One program per (token, query head); rows past the last request's tokens (padding) hold no
     # partial results and keep the zeros the wrapper wrote.
-    pdl_wait(USE_PDL)  # the partials: the attention kernel before wrote them
-    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if t >= tl.load(query_start_loc_ptr + num_reqs):
@@ -172,7 +168,6 @@ def merge_splits(
         # One padded width for every split count: one compiled variant, not one per count.
         SPLITS_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
         num_warps=4,
-        **launch_kwargs(out.device),
     )
 
 

@@ -38,7 +38,6 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.gemv import split_k_workspace
-from pagedllm.kernels.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, prefetch_l2
 from pagedllm.kernels.rmsnorm import rms_norm
 from pagedllm.kernels.wna16_stream_config import (
     StreamConfig,
@@ -70,7 +69,7 @@ def _wna16_stream_kernel(
     USE_SPLIT: tl.constexpr, RED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     STEP_SUMS: tl.constexpr, PREFETCH: tl.constexpr, MATH: tl.constexpr, ROWS: tl.constexpr,
     X_SCRATCH: tl.constexpr, SZ_TILE: tl.constexpr, EVEN_N: tl.constexpr, EARLY: tl.constexpr,
-    X_ACT: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
+    X_ACT: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     pid_n = tl.program_id(0)
@@ -79,15 +78,6 @@ def _wna16_stream_kernel(
     mask_n = offs_n < N
     offs_kw = tl.arange(0, BLOCK_KW)
     k_start = pid_k * (STEPS * BLOCK_K)
-    if USE_PDL:  # launched while the kernel before ends (kernels/pdl.py): this program's words into L2 first
-        LINES: tl.constexpr = max(1, BLOCK_N // 32)  # 32 words = one 128-byte line of a weight row
-        pf_cols = pid_n * BLOCK_N + tl.arange(0, LINES) * 32
-        for pf_step in tl.static_range(STEPS):
-            pf_rows = k_start // 8 + pf_step * BLOCK_KW + offs_kw
-            prefetch_l2(qw_ptr + pf_rows[:, None] * N + pf_cols[None, :],
-                        (pf_cols < N)[None, :] & (pf_rows >= 0)[:, None], USE_PDL)
-    pdl_wait(USE_PDL)  # x, the residual, the workspace and its counters: the kernels before wrote them
-    pdl_launch_dependents(USE_PDL)
     if MATH == "fp32":
         res = _stepwise(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, magic_even, magic_odd, offs_n, mask_n, offs_kw,
                         k_start, GROUP_SIZE, STEPS, HAS_PERM, BLOCK_N, BLOCK_KW, STEP_SUMS, PREFETCH)
@@ -235,6 +225,6 @@ def _stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STEP_SUMS=cfg.STEP_SUMS, PREFETCH=cfg.PREFETCH,
         MATH=cfg.MATH, ROWS=cfg.ROWS, X_SCRATCH=cfg.X_SCRATCH, SZ_TILE=cfg.SZ_TILE,
         EVEN_N=n % cfg.BLOCK_N == 0, EARLY=cfg.EARLY, X_ACT=x_act, HIDDEN_PAD=triton.next_power_of_2(k),
-        USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device),
+        USE_ASM=_USE_ASM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

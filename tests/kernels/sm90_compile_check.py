@@ -6,8 +6,7 @@ the kernels swapped for recorders (nothing runs, so big zero tensors are never t
 compiles each recorded launch exactly as Triton's JIT would (argument types from the values,
 16-divisible pointers and ints marked so) down to a cubin with Triton's bundled ptxas, and prints
 one line per distinct compiled kernel (registers, stack and shared-memory bytes). A launch that
-spills registers to the stack (a slow kernel) is an error, and so is a launch with programmatic
-dependent launch (kernels/pdl.py) whose PTX loads or stores before its `griddepcontrol.wait`. Run as a script (TRITON_INTERPRET=0);
+spills registers to the stack (a slow kernel) is an error. Run as a script (TRITON_INTERPRET=0);
 `test_compile_sm90.py` does.
 Exit status 0 = all compiled without spills.
 """
@@ -44,7 +43,6 @@ from pagedllm.kernels import (  # noqa: E402
     moe_row_lists,
     moe_sum,
     paged_attention,
-    pdl,
     qkv_prep,
     quant_act,
     rmsnorm,
@@ -69,7 +67,7 @@ _TYPES = {
     torch.int8: "i8",
     torch.float8_e4m3fn: "fp8e4nv",
 }
-_OPTION_KEYS = ("num_warps", "num_stages", "launch_pdl")
+_OPTION_KEYS = ("num_warps", "num_stages")
 
 
 class _Recorder:
@@ -177,33 +175,6 @@ def _record(launches: list) -> None:
     _record_gemv()
     _record_model_families()
     _record_quant()
-    _record_pdl()
-
-
-def _record_pdl() -> None:
-    """The launches kernels/pdl.py makes on an H200 (USE_PDL and launch_pdl): the batch-1 int4 decode chain
-    (the one-row GEMV's two maths, the attention's split merge), the LM head's GEMV and the RMSNorm."""
-    bf16 = torch.bfloat16
-    was = pdl.uses_pdl
-    pdl.uses_pdl = lambda device: True
-    try:
-        # Llama-3.1-8B's four linears on their table's launches, as the layer calls them (qkv and gate_up
-        # with the residual add + RMSNorm in their prologue, down with SwiGLU's activation)
-        for n, k, how in ((6144, 4096, "norm"), (4096, 4096, None), (28672, 4096, "norm"), (4096, 14336, "act")):
-            qw = torch.zeros(k // 8, n, dtype=torch.int32)
-            s, z = torch.zeros(k // 128, n, dtype=bf16), torch.zeros(k // 128, n, dtype=torch.uint8)
-            x = torch.zeros(1, 2 * k if how == "act" else k, dtype=bf16)
-            if how == "norm":
-                wna16_stream.wna16_stream_linear_rms_norm(x, x, torch.ones(k, dtype=bf16), 1e-5, qw, s, z, 128)
-            else:
-                wna16_stream.wna16_stream_linear(x, qw, s, z, 128, act="silu_and_mul" if how else None)
-        gemv.skinny_linear(torch.zeros(1, 4096, dtype=bf16), torch.zeros(128256, 4096, dtype=bf16))
-        rmsnorm.rms_norm(torch.zeros(1, 4096, dtype=bf16), torch.ones(4096, dtype=bf16), 1e-5,
-                         torch.zeros(1, 4096, dtype=bf16))
-        md = build_metadata([1], [300], [list(range(19))], 16)
-        split_k.merge_splits(torch.zeros(1, 32, 128, dtype=bf16), *split_k.alloc_partials(1, 32, 16, 128, "cpu"), md)
-    finally:
-        pdl.uses_pdl = was
 
 
 def _record_quant() -> None:
@@ -401,30 +372,15 @@ def _record_gemv() -> None:
 _JOBS: list = []  # (kernel, signature, constexprs, attrs, options): one per distinct compiled kernel
 
 
-def pdl_violations(ptx: str) -> list[str]:
-    """kernels/pdl.py's contract in a PDL kernel's PTX: a `griddepcontrol.wait`, and no load, store or atomic
-    before it (L2 prefetches of constants are allowed). The offending lines, or ["no griddepcontrol.wait"]."""
-    lines = ptx.splitlines()
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
-    if wait is None:
-        return ["no griddepcontrol.wait"]
-    return [line.strip() for line in lines[:wait] if any(op in line for op in ("ld.global", "st.global", "atom."))]
-
-
-def _compile(i: int) -> tuple[str, str | None]:
-    """Compile job i for sm_90: (its report line, what is wrong with it or None). Runs in a forked worker."""
+def _compile(i: int) -> tuple[str, int]:
+    """Compile job i for sm_90: (its report line, bytes of stack). Runs in a forked worker."""
     kernel, sig, consts, attrs, options = _JOBS[i]
     src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     regs, stack = _stack_bytes(compiled.asm["cubin"])
     shown = {k: v for k, v in consts.items() if k.isupper() and k not in ("DOT_PRECISION",)}
-    problem = "spills registers" if stack else None
-    if options.get("launch_pdl"):
-        bad = pdl_violations(compiled.asm["ptx"])
-        if bad:
-            problem = f"launched with PDL but touches memory before its wait: {bad[:3]}"
     return (f"{kernel.fn.__name__} {shown} {options}: {regs} registers, {stack} bytes of stack, "
-            f"{compiled.metadata.shared} bytes of shared memory"), problem
+            f"{compiled.metadata.shared} bytes of shared memory"), stack
 
 
 def main() -> int:
@@ -448,10 +404,10 @@ def main() -> int:
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         results = pool.map(_compile, range(len(_JOBS)), chunksize=1)
     failures = 0
-    for line, problem in results:
+    for line, stack in results:
         print(line)
-        if problem:
-            print(f"  ^ {problem}", file=sys.stderr)
+        if stack:
+            print("  ^ spills registers", file=sys.stderr)
             failures += 1
     return 1 if failures else 0
 

@@ -53,11 +53,7 @@ def test_all_launches_compile_for_sm90_without_spills():
     # Every wrapper's kernel was compiled, so the check cannot pass by compiling nothing.
     assert {r[1] for r in rows} == _KERNELS, proc.stdout
     gemv = [(ast.literal_eval(r[2]), int(r[4]), int(r[6])) for r in rows if r[1] == "_skinny_linear_kernel"]
-    # one per distinct gemv_config in sm90_compile_check._record_gemv (the PDL launch of one of them aside)
-    assert len({tuple((k, v) for k, v in c.items() if k != "USE_PDL") for c, _, _ in gemv}) == 5, proc.stdout
-    # kernels/pdl.py's launches were compiled too (the check fails any that touches memory before its wait)
-    pdl = {r[1] for r in rows if ast.literal_eval(r[3]).get("launch_pdl")}
-    assert pdl == {"_wna16_stream_kernel", "_skinny_linear_kernel", "_rms_norm_kernel", "_merge_splits_kernel"}, pdl
+    assert len(gemv) == 5, proc.stdout  # one per distinct gemv_config in sm90_compile_check._record_gemv
     for consts, regs, shared in gemv:
         # Decode GEMV streams weights: at most 128 registers (4 warps keep >= 4 programs per SM), and
         # the FMA path keeps its products in registers (shared memory only for the final
