@@ -27,7 +27,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.decoder import run_cpu_decoder_stack
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import get_pp_indices
-from pagedllm.kernels.quantized_activation import QuantizedActivation
+from pagedllm.kernels.quantized_activation import QuantizedActivation, ScaledOutput
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -86,10 +86,13 @@ class LlamaMLP(nn.Module):
         # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
         return self.forward_from_gate_up(self.gate_up_proj(x))
 
-    def forward_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.down_proj.fuses_silu_and_mul(gate_up):  # int4 batch-1 decode: the activation in the GEMV
+    def forward_from_gate_up(self, gate_up: torch.Tensor | ScaledOutput) -> torch.Tensor:
+        # int4 batch-1 decode: the activation in the GEMV (an int4 gate_up_proj is never W8A8, so its output is
+        # never a ScaledOutput; the check keeps a mixed checkpoint off the int4 path all the same)
+        if not isinstance(gate_up, ScaledOutput) and self.down_proj.fuses_silu_and_mul(gate_up):
             return self.down_proj.forward_silu_and_mul(gate_up)
-        # a W8A8 down_proj gets its input quantized by the activation kernel (layers/quant_fusion.py)
+        # a W8A8 down_proj gets its input quantized by the activation kernel, which also applies a deferring
+        # FP8 gate_up_proj's scales (a ScaledOutput; materialized first where the kernel does not apply)
         return self.down_proj(silu_and_mul_into(self.act_fn, gate_up, self.down_proj))
 
 

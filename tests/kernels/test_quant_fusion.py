@@ -133,6 +133,28 @@ def test_norm_applies_a_scaled_outputs_scales(device, fused):
     assert torch.equal(out, ref_out) and torch.equal(r_plain, ref_r_plain)
 
 
+def test_silu_and_mul_applies_a_scaled_outputs_scales(device, fused, monkeypatch):
+    # A deferring FP8 gate_up_proj hands SwiGLU its unscaled sums and scales: the fused activation applies
+    # them; a 16-bit consumer gets act(materialize(...)). LlamaMLP from such a gate_up equals the MLP from the
+    # materialized one, and never offers the ScaledOutput to the int4 path's check (it reads tensor attributes).
+    from pagedllm.kernels.quantized_activation import ScaledOutput
+    from pagedllm.kernels.scaled_mm import materialize
+
+    mlp = LlamaMLP(64, 96, "silu").to(device)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        _to_w8a8(lin)
+    y = ScaledOutput(torch.randn(24, 192, device=device) * 300, torch.rand(24, 1, device=device) * 1e-2,
+                     torch.rand(192, device=device) * 1e-2)
+    qa = quant_fusion.silu_and_mul_into(mlp.act_fn, y, mlp.down_proj)
+    ref_qa = quant_fusion.silu_and_mul_into(mlp.act_fn, materialize(y), mlp.down_proj)
+    assert isinstance(qa, QuantizedActivation) and fused["act"] == 2
+    assert torch.equal(qa.xq, ref_qa.xq) and torch.equal(qa.scale, ref_qa.scale)
+    out = quant_fusion.silu_and_mul_into(mlp.act_fn, y, nn.Linear(96, 48).to(device))  # not fused
+    assert fused["act"] == 2 and torch.equal(out, mlp.act_fn(materialize(y)))
+    monkeypatch.setattr(mlp.down_proj, "fuses_silu_and_mul", lambda g: g.dim() == 2 and False)
+    assert torch.equal(mlp.forward_from_gate_up(y), mlp.forward_from_gate_up(materialize(y)))
+
+
 def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
     # Every plain layer's o_proj, and every down_proj but the stage's last (it feeds the final norm), defer.
     from pagedllm.models.llama import LlamaDecoderLayer, mark_deferred_scales
