@@ -143,10 +143,11 @@ class LlamaAttention(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.forward_from_qkv(positions, self.qkv_proj(hidden_states), attn_metadata)
 
-    def forward_from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
+    def forward_from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor | ScaledOutput,
                          attn_metadata: AttentionMetadata) -> torch.Tensor:
         # qkv (T, q_size + 2 * kv_size): split, rope, K/V write and attention (one fused prep kernel on
-        # the Triton backend), then o_proj
+        # the Triton backend), then o_proj; a ScaledOutput (a deferring FP8 qkv_proj) has its scales applied
+        # in those fused kernels, or is materialized by Attention.forward_qkv
         attn_output = self.attn.forward_qkv(qkv, positions, self.rotary_emb, attn_metadata)  # (T, q_size)
         return self.o_proj(attn_output)
 
