@@ -214,7 +214,8 @@ class LlamaDecoderLayer(nn.Module):
 
 def _plain(layer: nn.Module) -> bool:
     """A decoder layer whose forward is LlamaDecoderLayer's with Llama's attention and MLP blocks: its o_proj
-    output and its input reach a residual add + RMSNorm through quant_fusion.rms_norm_into."""
+    output and its input reach a residual add + RMSNorm through quant_fusion.rms_norm_into, its qkv_proj output
+    Attention.forward_qkv, its gate_up_proj output quant_fusion.silu_and_mul_into (all take a ScaledOutput)."""
     return (isinstance(layer, LlamaDecoderLayer) and type(layer).forward is LlamaDecoderLayer.forward
             and type(layer.self_attn).forward is LlamaAttention.forward
             and type(layer.self_attn).forward_from_qkv is LlamaAttention.forward_from_qkv
@@ -223,21 +224,32 @@ def _plain(layer: nn.Module) -> bool:
 
 
 def mark_deferred_scales(layers: Iterable[nn.Module]) -> None:
-    """PAGEDLLM_FP8_DEFER_SCALES=1: let each plain layer's o_proj, and its down_proj where the next layer of
-    this stage is plain too, hand the norm after it a ScaledOutput (kernels/scaled_mm.py DEFER_SCALES): the
-    last layer's down_proj feeds the final norm or the next pipeline stage, which take tensors."""
+    """PAGEDLLM_FP8_DEFER_SCALES=1: let each plain layer's FP8 linears that PAGEDLLM_FP8_DEFER_LINEARS names hand
+    their consumer a ScaledOutput (kernels/scaled_mm.py DEFER_SCALES), which applies the scales:
+
+        qkv      Attention.forward_qkv: the fused prep / decode kernels (else materialized there)
+        o        the post-attention residual add + RMSNorm (quant_fusion.rms_norm_into)
+        gate_up  SwiGLU's activation (quant_fusion.silu_and_mul_into)
+        down     the next layer's input residual add + RMSNorm, so only where the next layer of this stage is
+                 plain too: the last layer's feeds the final norm or the next pipeline stage, which take tensors
+    """
     # The switch read from envs, not kernels/scaled_mm (which imports Triton): a CPU engine never imports it.
     from pagedllm.envs import environment_variables
 
     if not environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]():
         return
+    names = environment_variables["PAGEDLLM_FP8_DEFER_LINEARS"]()
     local = list(layers)
     for i, layer in enumerate(local):
         if not _plain(layer):
             continue
-        layer.self_attn.o_proj.defer_output_scales = True
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj}
         if i + 1 < len(local) and _plain(local[i + 1]):
-            layer.mlp.down_proj.defer_output_scales = True
+            linears["down"] = mlp.down_proj
+        for name, linear in linears.items():
+            if name in names:
+                linear.defer_output_scales = True
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):
