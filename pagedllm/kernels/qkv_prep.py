@@ -232,7 +232,7 @@ def check_prep_inputs(
         if rs.numel() != t or cs.shape != (width,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
             raise ValueError(f"in_scales must be fp32 ({t}, 1) and ({width},), got {rs.dtype} {tuple(rs.shape)} "
                              f"and {cs.dtype} {tuple(cs.shape)}")
-        if rs.dim() == 2 and t > 1 and rs.stride(0) != 1:
+        if t > 1 and rs.stride(0) != 1:
             raise ValueError(f"in_scales' row scales must be contiguous, got strides {tuple(rs.stride())}")
 
 

@@ -235,7 +235,7 @@ def _check_in_scales(in_scales: tuple[torch.Tensor, torch.Tensor] | None, m: int
     if rs.numel() != m or cs.shape != (n,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
         raise ValueError(f"{what}: in_scales must be fp32 ({m}, 1) and ({n},), got {rs.dtype} "
                          f"{tuple(rs.shape)} and {cs.dtype} {tuple(cs.shape)}")
-    if rs.dim() == 2 and rs.shape[0] > 1 and rs.stride(0) != 1:
+    if m > 1 and rs.stride(0) != 1:
         raise ValueError(f"{what}: in_scales' row scales must be contiguous, got strides {rs.stride()}")
 
 
