@@ -40,6 +40,21 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return read
 
 
+def _names(name: str, default: str) -> Callable[[], frozenset[str]]:
+    """A comma list drawn from `default`'s names: unset is all of them, empty none; any other name is refused
+    by name."""
+    allowed = default.split(",")
+
+    def read() -> frozenset[str]:
+        names = frozenset(n.strip() for n in os.environ.get(name, default).split(",") if n.strip())
+        bad = sorted(names - set(allowed))
+        if bad:
+            raise ValueError(f"{name}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
+        return names
+
+    return read
+
+
 def _fail_at_step() -> int | None:
     v = os.environ.get("PAGEDLLM_TEST_FAIL_AT_STEP")
     if not v:
@@ -146,11 +161,19 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
     # tile with K split in one launch, or cuBLAS); for A/B timings (BENCHMARKS.md h51).
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
-    # 1: an FP8 o_proj / down_proj (plain Llama layers, TP 1) at 17-256 rows runs cuBLASLt's per-tensor FP8 GEMM
-    # with unit scales and the following residual add + RMSNorm kernel applies the per-token and per-channel
-    # scales (kernels/scaled_mm.py DEFER_SCALES). Off until checked with real weights on a GPU (faster in W1
+    # 1: the FP8 linears PAGEDLLM_FP8_DEFER_LINEARS names (plain Llama layers, TP 1, no bias) at 17-256 rows run
+    # cuBLASLt's per-tensor FP8 GEMM with unit scales, and the kernel that consumes the output applies the
+    # per-token and per-channel scales (kernels/scaled_mm.py DEFER_SCALES): the residual add + RMSNorm after
+    # o_proj / down_proj, SwiGLU's activation after gate_up_proj, the fused rotary + K/V write (+ decode
+    # attention) after qkv_proj. Off until checked with real weights on a GPU (o_proj / down_proj faster in W1
     # with dummy weights: BENCHMARKS.md, h51).
     "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
+    # The linears that defer their scales under PAGEDLLM_FP8_DEFER_SCALES=1 (read only then), for A/B runs: a
+    # comma list of qkv, o, gate_up, down (empty: none); another name is refused by name (models/llama.py
+    # mark_deferred_scales). Per call on the H200 at 32 / 64 / 128 / 192 / 256 rows (Llama-3.1-8B shapes), the
+    # unit-scale GEMM against the scaled pick: qkv 9.9 / 10.0 / 9.4 / 11.2 / 12.1 us vs 13.0 / 10.5 / 12.9 / 14.6 /
+    # 14.6, gate_up 31.0 / 33.0 / 36.9 / 42.1 / 49.3 vs 32.7 / 33.2 / 34.8 / 48.7 / 50.6 (slower at 128).
+    "PAGEDLLM_FP8_DEFER_LINEARS": _names("PAGEDLLM_FP8_DEFER_LINEARS", "qkv,o,gate_up,down"),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

@@ -3,7 +3,7 @@ documentation (tests/test_envs.py checks the file is current): `python scripts/g
 
 The table is read from the source text, not by importing: a section starts at a `# -- name --` line
 inside `environment_variables`, and an entry's text is the run of `#` lines right above its
-`"NAME": reader,` line. The default is the second argument of `_flag` / `_str` / `_int` when the
+`"NAME": reader,` line. The default is the second argument of `_flag` / `_str` / `_int` / `_names` when the
 reader is one of those, "unset" for readers without one, else what the text says.
 """
 
@@ -29,7 +29,7 @@ none of them.
 
 _ENTRY = re.compile(r'^\s*"([A-Z0-9_]+)":\s*(.*)$')
 _SECTION = re.compile(r"^\s*# -- (.+?) --")
-_DEFAULT = re.compile(r'^_(?:flag|str|int)\("[A-Z0-9_]+",\s*(.+?)\),?$')
+_DEFAULT = re.compile(r'^_(?:flag|str|int|names)\("[A-Z0-9_]+",\s*(.+?)\),?$')
 _OR_NUMBER = re.compile(r"\bor (\d+)\)")
 # Readers with no default of their own: unset means "not set", with the meaning the text gives it.
 _UNSET = re.compile(r'^(?:_str\("[A-Z0-9_]+"\)|lambda: _(?:optional_flag|positive_int)\("[A-Z0-9_]+"\)'

@@ -4,7 +4,9 @@ run, back to back, inside a wall budget: each run is TAG[:ENV=V,ENV=V][:extra fl
     python3 scripts/gpu_fp8_w1_ab.py --budget 95 fp8 kvfp8::--kv-cache-dtype=fp8 \
         main-kvfp8:PAGEDLLM_FP8_KV_DOTS=0,PAGEDLLM_FUSED_ACT_QUANT=0:--kv-cache-dtype=fp8
 
-(flags with '=' so they stay one token; the switches name the path a run takes: PAGEDLLM_FP8_KV_DOTS=0 and
+(flags with '=' so they stay one token; a value may hold commas, fp8-qkv:PAGEDLLM_FP8_DEFER_SCALES=1,
+PAGEDLLM_FP8_DEFER_LINEARS=qkv,gate_up: a comma starts the next switch only before NAME=; the switches name
+the path a run takes: PAGEDLLM_FP8_KV_DOTS=0 and
 PAGEDLLM_FUSED_ACT_QUANT=0 together are main's fp8 path before branch h43). A run starts only if the time
 left covers a run (`--run-s`); the table last: tok/s, elapsed, engine start, the floor and the fraction.
 `--warm` first compiles the Triton launches of kernels/w8a8_gemm.py's DECODE_TABLE (both row-count
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,7 @@ BASE = ["-m", "pagedllm", "bench", "throughput", "--model", "llama3-8b", "--load
 def parse_run(spec: str) -> tuple[str, dict[str, str], list[str]]:
     tag, _, rest = spec.partition(":")
     env_part, _, flags = rest.partition(":")
-    env = dict(kv.split("=", 1) for kv in env_part.split(",") if kv)
+    env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z][A-Z0-9_]*=)", env_part) if kv)
     return tag, env, [f for f in flags.split(" ") if f]
 
 
@@ -101,7 +104,53 @@ def check_defer() -> str:
         same = all(torch.equal(u.view(torch.uint8) if u.dtype == FP8_DTYPE else u,
                                v.view(torch.uint8) if v.dtype == FP8_DTYPE else v) for u, v in zip(a, b))
         cells.append(f"M={m}: GEMM err {err:.1e} ({type(y).__name__}), norm {'bitwise equal' if same else 'DIFFERS'}")
-    return "; ".join(cells)
+    return "; ".join([*cells, check_defer_consumers()])
+
+
+def check_defer_consumers(device: str = "cuda", m: int = 64, inter: int = 14336,
+                          heads: tuple[int, int, int] = (32, 8, 128)) -> str:
+    """The consumers of a deferring qkv_proj / gate_up_proj (Llama-3.1-8B's shapes, m rows): SwiGLU's fused
+    quantizer, the fused prep and the fused decode step given a ScaledOutput's scales, against materialize + the
+    same kernel without them (outputs and every cache byte, bit for bit)."""
+    import torch
+
+    from pagedllm.attention.metadata import build_metadata
+    from pagedllm.kernels.decode_attention import decode_attention_fused
+    from pagedllm.kernels.qkv_prep import fused_qkv_prep
+    from pagedllm.kernels.quant_act import silu_and_mul_quant
+    from pagedllm.kernels.quantized_activation import ScaledOutput
+    from pagedllm.kernels.rotary import build_cos_sin_cache
+    from pagedllm.kernels.scaled_mm import FP8_DTYPE, materialize
+
+    def scaled(n: int) -> ScaledOutput:
+        return ScaledOutput((torch.randn(m, n, device=device) * 300).to(torch.bfloat16),
+                            torch.rand(m, 1, device=device) * 1e-2, torch.rand(n, device=device) * 1e-2)
+
+    def same(a: tuple, b: tuple) -> str:
+        bits = [t.view(torch.uint8) if t.dtype == FP8_DTYPE else t for t in (*a, *b)]
+        return "bitwise equal" if all(torch.equal(u, v) for u, v in zip(bits[:len(a)], bits[len(a):])) else "DIFFERS"
+
+    y = scaled(2 * inter)
+    got = silu_and_mul_quant(y.acc, FP8_DTYPE, in_scales=(y.row_scale, y.col_scale))
+    cells = [f"silu {same(got, silu_and_mul_quant(materialize(y), FP8_DTYPE))}"]
+    h, kvh, d = heads
+    y = scaled((h + 2 * kvh) * d)
+    seq_lens = [int(s) for s in torch.randint(1, 128, (m,))]
+    md = build_metadata([1] * m, seq_lens, [list(range(8 * i, 8 * i + 8)) for i in range(m)], 16, device=device)
+    positions, cos_sin = md.seq_lens.long() - 1, build_cos_sin_cache(d, 128, device=device)
+    cache = torch.randn(2, 8 * m, 16, kvh, d, device=device).to(torch.bfloat16)
+    def prep(qkv: torch.Tensor, c: torch.Tensor, **k) -> torch.Tensor:
+        return fused_qkv_prep(qkv, positions, cos_sin, c, md.slot_mapping, h, kvh, d, **k)
+
+    def decode(qkv: torch.Tensor, c: torch.Tensor, **k) -> torch.Tensor:
+        return decode_attention_fused(qkv, positions, cos_sin, c, md, d**-0.5, h, kvh, d, **k)
+
+    for name, run in (("prep", prep), ("decode", decode)):
+        got_cache, want_cache = cache.clone(), cache.clone()
+        got = run(y.acc, got_cache, in_scales=(y.row_scale, y.col_scale))
+        want = run(materialize(y), want_cache)
+        cells.append(f"{name} {same((got, got_cache), (want, want_cache))}")
+    return f"qkv / gate_up consumers at M={m}: " + ", ".join(cells)
 
 
 def main() -> int:

@@ -4,6 +4,11 @@ Models hand it the raw qkv GEMM output (`forward_qkv`): q/k split, the optional 
 RMSNorm, the rotary embedding, the K/V write and attention all happen in the backend
 (attention/backend.py), which picks its kernels (the Triton backend fuses prep, or prep and a
 decode step's attention, into one kernel; the CPU ones run them separately).
+
+The qkv GEMM output may be a `ScaledOutput` (an FP8 qkv_proj that deferred its scales,
+PAGEDLLM_FP8_DEFER_SCALES=1): a backend whose `takes_scaled_qkv` says so gets it as is (the Triton
+backend's fused kernels apply the scales as they read qkv); everywhere else `forward_qkv` materializes it
+first, here, so no backend sees one it cannot take.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionHeads, TorchAttentionBackend, split_norm_rotate
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.quantized_activation import ScaledOutput
 
 
 class Attention(nn.Module):
@@ -62,13 +68,17 @@ class Attention(nn.Module):
 
     def forward_qkv(
         self,
-        qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        qkv: torch.Tensor | ScaledOutput,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
         positions: torch.Tensor,  # (num_tokens,)
         rotary_emb: nn.Module,  # pagedllm.layers.rotary_embedding.RotaryEmbedding
         attn_metadata: AttentionMetadata,
         q_norm: nn.Module | None = None,  # RMSNorm(head_dim), applied per head before rope (Qwen3)
         k_norm: nn.Module | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
+        if isinstance(qkv, ScaledOutput) and not self._takes_scaled(qkv, rotary_emb, q_norm, k_norm):
+            from pagedllm.kernels.scaled_mm import materialize  # (Triton: only where a ScaledOutput exists)
+
+            qkv = materialize(qkv)
         if self._scaled_cache():
             # An fp8 cache with checkpoint scales: the backend's fused prep kernels write K/V unscaled,
             # so prep runs separately here and `forward` folds the scales in.
@@ -100,6 +110,14 @@ class Attention(nn.Module):
         if self._scaled_cache():
             out = out * self.v_scale
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def _takes_scaled(self, qkv: ScaledOutput, rotary_emb: nn.Module, q_norm: nn.Module | None,
+                      k_norm: nn.Module | None) -> bool:
+        """Whether the backend applies qkv's scales itself on this call: not with checkpoint cache scales
+        (prep runs separately here), else where its `takes_scaled_qkv` says so."""
+        takes = getattr(self.backend, "takes_scaled_qkv", None)
+        return (not self._scaled_cache() and takes is not None
+                and takes(qkv, rotary_emb, self.kv_cache, q_norm, k_norm))
 
     def _scaled_cache(self) -> bool:
         """An fp8 cache with checkpoint scales other than 1.0."""

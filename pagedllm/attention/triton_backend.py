@@ -9,6 +9,10 @@ backend was built with (PAGEDLLM_FUSED_QKV / PAGEDLLM_FUSED_DECODE, pagedllm/env
       (fused_qkv_prep)                                (`pagedllm.kernels.qkv_prep`), then attention
     otherwise (profiling pass, GPT-J rotary, ...)  -> torch prep, `forward`: K/V scatter + attention
 
+qkv may be a `ScaledOutput` (a deferring FP8 qkv_proj) where `takes_scaled_qkv` holds, i.e. on the two fused
+ways: their kernels apply its row and column scales as they read qkv (in_scales); Attention.forward_qkv
+materializes it for every other way.
+
 Every launch reads only host ints from the metadata, so a decode-only step can be captured in a
 CUDA graph.
 """
@@ -27,6 +31,7 @@ from pagedllm.kernels.kv_cache_write import write_kv_cache
 from pagedllm.kernels.mla_decode import mla_decode
 from pagedllm.kernels.paged_attention import paged_attention
 from pagedllm.kernels.qkv_prep import fused_qkv_prep
+from pagedllm.kernels.quantized_activation import ScaledOutput
 
 
 class TritonAttentionBackend:
@@ -51,9 +56,15 @@ class TritonAttentionBackend:
         eps = [m.variance_epsilon for m in (q_norm, k_norm) if m is not None]
         return len(set(eps)) <= 1 and qkv.dim() == 2
 
+    def takes_scaled_qkv(self, qkv: ScaledOutput, rotary_emb: nn.Module, kv_cache: torch.Tensor | None,
+                         q_norm: nn.Module | None, k_norm: nn.Module | None) -> bool:
+        """Whether `forward_qkv` applies a ScaledOutput qkv's scales in its kernels: wherever it runs the fused
+        ones (both take in_scales)."""
+        return self.uses_fused_prep(qkv.acc, rotary_emb, kv_cache, q_norm, k_norm)
+
     def forward_qkv(
         self,
-        qkv: torch.Tensor,  # (num_tokens, q_size + 2 * kv_size)
+        qkv: torch.Tensor | ScaledOutput,  # (num_tokens, q_size + 2 * kv_size); ScaledOutput: see takes_scaled_qkv
         positions: torch.Tensor,  # (num_tokens,)
         rotary_emb: nn.Module,
         kv_cache: torch.Tensor | None,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -66,7 +77,13 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, q_size)
         extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap)) if v}
+        in_scales = None
+        if isinstance(qkv, ScaledOutput):
+            in_scales, qkv = (qkv.row_scale, qkv.col_scale), qkv.acc
         if not self.uses_fused_prep(qkv, rotary_emb, kv_cache, q_norm, k_norm):
+            if in_scales is not None:
+                raise ValueError("a ScaledOutput qkv on the unfused path: the caller must check takes_scaled_qkv "
+                                 "(Attention.forward_qkv materializes it)")
             return forward_qkv_separate(self, qkv, positions, rotary_emb, kv_cache, md, scale, heads, q_norm, k_norm,
                                         **extra)
         assert kv_cache is not None
@@ -78,11 +95,11 @@ class TritonAttentionBackend:
         # The one-kernel decode step has no window / soft-cap: such layers take prep + attention.
         if self.fused_decode and not extra and md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs:
             out = self.forward_decode_qkv(qkv, positions, rotary_emb.cos_sin_cache, kv_cache, md, scale, nh, nkv, hd,
-                                          q_w, k_w, eps)
+                                          q_w, k_w, eps, in_scales)
             return out.reshape(t, heads.q_size)
         n = md.num_actual_tokens
         q = fused_qkv_prep(qkv, positions, rotary_emb.cos_sin_cache, kv_cache, md.slot_mapping[:n], nh, nkv, hd,
-                           q_w, k_w, eps)
+                           q_w, k_w, eps, in_scales=in_scales)
         return self.forward_prepared(q, kv_cache, md, scale, **extra).reshape(t, heads.q_size)
 
     def forward(
@@ -132,10 +149,12 @@ class TritonAttentionBackend:
         q_norm_weight: torch.Tensor | None,
         k_norm_weight: torch.Tensor | None,
         eps: float,
+        in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # qkv is a ScaledOutput's acc: its scales
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """A decode-only step's norm + rotary + K/V write + attention in one launch."""
         return decode_attention_fused(qkv, positions, cos_sin_cache, kv_cache, md, scale, num_heads, num_kv_heads,
-                                      head_dim, q_norm_weight, k_norm_weight, eps, num_splits=self.num_splits)
+                                      head_dim, q_norm_weight, k_norm_weight, eps, num_splits=self.num_splits,
+                                      in_scales=in_scales)
 
     def forward_mla(
         self,

@@ -38,7 +38,7 @@ from pagedllm.envs import environment_variables
 from pagedllm.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_keys_m, _tile_config
 from pagedllm.kernels.kv_cache_write import to_cache
 from pagedllm.kernels.paged_attention import paged_attention_ref
-from pagedllm.kernels.qkv_prep import _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
+from pagedllm.kernels.qkv_prep import _load_scaled, _norm_rotate, _rotary_angles, check_prep_inputs, fused_qkv_prep_ref
 from pagedllm.kernels.split_k import (
     FEW_DECODE_PROGRAMS,
     alloc_partials,
@@ -81,6 +81,8 @@ def _decode_fused_kernel(
     seq_lens_ptr,  # int32 (>= num_reqs,)
     slot_mapping_ptr,  # int64 (num_slots,): rows >= num_slots are not written
     order_ptr,  # int32 (num_reqs,): decode_order; only read when ORDERED
+    row_scale_ptr,  # fp32 (num_tokens,): a ScaledOutput's per-token scales; only when IN_SCALES
+    col_scale_ptr,  # fp32 ((num_heads + 2 * num_kv_heads) * head_dim,): its per-column scales; only when IN_SCALES
     num_reqs,
     num_slots,
     num_splits,
@@ -109,6 +111,7 @@ def _decode_fused_kernel(
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 query rows as the MMA's M, 2 keys
+    IN_SCALES: tl.constexpr = False,  # qkv is a ScaledOutput's unscaled sums (qkv_prep._load_scaled)
 ):
     if ORDERED:
         seq_idx = tl.load(order_ptr + tl.program_id(0))
@@ -128,15 +131,19 @@ def _decode_fused_kernel(
     row_valid = offs_m < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + offs_m
     src = qkv_ptr + row * stride_qkv_t
-    q = _norm_rotate(src + kv_head * QUERIES_PER_KV * HEAD_DIM, row_valid, d, partner, first, is_rot, cos, sin,
-                     q_norm_ptr, eps, HAS_Q_NORM, HEAD_DIM, BLOCK_M)  # (BLOCK_M, HEAD_DIM_PAD), qkv dtype
+    rs_ptr = row_scale_ptr + row
+    q_col = kv_head * QUERIES_PER_KV * HEAD_DIM
+    q = _norm_rotate(src + q_col, col_scale_ptr + q_col, rs_ptr, row_valid, d, partner, first, is_rot, cos, sin,
+                     q_norm_ptr, eps, HAS_Q_NORM, HEAD_DIM, BLOCK_M, IN_SCALES)  # (BLOCK_M, HEAD_DIM_PAD), qkv dtype
     # The new key and value, as the cache holds them: (1, HEAD_DIM_PAD).
     one = tl.full([1], 1, tl.int1)
     d_mask = (d < HEAD_DIM)[None, :]
-    k_src = src + (NUM_HEADS + kv_head) * HEAD_DIM
-    k_new = to_cache(_norm_rotate(k_src, one, d, partner, first, is_rot, cos, sin, k_norm_ptr, eps, HAS_K_NORM,
-                                  HEAD_DIM, 1), k_cache_ptr)
-    v_new = to_cache(tl.load(k_src + NUM_KV_HEADS * HEAD_DIM + d[None, :], mask=d_mask, other=0.0), v_cache_ptr)
+    k_col = (NUM_HEADS + kv_head) * HEAD_DIM
+    k_new = to_cache(_norm_rotate(src + k_col, col_scale_ptr + k_col, rs_ptr, one, d, partner, first, is_rot, cos,
+                                  sin, k_norm_ptr, eps, HAS_K_NORM, HEAD_DIM, 1, IN_SCALES), k_cache_ptr)
+    v_col = k_col + NUM_KV_HEADS * HEAD_DIM
+    v_new = to_cache(_load_scaled(src + v_col, d[None, :], d_mask, rs_ptr, col_scale_ptr + v_col, IN_SCALES),
+                     v_cache_ptr)
     if split == 0:
         slot = tl.load(slot_mapping_ptr + row, mask=row < num_slots, other=-1).to(tl.int64)
         if slot >= 0:
@@ -215,16 +222,19 @@ def decode_attention_fused(
     num_splits: int | None = None,
     variant: int | None = None,
     config: tuple[int, int, int, int] | None = None,
+    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # row (num_tokens, 1), col (qkv width,) fp32
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """`fused_qkv_prep` followed by `paged_attention`, for a decode-only batch, in one launch (see
     the module doc). Writes this step's K/V to the cache like the pair does. Rows past
     md.num_actual_tokens (CUDA-graph padding) come back as zeros unless a request claims them.
     No host sync, a grid from host ints only: CUDA-graph capturable.
     variant (DECODE_VARIANTS) / config (BLOCK_M, TILE_N, warps, stages): None = the defaults (an fp8 cache:
-    FP8_KV_VARIANT with FP8_KV_CONFIG when PAGEDLLM_FP8_KV_DOTS=1)."""
+    FP8_KV_VARIANT with FP8_KV_CONFIG when PAGEDLLM_FP8_KV_DOTS=1).
+    in_scales: qkv is a ScaledOutput's unscaled sums (PAGEDLLM_FP8_DEFER_SCALES), scaled as read: bitwise the
+    results of `scaled_mm.materialize` followed by the call without them."""
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
-                      k_norm_weight)
+                      k_norm_weight, in_scales)
     if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs:
         raise ValueError(
             f"decode_attention_fused takes decode-only batches (one token per request), got max_query_len "
@@ -268,6 +278,7 @@ def decode_attention_fused(
         part_acc = part_m = part_l = out  # never touched: USE_SPLIT is a compile-time False
     order = md.decode_order
     slots = md.slot_mapping[:n]
+    row_scale, col_scale = in_scales if in_scales is not None else (cache, cache)
     _decode_fused_kernel[(n, num_kv_heads, num_splits)](
         out,
         part_acc,
@@ -284,6 +295,8 @@ def decode_attention_fused(
         md.seq_lens,
         slots,
         order if order is not None else md.seq_lens,
+        row_scale,
+        col_scale,
         n,
         slots.shape[0],
         num_splits,
@@ -312,6 +325,7 @@ def decode_attention_fused(
         USE_SPLIT=use_split,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         VARIANT=variant,
+        IN_SCALES=in_scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -333,9 +347,11 @@ def decode_attention_fused_ref(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The unfused pair's references: prep (norm, rotary, K/V write), then attention over the cache."""
+    """The unfused pair's references: prep (norm, rotary, K/V write; in_scales: qkv materialized first), then
+    attention over the cache."""
     n = md.num_actual_tokens
     q = fused_qkv_prep_ref(qkv, positions, cos_sin_cache, kv_cache, md.slot_mapping[:n], num_heads, num_kv_heads,
-                           head_dim, q_norm_weight, k_norm_weight, eps)
+                           head_dim, q_norm_weight, k_norm_weight, eps, in_scales)
     return paged_attention_ref(q, kv_cache, md, scale)

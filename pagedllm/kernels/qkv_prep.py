@@ -13,6 +13,11 @@ Shapes (T tokens, H query heads, KVH kv heads, D head_dim, R = rot_dim = cos_sin
     slot_mapping   (S,) int64, S <= T       token t < S goes to slot_mapping[t] (-1 = skip);
                                             tokens t >= S (CUDA-graph padding) are not written
     returns q      (T, H, D), qkv's dtype
+    in_scales      optional (row (T, 1), col ((H + 2 * KVH) * D,)) fp32: qkv is then a deferring FP8
+                   qkv_proj's unscaled sums (kernels/quantized_activation.ScaledOutput), and every value is
+                   read as (qkv[t, c] * row[t] * col[c]) rounded to qkv's dtype (`_load_scaled`), exactly
+                   what scaled_mm.materialize would have stored: e.g. acc 312.0, row 0.004, col 0.0025
+                   reads as bf16(0.00312) for x, for its rotation partner and for v alike
 
 Worked example, H = 2, KVH = 1, D = 4, R = 4, one token at position p, no norm:
     qkv row = [q0 (4) | q1 (4) | k0 (4) | v0 (4)]
@@ -49,8 +54,21 @@ __all__ = ["check_prep_inputs", "fused_qkv_prep", "fused_qkv_prep_ref"]
 
 
 @triton.jit
+def _load_scaled(src, offs, mask, rs_ptr, cs, IN_SCALES: tl.constexpr):
+    """qkv's values at src + offs, in qkv's dtype. IN_SCALES: qkv is a ScaledOutput's unscaled sums; each value
+    times the token's scale (*rs_ptr) and its column's (cs + offs: cs points at src's column of col_scale),
+    in fp32 and rounded to qkv's dtype, as kernels/scaled_mm.materialize would have stored it."""
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    if IN_SCALES:
+        x = (x.to(tl.float32) * tl.load(rs_ptr) * tl.load(cs + offs, mask=mask, other=0.0)).to(src.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _norm_rotate(
     src,  # pointer to head 0 of the HPB-head block: (HPB, D) rows of stride D
+    cs,  # pointer to src's column of the column scales; read only when IN_SCALES
+    rs_ptr,  # pointer to the token's row scale; read only when IN_SCALES
     head_mask,  # (HPB,) bool: heads that exist
     d,  # (DIM_PAD,) feature index
     partner,  # (DIM_PAD,) i + R/2 for i < R/2, i - R/2 for R/2 <= i < R
@@ -63,14 +81,15 @@ def _norm_rotate(
     HAS_NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PER_BLOCK: tl.constexpr,
+    IN_SCALES: tl.constexpr,
 ):
     # Returns the (HPB, DIM_PAD) fp32 block, normed and rotated, with values already rounded to
     # the source dtype the way the unfused kernels store them in between.
     rows = tl.arange(0, HEADS_PER_BLOCK)[:, None] * HEAD_DIM
     mask = head_mask[:, None] & (d < HEAD_DIM)[None, :]
     pmask = head_mask[:, None] & is_rot[None, :]
-    x = tl.load(src + rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + rows + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
+    x = _load_scaled(src, rows + d[None, :], mask, rs_ptr, cs, IN_SCALES).to(tl.float32)
+    xp = _load_scaled(src, rows + partner[None, :], pmask, rs_ptr, cs, IN_SCALES).to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
         w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
@@ -111,6 +130,8 @@ def _qkv_prep_kernel(
     slot_mapping_ptr,  # (S,)
     q_norm_ptr,  # (D,); only when HAS_Q_NORM
     k_norm_ptr,  # (D,); only when HAS_K_NORM
+    row_scale_ptr,  # fp32 (T,): a ScaledOutput's per-token scales; only when IN_SCALES
+    col_scale_ptr,  # fp32 ((H + 2 * KVH) * D,): its per-column scales; only when IN_SCALES
     num_slots,  # S
     stride_qkv_t,
     stride_cos_sin,
@@ -128,6 +149,7 @@ def _qkv_prep_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
+    IN_SCALES: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -135,11 +157,12 @@ def _qkv_prep_kernel(
                                                          ROT_DIM)
     h = tl.arange(0, HEADS_PER_BLOCK)
     src_row = qkv_ptr + t * stride_qkv_t
+    rs_ptr = row_scale_ptr + t
     if g < NUM_Q_GROUPS:
         h0 = g * HEADS_PER_BLOCK
         head_mask = (h0 + h) < NUM_HEADS
-        q = _norm_rotate(src_row + h0 * HEAD_DIM, head_mask, d, partner, first, is_rot, cos, sin,
-                         q_norm_ptr, eps, HAS_Q_NORM, HEAD_DIM, HEADS_PER_BLOCK)
+        q = _norm_rotate(src_row + h0 * HEAD_DIM, col_scale_ptr + h0 * HEAD_DIM, rs_ptr, head_mask, d, partner,
+                         first, is_rot, cos, sin, q_norm_ptr, eps, HAS_Q_NORM, HEAD_DIM, HEADS_PER_BLOCK, IN_SCALES)
         dst = q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + (h0 + h)[:, None] * HEAD_DIM + d[None, :]
         tl.store(dst, q.to(q_out_ptr.dtype.element_ty), mask=head_mask[:, None] & (d < HEAD_DIM)[None, :])
     else:
@@ -149,14 +172,15 @@ def _qkv_prep_kernel(
             h0 = (g - NUM_Q_GROUPS) * HEADS_PER_BLOCK
             head_mask = (h0 + h) < NUM_KV_HEADS
             mask = head_mask[:, None] & (d < HEAD_DIM)[None, :]
-            k_src = src_row + (NUM_HEADS + h0) * HEAD_DIM
-            k = _norm_rotate(k_src, head_mask, d, partner, first, is_rot, cos, sin,
-                             k_norm_ptr, eps, HAS_K_NORM, HEAD_DIM, HEADS_PER_BLOCK)
+            k_col = (NUM_HEADS + h0) * HEAD_DIM
+            k = _norm_rotate(src_row + k_col, col_scale_ptr + k_col, rs_ptr, head_mask, d, partner, first, is_rot,
+                             cos, sin, k_norm_ptr, eps, HAS_K_NORM, HEAD_DIM, HEADS_PER_BLOCK, IN_SCALES)
             dst = ((slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
                    + (h0 + h)[:, None] * stride_c_h + d[None, :])
             tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr), mask=mask)
-            v_src = k_src + NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
-            v = tl.load(v_src, mask=mask, other=0.0)
+            v_col = k_col + NUM_KV_HEADS * HEAD_DIM
+            v = _load_scaled(src_row + v_col, h[:, None] * HEAD_DIM + d[None, :], mask, rs_ptr, col_scale_ptr + v_col,
+                             IN_SCALES)
             tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr), mask=mask)
 
 
@@ -176,6 +200,7 @@ def check_prep_inputs(
     head_dim: int,
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
+    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The shapes `fused_qkv_prep` and the fused decode kernel both read (module doc); ValueError
     naming the first that does not fit."""
@@ -202,6 +227,13 @@ def check_prep_inputs(
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and w.shape != (head_dim,):
             raise ValueError(f"{name} must have shape ({head_dim},), got {tuple(w.shape)}")
+    if in_scales is not None:
+        rs, cs = in_scales
+        if rs.numel() != t or cs.shape != (width,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
+            raise ValueError(f"in_scales must be fp32 ({t}, 1) and ({width},), got {rs.dtype} {tuple(rs.shape)} "
+                             f"and {cs.dtype} {tuple(cs.shape)}")
+        if t > 1 and rs.stride(0) != 1:
+            raise ValueError(f"in_scales' row scales must be contiguous, got strides {tuple(rs.stride())}")
 
 
 def fused_qkv_prep(
@@ -217,8 +249,11 @@ def fused_qkv_prep(
     k_norm_weight: torch.Tensor | None = None,  # (D,)
     eps: float = 1e-6,
     heads_per_block: int | None = None,
+    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # row (T, 1), col ((H + 2 * KVH) * D,) fp32
 ) -> torch.Tensor:  # q (T, H, D)
     """Norm (optional) + rotate q and k, write k and v to `kv_cache`, return q; see the module doc.
+    in_scales: qkv is a ScaledOutput's unscaled sums (PAGEDLLM_FP8_DEFER_SCALES); every value read is scaled
+    first, so the results are bitwise those of `scaled_mm.materialize` followed by the call without them.
 
     No host sync and a grid from shapes only: CUDA-graph capturable. Positions must be below
     cos_sin_cache.shape[0] (not checked, as in `rotary_embedding`). heads_per_block (a power of
@@ -226,7 +261,7 @@ def fused_qkv_prep(
     """
     t = qkv.shape[0]
     check_prep_inputs(qkv, positions, cos_sin_cache, kv_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
-                      k_norm_weight)
+                      k_norm_weight, in_scales)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > t:
         raise ValueError(f"slot_mapping must be (S,) with S <= num_tokens {t}, got {tuple(slot_mapping.shape)}")
     if heads_per_block is not None and (heads_per_block < 1 or heads_per_block & (heads_per_block - 1)):
@@ -243,6 +278,7 @@ def fused_qkv_prep(
     hpb = heads_per_block or _heads_per_block(num_heads, num_kv_heads, dim_pad)
     num_q_groups = triton.cdiv(num_heads, hpb)
     grid = (t, num_q_groups + triton.cdiv(num_kv_heads, hpb))
+    row_scale, col_scale = in_scales if in_scales is not None else (cache, cache)
     _qkv_prep_kernel[grid](
         qkv,
         positions,
@@ -253,6 +289,8 @@ def fused_qkv_prep(
         slot_mapping,
         q_norm_weight if q_norm_weight is not None else cache,
         k_norm_weight if k_norm_weight is not None else cache,
+        row_scale,
+        col_scale,
         slot_mapping.shape[0],
         qkv.stride(0),
         cache.stride(0),
@@ -270,6 +308,7 @@ def fused_qkv_prep(
         BLOCK_SIZE=kv_cache.shape[2],
         HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None,
+        IN_SCALES=in_scales is not None,
         num_warps=max(1, min(8, hpb * dim_pad // 256)),
     )
     return q
@@ -287,9 +326,13 @@ def fused_qkv_prep_ref(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch twin of `fused_qkv_prep`, composed of the unfused kernels' references."""
+    """Plain PyTorch twin of `fused_qkv_prep`, composed of the unfused kernels' references (in_scales: qkv
+    materialized first, x * row * col in fp32 rounded to qkv's dtype)."""
     t = qkv.shape[0]
+    if in_scales is not None:
+        qkv = (qkv.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(qkv.dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.reshape(t, num_heads, head_dim)
     k = k.reshape(t, num_kv_heads, head_dim)

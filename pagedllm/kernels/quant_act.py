@@ -17,6 +17,8 @@
                          the quantizer reads) and quantized from registers; = quantize_activation(rms_norm(..))
     silu_and_mul_quant   SwiGLU's silu(gate) * up, rounded to x's dtype, then quantized the same way: one
                          launch and no (M, I) 16-bit intermediate in memory
+Both fused ones take `in_scales` (a ScaledOutput's row and column scales, PAGEDLLM_FP8_DEFER_SCALES=1): x is
+then the FP8 GEMM's unscaled sums, scaled and rounded to x's dtype in the kernel as materialize would.
 The two fused ones feed a W8A8 linear (scaled_mm.QuantizedActivation) in place of the norm or activation
 kernel followed by the quantizer: one launch instead of two at every linear they precede.
 
@@ -188,11 +190,14 @@ def _rms_norm_quant_kernel(
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, xq_ptr, scale_ptr, inter, stride_x, stride_q,
-    QMAX: tl.constexpr, IS_INT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, xq_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, inter, stride_x, stride_q,
+    QMAX: tl.constexpr, IS_INT: tl.constexpr, IN_SCALES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per row (the whole intermediate row in registers: the per-row amax needs all of it);
-    # the arithmetic of activation._silu_and_mul_kernel, then the quantizer's.
+    # the arithmetic of activation._silu_and_mul_kernel, then the quantizer's. IN_SCALES: x is a
+    # ScaledOutput's unscaled sums; gate (columns c) and up (columns I + c) are each scaled by the row's and
+    # their columns' scales and rounded to the activation dtype first, as kernels/scaled_mm.materialize
+    # would store them.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
@@ -200,6 +205,10 @@ def _silu_and_mul_quant_kernel(
     act_dtype = gate.dtype
     gate = gate.to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if IN_SCALES:
+        rs = tl.load(row_scale_ptr + row)
+        gate = (gate * rs * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)).to(act_dtype).to(tl.float32)
+        up = (up * rs * tl.load(col_scale_ptr + inter + cols, mask=mask, other=0.0)).to(act_dtype).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(act_dtype).to(tl.float32)
     _quant_store_row(y, mask, xq_ptr + row * stride_q, scale_ptr, row, QMAX, IS_INT)
 
@@ -217,6 +226,19 @@ def _check_fused(x: torch.Tensor, width: int, qdtype: torch.dtype, what: str) ->
         raise ValueError(f"{what}: rows of {width} values exceed the fused kernel's {_FUSED_MAX_WIDTH}")
 
 
+def _check_in_scales(in_scales: tuple[torch.Tensor, torch.Tensor] | None, m: int, n: int, what: str) -> None:
+    """A ScaledOutput's scales for an (m, n) acc: row (m, 1), col (n,) fp32 (the kernels index them by row and
+    column)."""
+    if in_scales is None:
+        return
+    rs, cs = in_scales
+    if rs.numel() != m or cs.shape != (n,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
+        raise ValueError(f"{what}: in_scales must be fp32 ({m}, 1) and ({n},), got {rs.dtype} "
+                         f"{tuple(rs.shape)} and {cs.dtype} {tuple(cs.shape)}")
+    if m > 1 and rs.stride(0) != 1:
+        raise ValueError(f"{what}: in_scales' row scales must be contiguous, got strides {rs.stride()}")
+
+
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: torch.dtype,
                    residual: torch.Tensor | None = None,
                    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -226,9 +248,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: to
     sums, x * row * col the activation."""
     _check_fused(x, x.shape[-1], qdtype, "rms_norm_quant")
     m, k = x.shape
-    if in_scales is not None and (in_scales[0].numel() != m or in_scales[1].shape != (k,)):
-        raise ValueError(f"rms_norm_quant: in_scales must be ({m}, 1) and ({k},), got "
-                         f"{tuple(in_scales[0].shape)} and {tuple(in_scales[1].shape)}")
+    _check_in_scales(in_scales, m, k, "rms_norm_quant")
     if weight.shape != (k,):
         raise ValueError(f"rms_norm_quant: weight must have shape ({k},), got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
@@ -250,22 +270,27 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: to
     return xq, scale, r_out
 
 
-def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype,
+                       in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, 2 * I) = [gate | up] -> (xq (M, I) qdtype, scale (M, 1) fp32): `silu_and_mul_quant_ref`, in one
-    launch."""
+    launch. in_scales (row (M, 1), col (2 * I,) fp32): x is a ScaledOutput's unscaled sums (gate_up_proj's),
+    x * row * col the activation."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul_quant: last dim must be even (gate and up halves), got {x.shape[-1]}")
     inter = x.shape[-1] // 2
     _check_fused(x, inter, qdtype, "silu_and_mul_quant")
     m = x.shape[0]
+    _check_in_scales(in_scales, m, 2 * inter, "silu_and_mul_quant")
     xq = torch.empty((m, inter), dtype=qdtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(inter)
         is_int = qdtype == torch.int8
+        rs, cs = in_scales if in_scales is not None else (scale, scale)
         _silu_and_mul_quant_kernel[(m,)](
-            x, xq, scale, inter, x.stride(0), xq.stride(0), QMAX=127.0 if is_int else 448.0, IS_INT=is_int,
-            BLOCK=block, num_warps=max(1, min(16, block // 256)),
+            x, xq, scale, rs, cs, inter, x.stride(0), xq.stride(0), QMAX=127.0 if is_int else 448.0, IS_INT=is_int,
+            IN_SCALES=in_scales is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
         )
     return xq, scale
 
@@ -279,9 +304,7 @@ def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype
     from pagedllm.kernels.rmsnorm import rms_norm_ref
     from pagedllm.kernels.scaled_mm import quantize_activation
 
-    if in_scales is not None:
-        x = (x.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(x.dtype)
-
+    x = _apply_in_scales(x, in_scales)
     if residual is None:
         normed, r_out = rms_norm_ref(x, weight, eps), None
     else:
@@ -290,9 +313,19 @@ def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype
     return xq, scale, r_out
 
 
-def silu_and_mul_quant_ref(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused pair: activation.silu_and_mul_ref, then scaled_mm.quantize_activation (dynamic)."""
+def silu_and_mul_quant_ref(x: torch.Tensor, qdtype: torch.dtype,
+                           in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused pair: activation.silu_and_mul_ref, then scaled_mm.quantize_activation (dynamic); in_scales
+    applied to x first (x * row * col in fp32, rounded to x's dtype)."""
     from pagedllm.kernels.activation import silu_and_mul_ref
     from pagedllm.kernels.scaled_mm import quantize_activation
 
-    return quantize_activation(silu_and_mul_ref(x), qdtype)
+    return quantize_activation(silu_and_mul_ref(_apply_in_scales(x, in_scales)), qdtype)
+
+
+def _apply_in_scales(x: torch.Tensor, in_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The references' materialize: x * row * col in fp32, rounded to x's dtype (x itself without scales)."""
+    if in_scales is None:
+        return x
+    return (x.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(x.dtype)

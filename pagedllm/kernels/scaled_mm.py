@@ -230,11 +230,14 @@ def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
 
 
 # PAGEDLLM_FP8_DEFER_SCALES=1 (off by default until a model's output with real weights is compared on a GPU;
-# W1 on the H200: 12,885 tok/s against the table's 12,618, its kernels checked there, BENCHMARKS.md h51): an FP8
-# linear whose output feeds a residual add + RMSNorm (o_proj, down_proj of the plain Llama layers, TP 1) runs
-# 17-256 rows through cuBLASLt's per-tensor FP8 GEMM with unit scales and returns a `ScaledOutput`; the norm's
-# kernel applies the per-token and per-channel scales (layers/quant_fusion.rms_norm_into). cuBLASLt there:
-# o 7.5-9.8 us, down 18.1-27.2 us against the table's 9.1-12.6 / 22.0-33.3 (H200, BENCHMARKS.md h51).
+# W1 on the H200 with o_proj / down_proj deferring: 12,885 tok/s against the table's 12,618, its kernels checked
+# there, BENCHMARKS.md h51): an FP8 linear of the plain Llama layers (TP 1) whose consumer applies the scales
+# (models/llama.py mark_deferred_scales, PAGEDLLM_FP8_DEFER_LINEARS) runs 17-256 rows through cuBLASLt's
+# per-tensor FP8 GEMM with unit scales and returns a `ScaledOutput`; the consumer's kernel applies the per-token
+# and per-channel scales: the residual add + RMSNorm after o_proj / down_proj (layers/quant_fusion.rms_norm_into),
+# SwiGLU after gate_up_proj (silu_and_mul_into), the fused rotary + K/V write after qkv_proj
+# (attention/layer.py forward_qkv). cuBLASLt there: o 7.5-9.8 us, down 18.1-27.2 us against the table's
+# 9.1-12.6 / 22.0-33.3 (H200, BENCHMARKS.md h51); qkv and gate_up: pagedllm/envs.py PAGEDLLM_FP8_DEFER_LINEARS.
 DEFER_SCALES = environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]()
 DEFER_MIN_M, DEFER_MAX_M = 17, 256
 _unit_scales: dict[torch.device, torch.Tensor] = {}

@@ -65,10 +65,7 @@ def rms_norm_into(norm: nn.Module, x: torch.Tensor | ScaledOutput, residual: tor
     if type(norm) is RMSNorm and x.dim() == 2 and (residual is None or residual.shape == x.shape):
         qdtype = input_quant_dtype(linear, x.shape[0], x.shape[1], _kernel_device(x))
     if qdtype is None:
-        if in_scales is not None:
-            from pagedllm.kernels.scaled_mm import materialize
-
-            x = materialize(ScaledOutput(x, *in_scales))
+        x = _materialized(x, in_scales)
         return norm(x) if residual is None else norm(x, residual)
     from pagedllm.kernels.quant_act import rms_norm_quant
 
@@ -79,16 +76,30 @@ def rms_norm_into(norm: nn.Module, x: torch.Tensor | ScaledOutput, residual: tor
     return out if residual is None else (out, r_out)
 
 
-def silu_and_mul_into(act: nn.Module, x: torch.Tensor, linear: nn.Module | None
+def silu_and_mul_into(act: nn.Module, x: torch.Tensor | ScaledOutput, linear: nn.Module | None
                       ) -> torch.Tensor | QuantizedActivation:
     """act(x) for an input of `linear` (SwiGLU's down_proj): quantized for it in the activation's kernel
-    where `input_quant_dtype` says so."""
-    if type(act) is not SiluAndMul or x.dim() != 2 or x.shape[1] % 2:
-        return act(x)
-    qdtype = input_quant_dtype(linear, x.shape[0], x.shape[1] // 2, _kernel_device(x))
+    where `input_quant_dtype` says so. x a `ScaledOutput` (an FP8 gate_up_proj that left its scales to this
+    activation, PAGEDLLM_FP8_DEFER_SCALES=1): the scales applied in the same kernel, or by
+    `scaled_mm.materialize` first where the activation is not fused."""
+    in_scales = None
+    if isinstance(x, ScaledOutput):
+        in_scales, x = (x.row_scale, x.col_scale), x.acc
+    qdtype = None
+    if type(act) is SiluAndMul and x.dim() == 2 and x.shape[1] % 2 == 0:
+        qdtype = input_quant_dtype(linear, x.shape[0], x.shape[1] // 2, _kernel_device(x))
     if qdtype is None:
-        return act(x)
+        return act(_materialized(x, in_scales))
     from pagedllm.kernels.quant_act import silu_and_mul_quant
 
-    xq, scale = silu_and_mul_quant(x if x.stride(1) == 1 else x.contiguous(), qdtype)
+    xq, scale = silu_and_mul_quant(x if x.stride(1) == 1 else x.contiguous(), qdtype, in_scales=in_scales)
     return QuantizedActivation(xq, scale, x.dtype)
+
+
+def _materialized(acc: torch.Tensor, in_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """acc itself, or with a ScaledOutput's scales applied (`scaled_mm.materialize`) for an unfused consumer."""
+    if in_scales is None:
+        return acc
+    from pagedllm.kernels.scaled_mm import materialize
+
+    return materialize(ScaledOutput(acc, *in_scales))

@@ -27,7 +27,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.decoder import run_cpu_decoder_stack
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.utils import get_pp_indices
-from pagedllm.kernels.quantized_activation import QuantizedActivation
+from pagedllm.kernels.quantized_activation import QuantizedActivation, ScaledOutput
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -86,10 +86,13 @@ class LlamaMLP(nn.Module):
         # (T, hidden) -> (T, 2 * intermediate / tp) -> (T, intermediate / tp) -> (T, hidden)
         return self.forward_from_gate_up(self.gate_up_proj(x))
 
-    def forward_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.down_proj.fuses_silu_and_mul(gate_up):  # int4 batch-1 decode: the activation in the GEMV
+    def forward_from_gate_up(self, gate_up: torch.Tensor | ScaledOutput) -> torch.Tensor:
+        # int4 batch-1 decode: the activation in the GEMV (an int4 gate_up_proj is never W8A8, so its output is
+        # never a ScaledOutput; the check keeps a mixed checkpoint off the int4 path all the same)
+        if not isinstance(gate_up, ScaledOutput) and self.down_proj.fuses_silu_and_mul(gate_up):
             return self.down_proj.forward_silu_and_mul(gate_up)
-        # a W8A8 down_proj gets its input quantized by the activation kernel (layers/quant_fusion.py)
+        # a W8A8 down_proj gets its input quantized by the activation kernel, which also applies a deferring
+        # FP8 gate_up_proj's scales (a ScaledOutput; materialized first where the kernel does not apply)
         return self.down_proj(silu_and_mul_into(self.act_fn, gate_up, self.down_proj))
 
 
@@ -140,10 +143,11 @@ class LlamaAttention(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.forward_from_qkv(positions, self.qkv_proj(hidden_states), attn_metadata)
 
-    def forward_from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
+    def forward_from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor | ScaledOutput,
                          attn_metadata: AttentionMetadata) -> torch.Tensor:
         # qkv (T, q_size + 2 * kv_size): split, rope, K/V write and attention (one fused prep kernel on
-        # the Triton backend), then o_proj
+        # the Triton backend), then o_proj; a ScaledOutput (a deferring FP8 qkv_proj) has its scales applied
+        # in those fused kernels, or is materialized by Attention.forward_qkv
         attn_output = self.attn.forward_qkv(qkv, positions, self.rotary_emb, attn_metadata)  # (T, q_size)
         return self.o_proj(attn_output)
 
@@ -210,7 +214,8 @@ class LlamaDecoderLayer(nn.Module):
 
 def _plain(layer: nn.Module) -> bool:
     """A decoder layer whose forward is LlamaDecoderLayer's with Llama's attention and MLP blocks: its o_proj
-    output and its input reach a residual add + RMSNorm through quant_fusion.rms_norm_into."""
+    output and its input reach a residual add + RMSNorm through quant_fusion.rms_norm_into, its qkv_proj output
+    Attention.forward_qkv, its gate_up_proj output quant_fusion.silu_and_mul_into (all take a ScaledOutput)."""
     return (isinstance(layer, LlamaDecoderLayer) and type(layer).forward is LlamaDecoderLayer.forward
             and type(layer.self_attn).forward is LlamaAttention.forward
             and type(layer.self_attn).forward_from_qkv is LlamaAttention.forward_from_qkv
@@ -219,21 +224,32 @@ def _plain(layer: nn.Module) -> bool:
 
 
 def mark_deferred_scales(layers: Iterable[nn.Module]) -> None:
-    """PAGEDLLM_FP8_DEFER_SCALES=1: let each plain layer's o_proj, and its down_proj where the next layer of
-    this stage is plain too, hand the norm after it a ScaledOutput (kernels/scaled_mm.py DEFER_SCALES): the
-    last layer's down_proj feeds the final norm or the next pipeline stage, which take tensors."""
+    """PAGEDLLM_FP8_DEFER_SCALES=1: let each plain layer's FP8 linears that PAGEDLLM_FP8_DEFER_LINEARS names hand
+    their consumer a ScaledOutput (kernels/scaled_mm.py DEFER_SCALES), which applies the scales:
+
+        qkv      Attention.forward_qkv: the fused prep / decode kernels (else materialized there)
+        o        the post-attention residual add + RMSNorm (quant_fusion.rms_norm_into)
+        gate_up  SwiGLU's activation (quant_fusion.silu_and_mul_into)
+        down     the next layer's input residual add + RMSNorm, so only where the next layer of this stage is
+                 plain too: the last layer's feeds the final norm or the next pipeline stage, which take tensors
+    """
     # The switch read from envs, not kernels/scaled_mm (which imports Triton): a CPU engine never imports it.
     from pagedllm.envs import environment_variables
 
     if not environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]():
         return
+    names = environment_variables["PAGEDLLM_FP8_DEFER_LINEARS"]()
     local = list(layers)
     for i, layer in enumerate(local):
         if not _plain(layer):
             continue
-        layer.self_attn.o_proj.defer_output_scales = True
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj}
         if i + 1 < len(local) and _plain(local[i + 1]):
-            layer.mlp.down_proj.defer_output_scales = True
+            linears["down"] = mlp.down_proj
+        for name, linear in linears.items():
+            if name in names:
+                linear.defer_output_scales = True
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):

@@ -235,6 +235,19 @@ def _record_quant() -> None:
     quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x,  # a ScaledOutput's
                              in_scales=(torch.ones(2, 1), torch.ones(4096)))
     quant_act.silu_and_mul_quant(torch.zeros(2, 2 * k, dtype=bf16), torch.float8_e4m3fn)
+    quant_act.silu_and_mul_quant(torch.zeros(2, 2 * k, dtype=bf16), torch.float8_e4m3fn,  # gate_up's ScaledOutput
+                                 in_scales=(torch.ones(2, 1), torch.ones(2 * k)))
+    # qkv_proj's ScaledOutput (PAGEDLLM_FP8_DEFER_SCALES, 17-256 rows) at Llama-3.1-8B's heads: the fused prep of a
+    # mixed step and the fused decode step (one split and split-K) with the scales (IN_SCALES) on a bf16 cache.
+    width = 48 * 128
+    cos_sin, cache = rotary.build_cos_sin_cache(128, 64), torch.zeros(2, 8, 16, 8, 128, dtype=bf16)
+    qkv_prep.fused_qkv_prep(torch.zeros(64, width, dtype=bf16), torch.arange(64), cos_sin, cache, torch.arange(64),
+                            32, 8, 128, in_scales=(torch.ones(64, 1), torch.ones(width)))
+    md_bf16 = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
+    for splits in (1, 4):
+        decode_attention.decode_attention_fused(torch.zeros(2, width, dtype=bf16), torch.arange(2), cos_sin, cache,
+                                                md_bf16, 0.1, 32, 8, 128, num_splits=splits,
+                                                in_scales=(torch.ones(2, 1), torch.ones(width)))
     # An fp8 KV cache's decode loop (decode_attention.FP8_KV_VARIANT: fp8 wgmma, 238 registers at Llama's heads).
     md = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
     decode_attention.decode_attention_fused(torch.zeros(2, 48 * 128, dtype=bf16), torch.arange(2),

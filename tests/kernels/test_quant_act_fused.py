@@ -101,6 +101,28 @@ def test_silu_and_mul_quant_matches_the_unfused_pair(device, qdtype, dtype):
     assert_same_codes(xq, pair_q)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_silu_and_mul_quant_applies_a_scaled_outputs_scales(device, dtype):
+    # in_scales (gate_up_proj's ScaledOutput: row (M, 1), col (2 * I,)): gate and up materialized first, so the
+    # codes and scales are those of materialize + the plain fused kernel, bit for bit.
+    from pagedllm.kernels.quant_act import scale_epilogue
+
+    acc = (torch.randn(5, 2 * 200, device=device) * 300).to(dtype)  # unscaled fp8 sums: large
+    rows = torch.rand(5, 1, device=device) * 1e-2
+    cols = torch.rand(400, device=device) * 1e-2
+    xq, scale = silu_and_mul_quant(acc, FP8_DTYPE, in_scales=(rows, cols))
+    pair_q, pair_s = silu_and_mul_quant(scale_epilogue(acc, rows, cols, None, 5, dtype), FP8_DTYPE)
+    torch.testing.assert_close(scale, pair_s, atol=0, rtol=0)
+    assert_same_codes(xq, pair_q)
+    if dtype == torch.float32 or acc.is_cuda:
+        # (Triton's CPU interpreter truncates fp32 -> bf16 where the GPU and torch round to nearest: gate and up
+        # an ulp off each, the product's amax up to 2% off the reference's. The Triton pair above rounds alike.)
+        ref_q, ref_s = silu_and_mul_quant_ref(acc, FP8_DTYPE, in_scales=(rows, cols))
+        assert_close_codes(xq, scale, ref_q, ref_s, dtype, exact_fp32=False)
+    with pytest.raises(ValueError, match="in_scales"):
+        silu_and_mul_quant(acc, FP8_DTYPE, in_scales=(rows, cols[:200]))  # the gate half's scales only
+
+
 def test_fused_quant_refuses_bad_inputs(device):
     x = torch.randn(3, 64, device=device)
     with pytest.raises(ValueError, match="row-major"):

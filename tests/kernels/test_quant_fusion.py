@@ -133,11 +133,34 @@ def test_norm_applies_a_scaled_outputs_scales(device, fused):
     assert torch.equal(out, ref_out) and torch.equal(r_plain, ref_r_plain)
 
 
-def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
-    # Every plain layer's o_proj, and every down_proj but the stage's last (it feeds the final norm), defer.
-    from pagedllm.models.llama import LlamaDecoderLayer, mark_deferred_scales
+def test_silu_and_mul_applies_a_scaled_outputs_scales(device, fused, monkeypatch):
+    # A deferring FP8 gate_up_proj hands SwiGLU its unscaled sums and scales: the fused activation applies
+    # them; a 16-bit consumer gets act(materialize(...)). LlamaMLP from such a gate_up equals the MLP from the
+    # materialized one, and never offers the ScaledOutput to the int4 path's check (it reads tensor attributes).
+    from pagedllm.kernels.quantized_activation import ScaledOutput
+    from pagedllm.kernels.scaled_mm import materialize
 
-    class Odd(LlamaDecoderLayer):  # another forward: its output may reach something else
+    mlp = LlamaMLP(64, 96, "silu").to(device)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        _to_w8a8(lin)
+    y = ScaledOutput(torch.randn(24, 192, device=device) * 300, torch.rand(24, 1, device=device) * 1e-2,
+                     torch.rand(192, device=device) * 1e-2)
+    qa = quant_fusion.silu_and_mul_into(mlp.act_fn, y, mlp.down_proj)
+    ref_qa = quant_fusion.silu_and_mul_into(mlp.act_fn, materialize(y), mlp.down_proj)
+    assert isinstance(qa, QuantizedActivation) and fused["act"] == 2
+    assert torch.equal(qa.xq, ref_qa.xq) and torch.equal(qa.scale, ref_qa.scale)
+    out = quant_fusion.silu_and_mul_into(mlp.act_fn, y, nn.Linear(96, 48).to(device))  # not fused
+    assert fused["act"] == 2 and torch.equal(out, mlp.act_fn(materialize(y)))
+    monkeypatch.setattr(mlp.down_proj, "fuses_silu_and_mul", lambda g: g.dim() == 2 and False)
+    assert torch.equal(mlp.forward_from_gate_up(y), mlp.forward_from_gate_up(materialize(y)))
+
+
+def _llama_layers() -> list[nn.Module]:
+    """Four decoder layers of stub linears (no weights), the third with a forward of its own (its output may
+    reach something that takes no ScaledOutput)."""
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer
+
+    class Odd(LlamaDecoderLayer):
         def forward(self, *args):
             return super().forward(*args)
 
@@ -147,32 +170,58 @@ def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
     def layer(cls):
         obj = cls.__new__(cls)
         nn.Module.__init__(obj)
-        obj.self_attn, obj.mlp = _llama_attn(), _llama_mlp()
+        obj.self_attn = LlamaAttention.__new__(LlamaAttention)
+        nn.Module.__init__(obj.self_attn)
+        obj.self_attn.qkv_proj, obj.self_attn.o_proj = Stub(), Stub()
+        obj.mlp = LlamaMLP.__new__(LlamaMLP)
+        nn.Module.__init__(obj.mlp)
+        obj.mlp.gate_up_proj, obj.mlp.down_proj = Stub(), Stub()
         return obj
 
-    def _llama_attn():
-        from pagedllm.models.llama import LlamaAttention
+    return [layer(LlamaDecoderLayer), layer(LlamaDecoderLayer), layer(Odd), layer(LlamaDecoderLayer)]
 
-        a = LlamaAttention.__new__(LlamaAttention)
-        nn.Module.__init__(a)
-        a.o_proj = Stub()
-        return a
 
-    def _llama_mlp():
-        m = LlamaMLP.__new__(LlamaMLP)
-        nn.Module.__init__(m)
-        m.down_proj = Stub()
-        return m
+def _marks(layers: list[nn.Module]) -> list[tuple[bool, bool, bool, bool]]:
+    """(qkv, o, gate_up, down) defer_output_scales of each layer."""
+    return [tuple(getattr(lin, "defer_output_scales", False) for lin in
+                  (x.self_attn.qkv_proj, x.self_attn.o_proj, x.mlp.gate_up_proj, x.mlp.down_proj)) for x in layers]
 
-    layers = [layer(LlamaDecoderLayer), layer(LlamaDecoderLayer), layer(Odd), layer(LlamaDecoderLayer)]
+
+def test_deferred_scales_marks_plain_llama_layers(monkeypatch):
+    # Every plain layer's qkv_proj, o_proj and gate_up_proj, and every down_proj but the stage's last (it feeds
+    # the final norm) and one before a layer that is not plain, defer; nothing without the switch.
+    from pagedllm.models.llama import mark_deferred_scales
+
+    layers = _llama_layers()
     monkeypatch.setenv("PAGEDLLM_FP8_DEFER_SCALES", "0")
     mark_deferred_scales(layers)
-    assert not any(hasattr(x.self_attn.o_proj, "defer_output_scales") for x in layers)
+    assert not any(any(m) for m in _marks(layers))
     monkeypatch.setenv("PAGEDLLM_FP8_DEFER_SCALES", "1")
+    monkeypatch.delenv("PAGEDLLM_FP8_DEFER_LINEARS", raising=False)  # all four
     mark_deferred_scales(layers)
-    flags = [(getattr(x.self_attn.o_proj, "defer_output_scales", False),
-              getattr(x.mlp.down_proj, "defer_output_scales", False)) for x in layers]
-    assert flags == [(True, True), (True, False), (False, False), (True, False)]
+    t, f = True, False
+    assert _marks(layers) == [(t, t, t, t), (t, t, t, f), (f, f, f, f), (t, t, t, f)]
+
+
+@pytest.mark.parametrize("names,want", [("qkv,gate_up", (True, False, True, False)),
+                                        (" o , down", (False, True, False, True)), ("", (False,) * 4)])
+def test_deferred_linears_are_the_ones_named(monkeypatch, names, want):
+    from pagedllm.models.llama import mark_deferred_scales
+
+    layers = _llama_layers()[:2]  # two plain layers: the first's down_proj may defer
+    monkeypatch.setenv("PAGEDLLM_FP8_DEFER_SCALES", "1")
+    monkeypatch.setenv("PAGEDLLM_FP8_DEFER_LINEARS", names)
+    mark_deferred_scales(layers)
+    assert _marks(layers)[0] == want
+
+
+def test_a_deferred_linear_name_outside_the_four_is_refused(monkeypatch):
+    from pagedllm.models.llama import mark_deferred_scales
+
+    monkeypatch.setenv("PAGEDLLM_FP8_DEFER_SCALES", "1")
+    monkeypatch.setenv("PAGEDLLM_FP8_DEFER_LINEARS", "qkv,up_proj")
+    with pytest.raises(ValueError, match="PAGEDLLM_FP8_DEFER_LINEARS: 'up_proj' not among qkv, o, gate_up, down"):
+        mark_deferred_scales(_llama_layers())
 
 
 def test_defers_scales_rule():
