@@ -151,23 +151,22 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: a dynamic W8A8 linear's input is quantized by its own launch, not by the RMSNorm / SiLU-and-mul
     # kernel that produces it (layers/quant_fusion.py); for A/B timings.
     "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
-    # 1: decode attention over an fp8 KV cache rounds q to e4m3 and runs QK on fp8 tensor cores with the
-    # keys as the MMA's rows (decode_attention.py variant 2) instead of fp16 dots with the query heads as
-    # rows (variant 0). Off by default: faster per call on the H200 but several times variant 0's error
-    # against the fp32 reference on random data, and its perplexity on a GPU is not measured yet
-    # (BENCHMARKS.md, h43).
-    "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", False),
+    # 0: decode attention over an fp8 KV cache runs both dots in fp16 with the query heads as the MMA's rows
+    # (decode_attention.py variant 0) instead of rounding q to e4m3 per row and running QK on fp8 tensor cores
+    # with the keys as the rows (variant 2, the default: W1 with an fp8 cache 12,609 -> 12,960 tok/s on the
+    # H200; SmolLM2 perplexity 81.28 vs 81.34 on the same fp8 cache: BENCHMARKS.md, h51).
+    "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", True),
     # 0: FP8 linears of the measured shapes (kernels/w8a8_gemm.py DECODE_TABLE: the Llama-3.1-8B linears) at
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
     # tile with K split in one launch, or cuBLAS); for A/B timings (BENCHMARKS.md h51).
     "PAGEDLLM_W8A8_SPLIT_K": _flag("PAGEDLLM_W8A8_SPLIT_K", True),
-    # 1: the FP8 linears PAGEDLLM_FP8_DEFER_LINEARS names (plain Llama layers, TP 1, no bias) at 17-256 rows run
-    # cuBLASLt's per-tensor FP8 GEMM with unit scales, and the kernel that consumes the output applies the
-    # per-token and per-channel scales (kernels/scaled_mm.py DEFER_SCALES): the residual add + RMSNorm after
+    # 1 (default): the FP8 linears PAGEDLLM_FP8_DEFER_LINEARS names (plain Llama layers, TP 1, no bias) at 17-256
+    # rows run cuBLASLt's per-tensor FP8 GEMM with unit scales, and the kernel that consumes the output applies
+    # the per-token and per-channel scales (kernels/scaled_mm.py DEFER_SCALES): the residual add + RMSNorm after
     # o_proj / down_proj, SwiGLU's activation after gate_up_proj, the fused rotary + K/V write (+ decode
-    # attention) after qkv_proj. Off until checked with real weights on a GPU (o_proj / down_proj faster in W1
-    # with dummy weights: BENCHMARKS.md, h51).
-    "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", False),
+    # attention) after qkv_proj. W1 on the H200: fp8 12,439 -> 12,938 tok/s, with an fp8 cache 12,968 -> 13,363;
+    # a model's log-probabilities as far from its bf16 run's as without (BENCHMARKS.md, seventeenth session).
+    "PAGEDLLM_FP8_DEFER_SCALES": _flag("PAGEDLLM_FP8_DEFER_SCALES", True),
     # The linears that defer their scales under PAGEDLLM_FP8_DEFER_SCALES=1 (read only then), for A/B runs: a
     # comma list of qkv, o, gate_up, down (empty: none); another name is refused by name (models/llama.py
     # mark_deferred_scales). Per call on the H200 at 32 / 64 / 128 / 192 / 256 rows (Llama-3.1-8B shapes), the

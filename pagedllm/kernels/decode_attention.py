@@ -56,7 +56,7 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
 # (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
 DECODE_VARIANTS = (0, 2)
-# An fp8 cache's opt-in loop (PAGEDLLM_FP8_KV_DOTS=1; otherwise variant 0) and its tiles (BLOCK_M, TILE_N,
+# An fp8 cache's loop (PAGEDLLM_FP8_KV_DOTS, on by default; =0: variant 0) and its tiles (BLOCK_M, TILE_N,
 # warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
 # (BENCHMARKS.md, h43).
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()

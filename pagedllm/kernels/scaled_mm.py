@@ -229,10 +229,9 @@ def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
     return path == "triton" or (path == "cublas" and qdtype == FP8_DTYPE)
 
 
-# PAGEDLLM_FP8_DEFER_SCALES=1 (off by default until a model's output with real weights is compared on a GPU;
-# W1 on the H200 with o_proj / down_proj deferring: 12,885 tok/s against the table's 12,618, its kernels checked
-# there, BENCHMARKS.md h51): an FP8 linear of the plain Llama layers (TP 1) whose consumer applies the scales
-# (models/llama.py mark_deferred_scales, PAGEDLLM_FP8_DEFER_LINEARS) runs 17-256 rows through cuBLASLt's
+# PAGEDLLM_FP8_DEFER_SCALES (on by default; W1 on the H200 with all four linears deferring 12,938 tok/s against
+# 12,439 without, a model's log-probabilities as close to its bf16 run's: BENCHMARKS.md, seventeenth session):
+# an FP8 linear of the plain Llama layers (TP 1) whose consumer applies the scales (models/llama.py mark_deferred_scales, PAGEDLLM_FP8_DEFER_LINEARS) runs 17-256 rows through cuBLASLt's
 # per-tensor FP8 GEMM with unit scales and returns a `ScaledOutput`; the consumer's kernel applies the per-token
 # and per-channel scales: the residual add + RMSNorm after o_proj / down_proj (layers/quant_fusion.rms_norm_into),
 # SwiGLU after gate_up_proj (silu_and_mul_into), the fused rotary + K/V write after qkv_proj
