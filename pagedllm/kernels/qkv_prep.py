@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.kv_cache_write import to_cache, write_kv_cache_ref
+from pagedllm.kernels.quantized_activation import apply_in_scales, check_in_scales
 from pagedllm.kernels.rmsnorm import rms_norm_ref
 from pagedllm.kernels.rotary import rotary_embedding_ref
 
@@ -227,13 +228,7 @@ def check_prep_inputs(
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and w.shape != (head_dim,):
             raise ValueError(f"{name} must have shape ({head_dim},), got {tuple(w.shape)}")
-    if in_scales is not None:
-        rs, cs = in_scales
-        if rs.numel() != t or cs.shape != (width,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
-            raise ValueError(f"in_scales must be fp32 ({t}, 1) and ({width},), got {rs.dtype} {tuple(rs.shape)} "
-                             f"and {cs.dtype} {tuple(cs.shape)}")
-        if t > 1 and rs.stride(0) != 1:
-            raise ValueError(f"in_scales' row scales must be contiguous, got strides {tuple(rs.stride())}")
+    check_in_scales(in_scales, t, width, "qkv")
 
 
 def fused_qkv_prep(
@@ -331,8 +326,7 @@ def fused_qkv_prep_ref(
     """Plain PyTorch twin of `fused_qkv_prep`, composed of the unfused kernels' references (in_scales: qkv
     materialized first, x * row * col in fp32 rounded to qkv's dtype)."""
     t = qkv.shape[0]
-    if in_scales is not None:
-        qkv = (qkv.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(qkv.dtype)
+    qkv = apply_in_scales(qkv, in_scales)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.reshape(t, num_heads, head_dim)
     k = k.reshape(t, num_kv_heads, head_dim)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.quantized_activation import apply_in_scales, check_in_scales
 from pagedllm.kernels.rmsnorm import add_residual_rms_norm
 
 __all__ = ["quantize_activation_triton", "rms_norm_quant", "rms_norm_quant_ref", "scale_epilogue", "silu_and_mul_quant",
@@ -226,19 +227,6 @@ def _check_fused(x: torch.Tensor, width: int, qdtype: torch.dtype, what: str) ->
         raise ValueError(f"{what}: rows of {width} values exceed the fused kernel's {_FUSED_MAX_WIDTH}")
 
 
-def _check_in_scales(in_scales: tuple[torch.Tensor, torch.Tensor] | None, m: int, n: int, what: str) -> None:
-    """A ScaledOutput's scales for an (m, n) acc: row (m, 1), col (n,) fp32 (the kernels index them by row and
-    column)."""
-    if in_scales is None:
-        return
-    rs, cs = in_scales
-    if rs.numel() != m or cs.shape != (n,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
-        raise ValueError(f"{what}: in_scales must be fp32 ({m}, 1) and ({n},), got {rs.dtype} "
-                         f"{tuple(rs.shape)} and {cs.dtype} {tuple(cs.shape)}")
-    if m > 1 and rs.stride(0) != 1:
-        raise ValueError(f"{what}: in_scales' row scales must be contiguous, got strides {rs.stride()}")
-
-
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: torch.dtype,
                    residual: torch.Tensor | None = None,
                    in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -248,7 +236,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: to
     sums, x * row * col the activation."""
     _check_fused(x, x.shape[-1], qdtype, "rms_norm_quant")
     m, k = x.shape
-    _check_in_scales(in_scales, m, k, "rms_norm_quant")
+    check_in_scales(in_scales, m, k, "rms_norm_quant")
     if weight.shape != (k,):
         raise ValueError(f"rms_norm_quant: weight must have shape ({k},), got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
@@ -281,7 +269,7 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype,
     inter = x.shape[-1] // 2
     _check_fused(x, inter, qdtype, "silu_and_mul_quant")
     m = x.shape[0]
-    _check_in_scales(in_scales, m, 2 * inter, "silu_and_mul_quant")
+    check_in_scales(in_scales, m, 2 * inter, "silu_and_mul_quant")
     xq = torch.empty((m, inter), dtype=qdtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
@@ -304,7 +292,7 @@ def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype
     from pagedllm.kernels.rmsnorm import rms_norm_ref
     from pagedllm.kernels.scaled_mm import quantize_activation
 
-    x = _apply_in_scales(x, in_scales)
+    x = apply_in_scales(x, in_scales)
     if residual is None:
         normed, r_out = rms_norm_ref(x, weight, eps), None
     else:
@@ -321,11 +309,4 @@ def silu_and_mul_quant_ref(x: torch.Tensor, qdtype: torch.dtype,
     from pagedllm.kernels.activation import silu_and_mul_ref
     from pagedllm.kernels.scaled_mm import quantize_activation
 
-    return quantize_activation(silu_and_mul_ref(_apply_in_scales(x, in_scales)), qdtype)
-
-
-def _apply_in_scales(x: torch.Tensor, in_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """The references' materialize: x * row * col in fp32, rounded to x's dtype (x itself without scales)."""
-    if in_scales is None:
-        return x
-    return (x.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(x.dtype)
+    return quantize_activation(silu_and_mul_ref(apply_in_scales(x, in_scales)), qdtype)

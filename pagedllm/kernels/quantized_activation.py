@@ -1,6 +1,7 @@
 """`QuantizedActivation`: an activation already quantized for the W8A8 linear it feeds (kernels/scaled_mm.py
-takes it, layers/quant_fusion.py makes it). Its own module, without Triton, so the models can name the
-type without importing the kernels."""
+takes it, layers/quant_fusion.py makes it), `ScaledOutput`, and the check and torch reference that every
+consumer of a ScaledOutput's scales shares. Its own module, without Triton, so the models can name the
+types without importing the kernels."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantizedActivation", "ScaledOutput"]
+__all__ = ["QuantizedActivation", "ScaledOutput", "apply_in_scales", "check_in_scales"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,23 @@ class ScaledOutput:
     @property
     def is_cuda(self) -> bool:
         return self.acc.is_cuda
+
+
+def check_in_scales(in_scales: tuple[torch.Tensor, torch.Tensor] | None, m: int, n: int, what: str) -> None:
+    """A ScaledOutput's (row_scale, col_scale) as a consumer kernel takes them for an (m, n) acc: row (m, 1),
+    col (n,) fp32, the rows contiguous (the kernels index them by row and column); `what` names the consumer."""
+    if in_scales is None:
+        return
+    rs, cs = in_scales
+    if rs.numel() != m or cs.shape != (n,) or rs.dtype != torch.float32 or cs.dtype != torch.float32:
+        raise ValueError(f"{what}: in_scales must be fp32 ({m}, 1) and ({n},), got {rs.dtype} "
+                         f"{tuple(rs.shape)} and {cs.dtype} {tuple(cs.shape)}")
+    if m > 1 and rs.stride(0) != 1:
+        raise ValueError(f"{what}: in_scales' row scales must be contiguous, got strides {tuple(rs.stride())}")
+
+
+def apply_in_scales(x: torch.Tensor, in_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The references' materialize: x * row * col in fp32, rounded to x's dtype (x itself without scales)."""
+    if in_scales is None:
+        return x
+    return (x.float() * in_scales[0].float().reshape(-1, 1) * in_scales[1].float()[None, :]).to(x.dtype)
