@@ -13,8 +13,8 @@ A switch that adds no error gives the same teacher-forced error as the run witho
 
     PYTHONPATH=$PWD python3 scripts/gpu_fp8_defer_check.py [--prompts 64] [--tokens 48] [RUN ...]
 
-RUN: TAG[:ENV=V,ENV=V[:kv|bf16]] (a ';' in V stands for ',') (kv: an fp8 KV cache; bf16: no quantization, the reference; the first
-run must be it); default: DEFAULT_RUNS. Each run is its own process (the switches are read at import).
+RUN: TAG[:ENV=V,ENV=V[:kv|bf16]], parsed as gpu_fp8_w1_ab.py's run specs (a value may hold commas; kv: an fp8
+KV cache; bf16: no quantization, the reference; the first run must be it); default: DEFAULT_RUNS. Each run is its own process (the switches are read at import).
 """
 
 from __future__ import annotations
@@ -26,15 +26,18 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_fp8_w1_ab import parse_run  # noqa: E402 - the same TAG:ENV=V,...:REST run specs
+
 TOP = 20  # top log-probabilities returned per position (the compared distribution)
 DEFAULT_RUNS = [
     "bf16::bf16",
     "fp8:PAGEDLLM_FP8_DEFER_SCALES=0,PAGEDLLM_FP8_KV_DOTS=0",
-    "fp8-defer-o-down:PAGEDLLM_FP8_DEFER_SCALES=1,PAGEDLLM_FP8_DEFER_LINEARS=o;down",
-    "fp8-defer-all:PAGEDLLM_FP8_DEFER_SCALES=1,PAGEDLLM_FP8_DEFER_LINEARS=qkv;o;gate_up;down",
+    "fp8-defer-o-down:PAGEDLLM_FP8_DEFER_SCALES=1,PAGEDLLM_FP8_DEFER_LINEARS=o,down",
+    "fp8-defer-all:PAGEDLLM_FP8_DEFER_SCALES=1,PAGEDLLM_FP8_DEFER_LINEARS=qkv,o,gate_up,down",
     "fp8-kv-v0:PAGEDLLM_FP8_DEFER_SCALES=0,PAGEDLLM_FP8_KV_DOTS=0:kv",
     "fp8-kv-dots:PAGEDLLM_FP8_DEFER_SCALES=0,PAGEDLLM_FP8_KV_DOTS=1:kv",
-    "fp8-kv-dots-defer-all:PAGEDLLM_FP8_DEFER_SCALES=1,PAGEDLLM_FP8_KV_DOTS=1,PAGEDLLM_FP8_DEFER_LINEARS=qkv;o;gate_up;down:kv",
+    "fp8-kv-dots-defer-all:PAGEDLLM_FP8_DEFER_SCALES=1,PAGEDLLM_FP8_KV_DOTS=1,PAGEDLLM_FP8_DEFER_LINEARS=qkv,o,gate_up,down:kv",
 ]
 
 
@@ -102,10 +105,9 @@ def main() -> int:
     model = write_model(root)
     results: dict[str, dict] = {}
     for spec in args.runs or DEFAULT_RUNS:
-        tag, _, rest = spec.partition(":")
-        env_part, _, mode = rest.partition(":")
-        # (';' inside a value stands for ',': PAGEDLLM_FP8_DEFER_LINEARS=o;down)
-        env = {**os.environ, **{k: v.replace(";", ",") for k, v in (kv.split("=", 1) for kv in env_part.split(",") if kv)}}
+        tag, switches, modes = parse_run(spec)  # gpu_fp8_w1_ab's run specs, the flags part the mode here
+        env = {**os.environ, **switches}
+        mode = modes[0] if modes else ""
         out = os.path.join(root, f"{tag}.json")
         proc = subprocess.run([sys.executable, __file__, "--prompts", str(args.prompts), "--tokens", str(args.tokens),
                                "--child", model, mode or "fp8", out], env=env, capture_output=True, text=True,
