@@ -11,9 +11,15 @@ import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.core_client import MAX_PENDING_BATCHES
 from pagedllm.engine.output_stream import RequestOutputCollector
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+# How far the engine process may have stepped past the frontend's `num_steps` when the frontend acts: the
+# batches its reader may hold (MAX_PENDING_BATCHES) and the one being read. `<= 2` steps counted from the
+# frontend's view failed now and then in full CI runs on a loaded 2-core machine (3 steps, seventeenth session).
+STEPS_AHEAD = MAX_PENDING_BATCHES + 1
 
 
 def make_engine(model_dir: Path) -> AsyncLLM:
@@ -87,10 +93,10 @@ def test_closing_the_generator_aborts_within_one_step(h: Harness):
         await h.wait_idle()
         return h.engine.engine_core.num_steps - steps_at_close
 
-    # The step running when the client left may finish, and so may one more that the engine loop began
-    # between the read of num_steps and the abort reaching it (the same race as the cancel test below:
-    # `<= 1` failed now and then on a loaded 2-core machine, twelfth session); never the 400 tokens asked for.
-    assert h.run(run()) <= 2
+    # Never the 400 tokens asked for. The bound counts from `engine_core.num_steps`, the newest step the
+    # frontend's reader has taken off the engine process's pipe: on a loaded machine the engine runs up to
+    # the batches in transit ahead of it (STEPS_AHEAD); then the step running when the abort arrives ends.
+    assert h.run(run()) <= STEPS_AHEAD + 1
     assert h.engine.get_num_unfinished_requests() == 0
     assert not h.engine.output_processor.has_unfinished_requests()
 
@@ -111,10 +117,9 @@ def test_cancelling_the_consumer_aborts(h: Harness):
         await h.wait_idle()
         return h.engine.engine_core.num_steps - steps_at_cancel
 
-    # The step running when the consumer is cancelled, and at most one more that the engine loop began
-    # before the abort (sent once the cancellation has unwound the consumer) reached it; never the
-    # 400 tokens asked for. `<= 1` failed now and then on a loaded machine (ninth and tenth sessions).
-    assert h.run(run()) <= 2
+    # As in the close test above: the steps in transit when the consumer is cancelled, then the one that
+    # runs when the abort (sent once the cancellation has unwound the consumer) arrives.
+    assert h.run(run()) <= STEPS_AHEAD + 1
     assert h.engine.get_num_unfinished_requests() == 0
 
 
