@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.quantized_activation import apply_in_scales, check_in_scales
 from pagedllm.kernels.rmsnorm import add_residual_rms_norm
 
@@ -214,6 +215,7 @@ def _silu_and_mul_quant_kernel(
     _quant_store_row(y, mask, xq_ptr + row * stride_q, scale_ptr, row, QMAX, IS_INT)
 
 
+SWIGLU_SCALED_WARPS = environment_variables["PAGEDLLM_SWIGLU_SCALED_WARPS"]()
 _FUSED_MAX_WIDTH = 16384  # a row in one program's registers (16 warps: 32 values a thread)
 
 
@@ -276,9 +278,12 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype,
         block = triton.next_power_of_2(inter)
         is_int = qdtype == torch.int8
         rs, cs = in_scales if in_scales is not None else (scale, scale)
+        warps = max(1, min(16, block // 256))
+        if in_scales is not None and SWIGLU_SCALED_WARPS:
+            warps = SWIGLU_SCALED_WARPS
         _silu_and_mul_quant_kernel[(m,)](
             x, xq, scale, rs, cs, inter, x.stride(0), xq.stride(0), QMAX=127.0 if is_int else 448.0, IS_INT=is_int,
-            IN_SCALES=in_scales is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+            IN_SCALES=in_scales is not None, BLOCK=block, num_warps=warps,
         )
     return xq, scale
 
