@@ -1,4 +1,4 @@
-"""Page-cache read-ahead for a start on a fresh machine (PAGEDLLM_READAHEAD).
+"""Page-cache read-ahead for a start on a fresh machine.
 
 On a machine that has not run Python's ML stack since it booted, nothing of torch, Triton or transformers
 is in the page cache. `import torch` then faults its shared libraries in a few pages at a time, and
@@ -26,8 +26,9 @@ import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-# What a GPU start imports, in the order it imports them.
-PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "jinja2")
+# What a GPU start imports, in the order it imports them ("nvidia": the CUDA libraries torch loads as it
+# imports, a namespace package of wheels such as nvidia-cublas).
+PACKAGES = ("torch", "nvidia", "triton", "transformers", "tokenizers", "safetensors", "numpy", "jinja2")
 SUFFIXES = (".py", ".pyc", ".so")
 THREADS = 4  # the kernel does the reading; threads only overlap the opens of ~10,000 files
 

@@ -2,13 +2,17 @@
 
   gemm    Llama-3.1-8B's four fp8 linears at 256 .. 8192 rows (mixed steps, prefill chunks): the row-scaled
           `torch._scaled_mm` (scale_a (M, 1), scale_b (1, N): what the dispatch runs above DEFER_MAX_M) against
-          the unit-scale per-tensor call a deferring linear makes (PAGEDLLM_FP8_DEFER_MAX_M), plus the
+          the unit-scale per-tensor call a deferring linear makes (deferring above 256 rows), plus the
           deferred output's error once materialized; CUDA events over rotating weight copies, us a call.
   swiglu  SwiGLU's fused quantizer (kernels/quant_act.py) on gate_up's 2 x 14336 outputs with a deferring
-          gate_up's scales, at 8 / 16 / 32 warps (PAGEDLLM_SWIGLU_SCALED_WARPS), and without scales at its
+          gate_up's scales, at 8 / 16 / 32 warps (kernels/quant_act.row_warps), and without scales at its
           default warps; CUDA graphs of 20 calls.
 
-    python3 scripts/gpu_fp8_knob_probe.py [--sections gemm,swiglu]
+  warps   the three one-row-a-program quant kernels at Llama-3.1-8B widths (RMSNorm + residual + quant at 4096,
+          with and without a deferring o / down's scales; SwiGLU + quant at 2 x 14336 without scales; the row
+          quantizer at 4096, o_proj's input) at 8 / 16 / 32 warps.
+
+    python3 scripts/gpu_fp8_knob_probe.py [--sections gemm,swiglu,warps]
 
 Prints a table a section.
 """
@@ -110,14 +114,59 @@ def swiglu() -> None:
         print(_swiglu_row(m, 14336), flush=True)
 
 
+def _warps_row(m: int) -> str:
+    from pagedllm.kernels import quant_act
+    from pagedllm.kernels.scaled_mm import FP8_DTYPE
+
+    h, inter = 4096, 14336
+    x = (torch.randn(m, h, device="cuda") * 300).to(torch.bfloat16)
+    res = torch.randn(m, h, device="cuda").to(torch.bfloat16)
+    w = torch.rand(h, device="cuda").to(torch.bfloat16)
+    rs, cs = torch.rand(m, 1, device="cuda") * 1e-2, torch.rand(h, device="cuda") * 1e-2
+    xq = torch.empty(m, h, device="cuda", dtype=FP8_DTYPE)
+    sc = torch.empty(m, 1, device="cuda")
+    r_out = torch.empty_like(res)
+    g = (torch.randn(m, 2 * inter, device="cuda") * 3).to(torch.bfloat16)
+    gq = torch.empty(m, inter, device="cuda", dtype=FP8_DTYPE)
+    b_h, b_i = triton.next_power_of_2(h), triton.next_power_of_2(inter)
+
+    def norm(warps: int, scaled: bool) -> None:
+        quant_act._rms_norm_quant_kernel[(m,)](
+            x, res, w, xq, sc, r_out, rs if scaled else sc, cs if scaled else sc, h, 1e-5, x.stride(0),
+            res.stride(0), xq.stride(0), r_out.stride(0), QMAX=448.0, IS_INT=False, HAS_RESIDUAL=True,
+            IN_SCALES=scaled, BLOCK=b_h, num_warps=warps)
+
+    def silu(warps: int) -> None:
+        quant_act._silu_and_mul_quant_kernel[(m,)](
+            g, gq, sc, sc, sc, inter, g.stride(0), gq.stride(0), QMAX=448.0, IS_INT=False, IN_SCALES=False,
+            BLOCK=b_i, num_warps=warps)
+
+    def quant(warps: int) -> None:
+        quant_act._quant_row_kernel[(m,)](x, xq, sc, sc, h, x.stride(0), xq.stride(0), QMAX=448.0, IS_INT=False,
+                                          STATIC=False, BLOCK=b_h, ONE_PASS=True, num_warps=warps)
+
+    cells = []
+    for fn in (lambda wp: norm(wp, False), lambda wp: norm(wp, True), silu, quant):
+        ts = [_time(lambda wp=wp, fn=fn: fn(wp)) for wp in (8, 16, 32)]
+        cells.append(" / ".join(f"{t:.1f}" for t in ts))
+    return f"| {m} | " + " | ".join(cells) + " |"
+
+
+def warps() -> None:
+    print("| M | RMSNorm+res+quant 8 / 16 / 32 warps us | same, scaled | SwiGLU+quant (no scales) | row quant 4096 |")
+    print("|---|---|---|---|---|")
+    for m in (32, 64, 128, 256, 1024, 8192):
+        print(_warps_row(m), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="gemm,swiglu")
+    ap.add_argument("--sections", default="gemm,swiglu,warps")
     args = ap.parse_args()
     torch.manual_seed(0)
     for s in args.sections.split(","):
         print(f"\n## {s}", flush=True)
-        {"gemm": gemm, "swiglu": swiglu}[s]()
+        {"gemm": gemm, "swiglu": swiglu, "warps": warps}[s]()
     return 0
 
 

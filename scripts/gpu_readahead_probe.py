@@ -67,6 +67,7 @@ def row(label: str, code: str, do_evict: bool, ra: tuple[str, ...] | None) -> st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--cold-ra", action="store_true", help="the first (cold) row with the read-ahead thread")
     args = ap.parse_args()
     files, nbytes = 0, 0
     for name in readahead.PACKAGES:
@@ -75,7 +76,8 @@ def main() -> int:
             files += 1
             nbytes += os.path.getsize(p)
     print(f"packages {readahead.PACKAGES}: {files} files, {nbytes / 1e9:.2f} GB", flush=True)
-    rows = [row("as found (first thing on a fresh machine: cold)", IMPORT, False, None),
+    first = "as found (first thing on a fresh machine: cold)" + (" + ra" if args.cold_ra else "")
+    rows = [row(first, IMPORT, False, readahead.PACKAGES if args.cold_ra else None),
             row("again (warm)", IMPORT, False, None),
             row("warm + ra (its cost where nothing is to read)", IMPORT, False, readahead.PACKAGES)]
     for r in rows:

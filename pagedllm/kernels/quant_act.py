@@ -43,6 +43,17 @@ __all__ = ["quantize_activation_triton", "rms_norm_quant", "rms_norm_quant_ref",
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds an fp32 to an integer, ties to even
 
 
+ROW_QUANT_WARPS = environment_variables["PAGEDLLM_ROW_QUANT_WARPS"]()
+
+
+def row_warps(block: int, most: int = 16) -> int:
+    """Warps of a one-row-a-program kernel over `block` values: one per 256 values, at most `most`
+    (PAGEDLLM_ROW_QUANT_WARPS overrides). SwiGLU applying a deferring gate_up's scales takes up to 32: on
+    the H200 its 16,384-value rows ran 1.15-1.2x faster at 32 warps than at 16 from 32 to 8192 rows, the
+    same bytes out (BENCHMARKS.md, issue 19, eighteenth session)."""
+    return ROW_QUANT_WARPS or max(1, min(most, block // 256))
+
+
 @triton.jit
 def _quantize(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr):
     # IEEE division (tl.math.div_rn), as torch divides: Triton's `/` is the approximate div.full.f32,
@@ -114,7 +125,7 @@ def quantize_activation_triton(x: torch.Tensor, qdtype: torch.dtype, static_scal
     _quant_row_kernel[(m,)](
         x, xq, scale, static_scale if static_scale is not None else scale, k, x.stride(0), xq.stride(0),
         QMAX=127.0 if is_int else 448.0, IS_INT=is_int, STATIC=static_scale is not None, BLOCK=block,
-        ONE_PASS=one_pass, num_warps=max(1, min(16, block // 256)),
+        ONE_PASS=one_pass, num_warps=row_warps(block),
     )
     return xq, scale
 
@@ -215,7 +226,6 @@ def _silu_and_mul_quant_kernel(
     _quant_store_row(y, mask, xq_ptr + row * stride_q, scale_ptr, row, QMAX, IS_INT)
 
 
-SWIGLU_SCALED_WARPS = environment_variables["PAGEDLLM_SWIGLU_SCALED_WARPS"]()
 _FUSED_MAX_WIDTH = 16384  # a row in one program's registers (16 warps: 32 values a thread)
 
 
@@ -255,7 +265,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, qdtype: to
             rs, cs, k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, xq.stride(0),
             r_out.stride(0) if r_out is not None else 0,
             QMAX=127.0 if is_int else 448.0, IS_INT=is_int, HAS_RESIDUAL=residual is not None,
-            IN_SCALES=in_scales is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+            IN_SCALES=in_scales is not None, BLOCK=block, num_warps=row_warps(block),
         )
     return xq, scale, r_out
 
@@ -278,9 +288,7 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype,
         block = triton.next_power_of_2(inter)
         is_int = qdtype == torch.int8
         rs, cs = in_scales if in_scales is not None else (scale, scale)
-        warps = max(1, min(16, block // 256))
-        if in_scales is not None and SWIGLU_SCALED_WARPS:
-            warps = SWIGLU_SCALED_WARPS
+        warps = row_warps(block, 32 if in_scales is not None else 16)
         _silu_and_mul_quant_kernel[(m,)](
             x, xq, scale, rs, cs, inter, x.stride(0), xq.stride(0), QMAX=127.0 if is_int else 448.0, IS_INT=is_int,
             IN_SCALES=in_scales is not None, BLOCK=block, num_warps=warps,

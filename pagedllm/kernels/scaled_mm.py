@@ -238,7 +238,7 @@ def prequantized_path(m: int, n: int, k: int, qdtype: torch.dtype) -> bool:
 # (attention/layer.py forward_qkv). cuBLASLt there: o 7.5-9.8 us, down 18.1-27.2 us against the table's
 # 9.1-12.6 / 22.0-33.3 (H200, BENCHMARKS.md h51); qkv and gate_up: pagedllm/envs.py PAGEDLLM_FP8_DEFER_LINEARS.
 DEFER_SCALES = environment_variables["PAGEDLLM_FP8_DEFER_SCALES"]()
-DEFER_MIN_M, DEFER_MAX_M = 17, environment_variables["PAGEDLLM_FP8_DEFER_MAX_M"]()
+DEFER_MIN_M, DEFER_MAX_M = 17, 256
 _unit_scales: dict[torch.device, torch.Tensor] = {}
 
 
