@@ -173,9 +173,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # unit-scale GEMM against the scaled pick: qkv 9.9 / 10.0 / 9.4 / 11.2 / 12.1 us vs 13.0 / 10.5 / 12.9 / 14.6 /
     # 14.6, gate_up 31.0 / 33.0 / 36.9 / 42.1 / 49.3 vs 32.7 / 33.2 / 34.8 / 48.7 / 50.6 (slower at 128).
     "PAGEDLLM_FP8_DEFER_LINEARS": _names("PAGEDLLM_FP8_DEFER_LINEARS", "qkv,o,gate_up,down"),
-    # Warps of the one-row-a-program quant kernels (kernels/quant_act.py: RMSNorm + quant, SwiGLU + quant, the
-    # activation quantizer), for A/B runs; 0 (default): each kernel's rule (quant_act.row_warps).
-    "PAGEDLLM_ROW_QUANT_WARPS": _int("PAGEDLLM_ROW_QUANT_WARPS", 0),
     # 0: capture decode graphs with the default BLAS library only and run each batch on the smallest
     # captured size that fits (worker/graph_plan.py: the plan before measurement).
     "PAGEDLLM_GRAPH_TUNING": _flag("PAGEDLLM_GRAPH_TUNING", True),

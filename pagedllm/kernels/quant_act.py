@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.envs import environment_variables
 from pagedllm.kernels.quantized_activation import apply_in_scales, check_in_scales
 from pagedllm.kernels.rmsnorm import add_residual_rms_norm
 
@@ -43,15 +42,12 @@ __all__ = ["quantize_activation_triton", "rms_norm_quant", "rms_norm_quant_ref",
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds an fp32 to an integer, ties to even
 
 
-ROW_QUANT_WARPS = environment_variables["PAGEDLLM_ROW_QUANT_WARPS"]()
-
-
 def row_warps(block: int, most: int = 16) -> int:
-    """Warps of a one-row-a-program kernel over `block` values: one per 256 values, at most `most`
-    (PAGEDLLM_ROW_QUANT_WARPS overrides). SwiGLU applying a deferring gate_up's scales takes up to 32: on
-    the H200 its 16,384-value rows ran 1.15-1.2x faster at 32 warps than at 16 from 32 to 8192 rows, the
-    same bytes out (BENCHMARKS.md, issue 19, eighteenth session)."""
-    return ROW_QUANT_WARPS or max(1, min(most, block // 256))
+    """Warps of a one-row-a-program kernel over `block` values: one per 256 values, at most `most`.
+    SwiGLU applying a deferring gate_up's scales takes up to 32: on the H200 its 16,384-value rows ran
+    1.15-1.2x faster at 32 warps than at 16 from 32 to 8192 rows, the same bytes out; the other row
+    kernels (and SwiGLU without scales) were fastest at 16 (BENCHMARKS.md, issue 19, eighteenth session)."""
+    return max(1, min(most, block // 256))
 
 
 @triton.jit
