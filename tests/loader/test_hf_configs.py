@@ -280,7 +280,8 @@ print("RESULT " + json.dumps(out, default=str))
 """
 
 
-def _vision_probe(tmp_path: Path, light: str, broken: bool = False) -> dict:
+def _vision_probes(tmp_path: Path, *modes: tuple[str, bool]) -> list[dict]:
+    """The probe's results, one subprocess per (PAGEDLLM_LIGHT_CONFIG_IMPORT, broken stand-in), run at once."""
     import os
     import subprocess
     import sys
@@ -289,13 +290,20 @@ def _vision_probe(tmp_path: Path, light: str, broken: bool = False) -> dict:
     for name, text in _FAKE_VISION.items():
         (fakes / name).parent.mkdir(parents=True, exist_ok=True)
         (fakes / name).write_text(text)
-    env = dict(os.environ, PAGEDLLM_LIGHT_CONFIG_IMPORT=light, PAGEDLLM_CACHE_ROOT=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(fakes), str(Path(__file__).resolve().parents[2])]),
-               BREAK="1" if broken else "0")
-    p = subprocess.run([sys.executable, "-c", _VISION_PROBE], capture_output=True, text=True, env=env, timeout=300)
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, p.stderr[-3000:]
-    return json.loads(line[0].removeprefix("RESULT "))
+    running = []
+    for light, broken in modes:
+        env = dict(os.environ, PAGEDLLM_LIGHT_CONFIG_IMPORT=light, PAGEDLLM_CACHE_ROOT=str(tmp_path / "cache"),
+                   PYTHONPATH=os.pathsep.join([str(fakes), str(Path(__file__).resolve().parents[2])]),
+                   BREAK="1" if broken else "0")
+        running.append(subprocess.Popen([sys.executable, "-c", _VISION_PROBE], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    for p in running:
+        stdout, stderr = p.communicate(timeout=300)
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        assert line, stderr[-3000:]
+        results.append(json.loads(line[0].removeprefix("RESULT ")))
+    return results
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers.utils.type_validators") is None,
@@ -306,8 +314,7 @@ def test_config_validators_import_without_torchvision(tmp_path: Path):
     video_utils or image_utils; the validators answer as before (the very PIL.Image.Resampling, the
     real VideoMetadataType for get_type_hints); afterwards the modules are the real, complete ones and
     no stand-in is left anywhere. A stand-in that fails: the validators run as transformers' own."""
-    plain, light, broken = (_vision_probe(tmp_path, "0"), _vision_probe(tmp_path, "1"),
-                            _vision_probe(tmp_path, "1", broken=True))
+    plain, light, broken = _vision_probes(tmp_path, ("0", False), ("1", False), ("1", True))
     assert "torchvision" in plain["imported"] and "transformers.video_utils" in plain["imported"]  # the fakes work
     assert light["imported"] == []
     assert "torchvision" in broken["imported"]
