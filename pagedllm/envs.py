@@ -228,10 +228,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (engine/core_proc.py, prestart_engine_process); 0: the engine process starts once the frontend's
     # config is built. On the CPU the server keeps the second order (BENCHMARKS.md, issue 16, h29, h47).
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
-    # 1 (default): a transformers config class imports without `transformers.activations` (its type
-    # validators get a stand-in table of activation names: loader/hf_configs.py, activation_names_only), for
-    # a first start's config in both processes (the same config of every preset; about half the import
-    # time: BENCHMARKS.md, h50); 0: transformers' own imports.
+    # 1 (default): a transformers config class imports without `transformers.activations`, `video_utils`
+    # or `image_utils` (its type validators get stand-ins for the one name each takes from them:
+    # loader/hf_configs.py, light_type_validators), for a first start's config in both processes (the same
+    # config of every preset; about half the import time: BENCHMARKS.md, h50; with torchvision installed
+    # 3.5 s more on the H200 host, h64); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),
     # 1 (default): a CUDA engine keeps its memory profile's two measured figures (peak activations, non-torch
     # bytes) under $PAGEDLLM_CACHE_ROOT/memory_profiles, keyed by the GPU, the libraries, pagedllm's source

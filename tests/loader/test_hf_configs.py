@@ -5,6 +5,7 @@ config reads back every attribute, and the engine generates the same tokens from
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 from pathlib import Path
@@ -203,3 +204,149 @@ def test_light_config_import_gives_the_same_configs_and_answers(tmp_path: Path):
     if plain["answers"] is not None:  # transformers 5: the validators import the module, unless the stand-in
         assert plain["answers"] == [True, True, True, True, False]
         assert plain["activations_imported"] and not light["activations_imported"]
+
+
+# -- type validators without torchvision -------------------------------------------------------------
+#
+# CI has neither Pillow nor torchvision, so the subprocesses below get fakes of both on PYTHONPATH:
+# with them transformers sees vision and torchvision available and (PAGEDLLM_LIGHT_CONFIG_IMPORT=0)
+# imports torchvision for a config's validators, as on the H200 host. This process is left untouched.
+
+_FAKE_VISION = {
+    "PIL/__init__.py": '__version__ = "12.0.0"\n',
+    "PIL/Image.py": ("import enum\n\n\nclass Resampling(enum.IntEnum):\n"
+                     "    NEAREST = 0\n    LANCZOS = 1\n    BILINEAR = 2\n    BICUBIC = 3\n    BOX = 4\n    HAMMING = 5\n\n\n"
+                     "class Image:\n    pass\n"),
+    "PIL/ImageOps.py": "",
+    "pillow-12.0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: pillow\nVersion: 12.0.0\n",
+    "torchvision/__init__.py": '__version__ = "0.26.0"\nfrom . import io, transforms  # noqa: F401\n',
+    "torchvision/io.py": ("import enum\n\n\nclass ImageReadMode(enum.Enum):\n    UNCHANGED = 0\n\n\n"
+                          "def decode_image(*args, **kwargs):\n    raise NotImplementedError\n"),
+    "torchvision/transforms/__init__.py": (
+        "import enum\n\n\nclass InterpolationMode(enum.Enum):\n"
+        + "".join(f"    {m} = {m.lower()!r}\n" for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX",
+                                                        "HAMMING", "LANCZOS"))),
+    "torchvision/transforms/functional.py": "def pil_to_tensor(pic):\n    raise NotImplementedError\n",
+    "torchvision/transforms/v2/__init__.py": "",
+    "torchvision/transforms/v2/functional.py": "def resize(*args, **kwargs):\n    raise NotImplementedError\n",
+    "torchvision-0.26.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.26.0\n",
+}
+
+# Every preset's config (to_dict) and invalid ones' errors, the modules the configs imported, the
+# validators' answers, then the real modules afterwards and whether any stand-in is left anywhere.
+# BREAK=1: the stand-in PILImageResampling fails, so the validators module must run again without them.
+_VISION_PROBE = r"""
+import json, os, sys, types, typing
+import torch
+from pagedllm.loader import hf_configs
+from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config
+if os.environ.get("BREAK") == "1":
+    hf_configs._pil_resampling = lambda: 1 / 0
+out = {"configs": {p: load_hf_config(MODEL_CONFIGS_DIR / p).to_dict() for p in available_presets()}}
+out["errors"] = []
+for kwargs in ({"initializer_range": 5.0}, {"vocab_size": "x"}, {"hidden_size": 10, "num_attention_heads": 3},
+               {"hidden_act": "no_such_activation"}):
+    try:
+        out["errors"].append(hf_configs.config_class("llama")(**kwargs).to_dict())
+    except Exception as e:
+        out["errors"].append([type(e).__name__, str(e)])
+watched = ("torchvision", "transformers.video_utils", "transformers.image_utils", "transformers.image_transforms",
+           "transformers.activations")
+out["imported"] = [m for m in watched if m in sys.modules]
+import PIL.Image
+import transformers.utils.type_validators as tv
+answers = []
+for value in (None, 2, 7, PIL.Image.Resampling.BICUBIC, "bicubic", 2.0):
+    try:
+        tv.resampling_validator(value)
+        answers.append("ok")
+    except ValueError as e:
+        answers.append(str(e))
+out["resampling"] = answers
+out["resampling_is_pil"] = tv.PILImageResampling is PIL.Image.Resampling
+hints = typing.get_type_hints(tv.video_metadata_validator)
+import transformers, transformers.image_utils as iu, transformers.video_utils as vu
+import transformers.image_processing_utils, transformers.video_processing_utils, transformers.processing_utils
+out["hints_are_real"] = hints == {"value": vu.VideoMetadataType | None}
+out["real_after"] = [iu.PILImageResampling is PIL.Image.Resampling, len(iu.pil_torch_interpolation_mapping),
+                     vu.VideoMetadata.__module__, vars(vu)["torchvision_io"].__name__,
+                     transformers.image_utils is iu, transformers.video_utils is vu]
+out["stand_ins_left"] = sorted(
+    f"{holder}.{attr}" for holder, module in list(sys.modules.items()) for attr, value in list(vars(module).items())
+    if isinstance(value, types.ModuleType) and value.__name__ in watched and value.__spec__ is None
+) + sorted(name for name in watched if name in sys.modules and sys.modules[name].__spec__ is None)
+out["finder_left"] = any(isinstance(f, hf_configs._StandInFinder) for f in sys.meta_path) or bool(hf_configs._stand_ins)
+print("RESULT " + json.dumps(out, default=str))
+"""
+
+
+def _vision_probes(tmp_path: Path, *modes: tuple[str, bool]) -> list[dict]:
+    """The probe's results, one subprocess per (PAGEDLLM_LIGHT_CONFIG_IMPORT, broken stand-in), run at once."""
+    import os
+    import subprocess
+    import sys
+
+    fakes = tmp_path / "fakes"
+    for name, text in _FAKE_VISION.items():
+        (fakes / name).parent.mkdir(parents=True, exist_ok=True)
+        (fakes / name).write_text(text)
+    running = []
+    for light, broken in modes:
+        env = dict(os.environ, PAGEDLLM_LIGHT_CONFIG_IMPORT=light, PAGEDLLM_CACHE_ROOT=str(tmp_path / "cache"),
+                   PYTHONPATH=os.pathsep.join([str(fakes), str(Path(__file__).resolve().parents[2])]),
+                   BREAK="1" if broken else "0")
+        running.append(subprocess.Popen([sys.executable, "-c", _VISION_PROBE], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    for p in running:
+        stdout, stderr = p.communicate(timeout=300)
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        assert line, stderr[-3000:]
+        results.append(json.loads(line[0].removeprefix("RESULT ")))
+    return results
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers.utils.type_validators") is None,
+                    reason="transformers 4 has no type validators")
+def test_config_validators_import_without_torchvision(tmp_path: Path):
+    """With Pillow and torchvision installed, PAGEDLLM_LIGHT_CONFIG_IMPORT=1: every preset's config,
+    and invalid ones' errors, as transformers' own imports give them, without importing torchvision,
+    video_utils or image_utils; the validators answer as before (the very PIL.Image.Resampling, the
+    real VideoMetadataType for get_type_hints); afterwards the modules are the real, complete ones and
+    no stand-in is left anywhere. A stand-in that fails: the validators run as transformers' own."""
+    plain, light, broken = _vision_probes(tmp_path, ("0", False), ("1", False), ("1", True))
+    assert "torchvision" in plain["imported"] and "transformers.video_utils" in plain["imported"]  # the fakes work
+    assert light["imported"] == []
+    assert "torchvision" in broken["imported"]
+    for probe in (light, broken):
+        for key in ("configs", "errors", "resampling", "resampling_is_pil", "hints_are_real", "real_after"):
+            assert probe[key] == plain[key], key
+        assert probe["stand_ins_left"] == [] and not probe["finder_left"]
+    assert plain["resampling_is_pil"] and plain["hints_are_real"]
+    assert [e[0] for e in plain["errors"][:3]] == ["StrictDataclassFieldValidationError"] * 2 + [
+        "StrictDataclassClassValidationError"]
+    assert plain["real_after"] == [True, 6, "transformers.video_utils", "torchvision.io", True, True]
+
+
+def test_stand_ins_are_made_only_for_the_sources_they_answer():
+    """The installed transformers' sources have the shapes the stand-ins answer for (else a stand-in
+    is silently not made, and the config import is slow again); other shapes get no stand-in."""
+
+    def source(name: str) -> str:
+        return Path(importlib.util.find_spec(name).origin).read_text()
+
+    validators, video, image = (source("transformers.utils.type_validators"), source("transformers.video_utils"),
+                                source("transformers.image_utils"))
+    assert hf_configs._video_metadata_type(validators, video) is not None
+    assert hf_configs._binds_pil_resampling(image)
+    used_otherwise = validators + "\n\ndef f(value):\n    return isinstance(value, VideoMetadataType)\n"
+    assert hf_configs._video_metadata_type(used_otherwise, video) is None
+    assert hf_configs._video_metadata_type(validators.replace("VideoMetadataType | None", "list[VideoMetadataType]"),
+                                           video) is None
+    assert hf_configs._video_metadata_type(validators, video.replace("\nVideoMetadataType =", "\n_Other =")) is None
+    head, _, tail = image.partition("    PILImageResampling = PIL.Image.Resampling\n")
+    assert hf_configs._binds_pil_resampling(head + "    PILImageResampling = PIL.Image.Resampling\n" + tail)
+    assert not hf_configs._binds_pil_resampling(head + "    PILImageResampling = _OwnEnum\n" + tail)
+    assert not hf_configs._binds_pil_resampling(image + "\nelse:\n    PILImageResampling = _OwnEnum\n")
+    assert not hf_configs._binds_pil_resampling(image.replace("if is_vision_available():", "if is_torch_available():"))
+    assert not hf_configs._binds_pil_resampling("")
