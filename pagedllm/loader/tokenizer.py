@@ -106,9 +106,14 @@ def load_tokenizer_dir(path: Path, trust_remote_code: bool = False, use_fast: bo
             logger.debug("tokenizer class record %s not usable (%s)", record, e)
         else:
             return cls.from_pretrained(path)
-    from transformers import AutoTokenizer
+    # Under the light import too: AutoTokenizer's modules (and the config classes it builds to pick a class)
+    # would otherwise write their docstrings from the auto-model registry, importing generation and
+    # masking utilities, and import the type validators with torchvision where it is installed
+    # (loader/hf_configs.py); the classes and the tokenizer are the same.
+    with without_generated_docstrings():
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=use_fast)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=use_fast)
     cls = type(tok)
     if record is not None and cls.__module__.startswith("transformers.") and "<locals>" not in cls.__qualname__:
         _write_record(record, {"class": [cls.__module__, cls.__qualname__]})

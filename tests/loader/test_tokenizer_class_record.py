@@ -77,3 +77,37 @@ def test_an_edited_directory_or_a_damaged_record_asks_autotokenizer(tokenizer_di
     assert tokenizer_mod._class_record(tokenizer_dir, False, True) != record
     load_tokenizer(tokenizer_dir)
     assert len(calls) == 3
+
+
+
+_PROBE = """
+import sys
+from pathlib import Path
+from pagedllm.loader.tokenizer import load_tokenizer_dir
+import transformers
+path, how, text = sys.argv[1:]
+tok = load_tokenizer_dir(Path(path)) if how == "pagedllm" else transformers.AutoTokenizer.from_pretrained(path)
+print(tok(text)["input_ids"], "transformers.models.auto.modeling_auto" in sys.modules, sep="|")
+"""
+
+
+def test_a_first_load_imports_no_auto_model_registry(tokenizer_dir: Path, tmp_path: Path):
+    """AutoTokenizer's modules write their docstrings from the auto-model registry (modeling_auto, whose
+    factory imports generation and masking utilities: seconds of a first start on the H200 host); under
+    pagedllm's light import (no class remembered yet) they do not, and the tokenizer is the same."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDLLM_CACHE_ROOT": str(tmp_path / "cache")}
+
+    def probe(how: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(tokenizer_dir), how, TEXT], env=env, check=True,
+                              capture_output=True, text=True)
+        return done.stdout.strip().splitlines()[-1].split("|")
+
+    ids, registry = probe("pagedllm")
+    want_ids, want_registry = probe("transformers")
+    assert want_registry == "True"  # what the light import avoids (so this test can fail)
+    assert registry == "False"
+    assert ids == want_ids
