@@ -20,30 +20,18 @@ Prints a table a section.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import triton
+from _gpu_common import rotating_graph_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def _time(fn, iters: int = 20) -> float:
-    """Microseconds a call, CUDA graph of `iters` calls, median of 5 replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters)
-    return sorted(ts)[2]
+def _time(fn: Callable[[], object]) -> float:
+    """Microseconds a call of fn (no weights to rotate): `rotating_graph_us` over one copy."""
+    return rotating_graph_us(lambda _: fn(), 1)
 
 
 def _gemm_cell(name: str, ws: list[torch.Tensor], wsc: torch.Tensor, m: int) -> str:
@@ -52,13 +40,12 @@ def _gemm_cell(name: str, ws: list[torch.Tensor], wsc: torch.Tensor, m: int) -> 
     xq = torch.randn(m, k, device="cuda").to(ws[0].dtype)
     xs = torch.rand(m, 1, device="cuda") * 1e-2 + 1e-3
     one = torch.ones((), device="cuda")
-    i = [0]
 
-    def call(sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-        i[0] = (i[0] + 1) % len(ws)
-        return torch._scaled_mm(xq, ws[i[0]].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    def call(sa: torch.Tensor, sb: torch.Tensor, i: int) -> torch.Tensor:
+        return torch._scaled_mm(xq, ws[i].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
-    tr, tu = _time(lambda: call(xs, wsc)), _time(lambda: call(one, one))
+    tr = rotating_graph_us(lambda i: call(xs, wsc, i), len(ws))
+    tu = rotating_graph_us(lambda i: call(one, one, i), len(ws))
     ref = torch._scaled_mm(xq, ws[0].t(), scale_a=xs, scale_b=wsc, out_dtype=torch.bfloat16).float()
     acc = torch._scaled_mm(xq, ws[0].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     mat = (acc.float() * xs * wsc).to(torch.bfloat16).float()
