@@ -230,7 +230,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_PRESTART_ENGINE": _flag("PAGEDLLM_PRESTART_ENGINE", True),
     # 1 (default): a transformers config class imports without `transformers.activations`, `video_utils`
     # or `image_utils` (its type validators get stand-ins for the one name each takes from them:
-    # loader/hf_configs.py, light_type_validators), for a first start's config in both processes (the same
+    # loader/light_validators.py), for a first start's config in both processes (the same
     # config of every preset; about half the import time: BENCHMARKS.md, h50; with torchvision installed
     # 3.5 s more on the H200 host, h64); 0: transformers' own imports.
     "PAGEDLLM_LIGHT_CONFIG_IMPORT": _flag("PAGEDLLM_LIGHT_CONFIG_IMPORT", True),

@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
 
-from pagedllm.loader import hf_configs
+from pagedllm.loader import hf_configs, light_validators
 from pagedllm.loader.hf_configs import CONFIG_CLASSES, ConfigSnapshot, config_class, without_generated_docstrings
 from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config, resolve_model
 
@@ -159,7 +159,7 @@ def test_the_engine_process_unpickles_either_kind_of_config(cache_root: Path):
 def test_the_stand_in_activation_names_are_transformers_own():
     from transformers.activations import ACT2FN
 
-    assert hf_configs._ACTIVATION_NAMES <= set(ACT2FN)
+    assert light_validators._ACTIVATION_NAMES <= set(ACT2FN)
 
 
 # A fresh interpreter (this one imported transformers.activations long ago): every preset's config as
@@ -238,10 +238,10 @@ _FAKE_VISION = {
 _VISION_PROBE = r"""
 import json, os, sys, types, typing
 import torch
-from pagedllm.loader import hf_configs
+from pagedllm.loader import hf_configs, light_validators
 from pagedllm.loader.source import MODEL_CONFIGS_DIR, available_presets, load_hf_config
 if os.environ.get("BREAK") == "1":
-    hf_configs._pil_resampling = lambda: 1 / 0
+    light_validators._pil_resampling = lambda: 1 / 0
 out = {"configs": {p: load_hf_config(MODEL_CONFIGS_DIR / p).to_dict() for p in available_presets()}}
 out["errors"] = []
 for kwargs in ({"initializer_range": 5.0}, {"vocab_size": "x"}, {"hidden_size": 10, "num_attention_heads": 3},
@@ -275,7 +275,7 @@ out["stand_ins_left"] = sorted(
     f"{holder}.{attr}" for holder, module in list(sys.modules.items()) for attr, value in list(vars(module).items())
     if isinstance(value, types.ModuleType) and value.__name__ in watched and value.__spec__ is None
 ) + sorted(name for name in watched if name in sys.modules and sys.modules[name].__spec__ is None)
-out["finder_left"] = any(isinstance(f, hf_configs._StandInFinder) for f in sys.meta_path) or bool(hf_configs._stand_ins)
+out["finder_left"] = any(isinstance(f, light_validators._StandInFinder) for f in sys.meta_path) or bool(light_validators._stand_ins)
 print("RESULT " + json.dumps(out, default=str))
 """
 
@@ -337,16 +337,16 @@ def test_stand_ins_are_made_only_for_the_sources_they_answer():
 
     validators, video, image = (source("transformers.utils.type_validators"), source("transformers.video_utils"),
                                 source("transformers.image_utils"))
-    assert hf_configs._video_metadata_type(validators, video) is not None
-    assert hf_configs._binds_pil_resampling(image)
+    assert light_validators._video_metadata_type(validators, video) is not None
+    assert light_validators._binds_pil_resampling(image)
     used_otherwise = validators + "\n\ndef f(value):\n    return isinstance(value, VideoMetadataType)\n"
-    assert hf_configs._video_metadata_type(used_otherwise, video) is None
-    assert hf_configs._video_metadata_type(validators.replace("VideoMetadataType | None", "list[VideoMetadataType]"),
+    assert light_validators._video_metadata_type(used_otherwise, video) is None
+    assert light_validators._video_metadata_type(validators.replace("VideoMetadataType | None", "list[VideoMetadataType]"),
                                            video) is None
-    assert hf_configs._video_metadata_type(validators, video.replace("\nVideoMetadataType =", "\n_Other =")) is None
+    assert light_validators._video_metadata_type(validators, video.replace("\nVideoMetadataType =", "\n_Other =")) is None
     head, _, tail = image.partition("    PILImageResampling = PIL.Image.Resampling\n")
-    assert hf_configs._binds_pil_resampling(head + "    PILImageResampling = PIL.Image.Resampling\n" + tail)
-    assert not hf_configs._binds_pil_resampling(head + "    PILImageResampling = _OwnEnum\n" + tail)
-    assert not hf_configs._binds_pil_resampling(image + "\nelse:\n    PILImageResampling = _OwnEnum\n")
-    assert not hf_configs._binds_pil_resampling(image.replace("if is_vision_available():", "if is_torch_available():"))
-    assert not hf_configs._binds_pil_resampling("")
+    assert light_validators._binds_pil_resampling(head + "    PILImageResampling = PIL.Image.Resampling\n" + tail)
+    assert not light_validators._binds_pil_resampling(head + "    PILImageResampling = _OwnEnum\n" + tail)
+    assert not light_validators._binds_pil_resampling(image + "\nelse:\n    PILImageResampling = _OwnEnum\n")
+    assert not light_validators._binds_pil_resampling(image.replace("if is_vision_available():", "if is_torch_available():"))
+    assert not light_validators._binds_pil_resampling("")
