@@ -33,12 +33,15 @@ class InProcessGenerator:
 
         self.llm = LLM(model, **engine_kwargs)
 
-    def generate(self, prompt: str, temperature: float, max_tokens: int) -> str:
+    def complete(self, prompt: str, temperature: float, max_tokens: int) -> Any:
+        """The engine's CompletionOutput for `prompt` as the user's message (text, token ids, finish reason)."""
         from pagedllm import SamplingParams
 
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-        out = self.llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
-        return out[0].outputs[0].text
+        return self.llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
+
+    def generate(self, prompt: str, temperature: float, max_tokens: int) -> str:
+        return self.complete(prompt, temperature, max_tokens).text
 
 
 class OpenAIGenerator:

@@ -99,13 +99,10 @@ def test_post_rag(rag, tmp_path_factory):
 
         calls: list[tuple[str, object]] = []
 
-        def generate(self, prompt: str, temperature: float, max_tokens: int) -> str:
-            from pagedllm import SamplingParams
-
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-            out = self.llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
+        def complete(self, prompt: str, temperature: float, max_tokens: int):
+            out = super().complete(prompt, temperature, max_tokens)
             self.calls.append((prompt, out))
-            return out.text
+            return out
 
     generator = RecordingGenerator(max_model_len=2048)
     service = RAGService(Retriever(store, embedder), generator, Reranker(str(path), max_num_seqs=16))
