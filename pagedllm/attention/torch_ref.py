@@ -25,16 +25,20 @@ def write_kv_cache(
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # int64 (num_tokens,), -1 = skip (padding)
 ) -> None:
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = _indexable(kv_cache).view(2, -1, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
-    if bool(valid.all()):
-        flat[0].index_copy_(0, slot_mapping, _indexable(_to_cache(key, kv_cache.dtype)))
-        flat[1].index_copy_(0, slot_mapping, _indexable(_to_cache(value, kv_cache.dtype)))
-    else:
-        slots = slot_mapping[valid]
-        flat[0].index_copy_(0, slots, _indexable(_to_cache(key[valid], kv_cache.dtype)))
-        flat[1].index_copy_(0, slots, _indexable(_to_cache(value[valid], kv_cache.dtype)))
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    cache = _indexable(kv_cache)
+    k_rows, v_rows = _indexable(_to_cache(key, kv_cache.dtype)), _indexable(_to_cache(value, kv_cache.dtype))
+    if cache[0].is_contiguous():
+        flat = cache.view(2, -1, *kv_cache.shape[-2:])
+        flat[0].index_copy_(0, slot_mapping, k_rows)
+        flat[1].index_copy_(0, slot_mapping, v_rows)
+    else:  # a head-major cache (PAGEDLLM_KV_CACHE_LAYOUT=HND) has no (slot, head, dim) view: index block, offset
+        block_size = kv_cache.shape[2]
+        blk, off = slot_mapping // block_size, slot_mapping % block_size
+        cache[0][blk, off] = k_rows
+        cache[1][blk, off] = v_rows
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,6 +57,13 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
     `_to_cache` saturates at +-448 (kv_cache_dtype "fp8"), so nothing becomes NaN on the way in.
     """
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(len(slots), num_kv_heads, head_dim): the rows of one cache half (num_blocks, block_size, heads, dim)
+    at these slots (block * block_size + offset), for either memory layout, any cache dtype."""
+    block_size = cache.shape[1]
+    return _indexable(cache)[slots // block_size, slots % block_size].view(cache.dtype)
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

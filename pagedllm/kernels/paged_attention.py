@@ -313,7 +313,7 @@ def paged_attention(
 
 def paged_attention_ref(
     query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), either layout
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -325,8 +325,7 @@ def paged_attention_ref(
     stored at those slots makes that write a no-op (slots of -1 are skipped either way).
     """
     n = md.num_actual_tokens
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     slots = md.slot_mapping[:n].clamp(min=0)
-    key, value = torch_ref._gather(flat[0], slots), torch_ref._gather(flat[1], slots)
+    key, value = torch_ref.slot_rows(kv_cache[0], slots), torch_ref.slot_rows(kv_cache[1], slots)
     return torch_ref.paged_attention(query, key, value, kv_cache, md, scale,
                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

@@ -56,6 +56,17 @@ def kv_cache_bytes_per_block(config: EngineConfig, pp_rank: int = 0) -> int:
     return 2 * (end - start) * config.cache_config.block_size * kv_heads * mc.head_dim * elem
 
 
+def kv_cache_layout(device: torch.device) -> str:
+    """"NHD" or "HND" (PAGEDLLM_KV_CACHE_LAYOUT): the standard cache's memory order. Anything else is refused
+    by name."""
+    from pagedllm.envs import environment_variables
+
+    layout = (environment_variables["PAGEDLLM_KV_CACHE_LAYOUT"]() or "NHD").upper()
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"PAGEDLLM_KV_CACHE_LAYOUT must be NHD or HND, got {layout!r}")
+    return layout
+
+
 class KVCache:
     """The cache tensors of one worker and the layers they are bound to. `allocate` may run twice:
     once with a few blocks for the memory-profiling pass (then `release`), then at full size."""
@@ -80,9 +91,16 @@ class KVCache:
         # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
         elem = torch.empty((), dtype=self.dtype).element_size()
 
+        head_major = kv_cache_layout(self.device) == "HND"
+
         def alloc(shape: tuple[int, ...]) -> torch.Tensor:
             fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
-            return (torch.empty if fresh_mapping else torch.zeros)(shape, dtype=self.dtype, device=self.device)
+            make = torch.empty if fresh_mapping else torch.zeros
+            if head_major and len(shape) == 5 and shape[3] > 1:
+                # (2, blocks, kv heads, slots, dim) in memory, seen as (2, blocks, slots, kv heads, dim).
+                two, blocks, slots, heads, dim = shape
+                return make((two, blocks, heads, slots, dim), dtype=self.dtype, device=self.device).transpose(2, 3)
+            return make(shape, dtype=self.dtype, device=self.device)
 
         # A layer may declare its own layout (MLA: one latent per token, attention/mla.py); the rest
         # share `shape`.
