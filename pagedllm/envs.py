@@ -156,11 +156,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # with the keys as the rows (variant 2, the default: W1 with an fp8 cache 12,609 -> 12,960 tok/s on the
     # H200; SmolLM2 perplexity 81.28 vs 81.34 on the same fp8 cache: BENCHMARKS.md, h51).
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", True),
-    # The standard KV cache's memory order on a GPU (vLLM's VLLM_KV_CACHE_LAYOUT): "NHD" (default) keeps a block's
-    # tokens outermost, (block, slot, kv head, dim), "HND" its kv heads, (block, kv head, slot, dim), so one
-    # program's keys of a block are one contiguous run. Either way the tensor's shape is
-    # (2, num_blocks, block_size, num_kv_heads, head_dim) and the kernels address it by its strides.
-    "PAGEDLLM_KV_CACHE_LAYOUT": _str("PAGEDLLM_KV_CACHE_LAYOUT", "NHD"),
+    # The standard KV cache's memory order (vLLM's VLLM_KV_CACHE_LAYOUT): "NHD" keeps a block's tokens outermost,
+    # (block, slot, kv head, dim), "HND" its kv heads, (block, kv head, slot, dim), so one attention program's
+    # keys of a block are one contiguous run; "auto" (default): HND on a GPU (decode attention 1-3% faster on the
+    # H200, the same outputs bit for bit: BENCHMARKS.md, issue 19, nineteenth session), NHD on the CPU (whose
+    # fused decoder reads NHD). Either way the tensor's shape is (2, num_blocks, block_size, num_kv_heads,
+    # head_dim) and the kernels address it by its strides.
+    "PAGEDLLM_KV_CACHE_LAYOUT": _str("PAGEDLLM_KV_CACHE_LAYOUT", "auto"),
     # 0: FP8 linears of the measured shapes (kernels/w8a8_gemm.py DECODE_TABLE: the Llama-3.1-8B linears) at
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
     # tile with K split in one launch, or cuBLAS); for A/B timings (BENCHMARKS.md h51).

@@ -2,8 +2,9 @@
 bound into the model's `Attention` layers.
 
 One tensor per attention layer, shaped (2, num_blocks, block_size, num_kv_heads, head_dim): index 0
-holds keys, 1 values; an MLA layer holds (1, num_blocks, block_size, 1, latent width) instead. Block ids are the scheduler's (core/block_pool.py); a token's slot is
-`block_id * block_size + offset`.
+holds keys, 1 values; on a GPU head-major in memory (`kv_cache_layout`), which the kernels read by its
+strides. An MLA layer holds (1, num_blocks, block_size, 1, latent width) instead. Block ids are the
+scheduler's (core/block_pool.py); a token's slot is `block_id * block_size + offset`.
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ def kv_cache_bytes_per_block(config: EngineConfig, pp_rank: int = 0) -> int:
 
 
 def kv_cache_layout(device: torch.device) -> str:
-    """"NHD" or "HND" (PAGEDLLM_KV_CACHE_LAYOUT): the standard cache's memory order. Anything else is refused
-    by name."""
+    """The standard cache's memory order on `device`, "NHD" or "HND" (PAGEDLLM_KV_CACHE_LAYOUT; "auto": HND on
+    a GPU, NHD elsewhere). Anything else is refused by name."""
     from pagedllm.envs import environment_variables
 
-    layout = (environment_variables["PAGEDLLM_KV_CACHE_LAYOUT"]() or "NHD").upper()
+    layout = (environment_variables["PAGEDLLM_KV_CACHE_LAYOUT"]() or "auto").upper()
+    if layout == "AUTO":
+        return "HND" if device.type == "cuda" else "NHD"
     if layout not in ("NHD", "HND"):
-        raise ValueError(f"PAGEDLLM_KV_CACHE_LAYOUT must be NHD or HND, got {layout!r}")
+        raise ValueError(f"PAGEDLLM_KV_CACHE_LAYOUT must be auto, NHD or HND, got {layout!r}")
     return layout
 
 
