@@ -51,9 +51,10 @@ def log(msg: str) -> None:
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values in HND memory order, the same (2, blocks, slots, heads, dim) shape."""
-    two, blocks, slots, heads, dim = cache.shape
-    out = torch.empty((two, blocks, heads, slots, dim), dtype=cache.dtype, device=cache.device).transpose(2, 3)
+    """The same values in HND memory order (as the worker allocates it), the same (2, blocks, slots, heads, dim) shape."""
+    from pagedllm.worker import kv_cache
+
+    out = kv_cache.head_major(torch.empty, cache.shape, dtype=cache.dtype, device=cache.device)
     out.copy_(cache)
     return out
 

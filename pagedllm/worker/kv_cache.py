@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -62,12 +64,19 @@ def kv_cache_layout(device: torch.device) -> str:
     a GPU, NHD elsewhere). Anything else is refused by name."""
     from pagedllm.envs import environment_variables
 
-    layout = (environment_variables["PAGEDLLM_KV_CACHE_LAYOUT"]() or "auto").upper()
+    layout = environment_variables["PAGEDLLM_KV_CACHE_LAYOUT"]().upper()
     if layout == "AUTO":
         return "HND" if device.type == "cuda" else "NHD"
     if layout not in ("NHD", "HND"):
         raise ValueError(f"PAGEDLLM_KV_CACHE_LAYOUT must be auto, NHD or HND, got {layout!r}")
     return layout
+
+
+def head_major(make: Callable[..., torch.Tensor], shape: tuple[int, ...], **kwargs: Any) -> torch.Tensor:
+    """make((2, blocks, kv heads, slots, dim), **kwargs) seen as `shape` = (2, blocks, slots, kv heads, dim): the
+    HND memory order under the standard cache's shape (make: torch.empty or torch.zeros)."""
+    two, blocks, slots, heads, dim = shape
+    return make((two, blocks, heads, slots, dim), **kwargs).transpose(2, 3)
 
 
 class KVCache:
@@ -94,15 +103,13 @@ class KVCache:
         # buffers may reuse heap memory with old contents, so they are zeroed explicitly.
         elem = torch.empty((), dtype=self.dtype).element_size()
 
-        head_major = kv_cache_layout(self.device) == "HND"
+        hnd = kv_cache_layout(self.device) == "HND"
 
         def alloc(shape: tuple[int, ...]) -> torch.Tensor:
             fresh_mapping = self.device.type == "cpu" and math.prod(shape) * elem > 64 * (1 << 20)
             make = torch.empty if fresh_mapping else torch.zeros
-            if head_major and len(shape) == 5 and shape[3] > 1:
-                # (2, blocks, kv heads, slots, dim) in memory, seen as (2, blocks, slots, kv heads, dim).
-                two, blocks, slots, heads, dim = shape
-                return make((two, blocks, heads, slots, dim), dtype=self.dtype, device=self.device).transpose(2, 3)
+            if hnd and len(shape) == 5 and shape[3] > 1:  # one kv head: both orders are the same memory
+                return head_major(make, shape, dtype=self.dtype, device=self.device)
             return make(shape, dtype=self.dtype, device=self.device)
 
         # A layer may declare its own layout (MLA: one latent per token, attention/mla.py); the rest

@@ -12,6 +12,7 @@ from pagedllm.kernels.decode_attention import decode_attention_fused, decode_att
 from pagedllm.kernels.kv_cache_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention, paged_attention_ref
 from pagedllm.kernels.qkv_prep import fused_qkv_prep
+from pagedllm.worker import kv_cache
 from tests.kernels.conftest import _make_batch
 from tests.kernels.test_decode_attention import SEQ_LENS, _batch
 
@@ -19,9 +20,10 @@ FP8 = torch.float8_e4m3fn
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
-    two, blocks, slots, heads, dim = cache.shape
-    out = torch.empty((two, blocks, heads, slots, dim), dtype=cache.dtype, device=cache.device).transpose(2, 3)
+    """The same values in the HND order the worker allocates (worker/kv_cache.py)."""
+    out = kv_cache.head_major(torch.empty, cache.shape, dtype=cache.dtype, device=cache.device)
     out.copy_(cache)
+    _, _, slots, _, dim = cache.shape
     assert not out[0].is_contiguous() and out.stride(-2) == slots * dim  # kv heads are blocks of slots apart
     return out
 
@@ -46,7 +48,7 @@ def test_fused_decode_on_a_head_major_cache(device, cache_dtype, num_splits):
         ref_cache = head_major(cache)
         ref = decode_attention_fused_ref(qkv, positions, cos_sin, ref_cache, *args)
         torch.testing.assert_close(got[: len(SEQ_LENS) - 1], ref[: len(SEQ_LENS) - 1], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(ref_cache[:, :, :, :, :], nhd, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ref_cache, nhd, atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_attention_and_writes_on_a_head_major_cache(device):
