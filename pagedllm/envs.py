@@ -156,6 +156,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # with the keys as the rows (variant 2, the default: W1 with an fp8 cache 12,609 -> 12,960 tok/s on the
     # H200; SmolLM2 perplexity 81.28 vs 81.34 on the same fp8 cache: BENCHMARKS.md, h51).
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", True),
+    # An fp8 cache's decode loop and tiles, "VARIANT:BLOCK_M,TILE_N,warps,stages" (kernels/decode_attention.py
+    # DECODE_VARIANTS), for A/B runs; empty (default): FP8_KV_VARIANT with FP8_KV_CONFIG there.
+    "PAGEDLLM_FP8_KV_DECODE": _str("PAGEDLLM_FP8_KV_DECODE", ""),
     # The standard KV cache's memory order (vLLM's VLLM_KV_CACHE_LAYOUT): "NHD" keeps a block's tokens outermost,
     # (block, slot, kv head, dim), "HND" its kv heads, (block, kv head, slot, dim), so one attention program's
     # keys of a block are one contiguous run; "auto" (default): HND on a GPU (decode attention 1-3% faster on the

@@ -97,6 +97,7 @@ def _attend_tile_keys_m(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SUM_LATE: tl.constexpr = False,
 ):
     """`_attend_tile` for a decode row group with the keys as the MMA's M dimension (transposed):
 
@@ -108,7 +109,9 @@ def _attend_tile_keys_m(
     needs (K-major); V is converted to fp16 (fp8 operands must be K-major, V's keys are not).
     qt (HEAD_DIM_PAD, BLOCK_M): q^T in e4m3 (scale_log2 then (1, BLOCK_M): the row scales folded in)
     or in the cache's 16-bit dtype. Every key below kv_hi is visible (decode: q_pos = context).
-    m_i, l_i (BLOCK_M,) fp32; acc_t (HEAD_DIM_PAD, BLOCK_M) fp32.
+    m_i, l_i (BLOCK_M,) fp32; acc_t (HEAD_DIM_PAD, BLOCK_M) fp32. SUM_LATE: l_i is (TILE_N, BLOCK_M), the
+    softmax denominators per key slot, summed over the keys once after the loop (one reduction across
+    warps a tile fewer).
     """
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -126,7 +129,10 @@ def _attend_tile_keys_m(
     m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: a tile holds >= 1 valid key
     p = tl.math.exp2(s - m_new[None, :])
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 0)
+    if SUM_LATE:
+        l_i = l_i * alpha[None, :] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 0)
     v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (TILE_N, D)
     if v.dtype == tl.float8e4nv:
         pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16))

@@ -55,13 +55,33 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #   2  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
 #      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
 # (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
-DECODE_VARIANTS = (0, 2)
+DECODE_VARIANTS = (0, 2, 3)
 # An fp8 cache's loop (PAGEDLLM_FP8_KV_DOTS, on by default; =0: variant 0) and its tiles (BLOCK_M, TILE_N,
 # warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
 # (BENCHMARKS.md, h43).
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
 FP8_KV_VARIANT = 2
 FP8_KV_CONFIG = (16, 128, 4, 3)
+
+
+def _fp8_kv_override(spec: str) -> tuple[int, tuple[int, int, int, int]] | None:
+    """PAGEDLLM_FP8_KV_DECODE "VARIANT:BLOCK_M,TILE_N,warps,stages" (A/B runs), e.g. "3:16,64,4,3"."""
+    if not spec:
+        return None
+    try:
+        variant, _, cfg = spec.partition(":")
+        fields = tuple(int(x) for x in cfg.split(","))
+        if len(fields) != 4:
+            raise ValueError
+        return int(variant), fields  # type: ignore[return-value]
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_FP8_KV_DECODE={spec!r}: expected VARIANT:BLOCK_M,TILE_N,warps,stages, "
+                         "e.g. 3:16,64,4,3") from None
+
+
+_FP8_KV_OVERRIDE = _fp8_kv_override(environment_variables["PAGEDLLM_FP8_KV_DECODE"]())
+if _FP8_KV_OVERRIDE is not None:
+    FP8_KV_VARIANT, FP8_KV_CONFIG = _FP8_KV_OVERRIDE
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_slots", "num_splits", "stride_bt"])
@@ -159,7 +179,7 @@ def _decode_fused_kernel(
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_h
     q_pos = tl.zeros([BLOCK_M], tl.int32) + context_len
-    if VARIANT == 2:
+    if VARIANT >= 2:
         # An fp8 cache: q quantized per row to e4m3 (q ~= q8 * q_scale) for the e4m3 QK dot, the row scales
         # folded into the score scale; a 16-bit cache keeps q.
         if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
@@ -172,11 +192,20 @@ def _decode_fused_kernel(
             col_scale = tl.zeros([1, BLOCK_M], tl.float32) + scale_log2
         acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
         qt = tl.trans(q8)
-        for start_n in range(kv_lo, kv_hi, TILE_N):
-            m_i, l_i, acc_t = _attend_tile_keys_m(
-                qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
-                stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
-            )
+        if VARIANT == 3:
+            l_t = tl.zeros([TILE_N, BLOCK_M], tl.float32)
+            for start_n in range(kv_lo, kv_hi, TILE_N):
+                m_i, l_t, acc_t = _attend_tile_keys_m(
+                    qt, m_i, l_t, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
+                    stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+                )
+            l_i = tl.sum(l_t, 0)
+        else:
+            for start_n in range(kv_lo, kv_hi, TILE_N):
+                m_i, l_i, acc_t = _attend_tile_keys_m(
+                    qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
+                    stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+                )
         acc = tl.trans(acc_t)
     else:
         for start_n in range(kv_lo, kv_hi, TILE_N):

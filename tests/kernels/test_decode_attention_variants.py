@@ -39,13 +39,17 @@ def _exact_batch(device: torch.device):
     return qkv, positions, cos_sin, cache, md
 
 
+KEYS_AS_M = [v for v in DECODE_VARIANTS if v >= 2]
+
+
+@pytest.mark.parametrize("variant", KEYS_AS_M)
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_fp8_keys_as_m_matches_reference_on_exact_inputs(device, num_splits):
+def test_fp8_keys_as_m_matches_reference_on_exact_inputs(device, num_splits, variant):
     qkv, positions, cos_sin, cache, md = _exact_batch(device)
     ref_cache = cache.clone()
     scale = 1.0 / (56.0 * 8.0)  # scores of a few units: the softmax is not one-hot
     out = decode_attention_fused(qkv, positions, cos_sin, cache, md, scale, H, KVH, D, num_splits=num_splits,
-                                 variant=2)
+                                 variant=variant)
     ref = decode_attention_fused_ref(qkv, positions, cos_sin, ref_cache, md, scale, H, KVH, D)
     n = len(SEQ_LENS) - 1  # the padding row is left out, as in test_decode_attention
     # P (in [0, 1]) rounds to fp16 for the PV dot: 2^-11 relative a term.
@@ -53,26 +57,29 @@ def test_fp8_keys_as_m_matches_reference_on_exact_inputs(device, num_splits):
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
-def test_fp8_keys_as_m_on_random_inputs(device):
+@pytest.mark.parametrize("variant", KEYS_AS_M)
+def test_fp8_keys_as_m_on_random_inputs(device, variant):
     # Random q (rounded to e4m3 in the kernel: 3 mantissa bits) against the fp32 reference on the same
     # fp8 cache: the error is q's rounding, a few % of the output's scale at most.
     qkv, positions, cos_sin, cache, md, (qw, kw) = _batch(H, KVH, D, D, 16, True, device)
     cache = cache.to(FP8)
     ref = decode_attention_fused_ref(qkv, positions, cos_sin, cache.clone(), md, 0.125, H, KVH, D, qw, kw, 1e-6)
     n = len(SEQ_LENS) - 1
-    out = decode_attention_fused(qkv, positions, cos_sin, cache.clone(), md, 0.125, H, KVH, D, qw, kw, 1e-6, variant=2)
+    out = decode_attention_fused(qkv, positions, cos_sin, cache.clone(), md, 0.125, H, KVH, D, qw, kw, 1e-6,
+                                 variant=variant)
     err = (out[:n] - ref[:n]).abs().max() / ref[:n].abs().max()
     assert err < (0.05 if device.type == "cuda" else 0.2), err  # CPU: the interpreter's e4m3 roundings
 
 
+@pytest.mark.parametrize("variant", KEYS_AS_M)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_keys_as_m_on_a_32_bit_cache(device, num_splits):
+def test_keys_as_m_on_a_32_bit_cache(device, num_splits, variant):
     # Variant 2 on a 32-bit cache (the CPU reference's dtype): q stays unquantized, so it equals the
     # reference as variant 0 does.
     qkv, positions, cos_sin, cache, md, (qw, kw) = _batch(H, KVH, D, D, 16, True, device)
     ref_cache = cache.clone()
     out = decode_attention_fused(qkv, positions, cos_sin, cache, md, 0.125, H, KVH, D, qw, kw, 1e-6,
-                                 num_splits=num_splits, variant=2)
+                                 num_splits=num_splits, variant=variant)
     ref = decode_attention_fused_ref(qkv, positions, cos_sin, ref_cache, md, 0.125, H, KVH, D, qw, kw, 1e-6)
     n = len(SEQ_LENS) - 1
     torch.testing.assert_close(out[:n], ref[:n], atol=1e-4, rtol=1e-4)
