@@ -98,7 +98,6 @@ def _attend_tile_keys_m(
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SUM_LATE: tl.constexpr = False,
-    BLOCKWISE: tl.constexpr = False,
 ):
     """`_attend_tile` for a decode row group with the keys as the MMA's M dimension (transposed):
 
@@ -118,23 +117,10 @@ def _attend_tile_keys_m(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     k_pos = start_n + offs_n
     k_valid = k_pos < kv_hi
-    if BLOCKWISE:
-        NB: tl.constexpr = TILE_N // BLOCK_SIZE
-        b_idx = start_n // BLOCK_SIZE + tl.arange(0, NB)
-        blk2 = tl.load(bt_row + b_idx, mask=b_idx * BLOCK_SIZE < kv_hi, other=0).to(tl.int64)  # (NB,)
-        offs_s = tl.arange(0, BLOCK_SIZE)
-        off3 = (blk2[:, None, None] * stride_c_blk + offs_s[None, :, None].to(tl.int64) * stride_c_slot
-                + offs_d[None, None, :] + head_off)
-        valid3 = ((start_n + tl.arange(0, NB)[:, None, None] * BLOCK_SIZE + offs_s[None, :, None]) < kv_hi) & (
-            offs_d[None, None, :] < HEAD_DIM)
-        kv_off = tl.reshape(off3, (TILE_N, HEAD_DIM_PAD))
-        kv_mask = tl.reshape(valid3, (TILE_N, HEAD_DIM_PAD))
-    else:
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
-        kv_off = slot_off[:, None] + offs_d[None, :]
-        kv_mask = k_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, D)
+    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_off
+    kv_mask = k_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (TILE_N, D)
     if qt.dtype == tl.float8e4nv:
         s = tl.dot(k, qt, out_dtype=tl.float32) * scale_log2  # (TILE_N, BLOCK_M)
     else:
@@ -147,7 +133,7 @@ def _attend_tile_keys_m(
         l_i = l_i * alpha[None, :] + p
     else:
         l_i = l_i * alpha + tl.sum(p, 0)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, D)
+    v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (TILE_N, D)
     if v.dtype == tl.float8e4nv:
         pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16))
     else:

@@ -54,12 +54,8 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache widened to fp16)
 #   2  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
 #      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
-#   3  2 with the softmax denominators kept per key slot and summed after the loop (one reduction across
-#      warps a tile fewer)
-#   4  3 with the block table read one entry per block of the tile (not per key) and the K / V addresses built
-#      in the loads' own layout (sm_90: 7 block barriers a 128-key tile against 2's 12); tiles of whole blocks
 # (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
-DECODE_VARIANTS = (0, 2, 3, 4)
+DECODE_VARIANTS = (0, 2, 3)
 # An fp8 cache's loop (PAGEDLLM_FP8_KV_DOTS, on by default; =0: variant 0) and its tiles (BLOCK_M, TILE_N,
 # warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
 # (BENCHMARKS.md, h43).
@@ -196,13 +192,12 @@ def _decode_fused_kernel(
             col_scale = tl.zeros([1, BLOCK_M], tl.float32) + scale_log2
         acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
         qt = tl.trans(q8)
-        if VARIANT >= 3:
+        if VARIANT == 3:
             l_t = tl.zeros([TILE_N, BLOCK_M], tl.float32)
             for start_n in range(kv_lo, kv_hi, TILE_N):
                 m_i, l_t, acc_t = _attend_tile_keys_m(
                     qt, m_i, l_t, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
                     stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
-                    VARIANT == 4,
                 )
             l_i = tl.sum(l_t, 0)
         else:
@@ -306,8 +301,6 @@ def decode_attention_fused(
         block_m, tile_n, num_warps, num_stages = config
     if variant not in DECODE_VARIANTS:
         raise ValueError(f"decode attention variant must be one of {DECODE_VARIANTS}, got {variant}")
-    if variant == 4 and tile_n % kv_cache.shape[2]:
-        variant = 3  # 4 reads the block table a block at a time: its tiles must hold whole blocks
     if use_split:
         part_acc, part_m, part_l = alloc_partials(t, num_heads, num_splits, head_dim_pad, qkv.device)
     else:
