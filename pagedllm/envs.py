@@ -153,10 +153,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_ACT_QUANT": _flag("PAGEDLLM_FUSED_ACT_QUANT", True),
     # 0: decode attention over an fp8 KV cache runs both dots in fp16 with the query heads as the MMA's rows
     # (decode_attention.py variant 0) instead of rounding q to e4m3 per row and running QK on fp8 tensor cores
-    # with the keys as the rows (variant 2, the default: W1 with an fp8 cache 12,609 -> 12,960 tok/s on the
-    # H200; SmolLM2 perplexity 81.28 vs 81.34 on the same fp8 cache: BENCHMARKS.md, h51).
+    # with the keys as the rows (variant 3, the default: W1 with an fp8 cache 12,609 -> 12,960 tok/s on the
+    # H200 with h51's form of it, 13,638 -> 13,922 summing the softmax denominators after the loop; SmolLM2
+    # perplexity 81.28 vs 81.34 on the same fp8 cache: BENCHMARKS.md, h51 and the twentieth session).
     "PAGEDLLM_FP8_KV_DOTS": _flag("PAGEDLLM_FP8_KV_DOTS", True),
-    # An fp8 cache's decode loop and tiles, "VARIANT:BLOCK_M,TILE_N,warps,stages" (kernels/decode_attention.py
+    # An fp8 cache's decode loop and tiles, "VARIANT,BLOCK_M,TILE_N,warps,stages" (kernels/decode_attention.py
     # DECODE_VARIANTS), for A/B runs; empty (default): FP8_KV_VARIANT with FP8_KV_CONFIG there.
     "PAGEDLLM_FP8_KV_DECODE": _str("PAGEDLLM_FP8_KV_DECODE", ""),
     # The standard KV cache's memory order (vLLM's VLLM_KV_CACHE_LAYOUT): "NHD" keeps a block's tokens outermost,

@@ -66,6 +66,10 @@ def _check_structured_option_types(p: StructuredOutputsParams) -> None:
         raise ValueError(f"structured_outputs.backend must be a string, got {type(p._backend).__name__}.")
 
 
+# Immutable values a clone may share (IntEnum members are ints).
+_ATOMS = (int, float, str, bytes)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -244,7 +248,21 @@ class SamplingParams:
             self.all_stop_token_ids |= set(eos_token_ids)
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A copy sharing nothing mutable with this one, as `copy.deepcopy` would give, without its walk over
+        every field (two clones a request were ~40% of add_request's host time at W1's 256 requests): numbers,
+        strings and enums are shared, lists / sets / dicts of them copied one level, anything else (the
+        structured-output params and their schemas) deep-copied."""
+        new = copy.copy(self)
+        for name, v in self.__dict__.items():
+            if v is None or isinstance(v, _ATOMS):
+                continue
+            if isinstance(v, (list, set)) and all(isinstance(x, _ATOMS) for x in v):
+                setattr(new, name, type(v)(v))
+            elif isinstance(v, dict) and all(isinstance(x, _ATOMS) for x in v.values()):
+                setattr(new, name, dict(v))  # keys of a dict are hashable; these fields' are ints
+            else:
+                setattr(new, name, copy.deepcopy(v))
+        return new
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:

@@ -82,3 +82,28 @@ def test_accepted_edge_values_reach_the_engine_unchanged():
     assert back.stop == ["a", "b"] and back.stop_token_ids == [3] and back.bad_words == ["x"]
     assert back.allowed_token_ids == [1, 2] and back.logit_bias == {5: 1.0, 6: -2.5}
     assert back.structured_outputs.regex == "[ab]+" and back.structured_outputs.disable_any_whitespace is True
+
+
+def test_clone_shares_nothing_mutable_and_equals_the_original():
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = SamplingParams(temperature=0.5, stop=["x"], stop_token_ids=[7], logit_bias={3: 1.5},
+                       allowed_token_ids=[1, 2], bad_words=["no"], structured_outputs=StructuredOutputsParams(
+                           json=schema))
+    p.bad_words_token_ids = [[4, 5]]
+    c = p.clone()
+    assert c == p and c is not p
+    # Mutating every container of the copy, nested ones included, leaves the original as it was.
+    c.stop.append("y")
+    c.stop_token_ids.append(8)
+    c.logit_bias[9] = 0.0
+    c.allowed_token_ids.append(3)
+    c.bad_words.append("never")
+    c.bad_words_token_ids[0].append(6)
+    c.all_stop_token_ids.add(99)
+    c.structured_outputs.json["properties"]["b"] = {"type": "string"}
+    assert p.stop == ["x"] and p.stop_token_ids == [7] and p.logit_bias == {3: 1.5}
+    assert p.allowed_token_ids == [1, 2] and p.bad_words == ["no"] and p.bad_words_token_ids == [[4, 5]]
+    assert p.all_stop_token_ids == {7}
+    assert list(p.structured_outputs.json["properties"]) == ["a"]

@@ -133,9 +133,12 @@ class Processor:
             ids = self.tokenizer.encode(text)
         else:
             ids = list(ids)
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size}).")
+            # The common case checked in C (W1's 256 prompts: ~3x faster than the loop); the loop finds the
+            # offending id to name it (a bool, a float, a numpy integer or an id out of range).
+            if not ids or not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < self.vocab_size):
+                for t in ids:
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                        raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size}).")
         if not ids:
             raise ValueError("the prompt is empty; it needs at least one token.")
         return ProcessedPrompt(text, ids, salt)

@@ -90,14 +90,13 @@ def _attend_tile(
 
 @triton.jit
 def _attend_tile_keys_m(
-    qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, scale_log2,
+    qt, m_i, l_t, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, scale_log2,
     stride_c_blk, stride_c_slot,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SUM_LATE: tl.constexpr = False,
 ):
     """`_attend_tile` for a decode row group with the keys as the MMA's M dimension (transposed):
 
@@ -109,9 +108,11 @@ def _attend_tile_keys_m(
     needs (K-major); V is converted to fp16 (fp8 operands must be K-major, V's keys are not).
     qt (HEAD_DIM_PAD, BLOCK_M): q^T in e4m3 (scale_log2 then (1, BLOCK_M): the row scales folded in)
     or in the cache's 16-bit dtype. Every key below kv_hi is visible (decode: q_pos = context).
-    m_i, l_i (BLOCK_M,) fp32; acc_t (HEAD_DIM_PAD, BLOCK_M) fp32. SUM_LATE: l_i is (TILE_N, BLOCK_M), the
-    softmax denominators per key slot, summed over the keys once after the loop (one reduction across
-    warps a tile fewer).
+    m_i (BLOCK_M,) fp32; l_t (TILE_N, BLOCK_M) fp32: the softmax denominators per key slot of the tile,
+    summed over the keys once after the loop (`tl.sum(l_t, 0)`), not every tile: the keys run across the
+    warps of Hopper's wgmma, so each sum over them is a reduction through shared memory with two block
+    barriers (sm_90 SASS: 10 barriers a 128-key tile against 12 summing each tile; the fp8 decode kernel
+    9% faster on the H200: BENCHMARKS.md, issue 19, twentieth session); acc_t (HEAD_DIM_PAD, BLOCK_M) fp32.
     """
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -129,17 +130,14 @@ def _attend_tile_keys_m(
     m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: a tile holds >= 1 valid key
     p = tl.math.exp2(s - m_new[None, :])
     alpha = tl.math.exp2(m_i - m_new)
-    if SUM_LATE:
-        l_i = l_i * alpha[None, :] + p
-    else:
-        l_i = l_i * alpha + tl.sum(p, 0)
+    l_t = l_t * alpha[None, :] + p
     v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (TILE_N, D)
     if v.dtype == tl.float8e4nv:
         pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16))
     else:
         pv = tl.dot(tl.trans(v.to(qt.dtype)), p.to(qt.dtype), input_precision=DOT_PRECISION)
     acc_t = acc_t * alpha[None, :] + pv
-    return m_new, l_i, acc_t
+    return m_new, l_t, acc_t
 
 
 def _tile_config(queries_per_kv: int, head_dim_pad: int, decode_only: bool,

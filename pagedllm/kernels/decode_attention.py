@@ -52,31 +52,33 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 
 # The decode loop's formulations (`_decode_fused_kernel` VARIANT):
 #   0  rows = the GQA group's query heads (BLOCK_M, padded to 16), 16-bit dots (an fp8 cache widened to fp16)
-#   2  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
-#      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16
-# (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43.)
-DECODE_VARIANTS = (0, 2, 3)
+#   3  keys as the MMA's M (attention_tile._attend_tile_keys_m): with an fp8 cache, QK in e4m3 on Hopper's
+#      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16; the softmax
+#      denominators summed over the keys once, after the loop
+# (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43; 2, 3
+# summing the denominators every tile: 9% slower than 3, twentieth session.)
+DECODE_VARIANTS = (0, 3)
 # An fp8 cache's loop (PAGEDLLM_FP8_KV_DOTS, on by default; =0: variant 0) and its tiles (BLOCK_M, TILE_N,
-# warps, stages): the H200's fastest of six at 256 requests x 600-1000 keys, 201 us against variant 0's 218
-# (BENCHMARKS.md, h43).
+# warps, stages): the H200's fastest at 256 requests x 600-1000 keys and at 64 x 900-1500 (187.9 / 75.2 us
+# against summing every tile's 205.5 / 81.0; 64-key tiles 184.3 / 93.2): BENCHMARKS.md, issue 19, twentieth
+# session.
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
-FP8_KV_VARIANT = 2
+FP8_KV_VARIANT = 3
 FP8_KV_CONFIG = (16, 128, 4, 3)
 
 
 def _fp8_kv_override(spec: str) -> tuple[int, tuple[int, int, int, int]] | None:
-    """PAGEDLLM_FP8_KV_DECODE "VARIANT:BLOCK_M,TILE_N,warps,stages" (A/B runs), e.g. "3:16,64,4,3"."""
+    """PAGEDLLM_FP8_KV_DECODE "VARIANT,BLOCK_M,TILE_N,warps,stages" (A/B runs), e.g. "3,16,64,4,3"."""
     if not spec:
         return None
     try:
-        variant, _, cfg = spec.partition(":")
-        fields = tuple(int(x) for x in cfg.split(","))
-        if len(fields) != 4:
+        fields = tuple(int(x) for x in spec.split(","))
+        if len(fields) != 5:
             raise ValueError
-        return int(variant), fields  # type: ignore[return-value]
+        return fields[0], fields[1:]  # type: ignore[return-value]
     except ValueError:
-        raise ValueError(f"PAGEDLLM_FP8_KV_DECODE={spec!r}: expected VARIANT:BLOCK_M,TILE_N,warps,stages, "
-                         "e.g. 3:16,64,4,3") from None
+        raise ValueError(f"PAGEDLLM_FP8_KV_DECODE={spec!r}: expected VARIANT,BLOCK_M,TILE_N,warps,stages, "
+                         "e.g. 3,16,64,4,3") from None
 
 
 _FP8_KV_OVERRIDE = _fp8_kv_override(environment_variables["PAGEDLLM_FP8_KV_DECODE"]())
@@ -130,7 +132,7 @@ def _decode_fused_kernel(
     ORDERED: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 query rows as the MMA's M, 2 keys
+    VARIANT: tl.constexpr = 0,  # DECODE_VARIANTS: 0 query rows as the MMA's M, 3 keys
     IN_SCALES: tl.constexpr = False,  # qkv is a ScaledOutput's unscaled sums (qkv_prep._load_scaled)
 ):
     if ORDERED:
@@ -179,7 +181,7 @@ def _decode_fused_kernel(
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_h
     q_pos = tl.zeros([BLOCK_M], tl.int32) + context_len
-    if VARIANT >= 2:
+    if VARIANT == 3:
         # An fp8 cache: q quantized per row to e4m3 (q ~= q8 * q_scale) for the e4m3 QK dot, the row scales
         # folded into the score scale; a 16-bit cache keeps q.
         if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
@@ -191,21 +193,14 @@ def _decode_fused_kernel(
             q8 = q
             col_scale = tl.zeros([1, BLOCK_M], tl.float32) + scale_log2
         acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], tl.float32)
+        l_t = tl.zeros([TILE_N, BLOCK_M], tl.float32)  # per key slot; summed once after the loop
         qt = tl.trans(q8)
-        if VARIANT == 3:
-            l_t = tl.zeros([TILE_N, BLOCK_M], tl.float32)
-            for start_n in range(kv_lo, kv_hi, TILE_N):
-                m_i, l_t, acc_t = _attend_tile_keys_m(
-                    qt, m_i, l_t, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
-                    stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
-                )
-            l_i = tl.sum(l_t, 0)
-        else:
-            for start_n in range(kv_lo, kv_hi, TILE_N):
-                m_i, l_i, acc_t = _attend_tile_keys_m(
-                    qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
-                    stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
-                )
+        for start_n in range(kv_lo, kv_hi, TILE_N):
+            m_i, l_t, acc_t = _attend_tile_keys_m(
+                qt, m_i, l_t, acc_t, k_cache_ptr, v_cache_ptr, bt_row, head_off, start_n, kv_hi, col_scale,
+                stride_c_blk, stride_c_slot, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+            )
+        l_i = tl.sum(l_t, 0)
         acc = tl.trans(acc_t)
     else:
         for start_n in range(kv_lo, kv_hi, TILE_N):

@@ -248,7 +248,7 @@ def _record_quant() -> None:
         decode_attention.decode_attention_fused(torch.zeros(2, width, dtype=bf16), torch.arange(2), cos_sin, cache,
                                                 md_bf16, 0.1, 32, 8, 128, num_splits=splits,
                                                 in_scales=(torch.ones(2, 1), torch.ones(width)))
-    # An fp8 KV cache's decode loop (decode_attention.FP8_KV_VARIANT: fp8 wgmma, 238 registers at Llama's heads).
+    # An fp8 KV cache's decode loop (decode_attention.FP8_KV_VARIANT: fp8 wgmma, ~240 registers at Llama's heads).
     md = build_metadata([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
     decode_attention.decode_attention_fused(torch.zeros(2, 48 * 128, dtype=bf16), torch.arange(2),
                                             rotary.build_cos_sin_cache(128, 64),

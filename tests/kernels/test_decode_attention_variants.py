@@ -1,4 +1,4 @@
-"""The fused decode kernel's keys-as-M loop (`decode_attention.DECODE_VARIANTS` 2: with an fp8 cache an e4m3
+"""The fused decode kernel's keys-as-M loop (`decode_attention.DECODE_VARIANTS` 3: with an fp8 cache an e4m3
 QK dot, q quantized per row) against the fp32 reference.
 
 q's e4m3 rounding is the variant's one approximation beyond fp16 P, so the exact test builds inputs
@@ -39,7 +39,7 @@ def _exact_batch(device: torch.device):
     return qkv, positions, cos_sin, cache, md
 
 
-KEYS_AS_M = [v for v in DECODE_VARIANTS if v >= 2]
+KEYS_AS_M = [v for v in DECODE_VARIANTS if v != 0]
 
 
 @pytest.mark.parametrize("variant", KEYS_AS_M)
@@ -74,7 +74,7 @@ def test_fp8_keys_as_m_on_random_inputs(device, variant):
 @pytest.mark.parametrize("variant", KEYS_AS_M)
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_keys_as_m_on_a_32_bit_cache(device, num_splits, variant):
-    # Variant 2 on a 32-bit cache (the CPU reference's dtype): q stays unquantized, so it equals the
+    # The keys-as-M loop on a 32-bit cache (the CPU reference's dtype): q stays unquantized, so it equals the
     # reference as variant 0 does.
     qkv, positions, cos_sin, cache, md, (qw, kw) = _batch(H, KVH, D, D, 16, True, device)
     ref_cache = cache.clone()
@@ -89,5 +89,7 @@ def test_unknown_variant_is_refused(device):
     qkv, positions, cos_sin, cache, md, _ = _batch(H, KVH, D, D, 16, False, device)
     with pytest.raises(ValueError, match="variant must be one of"):
         decode_attention_fused(qkv, positions, cos_sin, cache, md, 0.125, H, KVH, D, variant=1)  # removed
+    with pytest.raises(ValueError, match="variant must be one of"):
+        decode_attention_fused(qkv, positions, cos_sin, cache, md, 0.125, H, KVH, D, variant=2)  # removed
     with pytest.raises(ValueError, match="variant must be one of"):
         decode_attention_fused(qkv, positions, cos_sin, cache, md, 0.125, H, KVH, D, variant=max(DECODE_VARIANTS) + 1)
