@@ -101,6 +101,21 @@ def graph_time_us(fn: Callable[[], Any]) -> float:
     return us
 
 
+def offline_plain_run(args: argparse.Namespace) -> tuple[Any, list, float, Any, Any]:
+    """`pagedllm bench throughput`'s offline schedule from its parsed flags (`throughput.add_cli_args`), run once
+    after the warm-up: (llm, requests, temperature, device spec, that run's ThroughputResult), for scripts that
+    run the same schedule again under a probe (gpu_step_profile.py, gpu_step_gaps.py)."""
+    from pagedllm.benchmarks import throughput as tp
+    from pagedllm.benchmarks.datasets import requests_from_args
+
+    requests = requests_from_args(args)
+    temperature = args.temperature if args.temperature is not None else tp.W1_TEMPERATURE
+    dev = tp.measured_device(args)
+    llm = tp.make_llm(args)
+    tp.warmup(llm, args.num_warmup)
+    return llm, requests, temperature, dev, tp.run_throughput(llm, requests, temperature, dev)
+
+
 def rotating_graph_us(call: Callable[[int], object], copies: int, reps: int = 20) -> float:
     """Median microseconds per call of call(i), i rotating over `copies` weight copies (so each call
     reads its weights from memory, not from L2), `reps` calls captured in one CUDA graph, 5 timed

@@ -25,12 +25,14 @@ import sys
 import time
 from collections import defaultdict
 
+BUCKETS = (16, 32, 64, 128, 192, 256)  # decode-only steps grouped by rows: <= each
+
 
 def main() -> int:
     import torch
+    from _gpu_common import offline_plain_run
 
     from pagedllm.benchmarks import throughput as tp
-    from pagedllm.benchmarks.datasets import requests_from_args
     from pagedllm.worker import model_runner as mr
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,12 +41,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_step_gaps.py times CUDA events: no CUDA device here")
         return 2
-    requests = requests_from_args(args)
-    temperature = args.temperature if args.temperature is not None else tp.W1_TEMPERATURE
-    dev = tp.measured_device(args)
-    llm = tp.make_llm(args)
-    tp.warmup(llm, args.num_warmup)
-    plain = tp.run_throughput(llm, requests, temperature, dev)
+    llm, requests, temperature, dev, plain = offline_plain_run(args)
     print(f"plain run {plain.output_tokens_per_second:.1f} output tok/s ({plain.elapsed_time:.3f} s)", flush=True)
     llm.reset_prefix_cache()
 
@@ -108,17 +105,17 @@ def main() -> int:
         if not r["decode_only"]:
             return "mixed"
         n = r["reqs"]
-        for hi in (16, 32, 64, 128, 192, 256):
+        for hi in BUCKETS:
             if n <= hi:
                 return f"decode <= {hi}"
-        return "decode > 256"
+        return f"decode > {BUCKETS[-1]}"
 
     groups: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(merged):
         groups[bucket(r)].append(i)
     print("\n| steps | count | device span ms (mean) | gap before ms (sum / mean / p90) | host launch-to-launch ms "
           "(median) | host in step ms (median) |\n|---|---|---|---|---|---|")
-    order = ["mixed"] + [f"decode <= {hi}" for hi in (16, 32, 64, 128, 192, 256)] + ["decode > 256"]
+    order = ["mixed"] + [f"decode <= {hi}" for hi in BUCKETS] + [f"decode > {BUCKETS[-1]}"]
     for name in order:
         idx = groups.get(name)
         if not idx:

@@ -58,21 +58,16 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
 
 def main() -> int:
     import torch
+    from _gpu_common import offline_plain_run
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm.benchmarks import throughput as tp
-    from pagedllm.benchmarks.datasets import requests_from_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     tp.add_cli_args(parser)
     parser.add_argument("--top", type=int, default=25, help="kernels listed by total time")
     args = parser.parse_args()
-    requests = requests_from_args(args)
-    temperature = args.temperature if args.temperature is not None else tp.W1_TEMPERATURE
-    dev = tp.measured_device(args)
-    llm = tp.make_llm(args)
-    tp.warmup(llm, args.num_warmup)
-    plain = tp.run_throughput(llm, requests, temperature, dev)
+    llm, requests, temperature, dev, plain = offline_plain_run(args)
     # Printed now as well: a run cut short while profiling still reports its plain throughput.
     print(f"plain run {plain.output_tokens_per_second:.0f} output tok/s ({plain.elapsed_time:.2f} s, "
           f"{len(requests)} requests)", flush=True)

@@ -111,8 +111,9 @@ def _attend_tile_keys_m(
     m_i (BLOCK_M,) fp32; l_t (TILE_N, BLOCK_M) fp32: the softmax denominators per key slot of the tile,
     summed over the keys once after the loop (`tl.sum(l_t, 0)`), not every tile: the keys run across the
     warps of Hopper's wgmma, so each sum over them is a reduction through shared memory with two block
-    barriers (sm_90 SASS: 10 barriers a 128-key tile against 12 summing each tile; the fp8 decode kernel
-    9% faster on the H200: BENCHMARKS.md, issue 19, twentieth session); acc_t (HEAD_DIM_PAD, BLOCK_M) fp32.
+    barriers (sm_90 SASS: 10 barriers a 128-key tile against 12 summing each tile; on the H200 the fp8 decode
+    kernel ~4% faster, W1 with an fp8 cache +2.1%: BENCHMARKS.md, issue 19, twentieth session); acc_t
+    (HEAD_DIM_PAD, BLOCK_M) fp32.
     """
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)

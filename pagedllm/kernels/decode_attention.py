@@ -56,12 +56,12 @@ __all__ = ["DECODE_VARIANTS", "decode_attention_fused", "decode_attention_fused_
 #      wgmma (q rounded to e4m3 per row, its scale folded into the score scale), PV in fp16; the softmax
 #      denominators summed over the keys once, after the loop
 # (1, an e4m3 QK with rows as M, measured no faster than 0 on the H200: BENCHMARKS.md, issue 19, h43; 2, 3
-# summing the denominators every tile: 9% slower than 3, twentieth session.)
+# summing the denominators every tile: W1 with an fp8 cache 2.1% slower than 3, twentieth session.)
 DECODE_VARIANTS = (0, 3)
 # An fp8 cache's loop (PAGEDLLM_FP8_KV_DOTS, on by default; =0: variant 0) and its tiles (BLOCK_M, TILE_N,
-# warps, stages): the H200's fastest at 256 requests x 600-1000 keys and at 64 x 900-1500 (187.9 / 75.2 us
-# against summing every tile's 205.5 / 81.0; 64-key tiles 184.3 / 93.2): BENCHMARKS.md, issue 19, twentieth
-# session.
+# warps, stages): of the H200 sweep, within 2% of the fastest at 256 requests x 600-1000 keys and the fastest
+# at 64 x 900-1500 (187.9 / 75.2 us; 64-key tiles 184.3 / 93.2), and W1's faster (13,922 vs 13,822 tok/s):
+# BENCHMARKS.md, issue 19, twentieth session.
 FP8_KV_DOTS = environment_variables["PAGEDLLM_FP8_KV_DOTS"]()
 FP8_KV_VARIANT = 3
 FP8_KV_CONFIG = (16, 128, 4, 3)
