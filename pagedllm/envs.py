@@ -127,6 +127,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # SPLIT_K, num_warps, num_stages] or null], ...]} (null: the path before it), read at import in
     # place of the built-in table (scripts/gpu_wna16_mma.py writes one); for tuning runs.
     "PAGEDLLM_WNA16_MMA_TABLE": _str("PAGEDLLM_WNA16_MMA_TABLE"),
+    # 0: int4 batches on sm_90 go to the Triton kernels above instead of the Gluon GEMM whose weights
+    # are dequantized in wgmma's register layout (kernels/wna16_wgmma.py); for comparisons.
+    "PAGEDLLM_WNA16_WGMMA": _flag("PAGEDLLM_WNA16_WGMMA", True),
+    # A JSON file of measured wna16_wgmma launches, {"N,K": [[max_rows, [BLOCK_M, BLOCK_N, SPLIT_K,
+    # num_warps, STAGES(, BLOCK_KW)] or null], ...]} (null: the kernels above), read at import in place of
+    # the built-in table (scripts/gpu_wna16_wgmma.py writes one); for tuning runs.
+    "PAGEDLLM_WNA16_WGMMA_TABLE": _str("PAGEDLLM_WNA16_WGMMA_TABLE"),
     # 0: decode-sized MoE steps sort their (token, expert) pairs with the one-program align kernel
     # before the expert GEMMs, instead of per-expert row lists (kernels/fused_moe.py,
     # `_moe_expert_rows_kernel` / `_fused_moe_rows_kernel`); for comparisons.

@@ -43,6 +43,8 @@ Reference: `wna16_linear_ref` (dequantize to fp32, matmul in fp32); it is also t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +58,7 @@ from pagedllm.kernels.wna16_mma_config import mma_choice
 from pagedllm.kernels.wna16_stream import stream_supported, wna16_stream_linear
 from pagedllm.kernels.wna16_tc import tc_supported, wna16_tc_linear
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
+from pagedllm.kernels.wna16_wgmma_config import wgmma_choice
 
 __all__ = ["dequantize_wna16", "dequantize_wna16_triton", "pack_along_k", "unpack_along_k", "wna16_linear",
            "wna16_linear_ref"]
@@ -201,9 +204,19 @@ DEQUANT_MIN_M = 128
 TC_ENABLED = environment_variables["PAGEDLLM_WNA16_TC"]()
 STREAM_ENABLED = environment_variables["PAGEDLLM_WNA16_STREAM"]()
 MMA_ENABLED = environment_variables["PAGEDLLM_WNA16_MMA"]()
+WGMMA_ENABLED = environment_variables["PAGEDLLM_WNA16_WGMMA"]()
 TC_MAX_M = 64
 TC_MAX_M_LARGE = 128
 TC_LARGE_WEIGHTS = 40 << 20  # gate_up (28672 x 4096) and down (4096 x 14336) of the 8B; not qkv / o
+
+
+@functools.cache
+def _wgmma():
+    """kernels/wna16_wgmma.py, imported on first use: Gluon's import is kept off the start of engines
+    whose weights never reach it (no int4 weights, no sm_90 GPU)."""
+    from pagedllm.kernels import wna16_wgmma
+
+    return wna16_wgmma
 
 
 def tc_max_m(n: int, k: int) -> int:
@@ -219,7 +232,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  dequant_min_m: int | None = None, act: str | None = None) -> torch.Tensor:
     """CUDA (or the interpreter) x (M, K) -> (M, N) in x's dtype; same contract as `wna16_linear_ref`.
 
-    One row, int4 g128: `wna16_stream_linear`. Int4 g128 with 16-bit x: `wna16_mma_linear` where
+    One row, int4 g128: `wna16_stream_linear`. Int4 with 16-bit x on sm_90: `wna16_wgmma_linear` where
+    `wgmma_choice` has a measured configuration. Int4 g128 with 16-bit x: `wna16_mma_linear` where
     `mma_choice` has a configuration (2 up to 128-1024 rows by shape), else `wna16_tc_linear` up to `tc_max_m` rows (and below `dequant_min_m`;
     act-order: x read through perm up to 16 rows, gathered once above), then the dequantized scratch.
     Otherwise M <= 16: `wna16_gemv` (weight streaming; act-order reads x through perm), larger M:
@@ -247,6 +261,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return wna16_stream_linear(x, qweight, scales, zeros, group_size, bias, perm)
     # act-order at <= 16 rows stays on the tensor-core kernel, which reads x through perm in the kernel:
     # the GEMM below gathers x once per call (one more launch a linear), not measured against it there
+    if config is None and WGMMA_ENABLED and x.is_cuda and (perm is None or m > MAX_GEMV_M):
+        wg = wgmma_choice(m, n, k)
+        if wg is not None and _wgmma().wgmma_supported(x, k, group_size, bits):
+            return _wgmma().wna16_wgmma_linear(x, qweight, scales, zeros, group_size, wg, bias, perm)
     if config is None and MMA_ENABLED and mma_supported(x, bits, group_size, k) and (
             perm is None or m > MAX_GEMV_M):
         mma = mma_choice(m, n, k)

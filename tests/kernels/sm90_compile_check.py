@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from pagedllm.attention.metadata import build_metadata  # noqa: E402
 from pagedllm.kernels import (  # noqa: E402
@@ -55,6 +56,7 @@ from pagedllm.kernels import (  # noqa: E402
     wna16_mma,
     wna16_stream,
     wna16_tc,
+    wna16_wgmma,
 )
 
 _TYPES = {
@@ -152,6 +154,7 @@ def _record(launches: list) -> None:
         (wna16_gemm, "_wna16_dequant_kernel"),
         (wna16_tc, "_wna16_tc_kernel"),
         (wna16_mma, "_wna16_mma_kernel"),
+        (wna16_wgmma, "_wna16_wgmma_kernel"),
         (wna16_stream, "_wna16_stream_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
@@ -200,6 +203,15 @@ def _record_quant() -> None:
     # the GPU's form of the GEMM (the inline-PTX dequantization) at the same three launches
     for m in (8, 64, 200):
         wna16_mma.wna16_mma_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 128, use_asm=True)
+    # the Gluon int4 GEMM (sm_90's pick of W1's batches where its table has them): 256 / 128 / 64-row tiles,
+    # K split, 64-input steps, fp16 x; its compile also checks that the words' layout is wgmma's A operand
+    # layout (the kernel's `convert_layout(..., assert_trivial=True)`)
+    wna16_wgmma._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
+    wg = wna16_wgmma.WGMMAConfig
+    for m, cfg, dt in ((256, wg(256, 128, 1, 8, 3, 8), bf16), (200, wg(128, 128, 2, 8, 4), bf16),
+                       (64, wg(64, 64, 4, 4, 4), bf16), (256, wg(128, 64, 1, 4, 3), bf16),
+                       (160, wg(256, 128, 2, 8, 4, 8), torch.float16)):
+        wna16_wgmma.wna16_wgmma_linear(torch.zeros(m, k, dtype=dt), qw, s.to(dt), z, 128, cfg)
     # the packed fp16 math of the one-row kernel (MATH="f16x2"), plain, with SwiGLU's activation and with
     # residual add + RMSNorm in its x prologue (the norm at qkv / gate_up's K: hidden 4096)
     for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
@@ -388,10 +400,13 @@ _JOBS: list = []  # (kernel, signature, constexprs, attrs, options): one per dis
 def _compile(i: int) -> tuple[str, int]:
     """Compile job i for sm_90: (its report line, bytes of stack). Runs in a forked worker."""
     kernel, sig, consts, attrs, options = _JOBS[i]
-    src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+    compiled = triton.compile(source(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
     regs, stack = _stack_bytes(compiled.asm["cubin"])
-    shown = {k: v for k, v in consts.items() if k.isupper() and k not in ("DOT_PRECISION",)}
+    # scalar constexprs only (a Gluon kernel's layouts and inline PTX are not shown)
+    shown = {k: v for k, v in consts.items() if k.isupper() and k not in ("DOT_PRECISION",)
+             and isinstance(v, (bool, int, float))}
     return (f"{kernel.fn.__name__} {shown} {options}: {regs} registers, {stack} bytes of stack, "
             f"{compiled.metadata.shared} bytes of shared memory"), stack
 

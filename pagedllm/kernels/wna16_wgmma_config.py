@@ -1,0 +1,63 @@
+"""The Gluon int4 GEMM's launches (kernels/wna16_wgmma.py): its tile settings, the measured pick per
+weight shape and row count, and the file that replaces them in tuning runs.
+
+Measured by scripts/gpu_wna16_wgmma.py (BENCHMARKS.md issue 19, "the int4 GEMM in wgmma's register
+layout"). A shape or row count the table does not hold goes to the Triton kernels (kernels/wna16_mma.py's
+table and rule, then the dequantized scratch): this kernel is only taken where it was measured faster.
+Kept apart from the kernel so that the dispatch reads it without importing Gluon.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+from pagedllm.envs import environment_variables
+
+__all__ = ["TABLE", "WGMMAConfig", "wgmma_choice"]
+
+
+class WGMMAConfig(NamedTuple):
+    """One launch of `_wna16_wgmma_kernel`."""
+
+    BLOCK_M: int  # rows of x a program: wgmma's N, a power of two 16..256
+    BLOCK_N: int  # output columns a program: wgmma's M, a multiple of 16 x num_warps
+    SPLIT_K: int  # programs sharing a tile's K (asked; fewer when K has fewer steps)
+    num_warps: int  # 4 or 8 (one or two warpgroups stacked along N)
+    STAGES: int  # cp.async ring depth (>= 2)
+    BLOCK_KW: int = 16  # word rows a step: BLOCK_K = 8 * BLOCK_KW inputs (8 or 16)
+
+
+Bucket = tuple[int, WGMMAConfig | None]
+# (N, K) -> ((max rows, config or None = the Triton kernels), ...) in increasing max rows; rows past the
+# last bucket take the Triton kernels.
+TABLE: dict[tuple[int, int], tuple[Bucket, ...]] = {}
+
+
+def _read_table(path: str) -> dict[tuple[int, int], tuple[Bucket, ...]]:
+    """PAGEDLLM_WNA16_WGMMA_TABLE's JSON as TABLE's form; a malformed file is an error naming it."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        table = {}
+        for key, buckets in raw.items():
+            n, k = (int(v) for v in key.split(","))
+            table[(n, k)] = tuple(
+                (int(mx), None if c is None else WGMMAConfig(*(int(v) for v in c)))
+                for mx, c in sorted(buckets, key=lambda b: b[0]))
+        return table
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"PAGEDLLM_WNA16_WGMMA_TABLE={path}: not a table of wna16_wgmma configs ({e})") from None
+
+
+_TABLE_FILE = environment_variables["PAGEDLLM_WNA16_WGMMA_TABLE"]()
+if _TABLE_FILE:
+    TABLE = _read_table(_TABLE_FILE)
+
+
+def wgmma_choice(m: int, n: int, k: int) -> WGMMAConfig | None:
+    """The Gluon GEMM's launch for an (m, N, K) call, or None where the Triton kernels are taken."""
+    for max_m, cfg in TABLE.get((n, k), ()):
+        if m <= max_m:
+            return cfg
+    return None
