@@ -47,8 +47,11 @@ ap.add_argument("--table", default="/tmp/wna16_wgmma_table.json")
 ap.add_argument("--budget", type=float, default=560.0, help="seconds; the time section stops short of it")
 ap.add_argument("--ms", default="16,32,64,96,128,160,192,224,256,320,384,512", help="row counts timed")
 ap.add_argument("--w1-s", type=float, default=200.0, help="seconds kept for the w1 section")
+ap.add_argument("--check-ms", default="16,64,160,256,300,1024", help="row counts checked")
+ap.add_argument("--w1-timeout", type=float, default=150.0, help="seconds a W1 run may take")
 ARGS = ap.parse_args()
 MS = tuple(int(v) for v in ARGS.ms.split(","))
+CHECK_MS = tuple(int(v) for v in ARGS.check_ms.split(","))
 C = WGMMAConfig
 
 
@@ -112,7 +115,7 @@ def check() -> None:
     shapes = dict(SHAPES, tail=(1000, 4096))
     for shape, (n, k) in shapes.items():
         (w, s, z), = weights(n, k)
-        for m in (16, 64, 160, 256, 300, 1024):
+        for m in CHECK_MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = wna16_linear_ref(x, w, s, z, 4, G)
             cfgs = [C(16, 64, 4, 4, 4), C(64, 64, 2, 4, 4), C(64, 64, 1, 4, 4), C(128, 128, 1, 8, 3),
@@ -230,7 +233,7 @@ def w1() -> None:
                "--skip-tokenizer-init", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(150, left - 10))
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(ARGS.w1_timeout, left - 10))
         except subprocess.TimeoutExpired:
             record(f"W1 8B AWQ, {name}", "timed out")
             continue
