@@ -33,6 +33,10 @@ split-K partials summed in split order by the last program of a tile (as kernels
 `store_split_k_output`, rewritten here in Gluon). Words and x tiles come by cp.async into a ring of
 STAGES buffers; the step's scales and zero points one step ahead by plain loads.
 
+Status: the unrolled loop below has not run on a GPU yet (its rolled form raced, BENCHMARKS.md), so
+kernels/wna16_wgmma_config.py's table is empty and the dispatch does not take this kernel until a GPU
+check and sweep (scripts/gpu_wna16_wgmma.py) fill it.
+
 Limits: sm_90 only (wgmma; Gluon has no interpreter, so there is no CPU path: `wgmma_supported`
 says when the wrapper may be called); 16-bit x; BLOCK_K (64 or 128) must divide K and the group size;
 BLOCK_N a multiple of 16 x num_warps (4 or 8 warps); BLOCK_M 16..256 (wgmma's N). Reference:
@@ -236,8 +240,9 @@ def _wna16_wgmma_kernel(
     z_next = gl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(gl.float32)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     # Two steps a trip: a wgmma reads its A registers until it completes, and the next step's A is made
-    # while it runs; unrolled, consecutive steps' A tiles are different registers (rolled, step i + 1 would
-    # rewrite the registers wgmma i is still reading: wrong sums, seen on the H100).
+    # while it runs; unrolled, consecutive steps' A tiles are different registers. Rolled, step i + 1
+    # rewrote the registers wgmma i may still be reading (PTX leaves that undefined): wrong sums on the
+    # H100 from some launches, none once no wgmma was left in flight (BENCHMARKS.md, issue 19).
     for i in range(0, n_steps - 1, 2):
         acc, s_next, z_next = _step(i, acc, s_next, z_next, w_smem, x_smem, qw_ptr, x_ptr, s_ptr, z_ptr, sel,
                                     offs_n, mask_n, k_start, n_steps, N, K, stride_xm, offs_wkw, offs_wn, mask_wn,

@@ -30,7 +30,8 @@ class WGMMAConfig(NamedTuple):
 
 Bucket = tuple[int, WGMMAConfig | None]
 # (N, K) -> ((max rows, config or None = the Triton kernels), ...) in increasing max rows; rows past the
-# last bucket take the Triton kernels.
+# last bucket take the Triton kernels. Empty: the kernel's current loop has not been checked and timed on a
+# GPU yet (BENCHMARKS.md, issue 19, twenty-first session); a PAGEDLLM_WNA16_WGMMA_TABLE file fills it.
 TABLE: dict[tuple[int, int], tuple[Bucket, ...]] = {}
 
 
