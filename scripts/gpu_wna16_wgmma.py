@@ -211,6 +211,27 @@ def time_kernels() -> None:
     with open(ARGS.table, "w") as f:
         json.dump(table, f)
     record("time: candidates left out for a wrong answer", f"{len(WRONG)} {WRONG[:6]}")
+    print("wna16_wgmma_config.TABLE entries:\n" + table_literal(table), flush=True)
+
+
+def table_literal(table: dict) -> str:
+    """The measured table as wna16_wgmma_config.TABLE's Python entries: runs of one pick merged into one bucket,
+    trailing None buckets dropped (past the last bucket the Triton kernels run anyway), BLOCK_KW 16 left out."""
+    names = {f"{n},{k}": name for name, (n, k) in SHAPES.items()}
+    lines = []
+    for key, buckets in table.items():
+        merged: list[list] = []
+        for mx, c in buckets:
+            if merged and merged[-1][1] == c:
+                merged[-1][0] = mx
+            else:
+                merged.append([mx, c])
+        while merged and merged[-1][1] is None:
+            merged.pop()
+        cells = [f"({mx}, None)" if c is None else f"({mx}, _W({', '.join(map(str, c[:5] if c[5] == 16 else c))}))"
+                 for mx, c in merged]
+        lines.append(f"    ({key.replace(',', ', ')}): ({', '.join(cells)},),  # Llama-3.1-8B {names.get(key, key)}")
+    return "\n".join(lines)
     print(f"measured table -> {ARGS.table}: {json.dumps(table)}", flush=True)
 
 

@@ -28,6 +28,7 @@ class WGMMAConfig(NamedTuple):
     BLOCK_KW: int = 16  # word rows a step: BLOCK_K = 8 * BLOCK_KW inputs (8 or 16)
 
 
+_W = WGMMAConfig  # the table's entries (scripts/gpu_wna16_wgmma.py prints them in this form)
 Bucket = tuple[int, WGMMAConfig | None]
 # (N, K) -> ((max rows, config or None = the Triton kernels), ...) in increasing max rows; rows past the
 # last bucket take the Triton kernels. Empty: the kernel's current loop has not been checked and timed on a
