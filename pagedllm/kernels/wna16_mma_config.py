@@ -7,10 +7,10 @@ there the GEMM's FLOPs, not the weight bytes, set the time.
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 from pagedllm.envs import environment_variables
+from pagedllm.kernels.launch_table import pick_bucket, read_launch_table
 
 __all__ = ["TABLE", "MMAConfig", "mma_choice", "mma_rule"]
 
@@ -78,26 +78,9 @@ def mma_rule(m: int, n: int, k: int) -> MMAConfig | None:
     return _S(256, 128, 1, 8, 3) if wide and m <= 1024 else None
 
 
-def _read_table(path: str) -> dict[tuple[int, int], tuple[Bucket, ...]]:
-    """PAGEDLLM_WNA16_MMA_TABLE's JSON ({"N,K": [[max_rows, [BLOCK_M, BLOCK_N, SPLIT_K, num_warps,
-    num_stages(, BLOCK_KW)] or null], ...]}) as TABLE's form; a malformed file is an error naming it."""
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-        table = {}
-        for key, buckets in raw.items():
-            n, k = (int(v) for v in key.split(","))
-            table[(n, k)] = tuple(
-                (int(mx), None if c is None else MMAConfig(*(int(v) for v in c)))
-                for mx, c in sorted(buckets, key=lambda b: b[0]))
-        return table
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"PAGEDLLM_WNA16_MMA_TABLE={path}: not a table of wna16_mma configs ({e})") from None
-
-
 _TABLE_FILE = environment_variables["PAGEDLLM_WNA16_MMA_TABLE"]()
 if _TABLE_FILE:
-    TABLE = _read_table(_TABLE_FILE)
+    TABLE = read_launch_table(_TABLE_FILE, MMAConfig, "PAGEDLLM_WNA16_MMA_TABLE")
 
 
 def mma_choice(m: int, n: int, k: int) -> MMAConfig | None:
@@ -106,7 +89,4 @@ def mma_choice(m: int, n: int, k: int) -> MMAConfig | None:
     buckets = TABLE.get((n, k))
     if buckets is None:
         return mma_rule(m, n, k)
-    for max_m, cfg in buckets:
-        if m <= max_m:
-            return cfg
-    return None
+    return pick_bucket(buckets, m)

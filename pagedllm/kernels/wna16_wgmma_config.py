@@ -9,10 +9,10 @@ Kept apart from the kernel so that the dispatch reads it without importing Gluon
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 from pagedllm.envs import environment_variables
+from pagedllm.kernels.launch_table import pick_bucket, read_launch_table
 
 __all__ = ["TABLE", "WGMMAConfig", "wgmma_choice"]
 
@@ -36,30 +36,11 @@ Bucket = tuple[int, WGMMAConfig | None]
 TABLE: dict[tuple[int, int], tuple[Bucket, ...]] = {}
 
 
-def _read_table(path: str) -> dict[tuple[int, int], tuple[Bucket, ...]]:
-    """PAGEDLLM_WNA16_WGMMA_TABLE's JSON as TABLE's form; a malformed file is an error naming it."""
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-        table = {}
-        for key, buckets in raw.items():
-            n, k = (int(v) for v in key.split(","))
-            table[(n, k)] = tuple(
-                (int(mx), None if c is None else WGMMAConfig(*(int(v) for v in c)))
-                for mx, c in sorted(buckets, key=lambda b: b[0]))
-        return table
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"PAGEDLLM_WNA16_WGMMA_TABLE={path}: not a table of wna16_wgmma configs ({e})") from None
-
-
 _TABLE_FILE = environment_variables["PAGEDLLM_WNA16_WGMMA_TABLE"]()
 if _TABLE_FILE:
-    TABLE = _read_table(_TABLE_FILE)
+    TABLE = read_launch_table(_TABLE_FILE, WGMMAConfig, "PAGEDLLM_WNA16_WGMMA_TABLE")
 
 
 def wgmma_choice(m: int, n: int, k: int) -> WGMMAConfig | None:
     """The Gluon GEMM's launch for an (m, N, K) call, or None where the Triton kernels are taken."""
-    for max_m, cfg in TABLE.get((n, k), ()):
-        if m <= max_m:
-            return cfg
-    return None
+    return pick_bucket(TABLE.get((n, k), ()), m)

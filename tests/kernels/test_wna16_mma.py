@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import wna16_mma_config
+from pagedllm.kernels.launch_table import read_launch_table
 from pagedllm.kernels.wna16_gemm import wna16_linear, wna16_linear_ref
 from pagedllm.kernels.wna16_mma import wna16_mma_linear
 from pagedllm.kernels.wna16_mma_config import MMAConfig, mma_choice, mma_rule
@@ -79,10 +80,10 @@ def test_choice_rule_table_and_file(tmp_path, monkeypatch, device):
     # PAGEDLLM_WNA16_MMA_TABLE's file form, and a malformed one named
     f = tmp_path / "t.json"
     f.write_text(json.dumps({"64,256": [[64, None], [32, [16, 64, 2, 4, 2]]]}))
-    assert wna16_mma_config._read_table(str(f)) == table
+    assert read_launch_table(str(f), MMAConfig, "PAGEDLLM_WNA16_MMA_TABLE") == table
     f.write_text(json.dumps({"64x256": [[32, None]]}))
     with pytest.raises(ValueError, match="PAGEDLLM_WNA16_MMA_TABLE=.*not a table"):
-        wna16_mma_config._read_table(str(f))
+        read_launch_table(str(f), MMAConfig, "PAGEDLLM_WNA16_MMA_TABLE")
 
 
 def test_act_order_few_rows_stay_on_the_tc_kernel(monkeypatch, device):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import wna16_gemm, wna16_wgmma_config
+from pagedllm.kernels.launch_table import read_launch_table
 from pagedllm.kernels.wna16_gemm import dequantize_wna16, wna16_linear, wna16_linear_ref
 from pagedllm.kernels.wna16_wgmma import (
     a_operand_bases,
@@ -56,10 +57,10 @@ def test_table_choice_file_and_cpu_dispatch(tmp_path, monkeypatch):
     assert wgmma_choice(20, 128, 256) is None  # a shape not measured: the Triton kernels
     f = tmp_path / "t.json"
     f.write_text(json.dumps({"64,256": [[64, None], [32, [16, 64, 2, 4, 4]]]}))
-    assert wna16_wgmma_config._read_table(str(f)) == table
+    assert read_launch_table(str(f), WGMMAConfig, "PAGEDLLM_WNA16_WGMMA_TABLE") == table
     f.write_text(json.dumps({"64,256": [[32, [16, 64]]]}))
     with pytest.raises(ValueError, match="PAGEDLLM_WNA16_WGMMA_TABLE=.*not a table"):
-        wna16_wgmma_config._read_table(str(f))
+        read_launch_table(str(f), WGMMAConfig, "PAGEDLLM_WNA16_WGMMA_TABLE")
     # off an sm_90 GPU the dispatch never takes it, and the answer is unchanged
     qweight, scales, zeros = _weights(256, 64, 128, "cpu")
     x = torch.randn(20, 256)
