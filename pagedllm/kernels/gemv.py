@@ -245,6 +245,23 @@ def split_k_workspace(
     return ws
 
 
+def split_k_plan(
+    workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, steps: int, block_k: int,
+    asked: int, tiles: int, floats: int, counters: int,
+) -> tuple[int, int, tuple[torch.Tensor, torch.Tensor]]:
+    """(programs sharing a tile's K, inputs each takes, (partials, counters)) of a split-K launch of `tiles`
+    tiles writing `out` (M, N): `asked` splits of `steps` steps of block_k inputs, fewer where fewer steps
+    divide among them; one split, with `out` twice as the workspace it never reads, where none is made yet
+    (a capture) or the partials (split x M x N floats) or the tiles' counters would not fit.
+    Example: steps 32, block_k 128, asked 3 -> (3, 1408, ws): 11 + 11 + 10 steps."""
+    k_per_split = triton.cdiv(steps, max(1, asked)) * block_k
+    split = triton.cdiv(steps * block_k, k_per_split)
+    ws = split_k_workspace(workspaces, out.device, floats, counters) if split > 1 else None
+    if ws is None or split * out.numel() > floats or tiles > counters:
+        return 1, steps * block_k, (out, out)  # the split-K branch is compiled out
+    return split, k_per_split, ws
+
+
 def skinny_linear(
     x: torch.Tensor,  # (M, K), M <= 16
     weight: torch.Tensor,  # (N, K), nn.Linear layout

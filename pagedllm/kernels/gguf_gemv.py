@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
+from pagedllm.kernels.gemv import split_k_plan, store_split_k_output
 from pagedllm.kernels.gguf_dequant import (
     QTYPE_ID,
     GGUFPacked,
@@ -212,15 +212,10 @@ def gguf_gemv(x: torch.Tensor, p: GGUFPacked, bias: torch.Tensor | None = None,
     if 256 % block_k or (m > FMA_MAX_M and cfg.BLOCK_KP < 16):
         raise ValueError(f"a step of {block_k} inputs must divide 256 (and have >= 16 word rows for "
                          f"M > {FMA_MAX_M}: tensor cores)")
-    steps = triton.cdiv(k, block_k)
-    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
-    split = triton.cdiv(k, k_per_split)
     n_blocks = triton.cdiv(p.n, cfg.BLOCK_N)
     out = torch.empty((m, p.n), dtype=x.dtype, device=x.device)
-    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
-    if ws is None or split * m * p.n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
-        split, k_per_split = 1, steps * block_k
-        ws = (out, out)  # never read: the split-K branch is compiled out
+    split, k_per_split, ws = split_k_plan(_workspaces, out, triton.cdiv(k, block_k), block_k, cfg.SPLIT_K, n_blocks,
+                                          _WS_FLOATS, _WS_COUNTERS)
     use_dot = m > FMA_MAX_M
     _gguf_gemv_kernel[(n_blocks, split)](
         x, *kernel_args(p), bias if bias is not None else out, out, ws[0], ws[1],

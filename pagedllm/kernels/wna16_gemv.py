@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
+from pagedllm.kernels.gemv import split_k_plan, store_split_k_output
 from pagedllm.kernels.wna16_unpack import unpack_scaled, unpack_tile
 
 __all__ = ["WNA16GemvConfig", "wna16_gemv", "wna16_gemv_config"]
@@ -176,15 +176,10 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     block_k = cfg.BLOCK_KP * pf
     if group_size % block_k or k % block_k:
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size} and K {k}")
-    steps = k // block_k
-    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
-    split = triton.cdiv(k, k_per_split)
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
-    if ws is None or split * m * n > _WS_FLOATS or n_blocks > _WS_COUNTERS:
-        split, k_per_split = 1, k
-        ws = (out, out)  # never read: the split-K branch is compiled out
+    split, k_per_split, ws = split_k_plan(_workspaces, out, k // block_k, block_k, cfg.SPLIT_K, n_blocks, _WS_FLOATS,
+                                          _WS_COUNTERS)
     use_dot = m > 1
     _wna16_gemv_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, perm if perm is not None else out,

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
+from pagedllm.kernels.gemv import split_k_plan, store_split_k_output
 from pagedllm.kernels.wna16_mma_config import MMAConfig, mma_choice
 from pagedllm.kernels.wna16_tc import _weights, int4_steps_supported, magic_offset
 
@@ -133,15 +133,10 @@ def wna16_mma_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if use_asm is None:
         use_asm = x.is_cuda
     magic, off = magic_offset(x.dtype, use_asm, "wna16_mma_linear")
-    steps = k // block_k
-    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
-    split = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
-    if ws is None or split * m * n > _WS_FLOATS or tiles > _WS_COUNTERS:
-        split, k_per_split = 1, k
-        ws = (out, out)  # never read: the split-K branch is compiled out
+    split, k_per_split, ws = split_k_plan(_workspaces, out, k // block_k, block_k, cfg.SPLIT_K, tiles, _WS_FLOATS,
+                                          _WS_COUNTERS)
     _wna16_mma_kernel[(tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,

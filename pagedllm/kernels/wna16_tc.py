@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import split_k_workspace, store_split_k_output
+from pagedllm.kernels.gemv import split_k_plan, store_split_k_output
 
 __all__ = ["TCConfig", "tc_config", "tc_supported", "wna16_tc_linear"]
 
@@ -353,17 +353,12 @@ def wna16_tc_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if use_asm is None:
         use_asm = not interp
     magic, off = magic_offset(x.dtype, use_asm, "wna16_tc_linear")
-    steps = k // block_k
-    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
-    split = triton.cdiv(k, k_per_split)
     n_blocks = triton.cdiv(n, cfg.BLOCK_N)
     block_m = cfg.BLOCK_M or min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, block_m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
-    if ws is None or split * m * n > _WS_FLOATS or n_blocks * m_blocks > _WS_COUNTERS:
-        split, k_per_split = 1, k
-        ws = (out, out)  # never read: the split-K branch is compiled out
+    split, k_per_split, ws = split_k_plan(_workspaces, out, k // block_k, block_k, cfg.SPLIT_K, n_blocks * m_blocks,
+                                          _WS_FLOATS, _WS_COUNTERS)
     _wna16_tc_kernel[(m_blocks, n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, perm if perm is not None else out,
         out, ws[0], ws[1],

@@ -53,7 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from pagedllm.kernels.gemv import split_k_workspace
+from pagedllm.kernels.gemv import split_k_plan
 from pagedllm.kernels.wna16_wgmma_config import WGMMAConfig
 
 __all__ = ["WGMMAConfig", "a_operand_bases", "wgmma_dequant_emulation", "wgmma_supported", "wna16_wgmma_linear",
@@ -364,15 +364,10 @@ def wna16_wgmma_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         x = x.contiguous()
     magic, off, one = _MAGIC[x.dtype]
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    steps = k // block_k
-    k_per_split = triton.cdiv(steps, max(1, cfg.SPLIT_K)) * block_k
-    split = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = split_k_workspace(_workspaces, x.device, _WS_FLOATS, _WS_COUNTERS) if split > 1 else None
-    if ws is None or split * m * n > _WS_FLOATS or tiles > _WS_COUNTERS:
-        split, k_per_split = 1, k
-        ws = (out, out)  # never read: the split-K branch is compiled out
+    split, k_per_split, ws = split_k_plan(_workspaces, out, k // block_k, block_k, cfg.SPLIT_K, tiles, _WS_FLOATS,
+                                          _WS_COUNTERS)
     fma = "fma.rn.bf16x2" if x.dtype == torch.bfloat16 else "fma.rn.f16x2"
     _wna16_wgmma_kernel[(tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws[0], ws[1],
