@@ -176,13 +176,16 @@ def moe_floor_us(hit: int, hidden: int, inter: int, bw: float) -> float:
     return hit * 3 * hidden * inter * 2 / bw * 1e6
 
 
-def bench_w1(model: str, timeout: float) -> tuple[dict | None, subprocess.CompletedProcess, float]:
-    """`pagedllm bench throughput --dataset w1` on a preset's config (dummy weights, 4096 context)
-    in a fresh process: (its JSON result or None on failure, the process, seconds in all)."""
+def bench_w1(model: str, timeout: float, extra_env: dict[str, str] | None = None,
+             extra_args: tuple[str, ...] = ()) -> tuple[dict | None, subprocess.CompletedProcess, float]:
+    """`pagedllm bench throughput --dataset w1` on a preset's config or a config folder (dummy weights, 4096
+    context) in a fresh process, with `extra_env` set and `extra_args` added: (its JSON result or None on
+    failure, the process, seconds in all)."""
     out = tempfile.mktemp(suffix=".json")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+               **(extra_env or {}))
     cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", model, "--load-format",
-           "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
+           "dummy", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out, *extra_args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not os.path.exists(out):

@@ -25,18 +25,16 @@ import json
 import math
 import multiprocessing as mp
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
-from gpu_wna16_stream import QUANT, G, weights  # noqa: E402 - the same dummy int4 weights and AWQ config
+from _gpu_common import record, rel_err, rotating_graph_us, run_sections  # noqa: E402
 from gpu_wna16_stream import SHAPES as SHAPES_8B  # noqa: E402 - Llama-3.1-8B's four linears
+from gpu_wna16_stream import G, w1_runs, weights  # noqa: E402 - the same dummy int4 weights and AWQ config
 
 from pagedllm.kernels import wna16_gemm  # noqa: E402
 from pagedllm.kernels.wna16_gemm import dequantize_wna16_triton, wna16_linear, wna16_linear_ref  # noqa: E402
@@ -108,10 +106,6 @@ def precompile() -> None:
     record(f"compile: {len(cfgs)} configurations", f"{time.monotonic() - t0:.1f} s; failed: {done or 'none'}")
 
 
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
-
-
 def check() -> None:
     torch.manual_seed(0)
     worst = (0.0, "")
@@ -125,17 +119,17 @@ def check() -> None:
             if mma_choice(m, n, k):
                 cfgs["choice"] = mma_choice(m, n, k)
             for name, c in cfgs.items():
-                e = rel(wna16_mma_linear(x, w, s, z, G, config=c), ref)
+                e = rel_err(wna16_mma_linear(x, w, s, z, G, config=c), ref)
                 worst = max(worst, (e, f"{shape} M={m} {name}"))
-            e = rel(wna16_linear(x, w, s, z, 4, G), ref)
+            e = rel_err(wna16_linear(x, w, s, z, 4, G), ref)
             worst = max(worst, (e, f"{shape} M={m} dispatch"))
             if m == 64:
                 perm = torch.randperm(k, device="cuda").to(torch.int32)
-                e = rel(wna16_mma_linear(x, w, s, z, G, perm=perm), wna16_linear_ref(x, w, s, z, 4, G, perm=perm))
+                e = rel_err(wna16_mma_linear(x, w, s, z, G, perm=perm), wna16_linear_ref(x, w, s, z, 4, G, perm=perm))
                 worst = max(worst, (e, f"{shape} M=64 act-order"))
             if m == 256:
                 xh = x.half()
-                e = rel(wna16_mma_linear(xh, w, s.half(), z, G), wna16_linear_ref(xh, w, s.half(), z, 4, G))
+                e = rel_err(wna16_mma_linear(xh, w, s.half(), z, G), wna16_linear_ref(xh, w, s.half(), z, 4, G))
                 worst = max(worst, (e, f"{shape} M=256 fp16"))
         print(f"check {shape}: worst so far {worst[0]:.1e} ({worst[1]})", flush=True)
         del w, s, z
@@ -225,36 +219,11 @@ def time_kernels() -> None:
 
 
 def w1() -> None:
-    cfg_dir = tempfile.mkdtemp()
-    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    config["quantization_config"] = QUANT["awq"]
-    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
     runs = {"the built-in table": {}} if ARGS.no_before else {
         "before (PAGEDLLM_WNA16_MMA=0)": {"PAGEDLLM_WNA16_MMA": "0"}, "the built-in table": {}}
     if os.path.exists(ARGS.table):
         runs["mma measured table"] = {"PAGEDLLM_WNA16_MMA_TABLE": ARGS.table}
-    for name, extra in runs.items():
-        left = ARGS.budget - (time.monotonic() - T0)
-        if left < 60:
-            print(f"(budget: W1 {name} not run)", flush=True)
-            continue
-        out = tempfile.mktemp(suffix=".json")
-        env = dict(os.environ, PYTHONPATH=os.getcwd(), **extra)
-        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", cfg_dir, "--load-format", "dummy",
-               "--skip-tokenizer-init", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(200, left - 10))
-        except subprocess.TimeoutExpired:
-            record(f"W1 8B AWQ, {name}", "timed out")
-            continue
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
-            record(f"W1 8B AWQ, {name}", f"failed (rc {proc.returncode})")
-            continue
-        d = json.load(open(out))
-        record(f"W1 8B AWQ, {name}", f"{d['output_tokens_per_second']:.1f} output tok/s ({time.monotonic() - t0:.0f} s "
-               "with start)")
+    w1_runs(runs, lambda: ARGS.budget - (time.monotonic() - T0), 200)
 
 
 if __name__ == "__main__":

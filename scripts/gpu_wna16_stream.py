@@ -22,15 +22,17 @@ import math
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
+from _gpu_common import bench_w1, record, rotating_graph_us, run_sections  # noqa: E402
 
 from pagedllm.envs import use_triton_cache_dir  # noqa: E402
 from pagedllm.kernels.gemv import skinny_linear  # noqa: E402
@@ -242,6 +244,33 @@ QUANT = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_poin
                   "checkpoint_format": "gptq"}}
 
 
+def quant_model_dir(method: str) -> str:
+    """A new config folder: the bundled Llama-3.1-8B config with QUANT[method] as its quantization_config."""
+    cfg_dir = tempfile.mkdtemp()
+    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
+    config["quantization_config"] = QUANT[method]
+    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
+    return cfg_dir
+
+
+def w1_runs(runs: dict[str, dict[str, str]], seconds_left: Callable[[], float], timeout: float) -> None:
+    """`pagedllm bench throughput` W1 of the 8B AWQ dummy model once per run (name -> environment), each in its
+    own process, back to back, recorded; a run not started with < 60 s left, each capped at `timeout`."""
+    cfg_dir = quant_model_dir("awq")
+    for name, extra in runs.items():
+        left = seconds_left()
+        if left < 60:
+            print(f"(budget: W1 {name} not run)", flush=True)
+            continue
+        try:
+            r, proc, seconds = bench_w1(cfg_dir, min(timeout, left - 10), extra, ("--skip-tokenizer-init",))
+        except subprocess.TimeoutExpired:
+            record(f"W1 8B AWQ, {name}", "timed out")
+            continue
+        record(f"W1 8B AWQ, {name}", f"failed (rc {proc.returncode})" if r is None else
+               f"{r['output_tokens_per_second']:.1f} output tok/s ({seconds:.0f} s with start)")
+
+
 def batch1_steps(method: str, warm_tokens: int = 257, iters: int = 3, in_process: bool = True):
     """(llm, decode step seconds) of the Llama-3.1-8B dummy model quantized by `method` (QUANT), batch 1,
     max_num_seqs 1 (one captured decode graph), the engine in this process where `in_process` (so that
@@ -254,10 +283,7 @@ def batch1_steps(method: str, warm_tokens: int = 257, iters: int = 3, in_process
 
     if in_process:
         os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
-    cfg_dir = tempfile.mkdtemp()
-    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    config["quantization_config"] = QUANT[method]
-    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
+    cfg_dir = quant_model_dir(method)
     t0 = time.monotonic()
     llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=1)
     print(f"[8B {method.upper()} ready in {time.monotonic() - t0:.0f} s]", flush=True)

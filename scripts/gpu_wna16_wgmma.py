@@ -22,17 +22,15 @@ import json
 import math
 import multiprocessing as mp
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gpu_common import record, rotating_graph_us, run_sections  # noqa: E402
-from gpu_wna16_stream import QUANT, SHAPES, G, weights  # noqa: E402 - the 8B's linears, dummy int4 weights, AWQ
+from _gpu_common import record, rel_err, rotating_graph_us, run_sections  # noqa: E402
+from gpu_wna16_stream import SHAPES, G, w1_runs, weights  # noqa: E402 - the 8B's linears, dummy int4 weights, AWQ
 
 from pagedllm.kernels import wna16_gemm  # noqa: E402
 from pagedllm.kernels.wna16_gemm import wna16_linear, wna16_linear_ref  # noqa: E402
@@ -104,10 +102,6 @@ def precompile() -> None:
     record(f"compile: {len(cfgs)} configurations", f"{time.monotonic() - t0:.1f} s; failed: {done or 'none'}")
 
 
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
-
-
 def check() -> None:
     torch.manual_seed(0)
     worst = (0.0, "")
@@ -121,19 +115,19 @@ def check() -> None:
             cfgs = [C(16, 64, 4, 4, 4), C(64, 64, 2, 4, 4), C(64, 64, 1, 4, 4), C(128, 128, 1, 8, 3),
                     C(256, 128, 2, 8, 3, 8), C(128, 64, 4, 4, 3), C(256, 128, 1, 8, 4, 8), C(128, 256, 2, 8, 3, 8)]
             for c in cfgs:
-                e = rel(wna16_wgmma_linear(x, w, s, z, G, c), ref)
+                e = rel_err(wna16_wgmma_linear(x, w, s, z, G, c), ref)
                 worst, cases = max(worst, (e, f"{shape} M={m} {tuple(c)}")), cases + 1
                 if not e < 1e-2:
                     print(f"check {shape} M={m} {tuple(c)}: {e:.1e} FAIL", flush=True)
             if m == 160:
                 bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-                e = rel(wna16_wgmma_linear(x, w, s, z, G, C(128, 128, 2, 8, 3), bias=bias),
+                e = rel_err(wna16_wgmma_linear(x, w, s, z, G, C(128, 128, 2, 8, 3), bias=bias),
                         wna16_linear_ref(x, w, s, z, 4, G, bias=bias))
                 perm = torch.randperm(k, device="cuda").to(torch.int32)
-                e2 = rel(wna16_wgmma_linear(x, w, s, z, G, C(256, 128, 1, 8, 3), perm=perm),
+                e2 = rel_err(wna16_wgmma_linear(x, w, s, z, G, C(256, 128, 1, 8, 3, 8), perm=perm),
                          wna16_linear_ref(x, w, s, z, 4, G, perm=perm))
                 xh = x.half()
-                e3 = rel(wna16_wgmma_linear(xh, w, s.half(), z, G, C(256, 128, 2, 8, 3, 8)),
+                e3 = rel_err(wna16_wgmma_linear(xh, w, s.half(), z, G, C(256, 128, 2, 8, 3, 8)),
                          wna16_linear_ref(xh, w, s.half(), z, 4, G))
                 worst = max(worst, (e, f"{shape} bias"), (e2, f"{shape} act-order"), (e3, f"{shape} fp16"))
                 cases += 3
@@ -174,7 +168,7 @@ def time_kernels() -> None:
             ref = wna16_linear_ref(x, *ws[0], 4, G)
             for c in candidates(m):
                 try:
-                    e = rel(wna16_wgmma_linear(x, *ws[0], G, c), ref)
+                    e = rel_err(wna16_wgmma_linear(x, *ws[0], G, c), ref)
                     if not e < 1e-2:  # a wrong answer is never a pick (and is reported)
                         print(f"time {shape} M={m} {tuple(c)}: error {e:.1e}, left out", flush=True)
                         WRONG.append(f"{shape} M={m} {tuple(c)}")
@@ -236,35 +230,10 @@ def table_literal(table: dict) -> str:
 
 
 def w1() -> None:
-    cfg_dir = tempfile.mkdtemp()
-    config = json.load(open("pagedllm/model_configs/llama3-8b/config.json"))
-    config["quantization_config"] = QUANT["awq"]
-    json.dump(config, open(os.path.join(cfg_dir, "config.json"), "w"))
     runs = {"before (PAGEDLLM_WNA16_WGMMA=0)": {"PAGEDLLM_WNA16_WGMMA": "0"}}
     if os.path.exists(ARGS.table):
         runs["wgmma measured table"] = {"PAGEDLLM_WNA16_WGMMA_TABLE": ARGS.table}
-    for name, extra in runs.items():
-        left = ARGS.budget - (time.monotonic() - T0)
-        if left < 60:
-            print(f"(budget: W1 {name} not run)", flush=True)
-            continue
-        out = tempfile.mktemp(suffix=".json")
-        env = dict(os.environ, PYTHONPATH=os.getcwd(), **extra)
-        cmd = [sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", cfg_dir, "--load-format", "dummy",
-               "--skip-tokenizer-init", "--dataset", "w1", "--max-model-len", "4096", "--output-json", out]
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(ARGS.w1_timeout, left - 10))
-        except subprocess.TimeoutExpired:
-            record(f"W1 8B AWQ, {name}", "timed out")
-            continue
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
-            record(f"W1 8B AWQ, {name}", f"failed (rc {proc.returncode})")
-            continue
-        d = json.load(open(out))
-        record(f"W1 8B AWQ, {name}", f"{d['output_tokens_per_second']:.1f} output tok/s ({time.monotonic() - t0:.0f} s "
-               "with start)")
+    w1_runs(runs, lambda: ARGS.budget - (time.monotonic() - T0), ARGS.w1_timeout)
 
 
 if __name__ == "__main__":
