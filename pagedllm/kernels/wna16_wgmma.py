@@ -46,6 +46,8 @@ the CPU and the kernel to it on a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -341,6 +343,24 @@ def wgmma_dequant_emulation(qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     return ((v + nz).to(dtype).float() * sc).to(dtype)
 
 
+@functools.cache
+def _launch_constants(cfg: WGMMAConfig, dtype: torch.dtype) -> dict:
+    """The kernel's constexprs that follow from the launch and x's dtype alone (layouts, the pair's PTX),
+    built once each: the wrapper runs on every eager call."""
+    magic, off, one = _MAGIC[dtype]
+    block_k = cfg.BLOCK_KW * 8
+    return dict(
+        OFF=off, PAIR_ASM=_pair_asm(magic, one, "fma.rn.bf16x2" if dtype == torch.bfloat16 else "fma.rn.f16x2"),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STAGES=cfg.STAGES,
+        WORDS3=_words3_layout(cfg.BLOCK_N, cfg.BLOCK_KW, cfg.num_warps),
+        X_SMEM=gl.NVMMASharedLayout.get_default_for(
+            [cfg.BLOCK_M, block_k], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16),
+        W_COPY=_copy_layout(cfg.BLOCK_KW, cfg.BLOCK_N, 4, cfg.num_warps),
+        X_COPY=_copy_layout(cfg.BLOCK_M, block_k, 2, cfg.num_warps),
+        OUT_L=_out_layout(cfg.BLOCK_N, cfg.BLOCK_M, cfg.num_warps),
+    )
+
+
 def wna16_wgmma_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, config: WGMMAConfig, bias: torch.Tensor | None = None,
                        perm: torch.Tensor | None = None) -> torch.Tensor:
@@ -362,24 +382,14 @@ def wna16_wgmma_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         x = x.index_select(1, perm)
     if x.stride(1) != 1:
         x = x.contiguous()
-    magic, off, one = _MAGIC[x.dtype]
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split, k_per_split, ws = split_k_plan(_workspaces, out, k // block_k, block_k, cfg.SPLIT_K, tiles, _WS_FLOATS,
                                           _WS_COUNTERS)
-    fma = "fma.rn.bf16x2" if x.dtype == torch.bfloat16 else "fma.rn.f16x2"
     _wna16_wgmma_kernel[(tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,
-        GROUP_SIZE=group_size, OFF=off, PAIR_ASM=_pair_asm(magic, one, fma),
-        HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_KW=cfg.BLOCK_KW, STAGES=cfg.STAGES,
-        WORDS3=_words3_layout(cfg.BLOCK_N, cfg.BLOCK_KW, cfg.num_warps),
-        X_SMEM=gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, block_k], gl_dtype),
-        W_COPY=_copy_layout(cfg.BLOCK_KW, cfg.BLOCK_N, 4, cfg.num_warps),
-        X_COPY=_copy_layout(cfg.BLOCK_M, block_k, 2, cfg.num_warps),
-        OUT_L=_out_layout(cfg.BLOCK_N, cfg.BLOCK_M, cfg.num_warps),
-        num_warps=cfg.num_warps,
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+        **_launch_constants(cfg, x.dtype), num_warps=cfg.num_warps,
     )
     return out
