@@ -31,9 +31,22 @@ class WGMMAConfig(NamedTuple):
 _W = WGMMAConfig  # the table's entries (scripts/gpu_wna16_wgmma.py prints them in this form)
 Bucket = tuple[int, WGMMAConfig | None]
 # (N, K) -> ((max rows, config or None = the Triton kernels), ...) in increasing max rows; rows past the
-# last bucket take the Triton kernels. Empty: the kernel's current loop has not been checked and timed on a
-# GPU yet (BENCHMARKS.md, issue 19, twenty-first session); a PAGEDLLM_WNA16_WGMMA_TABLE file fills it.
-TABLE: dict[tuple[int, int], tuple[Bucket, ...]] = {}
+# last bucket take the Triton kernels. Measured on an H100 80GB HBM3 (BENCHMARKS.md, issue 19, twenty-second
+# session): every candidate's answer checked against the fp32 reference first, a bucket kept only where the
+# kernel beat the Triton dispatch; a PAGEDLLM_WNA16_WGMMA_TABLE file replaces it.
+TABLE: dict[tuple[int, int], tuple[Bucket, ...]] = {
+    (6144, 4096): ((16, None), (32, _W(32, 64, 4, 4, 3)), (128, None), (192, _W(128, 128, 1, 8, 4)), (224, None),
+                   (256, _W(128, 64, 1, 4, 3))),  # Llama-3.1-8B qkv
+    (4096, 4096): ((16, _W(16, 64, 8, 4, 3)), (32, _W(32, 64, 4, 4, 3)), (64, None), (96, _W(128, 64, 2, 4, 4)),
+                   (128, _W(64, 64, 2, 4, 4)), (192, _W(128, 64, 1, 4, 3)), (224, _W(128, 64, 1, 4, 4)),
+                   (256, _W(128, 64, 1, 4, 3))),  # Llama-3.1-8B o
+    (28672, 4096): ((16, _W(16, 64, 1, 4, 4)), (32, _W(32, 64, 1, 4, 4)), (96, None), (128, _W(128, 64, 1, 4, 3)),
+                    (160, None), (192, _W(256, 128, 1, 8, 4, 8)), (256, None), (320, _W(128, 64, 1, 4, 3)),
+                    (384, _W(128, 64, 4, 4, 3)), (512, _W(256, 128, 1, 8, 4, 8))),  # Llama-3.1-8B gate_up
+    (4096, 14336): ((16, _W(16, 64, 8, 4, 3)), (32, _W(32, 64, 8, 4, 3)), (64, _W(64, 64, 4, 4, 4)),
+                    (128, _W(128, 64, 4, 4, 3)), (192, _W(128, 64, 2, 4, 3)), (224, _W(128, 128, 2, 8, 4)),
+                    (256, _W(128, 64, 2, 4, 3)), (384, None), (512, _W(256, 128, 2, 8, 3, 8))),  # Llama-3.1-8B down
+}
 
 
 _TABLE_FILE = environment_variables["PAGEDLLM_WNA16_WGMMA_TABLE"]()

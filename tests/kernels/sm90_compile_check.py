@@ -57,6 +57,7 @@ from pagedllm.kernels import (  # noqa: E402
     wna16_stream,
     wna16_tc,
     wna16_wgmma,
+    wna16_wgmma_config,
 )
 
 _TYPES = {
@@ -203,14 +204,18 @@ def _record_quant() -> None:
     # the GPU's form of the GEMM (the inline-PTX dequantization) at the same three launches
     for m in (8, 64, 200):
         wna16_mma.wna16_mma_linear(torch.zeros(m, k, dtype=bf16), qw, s, z, 128, use_asm=True)
-    # the Gluon int4 GEMM (sm_90's pick of W1's batches where its table has them): 256 / 128 / 64-row tiles,
-    # K split, 64-input steps, fp16 x; its compile also checks that the words' layout is wgmma's A operand
-    # layout (the kernel's `convert_layout(..., assert_trivial=True)`)
+    # the Gluon int4 GEMM (sm_90's pick of W1's batches): every launch of its measured table, at the table's
+    # largest row count for the tile (a ragged M where it is not a multiple), and one in fp16; its compile also
+    # checks that the words' layout is wgmma's A operand layout (`convert_layout(..., assert_trivial=True)`)
     wna16_wgmma._workspaces[torch.device("cpu")] = (torch.zeros(1 << 23), torch.zeros(1 << 15, dtype=torch.int32))
-    wg = wna16_wgmma.WGMMAConfig
-    for m, cfg, dt in ((256, wg(256, 128, 1, 8, 3, 8), bf16), (200, wg(128, 128, 2, 8, 4), bf16),
-                       (64, wg(64, 64, 4, 4, 4), bf16), (256, wg(128, 64, 1, 4, 3), bf16),
-                       (160, wg(256, 128, 2, 8, 4, 8), torch.float16)):
+    picks: dict[wna16_wgmma.WGMMAConfig, int] = {}
+    for buckets in wna16_wgmma_config.TABLE.values():
+        for rows, cfg in buckets:
+            if cfg is not None:
+                picks[cfg] = max(rows, picks.get(cfg, 0))
+    launches = [(rows, cfg, bf16) for cfg, rows in picks.items()]
+    launches.append((160, wna16_wgmma.WGMMAConfig(256, 128, 2, 8, 4, 8), torch.float16))
+    for m, cfg, dt in launches:
         wna16_wgmma.wna16_wgmma_linear(torch.zeros(m, k, dtype=dt), qw, s.to(dt), z, 128, cfg)
     # the packed fp16 math of the one-row kernel (MATH="f16x2"), plain, with SwiGLU's activation and with
     # residual add + RMSNorm in its x prologue (the norm at qkv / gate_up's K: hidden 4096)
