@@ -55,7 +55,8 @@ C = WGMMAConfig
 
 def candidates(m: int) -> list[WGMMAConfig]:
     """BLOCK_M the power of two holding m (16..256) and half of it; 64 columns on 4 warps or 128 on 8 (256
-    on 8 past 64 rows); K split 1, 2, 4 (8 for <= 64 rows); 3-4 stages; 256-row tiles with 64-input steps."""
+    on 8 past 64 rows, with 128-input steps on 128-row tiles); K split 1, 2, 4 (8 for <= 64 rows); 3-4 stages;
+    256-row tiles with 64-input steps."""
     top = min(256, max(16, 1 << (m - 1).bit_length()))
     out = []
     for bm in sorted({top, max(16, top // 2)}):
@@ -72,6 +73,8 @@ def candidates(m: int) -> list[WGMMAConfig]:
                 out.append(C(bm, bn, 1, warps, 4, 8))
         if m > 64 and bm <= 128:  # 256 columns on 8 warps: x re-read from L2 by half as many programs
             out += [C(bm, 256, split, 8, stages, 8) for split in (1, 2) for stages in (3, 4)]
+            if bm == 128:  # 128-input steps fit there (223-231 registers; at 64 rows they spill)
+                out += [C(bm, 256, split, 8, stages) for split in (1, 2) for stages in (3, 4)]
     return out
 
 
