@@ -229,7 +229,6 @@ def table_literal(table: dict) -> str:
                  for mx, c in merged]
         lines.append(f"    ({key.replace(',', ', ')}): ({', '.join(cells)},),  # Llama-3.1-8B {names.get(key, key)}")
     return "\n".join(lines)
-    print(f"measured table -> {ARGS.table}: {json.dumps(table)}", flush=True)
 
 
 def w1() -> None:
