@@ -3,11 +3,15 @@
 config.json of an FP8 checkpoint (vLLM's "fp8" format, as written by AutoFP8 / vLLM's tools):
 
     "quantization_config": {"quant_method": "fp8", "activation_scheme": "static" | "dynamic",
-                            "ignored_layers": ["lm_head", ...]}
+                            "ignored_layers": ["lm_head", ...], "weight_block_size": [128, 128]}
 
-Weight scales may be per tensor or per output channel; `weight_block_size` (DeepSeek-style
-128x128 block scales) is refused by name: not built (for MoE experts too). Methods: the linears
-quantization/w8a8.py; MoE experts (`FusedMoE`) quantization/fp8_moe.py (per-expert scales, W8A16).
+Weight scales may be per tensor or per output channel (`weight_scale`, quantization/w8a8.py), or, with
+`weight_block_size` [block_n, block_k] (DeepSeek-V3, Qwen3-FP8), one per block of the weight
+(`weight_scale_inv`, quantization/fp8_block.py). Block-wise scales need activation_scheme "dynamic"
+(vLLM's rule: activations are quantized per token and group of block_k inputs) and fp8 weights in the
+checkpoint (online `quantization="fp8"` of a bf16 checkpoint stays per channel); block-wise MoE experts
+are refused by name: not built. MoE experts (`FusedMoE`) otherwise: quantization/fp8_moe.py
+(per-expert scales, W8A16).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from pagedllm.kernels.scaled_mm import FP8_DTYPE
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
+from pagedllm.quantization.fp8_block import Fp8BlockLinearMethod
 from pagedllm.quantization.fp8_moe import Fp8MoEMethod
 from pagedllm.quantization.utils import is_layer_skipped
 from pagedllm.quantization.w8a8 import W8A8LinearMethod
@@ -28,12 +33,21 @@ ACTIVATION_SCHEMES = ("static", "dynamic")
 
 class Fp8Config(QuantizationConfig):
     def __init__(self, is_checkpoint_fp8_serialized: bool = True, activation_scheme: str = "dynamic",
-                 ignored_layers: list[str] | None = None) -> None:
+                 ignored_layers: list[str] | None = None, weight_block_size: Any = None) -> None:
         super().__init__()
         if activation_scheme not in ACTIVATION_SCHEMES:
             raise ValueError(f"fp8 activation_scheme must be one of {ACTIVATION_SCHEMES}, got {activation_scheme!r}")
         if not is_checkpoint_fp8_serialized and activation_scheme == "static":
             raise ValueError("online fp8 (a checkpoint without fp8 weights) needs activation_scheme 'dynamic'")
+        self.weight_block_size = _block_size(weight_block_size)
+        if self.weight_block_size is not None:
+            if not is_checkpoint_fp8_serialized:
+                raise ValueError(f"fp8 weight_block_size={list(self.weight_block_size)} needs fp8 weights in the "
+                                 "checkpoint (quant_method 'fp8'); online fp8 quantizes per output channel")
+            if activation_scheme != "dynamic":
+                raise ValueError(f"fp8 weight_block_size={list(self.weight_block_size)} (block-wise weight scales) "
+                                 f"needs activation_scheme 'dynamic', got {activation_scheme!r}: block-wise "
+                                 "activations are quantized per token group at run time (as vLLM requires)")
         self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized
         self.activation_scheme = activation_scheme
         self.ignored_layers = list(ignored_layers or [])
@@ -54,14 +68,10 @@ class Fp8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8Config:
-        if config.get("weight_block_size") is not None:
-            raise ValueError(
-                f"fp8 checkpoint with weight_block_size={config['weight_block_size']} (block-wise weight "
-                "scales) is not built; per-tensor and per-channel weight scales are."
-            )
         serialized = "fp8" in str(cls.get_from_keys(config, ["quant_method"], "fp8"))
         return cls(serialized, cls.get_from_keys(config, ["activation_scheme"], "dynamic"),
-                   cls.get_from_keys(config, ["ignored_layers", "modules_to_not_convert"], None))
+                   cls.get_from_keys(config, ["ignored_layers", "modules_to_not_convert"], None),
+                   config.get("weight_block_size"))
 
     @classmethod
     def default_for_dummy(cls) -> Fp8Config:
@@ -75,6 +85,22 @@ class Fp8Config(QuantizationConfig):
                                                                             self.packed_modules_mapping):
             return None
         if isinstance(layer, FusedMoE):  # the routed experts (the router gate stays dense, as vLLM's)
+            if self.weight_block_size is not None:
+                raise ValueError(f"fp8 checkpoint with weight_block_size={list(self.weight_block_size)}: block-wise "
+                                 f"scales of MoE experts ({prefix}, a FusedMoE layer) are not built; the linears' "
+                                 "are, and per-tensor expert scales are")
             return Fp8MoEMethod(self.is_checkpoint_fp8_serialized, self.activation_scheme == "static")
+        if self.weight_block_size is not None:
+            return Fp8BlockLinearMethod(self.weight_block_size)
         return W8A8LinearMethod(FP8_DTYPE, static_input=self.activation_scheme == "static",
                                 serialized=self.is_checkpoint_fp8_serialized)
+
+
+def _block_size(value: Any) -> tuple[int, int] | None:
+    """config.json's weight_block_size: None, or [block_n, block_k], two positive ints."""
+    if value is None:
+        return None
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"fp8 weight_block_size must be [block_n, block_k], two positive ints, got {value!r}")
+    return int(value[0]), int(value[1])
