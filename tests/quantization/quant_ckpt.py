@@ -11,6 +11,7 @@ pagedllm on the checkpoint and transformers on the dequantized model.
                         zero - 1 stored, scales fp16, g_idx with act order), RTN quantization
     AWQ                 AutoAWQ's WQLinear_GEMM packing (AWQ_ORDER nibble interleave, no offset)
     fp8                 vLLM's "fp8" format: e4m3 weight, weight_scale, static input_scale
+    fp8 block-wise      DeepSeek-V3's / Qwen3-FP8's: e4m3 weight, weight_scale_inv per (bn, bk) block
 """
 
 from __future__ import annotations
@@ -188,6 +189,34 @@ def fp8_checkpoint(model: nn.Module, per_channel: bool = False, static: bool = T
     return _save(model, tensors, config, "fp8"), deq
 
 
+def fp8_block_checkpoint(model: nn.Module, block: tuple[int, int] = (32, 48)) -> tuple[Path, nn.Module]:
+    """Qwen3-8B-FP8's format: weight (out, in) e4m3 and weight_scale_inv (ceil(out / bn), ceil(in / bk)) fp32
+    with w = weight * weight_scale_inv[n // bn, k // bk] (the scale is amax(|block|) / 448, as DeepSeek's
+    weight_quant). The default block on the tiny model (hidden 64, intermediate 128, q 64, k / v 32 rows):
+    whole 32-row blocks for every fused shard, and 48 inputs a block, so 64 = 48 + 16 and 128 = 48 + 48 + 32
+    both end in a ragged block."""
+    from pagedllm.kernels.fp8_block_gemm import _expand_scales
+
+    bn, bk = block
+    deq = copy.deepcopy(model)
+    tensors = {}
+    for name, lin in _linears(model):
+        w = lin.weight.data.float()
+        n, k = w.shape
+        nb, kb = -(-n // bn), -(-k // bk)
+        padded = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n))  # zeros: no block's amax changes
+        amax = padded.reshape(nb, bn, kb, bk).abs().amax(dim=(1, 3))
+        scale = (amax / 448.0).clamp(min=1e-12)  # (nb, kb)
+        full = _expand_scales(scale, n, k, block)
+        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        _set_weight(deq, name, q.float() * full)
+        tensors[f"{name}.weight"] = q
+        tensors[f"{name}.weight_scale_inv"] = scale.float()
+    config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [bn, bk]}
+    deq.act_group_size = bk  # the activations' quantization group (fake_quant_activations)
+    return _save(model, tensors, config, "fp8-block"), deq
+
+
 @torch.no_grad()
 def _input_amax(model: nn.Module, prompts: list[list[int]] | None) -> dict[str, torch.Tensor]:
     """Calibration: the largest |input| each linear sees over `prompts` (a static input scale's basis)."""
@@ -287,9 +316,12 @@ def online_fp8_reference(model: nn.Module) -> nn.Module:
     return deq
 
 
-def fake_quant_activations(model: nn.Module, qdtype: torch.dtype, static_scales: dict[str, float] | None = None):
+def fake_quant_activations(model: nn.Module, qdtype: torch.dtype, static_scales: dict[str, float] | None = None,
+                           group: int | None = None):
     """Forward pre-hooks that round every quantized linear's input as W8A8 does (per token, or with
-    the static scale); returns the hook handles. transformers then computes what pagedllm should."""
+    the static scale; `group`: per token and group of that many inputs, as block-wise FP8 does);
+    returns the hook handles. transformers then computes what pagedllm should."""
+    from pagedllm.kernels.fp8_block_gemm import per_token_group_quant_fp8_ref
     from pagedllm.kernels.scaled_mm import quantize_activation
 
     handles = []
@@ -298,7 +330,12 @@ def fake_quant_activations(model: nn.Module, qdtype: torch.dtype, static_scales:
 
         def pre(_m, args, static=static):
             x = args[0]
-            xq, s = quantize_activation(x.reshape(-1, x.shape[-1]), qdtype, static)
+            x2 = x.reshape(-1, x.shape[-1])
+            if group is not None:
+                xq, s = per_token_group_quant_fp8_ref(x2, group)  # s (T, ceil(K / group))
+                s = s.repeat_interleave(group, dim=1)[:, :x2.shape[1]]
+            else:
+                xq, s = quantize_activation(x2, qdtype, static)
             return ((xq.float() * s).reshape(x.shape),)
         handles.append(lin.register_forward_pre_hook(pre))
     return handles

@@ -159,12 +159,15 @@ def test_ignored_experts_stay_dense_and_block_scales_are_refused(dynamic_mixtral
     assert isinstance(kept.quant_method, Fp8MoEMethod) and kept.w13_weight.dtype == FP8_DTYPE
     with pytest.raises(ValueError, match="fused shared experts need unquantized experts"):
         FusedMoE(4, 2, 16, 8, num_fused_shared_experts=1, quant_config=cfg, prefix="model.layers.1.mlp.experts")
-    # A block-scaled FP8 MoE checkpoint (DeepSeek-V3, Qwen3-30B-A3B-FP8) is refused at config time.
+    # A block-scaled FP8 MoE checkpoint (DeepSeek-V3, Qwen3-30B-A3B-FP8) is refused when its experts are built,
+    # before any weight loads (block-wise linears are built: a block the tiny attention's q / k / v rows fill
+    # whole, so construction reaches the experts).
     config = json.loads((Path(dynamic_mixtral) / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [128, 128]
+    config["quantization_config"]["weight_block_size"] = [16, 16]
     bad = _edited(dynamic_mixtral, lambda s: None)
     (Path(bad) / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"weight_block_size=\[128, 128\].*not built"):
+    with pytest.raises(ValueError, match=r"weight_block_size=\[16, 16\]: block-wise scales of MoE experts "
+                                         r"\(model.layers.0.mlp.experts, a FusedMoE layer\) are not built"):
         _load(bad)
 
 

@@ -60,6 +60,7 @@ METHODS = {
     "fp8-per-channel-dynamic": (lambda p, m: (*qc.fp8_checkpoint(m, True, False), {"quantization": "fp8"}),
                                 FP8_DTYPE, None),
     "fp8-online": (lambda p, m: (p, qc.online_fp8_reference(m), {"quantization": "fp8"}), FP8_DTYPE, 0.9),
+    "fp8-block-32x48-dynamic": (lambda p, m: (*qc.fp8_block_checkpoint(m, (32, 48)), {}), FP8_DTYPE, 0.9),
 }
 
 
@@ -79,7 +80,8 @@ def test_method_matches_transformers_on_dequantized_weights(base, method):
     if act_qdtype is None:
         torch.testing.assert_close(ours, plain, atol=1e-4, rtol=1e-4)
     else:
-        handles = qc.fake_quant_activations(deq, act_qdtype, getattr(deq, "static_input_scales", None) or None)
+        handles = qc.fake_quant_activations(deq, act_qdtype, getattr(deq, "static_input_scales", None) or None,
+                                            getattr(deq, "act_group_size", None))
         exact = hf_logits(deq, LOGIT_PROMPT)
         for h in handles:
             h.remove()
