@@ -18,6 +18,9 @@ Where each runs (`fp8_block_linear`):
            `fp8_block_gemm` (Triton): one fp8 `tl.dot` per K group, its fp32 partial scaled by
            s[:, g] x sw[:, g] before it joins the accumulator (the design of vLLM's
            `_w8a8_block_fp8_matmul`); bias and the cast to the activation dtype in the epilogue.
+           Where block_n is a multiple of BLOCK_N (128 x 128 blocks) a tile's columns share one
+           weight scale per group, loaded as a scalar: at (128, 128) tiles that took the kernel from
+           255 registers and a spill to 180 (tests/kernels/sm90_compile_check.py).
 
 The GEMM's reference is `fp8_block_gemm_ref` (the same group-wise sums in torch); the quantizer's is
 `per_token_group_quant_fp8_ref`. Both Triton kernels are held to them under TRITON_INTERPRET=1, whose
@@ -149,7 +152,7 @@ def _fp8_block_gemm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
     M, N, K, GROUP_N, GROUP_K,
     stride_am, stride_bn, stride_asm, stride_asg, stride_bsn, stride_bsg, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ONE_BLOCK_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # a (M, K) fp8 row-major, b (N, K) fp8 row-major (nn.Linear's layout: K-major for the B operand, so
@@ -167,7 +170,10 @@ def _fp8_block_gemm_kernel(
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]  # (BLOCK_N, BLOCK_K), K contiguous
     as_ptrs = as_ptr + rows_a * stride_asm  # (BLOCK_M,) this tile's rows' scales of group 0
-    bs_ptrs = bs_ptr + (rows_b // GROUP_N) * stride_bsn  # (BLOCK_N,) each column's block row, group 0
+    if ONE_BLOCK_ROW:  # GROUP_N a multiple of BLOCK_N: the tile's columns share one weight scale per group
+        bs_ptrs = bs_ptr + ((pn * BLOCK_N) // GROUP_N) * stride_bsn
+    else:  # (BLOCK_N,) each column's block row, group 0
+        bs_ptrs = bs_ptr + (rows_b // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, tl.cdiv(K, GROUP_K)):
         if EVEN_K:
@@ -180,7 +186,11 @@ def _fp8_block_gemm_kernel(
         a_s = tl.load(as_ptrs + g * stride_asg)
         b_s = tl.load(bs_ptrs + g * stride_bsg)
         # One group's exact-product fp32 sum, scaled by its token and weight-block scales, then accumulated.
-        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * a_s[:, None] * b_s[None, :]
+        if ONE_BLOCK_ROW:
+            scale = a_s[:, None] * b_s
+        else:
+            scale = a_s[:, None] * b_s[None, :]
+        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * scale
         a_ptrs += GROUP_K
         b_ptrs += GROUP_K
     m_mask = offs_m < M
@@ -228,7 +238,7 @@ def fp8_block_gemm(qa: torch.Tensor, a_scales: torch.Tensor, qweight: torch.Tens
         m, n, k, bn, bk,
         qa.stride(0), qweight.stride(0), a_scales.stride(0), a_scales.stride(1), scale_inv.stride(0),
         scale_inv.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=block_k == bk and k % bk == 0,
+        HAS_BIAS=bias is not None, EVEN_K=block_k == bk and k % bk == 0, ONE_BLOCK_ROW=bn % cfg.BLOCK_N == 0,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, GROUP_M=cfg.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

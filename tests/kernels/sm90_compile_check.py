@@ -32,6 +32,7 @@ from pagedllm.attention.metadata import build_metadata  # noqa: E402
 from pagedllm.kernels import (  # noqa: E402
     activation,
     decode_attention,
+    fp8_block_gemm,
     fused_moe,
     gemv,
     kv_cache_write,
@@ -162,6 +163,8 @@ def _record(launches: list) -> None:
         (decode_attention, "_decode_fused_kernel"),
         (w8a8_gemm, "_w8a8_gemm_kernel"),
         (w8a8_gemm, "_split_k_sum_kernel"),
+        (fp8_block_gemm, "_per_token_group_quant_kernel"),
+        (fp8_block_gemm, "_fp8_block_gemm_kernel"),
         (quant_act, "_rms_norm_quant_kernel"),
         (quant_act, "_silu_and_mul_quant_kernel"),
         (moe_align, "_moe_align_kernel"),
@@ -246,6 +249,12 @@ def _record_quant() -> None:
                 w8a8_gemm.W8A8Config(128, 128, 128, 8, 8, 3, False, 2, True), *decode):
         w8a8_gemm.w8a8_gemm(torch.zeros(128, k, dtype=fp8), torch.zeros(n, k, dtype=fp8), torch.ones(128, 1),
                             torch.ones(n), None, bf16, config=cfg)
+    # Block-wise FP8 (weight_block_size 128 x 128, Qwen3-8B-FP8's) at Llama-3.1-8B's o / qkv projections: the
+    # per-token-group quantizer and the GEMM's three row buckets (16, 64 and 128-row tiles), one with a bias.
+    for m, nn_ in ((16, 4096), (64, 6144), (256, 6144), (256, 4096)):
+        qa, a_s = fp8_block_gemm.per_token_group_quant_fp8(torch.zeros(m, 4096, dtype=bf16), 128)
+        fp8_block_gemm.fp8_block_gemm(qa, torch.ones(m, 32), torch.zeros(nn_, 4096, dtype=fp8), torch.ones(nn_ // 128, 32),
+                                      (128, 128), bf16, torch.zeros(nn_, dtype=bf16) if nn_ == 4096 else None)
     # The fused producers of a W8A8 linear's input (layers/quant_fusion.py) at Llama-3.1-8B's widths.
     x = torch.zeros(2, 4096, dtype=bf16)
     quant_act.rms_norm_quant(x, torch.ones(4096, dtype=bf16), 1e-5, torch.float8_e4m3fn, x)

@@ -35,6 +35,7 @@ _KERNELS = {
     "_wna16_mma_kernel", "_wna16_wgmma_kernel",
     "_quant_row_kernel", "_scale_epilogue_kernel", "_rms_norm_quant_kernel", "_silu_and_mul_quant_kernel",
     "_decode_fused_kernel", "_w8a8_gemm_kernel", "_split_k_sum_kernel",
+    "_per_token_group_quant_kernel", "_fp8_block_gemm_kernel",
 }
 
 
