@@ -14,6 +14,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.fp8_block_gemm import fp8_block_linear, fp8_block_linear_ref
 from pagedllm.kernels.scaled_mm import (
     FP8_DTYPE,
     choose_path,
@@ -76,6 +77,10 @@ def main() -> None:
         w8, s8 = quantize_activation(w, FP8_DTYPE)
         wi, si = quantize_activation(w, torch.int8)
         s8, si = s8.flatten(), si.flatten()
+        # fp8 with 128 x 128 block scales (weight_block_size, Qwen3-FP8's): the weight's codes, one scale a block
+        blk = (128, 128)
+        wb_scale = (torch.rand(n // 128, k // 128, device=dev) * 2e-4 + 1e-4)
+        wb = (w.float() / wb_scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(FP8_DTYPE)
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_bf16 = bench(F.linear, x, w)
@@ -93,6 +98,10 @@ def main() -> None:
                 out = scaled_gemm_triton(xq, w8, xs, s8, None, torch.bfloat16)
                 t = bench(scaled_gemm_triton, xq, w8, xs, s8, None, torch.bfloat16)
                 rows.append((name, m, "fp8 triton (no quant)", rel_err(out, ref), t, n * k / t / 1e3))
+            ref = fp8_block_linear_ref(x, wb, wb_scale, blk)
+            out = fp8_block_linear(x, wb, wb_scale, blk)
+            t = bench(fp8_block_linear, x, wb, wb_scale, blk)
+            rows.append((name, m, "fp8 block 128x128 triton", rel_err(out, ref), t, n * k / t / 1e3))
             xq, xs = quantize_activation(x, torch.int8)
             ref = _w8a8_ref(x, xq, wi, xs, si)
             out = w8a8_linear(x, wi, si, None, None)
