@@ -13,6 +13,10 @@ Schemes built (anything else is refused with the scheme spelled out):
                static per tensor); format float-quantized / naive-quantized
     W8A8-INT8  weights int 8-bit symmetric (tensor or channel), activations int 8-bit symmetric
                (dynamic per token or static per tensor); format int-quantized / naive-quantized
+    FP8_BLOCK  weights float 8-bit with one scale per block_structure [bn, bk] block (`weight_scale`,
+               (ceil(N / bn), ceil(K / bk))), activations float 8-bit dynamic per token and group of bk
+               inputs; format float-quantized: quantization/fp8_block.py, its limits as fp8's
+               weight_block_size (fused shards and TP slices whole blocks)
     W4A16 / W8A16  weights int 4/8-bit (group or channel, symmetric or with zero points, optional
                actorder g_idx), no activation quantization; format pack-quantized:
 
@@ -34,6 +38,7 @@ from torch import nn
 
 from pagedllm.kernels.scaled_mm import FP8_DTYPE
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
+from pagedllm.quantization.fp8_block import Fp8BlockLinearMethod
 from pagedllm.quantization.utils import (
     FLOAT_DTYPES,
     add_param,
@@ -72,7 +77,9 @@ class CompressedTensorsScheme:
         if self.format not in FORMATS:
             raise ValueError(f"compressed-tensors format {self.format!r} is not built ({desc}); built: {FORMATS}")
         wtype, wbits, wstrat = weights.get("type", "int"), weights.get("num_bits"), weights.get("strategy")
-        if acts is not None:
+        if wstrat == "block":
+            self._block_scheme(weights, acts, desc)
+        elif acts is not None:
             if acts.get("type", "int") != wtype or acts.get("num_bits") != 8 or wbits != 8:
                 raise ValueError(f"compressed-tensors scheme ({desc}) is not built; built: W8A8-FP8, W8A8-INT8, "
                                  "W4A16, W8A16")
@@ -99,7 +106,33 @@ class CompressedTensorsScheme:
             self.actorder = weights.get("actorder") not in (None, False)
             check_weight_scheme(self.bits, self.group_size)
 
+    def _block_scheme(self, weights: dict, acts: dict | None, desc: str) -> None:
+        """FP8_BLOCK (llm-compressor): fp8 weights with one scale per block_structure [bn, bk] block (the grid is
+        `weight_scale`), activations fp8 dynamic per token and group of bk inputs: fp8's weight_block_size."""
+        block = weights.get("block_structure")
+        built = ("compressed-tensors block-wise weights are built as FP8_BLOCK: float8 symmetric weights with "
+                 "block_structure [block_n, block_k], float8 symmetric dynamic activations of strategy 'group' "
+                 "with group_size block_k")
+        if weights.get("type") != "float" or weights.get("num_bits") != 8 or not weights.get("symmetric", True):
+            raise ValueError(f"compressed-tensors scheme ({desc}) is not built; {built}")
+        if not (isinstance(block, list | tuple) and len(block) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)):
+            raise ValueError(f"compressed-tensors block_structure must be two positive ints, got {block!r}")
+        if acts is None or acts.get("type") != "float" or acts.get("num_bits") != 8 \
+                or not acts.get("symmetric", True) or acts.get("dynamic") is not True \
+                or acts.get("strategy") != "group" or acts.get("group_size") != block[1]:
+            raise ValueError(f"compressed-tensors scheme ({desc}, block_structure {list(block)}, activation group "
+                             f"{(acts or {}).get('group_size')}) is not built; {built}")
+        if self.format not in ("float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors FP8_BLOCK in format {self.format!r} is not built "
+                             "(float-quantized / naive-quantized are)")
+        self.kind = "fp8_block"
+        self.qdtype = FP8_DTYPE
+        self.block = (int(block[0]), int(block[1]))
+
     def method(self) -> QuantizeMethodBase:
+        if self.kind == "fp8_block":
+            return Fp8BlockLinearMethod(self.block, scale_name="weight_scale")
         if self.kind == "w8a8":
             return W8A8LinearMethod(self.qdtype, self.static_input)
         return CTPackedLinearMethod(self.bits, self.group_size, self.symmetric, self.actorder)
@@ -126,7 +159,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def required_capability(self) -> int:
         # FP8 W8A8 runs FP8 tensor-core GEMMs (Triton's fp8e4nv dot, torch._scaled_mm): sm_89 and up, as
         # Fp8Config; INT8 W8A8 (torch._int_mm) and the int4/int8 weight-only kernels run from sm_75.
-        fp8 = any(s.kind == "w8a8" and s.qdtype == FP8_DTYPE for s in self.schemes)
+        fp8 = any(s.kind in ("w8a8", "fp8_block") and s.qdtype == FP8_DTYPE for s in self.schemes)
         return max(self.get_min_capability(), 89 if fp8 else 0)
 
     @staticmethod

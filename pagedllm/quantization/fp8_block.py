@@ -5,6 +5,7 @@ Parameters a checkpoint fills (names as DeepSeek-V3 / Qwen3-FP8 / vLLM write the
     weight            (rows, in_pp) float8_e4m3fn                      input_dim 1, output_dim 0
     weight_scale_inv  (ceil(rows / bn), ceil(in_pp / bk)) fp32: one multiplier per (bn, bk) block,
                       w[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]
+                      (compressed-tensors' block scheme, FP8_BLOCK, names the same grid `weight_scale`)
 
 rows = sum(output_partition_sizes) on this rank. Fused layers (q/k/v, gate/up) stack their shards'
 scale rows as they stack their weight rows: shard "k" of a qkv_proj with q 4096, k 1024 rows and
@@ -85,8 +86,9 @@ class Fp8BlockLinearMethod(LinearMethodBase):
     """y = x W^T with W in float8_e4m3fn and one fp32 scale per (block_n, block_k) block; activations
     quantized dynamically per token and group of block_k inputs."""
 
-    def __init__(self, block: tuple[int, int]) -> None:
+    def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv") -> None:
         self.block = (int(block[0]), int(block[1]))
+        self.scale_name = scale_name  # the checkpoint's name of the scale grid: fp8's, or compressed-tensors'
 
     def create_weights(
         self,
@@ -110,19 +112,19 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         whole = len(output_partition_sizes) == 1 and rows == output_size and input_size_per_partition == input_size
         # NaN until loaded: a scale block that no checkpoint tensor filled is found after loading
         scale = torch.full((triton.cdiv(rows, bn), triton.cdiv(input_size_per_partition, bk)), float("nan"))
-        add_param(layer, "weight_scale_inv", scale,
+        add_param(layer, self.scale_name, scale,
                   {"input_dim": 1, "output_dim": 0, "group_dims": {0: bn, 1: bk},
-                   "weight_loader": block_scale_loader(layer, loader, f"{prefix}.weight_scale_inv", self.block,
+                   "weight_loader": block_scale_loader(layer, loader, f"{prefix}.{self.scale_name}", self.block,
                                                        whole)})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        missing = torch.isnan(layer.weight_scale_inv.data)
+        missing = torch.isnan(getattr(layer, self.scale_name).data)
         if missing.any():
             rows = sorted(set(missing.nonzero()[:, 0].tolist()))
-            raise ValueError(f"{layer.prefix}.weight_scale_inv: block scales are missing after loading (scale rows "
+            raise ValueError(f"{layer.prefix}.{self.scale_name}: block scales are missing after loading (scale rows "
                              f"{rows[:8]}{' ...' if len(rows) > 8 else ''} of {missing.shape[0]}, each "
-                             f"{self.block[0]} weight rows); the checkpoint needs a weight_scale_inv for every "
+                             f"{self.block[0]} weight rows); the checkpoint needs a {self.scale_name} for every "
                              "quantized weight")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
+        return fp8_block_linear(x, layer.weight, getattr(layer, self.scale_name), self.block, bias)

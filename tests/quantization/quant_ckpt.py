@@ -236,8 +236,10 @@ def _input_amax(model: nn.Module, prompts: list[list[int]] | None) -> dict[str, 
 
 # -- compressed-tensors (the library) ---------------------------------------------------------
 def ct_checkpoint(model: nn.Module, preset: str, group_size: int | None = 32,
-                  calib: list[list[int]] | None = None) -> tuple[Path, nn.Module]:
-    """llm-compressor's output for `preset` ("W4A16", "W4A16_ASYM", "W8A8", "FP8", "FP8_DYNAMIC")."""
+                  calib: list[list[int]] | None = None,
+                  block: tuple[int, int] | None = None) -> tuple[Path, nn.Module]:
+    """llm-compressor's output for `preset` ("W4A16", "W4A16_ASYM", "W8A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK";
+    `block`: FP8_BLOCK's block_structure, its activation group the block's inputs)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
@@ -251,6 +253,10 @@ def ct_checkpoint(model: nn.Module, preset: str, group_size: int | None = 32,
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if scheme.weights.group_size is not None and group_size is not None:
         scheme.weights.group_size = group_size
+    if block is not None:
+        scheme.weights.block_structure = list(block)
+        scheme.input_activations.group_size = block[1]
+        deq.act_group_size = block[1]  # the activations' quantization group (fake_quant_activations)
     apply_quantization_config(qmodel, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     for name, mod in _linears(qmodel):
         args = mod.quantization_scheme.weights
@@ -260,6 +266,12 @@ def ct_checkpoint(model: nn.Module, preset: str, group_size: int | None = 32,
             lo, hi = wg.amin(-1), wg.amax(-1)
         elif args.strategy == "channel":
             lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif args.strategy == "block":  # (ceil(N / bn), ceil(K / bk)) blocks, ragged last ones padded with zeros
+            bn, bk = args.block_structure
+            nb, kb = -(-w.shape[0] // bn), -(-w.shape[1] // bk)
+            blocks = torch.nn.functional.pad(w, (0, kb * bk - w.shape[1], 0, nb * bn - w.shape[0]))
+            blocks = blocks.reshape(nb, bn, kb, bk)
+            lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
         else:
             lo, hi = w.amin(), w.amax()
         scale, zp = calculate_qparams(lo, hi, args)

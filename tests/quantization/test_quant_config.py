@@ -107,6 +107,21 @@ def test_compressed_tensors_unbuilt_scheme_named(base):
         EngineArgs(model=str(bad)).create_engine_config()
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda g: g["input_activations"].update(dynamic=False), "is not built; compressed-tensors block-wise"),
+    (lambda g: g["input_activations"].update(group_size=16), r"activation group 16\) is not built"),
+    (lambda g: g["input_activations"].update(strategy="token"), "is not built; compressed-tensors block-wise"),
+    (lambda g: g["weights"].update(block_structure=[32]), r"two positive ints, got \[32\]"),
+    (lambda g: g["weights"].update(type="int"), "is not built; compressed-tensors block-wise"),
+])
+def test_compressed_tensors_fp8_block_refusals(base, edit, message):
+    path, _ = qc.ct_checkpoint(base[1], "FP8_BLOCK", block=(32, 32))
+    EngineArgs(model=str(path)).create_engine_config()  # the checkpoint as written loads
+    bad = _variant(path, edit_config=lambda c: edit(c["config_groups"]["group_0"]))
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=str(bad)).create_engine_config()
+
+
 def _drop(name):
     return lambda t: t.pop(name)
 

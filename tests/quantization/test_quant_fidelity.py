@@ -61,6 +61,7 @@ METHODS = {
                                 FP8_DTYPE, None),
     "fp8-online": (lambda p, m: (p, qc.online_fp8_reference(m), {"quantization": "fp8"}), FP8_DTYPE, 0.9),
     "fp8-block-32x48-dynamic": (lambda p, m: (*qc.fp8_block_checkpoint(m, (32, 48)), {}), FP8_DTYPE, 0.9),
+    "ct-fp8-block-32x32": (lambda p, m: (*qc.ct_checkpoint(m, "FP8_BLOCK", block=(32, 32)), {}), FP8_DTYPE, None),
 }
 
 
