@@ -38,7 +38,7 @@ from torch import nn
 
 from pagedllm.kernels.scaled_mm import FP8_DTYPE
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
-from pagedllm.quantization.fp8_block import Fp8BlockLinearMethod
+from pagedllm.quantization.fp8_block import Fp8BlockLinearMethod, parse_block
 from pagedllm.quantization.utils import (
     FLOAT_DTYPES,
     add_param,
@@ -109,15 +109,12 @@ class CompressedTensorsScheme:
     def _block_scheme(self, weights: dict, acts: dict | None, desc: str) -> None:
         """FP8_BLOCK (llm-compressor): fp8 weights with one scale per block_structure [bn, bk] block (the grid is
         `weight_scale`), activations fp8 dynamic per token and group of bk inputs: fp8's weight_block_size."""
-        block = weights.get("block_structure")
         built = ("compressed-tensors block-wise weights are built as FP8_BLOCK: float8 symmetric weights with "
                  "block_structure [block_n, block_k], float8 symmetric dynamic activations of strategy 'group' "
                  "with group_size block_k")
         if weights.get("type") != "float" or weights.get("num_bits") != 8 or not weights.get("symmetric", True):
             raise ValueError(f"compressed-tensors scheme ({desc}) is not built; {built}")
-        if not (isinstance(block, list | tuple) and len(block) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)):
-            raise ValueError(f"compressed-tensors block_structure must be two positive ints, got {block!r}")
+        block = parse_block(weights.get("block_structure"), "compressed-tensors block_structure")
         if acts is None or acts.get("type") != "float" or acts.get("num_bits") != 8 \
                 or not acts.get("symmetric", True) or acts.get("dynamic") is not True \
                 or acts.get("strategy") != "group" or acts.get("group_size") != block[1]:
@@ -128,7 +125,7 @@ class CompressedTensorsScheme:
                              "(float-quantized / naive-quantized are)")
         self.kind = "fp8_block"
         self.qdtype = FP8_DTYPE
-        self.block = (int(block[0]), int(block[1]))
+        self.block = block
 
     def method(self) -> QuantizeMethodBase:
         if self.kind == "fp8_block":

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedllm.kernels.scaled_mm import FP8_DTYPE
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
-from pagedllm.quantization.fp8_block import Fp8BlockLinearMethod
+from pagedllm.quantization.fp8_block import Fp8BlockLinearMethod, parse_block
 from pagedllm.quantization.fp8_moe import Fp8MoEMethod
 from pagedllm.quantization.utils import is_layer_skipped
 from pagedllm.quantization.w8a8 import W8A8LinearMethod
@@ -39,7 +39,8 @@ class Fp8Config(QuantizationConfig):
             raise ValueError(f"fp8 activation_scheme must be one of {ACTIVATION_SCHEMES}, got {activation_scheme!r}")
         if not is_checkpoint_fp8_serialized and activation_scheme == "static":
             raise ValueError("online fp8 (a checkpoint without fp8 weights) needs activation_scheme 'dynamic'")
-        self.weight_block_size = _block_size(weight_block_size)
+        self.weight_block_size = None if weight_block_size is None else \
+            parse_block(weight_block_size, "fp8 weight_block_size")
         if self.weight_block_size is not None:
             if not is_checkpoint_fp8_serialized:
                 raise ValueError(f"fp8 weight_block_size={list(self.weight_block_size)} needs fp8 weights in the "
@@ -94,13 +95,3 @@ class Fp8Config(QuantizationConfig):
             return Fp8BlockLinearMethod(self.weight_block_size)
         return W8A8LinearMethod(FP8_DTYPE, static_input=self.activation_scheme == "static",
                                 serialized=self.is_checkpoint_fp8_serialized)
-
-
-def _block_size(value: Any) -> tuple[int, int] | None:
-    """config.json's weight_block_size: None, or [block_n, block_k], two positive ints."""
-    if value is None:
-        return None
-    if (not isinstance(value, list | tuple) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise ValueError(f"fp8 weight_block_size must be [block_n, block_k], two positive ints, got {value!r}")
-    return int(value[0]), int(value[1])

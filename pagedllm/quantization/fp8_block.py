@@ -32,6 +32,15 @@ from pagedllm.quantization.base import LinearMethodBase
 from pagedllm.quantization.utils import FLOAT_DTYPES, add_param, checked_loader
 
 
+def parse_block(value: Any, what: str) -> tuple[int, int]:
+    """A config's block shape ([block_n, block_k]: fp8's weight_block_size, compressed-tensors' block_structure),
+    two positive ints, else a ValueError naming `what` and the value."""
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"{what} must be [block_n, block_k], two positive ints, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
 def check_block_partitions(prefix: str, block: tuple[int, int], input_size_per_partition: int,
                            output_partition_sizes: list[int], input_size: int, output_size: int) -> None:
     """ValueError unless every slice the loaders cut (fused shards' rows, a TP rank's rows or inputs)

@@ -189,6 +189,14 @@ def fp8_checkpoint(model: nn.Module, per_channel: bool = False, static: bool = T
     return _save(model, tensors, config, "fp8"), deq
 
 
+def _weight_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w (N, K) -> (ceil(N / bn), bn, ceil(K / bk), bk): its (bn, bk) blocks, the ragged last ones padded with
+    zeros (which change no block's amax, nor a min / max of values on both sides of 0)."""
+    bn, bk = block
+    nb, kb = -(-w.shape[0] // bn), -(-w.shape[1] // bk)
+    return torch.nn.functional.pad(w, (0, kb * bk - w.shape[1], 0, nb * bn - w.shape[0])).reshape(nb, bn, kb, bk)
+
+
 def fp8_block_checkpoint(model: nn.Module, block: tuple[int, int] = (32, 48)) -> tuple[Path, nn.Module]:
     """Qwen3-8B-FP8's format: weight (out, in) e4m3 and weight_scale_inv (ceil(out / bn), ceil(in / bk)) fp32
     with w = weight * weight_scale_inv[n // bn, k // bk] (the scale is amax(|block|) / 448, as DeepSeek's
@@ -203,9 +211,7 @@ def fp8_block_checkpoint(model: nn.Module, block: tuple[int, int] = (32, 48)) ->
     for name, lin in _linears(model):
         w = lin.weight.data.float()
         n, k = w.shape
-        nb, kb = -(-n // bn), -(-k // bk)
-        padded = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n))  # zeros: no block's amax changes
-        amax = padded.reshape(nb, bn, kb, bk).abs().amax(dim=(1, 3))
+        amax = _weight_blocks(w, block).abs().amax(dim=(1, 3))
         scale = (amax / 448.0).clamp(min=1e-12)  # (nb, kb)
         full = _expand_scales(scale, n, k, block)
         q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -266,11 +272,8 @@ def ct_checkpoint(model: nn.Module, preset: str, group_size: int | None = 32,
             lo, hi = wg.amin(-1), wg.amax(-1)
         elif args.strategy == "channel":
             lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-        elif args.strategy == "block":  # (ceil(N / bn), ceil(K / bk)) blocks, ragged last ones padded with zeros
-            bn, bk = args.block_structure
-            nb, kb = -(-w.shape[0] // bn), -(-w.shape[1] // bk)
-            blocks = torch.nn.functional.pad(w, (0, kb * bk - w.shape[1], 0, nb * bn - w.shape[0]))
-            blocks = blocks.reshape(nb, bn, kb, bk)
+        elif args.strategy == "block":
+            blocks = _weight_blocks(w, tuple(args.block_structure))
             lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
         else:
             lo, hi = w.amin(), w.amax()
