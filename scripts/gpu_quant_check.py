@@ -14,7 +14,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.fp8_block_gemm import fp8_block_linear, fp8_block_linear_ref
+from pagedllm.kernels.fp8_block_gemm import _expand_scales, fp8_block_linear, fp8_block_linear_ref
 from pagedllm.kernels.scaled_mm import (
     FP8_DTYPE,
     choose_path,
@@ -80,7 +80,7 @@ def main() -> None:
         # fp8 with 128 x 128 block scales (weight_block_size, Qwen3-FP8's): the weight's codes, one scale a block
         blk = (128, 128)
         wb_scale = (torch.rand(n // 128, k // 128, device=dev) * 2e-4 + 1e-4)
-        wb = (w.float() / wb_scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(FP8_DTYPE)
+        wb = (w.float() / _expand_scales(wb_scale, n, k, blk)).clamp(-448, 448).to(FP8_DTYPE)
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_bf16 = bench(F.linear, x, w)
