@@ -6,6 +6,8 @@
 #               times beside bf16 cuBLAS, and the quant / fp8-KV kernel tests on the GPU, ~3 min
 #   fp8         pagedllm W1 Llama-3.1-8B shape: quantization=fp8 (online), and + kv_cache_dtype=fp8
 #               when it is built; then vLLM 0.21 the same (when under /tmp/site), ~6 min
+#   fp8block    block-wise FP8 (128 x 128 weight blocks, dynamic 1 x 128 activation groups: Qwen3-FP8's format),
+#               pagedllm W1 on the Triton GEMM and on cuBLASLt's (PAGEDLLM_FP8_BLOCK_CUBLAS=1), then vLLM, ~4 min
 #   int8        W8A8-INT8 (compressed-tensors config), pagedllm then vLLM, ~4 min
 #   awq, gptq   int4 g128 (one section each): W1 and the batch-1 decode step, pagedllm then vLLM, ~4.5 min
 #   72b         Qwen2.5-72B-shaped AWQ (dummy int4 weights) on one H200, max_model_len 4096, W1
@@ -38,6 +40,7 @@ quant = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
              "checkpoint_format": "gptq"},
+    "fp8block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
     "w8a8": {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
              "config_groups": {"group_0": {"targets": ["Linear"],
                  "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
@@ -108,6 +111,11 @@ if want fp8; then
   fi
   vllm_w1 fp8 $L8 --quantization fp8
   vllm_w1 fp8-kvfp8 $L8 --quantization fp8 --kv-cache-dtype fp8
+fi
+if want fp8block; then
+  ours_w1 fp8block "$OUT/cfg/llama3-8b-fp8block"
+  PAGEDLLM_FP8_BLOCK_CUBLAS=1 ours_w1 fp8block-cublas "$OUT/cfg/llama3-8b-fp8block"
+  vllm_w1 fp8block "$OUT/cfg/llama3-8b-fp8block"
 fi
 if want int8; then
   ours_w1 int8 "$OUT/cfg/llama3-8b-w8a8"

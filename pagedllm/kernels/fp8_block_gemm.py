@@ -29,12 +29,14 @@ fp8 `tl.dot` takes e4m3 operands as the W8A8 GEMM's tests do (tests/kernels/test
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.envs import environment_variables
 from pagedllm.kernels.tile_order import grouped_tile
 
 __all__ = ["Fp8BlockConfig", "fp8_block_gemm", "fp8_block_gemm_config", "fp8_block_gemm_ref", "fp8_block_linear",
@@ -45,6 +47,7 @@ FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12  # an all-zero group keeps a finite, non-zero scale (its codes are all 0)
 _QMAX = tl.constexpr(FP8_MAX)  # the kernels' copies (a @jit function reads only constexpr globals)
 _FLOOR = tl.constexpr(SCALE_FLOOR)
+CUBLAS_BLOCK = environment_variables["PAGEDLLM_FP8_BLOCK_CUBLAS"]()
 
 
 # -- activations: per token, per group of `group` inputs ----------------------------------------------
@@ -65,7 +68,7 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int) -> tuple[torch.Te
 
 
 @triton.jit
-def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, GROUP, stride_xm, stride_qm, stride_sm,
+def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, GROUP, stride_xm, stride_qm, stride_sm, stride_sg,
                                   BLOCK: tl.constexpr):
     # program (row, g): inputs [g * GROUP, min((g + 1) * GROUP, K)) of one token, BLOCK = next_pow2(GROUP)
     row = tl.program_id(0).to(tl.int64)
@@ -77,12 +80,14 @@ def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, GROUP, stride_xm, stri
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), _QMAX), _FLOOR)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_QMAX), _QMAX)
     tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(x: torch.Tensor, group: int,
+                              column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`per_token_group_quant_fp8_ref` in one Triton launch: x (M, K) row-major -> (qa (M, K) fp8,
-    s (M, ceil(K / group)) fp32 row-major). No host syncs (graph-capturable)."""
+    s (M, ceil(K / group)) fp32), s row-major or, with `column_major_scales`, strides (1, M) (the layout
+    cuBLASLt's 1 x 128 scales take). No host syncs (graph-capturable)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"expected a row-major (M, K) activation, got shape {tuple(x.shape)} strides {x.stride()}")
     if group <= 0:
@@ -90,12 +95,15 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     m, k = x.shape
     groups = triton.cdiv(k, group)
     qa = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if column_major_scales:
+        scale = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return qa, scale
     block = triton.next_power_of_2(group)
     _per_token_group_quant_kernel[(m, groups)](
-        x, qa, scale, k, group, x.stride(0), qa.stride(0), scale.stride(0), BLOCK=block,
+        x, qa, scale, k, group, x.stride(0), qa.stride(0), scale.stride(0), scale.stride(1), BLOCK=block,
         num_warps=max(1, min(8, block // 256)),
     )
     return qa, scale
@@ -261,12 +269,46 @@ def fp8_block_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale_inv: torc
     return out.to(x.dtype)
 
 
+@functools.cache
+def _cublas_block_device(index: int) -> bool:
+    """cuBLASLt's block-scaled FP8 GEMM exists on sm_90 from CUDA 12.9 (torch's _scaled_mm takes it there)."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
+
+
+def cublas_block_shape_ok(n: int, k: int, block: tuple[int, int]) -> bool:
+    """The shapes cuBLASLt's block-scaled GEMM takes from us: 128 x 128 blocks, N and K whole blocks, and K/128 a
+    multiple of 4 (cuBLASLt reads the weight grid as a (K/128, N/128) matrix whose columns are padded to 4; ours
+    is unpadded)."""
+    return tuple(block) == (128, 128) and n % 128 == 0 and k % 512 == 0
+
+
+def cublas_block_ok(x: torch.Tensor, qweight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether `fp8_block_linear` runs cuBLASLt's 1 x 128 x 128 x 128 GEMM: `CUBLAS_BLOCK` on, a CUDA sm_90
+    device with CUDA >= 12.9, bf16 / fp16 activations and `cublas_block_shape_ok`."""
+    return (CUBLAS_BLOCK and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and cublas_block_shape_ok(*qweight.shape, block) and _cublas_block_device(x.device.index or 0))
+
+
+def fp8_block_gemm_cublas(qa: torch.Tensor, a_scales: torch.Tensor, qweight: torch.Tensor,
+                          scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_block_gemm_ref`'s contract for 128 x 128 blocks on cuBLASLt: a_scales (M, K/128) with strides
+    (1, M) (`per_token_group_quant_fp8(..., column_major_scales=True)`), scale_inv (N/128, K/128) row-major,
+    passed as its transpose (strides (1, K/128))."""
+    out = torch._scaled_mm(qa, qweight.t(), scale_a=a_scales, scale_b=scale_inv.t(), out_dtype=out_dtype)
+    return out if bias is None else out.add_(bias)
+
+
 def fp8_block_linear(x: torch.Tensor, qweight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + bias for a block-wise FP8 weight; x (..., K) -> (..., N) in x's dtype."""
     k = qweight.shape[1]
     x2 = x.reshape(-1, k)
-    if x.is_cuda:
+    if cublas_block_ok(x, qweight, block):
+        qa, s = per_token_group_quant_fp8(x2.contiguous(), 128, column_major_scales=True)
+        out = fp8_block_gemm_cublas(qa, s, qweight, scale_inv, x.dtype, bias)
+    elif x.is_cuda:
         qa, s = per_token_group_quant_fp8(x2.contiguous(), block[1])
         out = fp8_block_gemm(qa, s, qweight, scale_inv, block, x.dtype, bias)
     else:

@@ -11,6 +11,7 @@ import torch
 from pagedllm.kernels.fp8_block_gemm import (
     FP8_DTYPE,
     Fp8BlockConfig,
+    cublas_block_shape_ok,
     fp8_block_gemm,
     fp8_block_gemm_ref,
     fp8_block_linear,
@@ -69,6 +70,24 @@ def test_group_quant_matches_reference(device, dtype, m, k, group):
     s_el = ref_s.repeat_interleave(group, dim=1)[:, :k]
     err = (ref_q.float() * s_el - x.float()).abs()
     assert (err <= x.float().abs() / 16 + s_el * 2.0**-10 + 1e-6).all()
+
+
+def test_group_quant_column_major_scales(device):
+    # cuBLASLt's 1 x 128 grid: the same scales and codes, stored with strides (1, M)
+    x = torch.randn(6, 512, device=device, dtype=torch.bfloat16) * 4
+    q, s = per_token_group_quant_fp8(x, 128)
+    q_cm, s_cm = per_token_group_quant_fp8(x, 128, column_major_scales=True)
+    assert s_cm.shape == (6, 4) and s_cm.stride() == (1, 6)
+    torch.testing.assert_close(s_cm, s, atol=0, rtol=0)
+    assert torch.equal(q_cm.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_cublas_block_shape_rule():
+    # 128 x 128 blocks, N whole blocks, K a multiple of 4 blocks (the grid cuBLASLt reads is padded to 4)
+    assert cublas_block_shape_ok(6144, 4096, (128, 128)) and cublas_block_shape_ok(4096, 14336, (128, 128))
+    assert not cublas_block_shape_ok(6144, 4096, (64, 128))  # other blocks: the Triton kernel
+    assert not cublas_block_shape_ok(200, 4096, (128, 128))  # a ragged block row
+    assert not cublas_block_shape_ok(4096, 384, (128, 128))  # 3 K blocks: a grid to pad
 
 
 @pytest.mark.parametrize(("m", "n", "k", "block", "cfg"), [
