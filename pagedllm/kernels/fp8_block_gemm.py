@@ -68,43 +68,50 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int) -> tuple[torch.Te
 
 
 @triton.jit
-def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, GROUP, stride_xm, stride_qm, stride_sm, stride_sg,
-                                  BLOCK: tl.constexpr):
-    # program (row, g): inputs [g * GROUP, min((g + 1) * GROUP, K)) of one token, BLOCK = next_pow2(GROUP)
+def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, GROUP, GROUPS, stride_xm, stride_qm, stride_sm, stride_sg,
+                                  BLOCK: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+    # program (row, p): groups [p * GPP, (p + 1) * GPP) of one token as a (GPP, BLOCK) tile, group g holding
+    # inputs [g * GROUP, min((g + 1) * GROUP, K)); BLOCK = next_pow2(GROUP), the extra lanes masked
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+    gs = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)  # (GPP,)
+    lane = tl.arange(0, BLOCK)
+    offs = gs[:, None] * GROUP + lane[None, :]
+    mask = (lane[None, :] < GROUP) & (offs < K) & (gs[:, None] < GROUPS)
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     # IEEE divisions (div_rn), as torch divides: the approximate `/` moves roundings off the reference's
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), _QMAX), _FLOOR)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_QMAX), _QMAX)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), _QMAX), _FLOOR)  # (GPP,)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_QMAX), _QMAX)
     tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
+    tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < GROUPS)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group: int,
-                              column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`per_token_group_quant_fp8_ref` in one Triton launch: x (M, K) row-major -> (qa (M, K) fp8,
-    s (M, ceil(K / group)) fp32), s row-major or, with `column_major_scales`, strides (1, M) (the layout
-    cuBLASLt's 1 x 128 scales take). No host syncs (graph-capturable)."""
+def per_token_group_quant_fp8(x: torch.Tensor, group: int, column_major_scales: bool = False,
+                              row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`per_token_group_quant_fp8_ref` in one Triton launch: x (M, K) row-major -> (qa (M', K) fp8,
+    s (M', ceil(K / group)) fp32), M' = M rounded up to `row_multiple` (rows past M are left unwritten: a
+    GEMM's rows from them are dropped). s row-major or, with `column_major_scales`, strides (1, M') (the
+    layout cuBLASLt's 1 x 128 scales take). No host syncs (graph-capturable)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"expected a row-major (M, K) activation, got shape {tuple(x.shape)} strides {x.stride()}")
     if group <= 0:
         raise ValueError(f"the quantization group must be positive, got {group}")
     m, k = x.shape
+    rows = -(-m // row_multiple) * row_multiple
     groups = triton.cdiv(k, group)
-    qa = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    qa = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
     if column_major_scales:
-        scale = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+        scale = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
     else:
-        scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+        scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return qa, scale
     block = triton.next_power_of_2(group)
-    _per_token_group_quant_kernel[(m, groups)](
-        x, qa, scale, k, group, x.stride(0), qa.stride(0), scale.stride(0), scale.stride(1), BLOCK=block,
-        num_warps=max(1, min(8, block // 256)),
+    # ~1024 inputs a program: one program per 128-input group made a million programs of one warp at 8192
+    # tokens x 14336 inputs (BENCHMARKS.md, twenty-third session)
+    gpp = max(1, min(triton.next_power_of_2(groups), 1024 // block))
+    _per_token_group_quant_kernel[(m, triton.cdiv(groups, gpp))](
+        x, qa, scale, k, group, groups, x.stride(0), qa.stride(0), scale.stride(0), scale.stride(1),
+        BLOCK=block, GROUPS_PER_PROGRAM=gpp, num_warps=max(1, min(8, gpp * block // 256)),
     )
     return qa, scale
 
@@ -294,8 +301,9 @@ def fp8_block_gemm_cublas(qa: torch.Tensor, a_scales: torch.Tensor, qweight: tor
                           scale_inv: torch.Tensor, out_dtype: torch.dtype,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_block_gemm_ref`'s contract for 128 x 128 blocks on cuBLASLt: a_scales (M, K/128) with strides
-    (1, M) (`per_token_group_quant_fp8(..., column_major_scales=True)`), scale_inv (N/128, K/128) row-major,
-    passed as its transpose (strides (1, K/128))."""
+    (1, M) (`per_token_group_quant_fp8(..., column_major_scales=True)`), M a multiple of 4 (cuBLASLt finds no
+    algorithm otherwise: CUBLAS_STATUS_NOT_SUPPORTED at M 1-3, 5, 7, 15, 17 on an H100), scale_inv (N/128, K/128)
+    row-major, passed as its transpose (strides (1, K/128))."""
     out = torch._scaled_mm(qa, qweight.t(), scale_a=a_scales, scale_b=scale_inv.t(), out_dtype=out_dtype)
     return out if bias is None else out.add_(bias)
 
@@ -306,8 +314,9 @@ def fp8_block_linear(x: torch.Tensor, qweight: torch.Tensor, scale_inv: torch.Te
     k = qweight.shape[1]
     x2 = x.reshape(-1, k)
     if cublas_block_ok(x, qweight, block):
-        qa, s = per_token_group_quant_fp8(x2.contiguous(), 128, column_major_scales=True)
-        out = fp8_block_gemm_cublas(qa, s, qweight, scale_inv, x.dtype, bias)
+        # cuBLASLt takes the 1 x 128 grid only with a row count that is a multiple of 4: padded rows, dropped
+        qa, s = per_token_group_quant_fp8(x2.contiguous(), 128, column_major_scales=True, row_multiple=4)
+        out = fp8_block_gemm_cublas(qa, s, qweight, scale_inv, x.dtype, bias)[:x2.shape[0]]
     elif x.is_cuda:
         qa, s = per_token_group_quant_fp8(x2.contiguous(), block[1])
         out = fp8_block_gemm(qa, s, qweight, scale_inv, block, x.dtype, bias)

@@ -72,14 +72,18 @@ def test_group_quant_matches_reference(device, dtype, m, k, group):
     assert (err <= x.float().abs() / 16 + s_el * 2.0**-10 + 1e-6).all()
 
 
-def test_group_quant_column_major_scales(device):
-    # cuBLASLt's 1 x 128 grid: the same scales and codes, stored with strides (1, M)
-    x = torch.randn(6, 512, device=device, dtype=torch.bfloat16) * 4
+def test_group_quant_column_major_padded_scales(device):
+    # cuBLASLt's 1 x 128 grid: the same codes and scales, stored with strides (1, M') for M' = M rounded up to 4;
+    # K 1300 = 11 groups: two programs of 8 groups, the second with 3 (the rest masked), the last group ragged
+    x = torch.randn(6, 1300, device=device, dtype=torch.bfloat16) * 4
     q, s = per_token_group_quant_fp8(x, 128)
-    q_cm, s_cm = per_token_group_quant_fp8(x, 128, column_major_scales=True)
-    assert s_cm.shape == (6, 4) and s_cm.stride() == (1, 6)
-    torch.testing.assert_close(s_cm, s, atol=0, rtol=0)
-    assert torch.equal(q_cm.view(torch.uint8), q.view(torch.uint8))
+    ref_q, ref_s = per_token_group_quant_fp8_ref(x, 128)
+    torch.testing.assert_close(s, ref_s, atol=0, rtol=0)
+    assert_same_codes(q, ref_q, x.float() / ref_s.repeat_interleave(128, dim=1)[:, :1300])
+    q_cm, s_cm = per_token_group_quant_fp8(x, 128, column_major_scales=True, row_multiple=4)
+    assert q_cm.shape == (8, 1300) and s_cm.shape == (8, 11) and s_cm.stride() == (1, 8)
+    torch.testing.assert_close(s_cm[:6], s, atol=0, rtol=0)
+    assert torch.equal(q_cm[:6].view(torch.uint8), q.view(torch.uint8))
 
 
 def test_cublas_block_shape_rule():
