@@ -174,10 +174,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # fused decoder reads NHD). Either way the tensor's shape is (2, num_blocks, block_size, num_kv_heads,
     # head_dim) and the kernels address it by its strides.
     "PAGEDLLM_KV_CACHE_LAYOUT": _str("PAGEDLLM_KV_CACHE_LAYOUT", "auto"),
-    # 1: block-wise FP8 linears (128 x 128 weight blocks, Qwen3-FP8 / DeepSeek-V3) on sm_90 with CUDA >= 12.9 run
-    # cuBLASLt's block-scaled GEMM (torch._scaled_mm with 1 x 128 and 128 x 128 scale grids) instead of the Triton
-    # kernel (kernels/fp8_block_gemm.py `cublas_block_ok`); for A/B timings until measured.
-    "PAGEDLLM_FP8_BLOCK_CUBLAS": _flag("PAGEDLLM_FP8_BLOCK_CUBLAS", False),
+    # 0: block-wise FP8 linears (128 x 128 weight blocks, Qwen3-FP8 / DeepSeek-V3) on sm_90 with CUDA >= 12.9 run the
+    # Triton kernel instead of cuBLASLt's block-scaled GEMM (torch._scaled_mm with 1 x 128 and 128 x 128 scale grids,
+    # kernels/fp8_block_gemm.py `cublas_block_ok`: 1.5-2.5x faster from 64 rows at Llama-3.1-8B's shapes on an H100,
+    # BENCHMARKS.md, twenty-third session); for comparisons.
+    "PAGEDLLM_FP8_BLOCK_CUBLAS": _flag("PAGEDLLM_FP8_BLOCK_CUBLAS", True),
     # 0: FP8 linears of the measured shapes (kernels/w8a8_gemm.py DECODE_TABLE: the Llama-3.1-8B linears) at
     # 17-256 rows keep the M thresholds of kernels/scaled_mm.py instead of the table's measured pick (a Triton
     # tile with K split in one launch, or cuBLAS); for A/B timings (BENCHMARKS.md h51).

@@ -14,7 +14,10 @@ Where each runs (`fp8_block_linear`):
     CPU    `fp8_block_linear_ref`: the activations quantized in torch, both operands dequantized in
            fp32 and multiplied (exact products, fp32 sums): what transformers computes on the
            dequantized weights with the same activation rounding (tests/quantization)
-    CUDA   `per_token_group_quant_fp8` (Triton, one program per (token, group)), then
+    sm_90  with 128 x 128 blocks (N whole blocks, K whole groups of 4 blocks) and CUDA >= 12.9: the quantizer
+           below with its scales column-major and rows padded to 4, then cuBLASLt's block-scaled GEMM
+           (`fp8_block_gemm_cublas`; PAGEDLLM_FP8_BLOCK_CUBLAS=0 keeps the Triton GEMM)
+    CUDA   `per_token_group_quant_fp8` (Triton, ~1024 inputs of one token a program), then
            `fp8_block_gemm` (Triton): one fp8 `tl.dot` per K group, its fp32 partial scaled by
            s[:, g] x sw[:, g] before it joins the accumulator (the design of vLLM's
            `_w8a8_block_fp8_matmul`); bias and the cast to the activation dtype in the epilogue.
@@ -29,7 +32,7 @@ fp8 `tl.dot` takes e4m3 operands as the W8A8 GEMM's tests do (tests/kernels/test
 
 from __future__ import annotations
 
-import functools
+import logging
 from typing import NamedTuple
 
 import torch
@@ -48,6 +51,7 @@ SCALE_FLOOR = 1e-12  # an all-zero group keeps a finite, non-zero scale (its cod
 _QMAX = tl.constexpr(FP8_MAX)  # the kernels' copies (a @jit function reads only constexpr globals)
 _FLOOR = tl.constexpr(SCALE_FLOOR)
 CUBLAS_BLOCK = environment_variables["PAGEDLLM_FP8_BLOCK_CUBLAS"]()
+logger = logging.getLogger(__name__)
 
 
 # -- activations: per token, per group of `group` inputs ----------------------------------------------
@@ -276,11 +280,33 @@ def fp8_block_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale_inv: torc
     return out.to(x.dtype)
 
 
-@functools.cache
+_CUBLAS_BLOCK_DEVICES: dict[int, bool] = {}  # device index -> cuBLASLt's block-scaled GEMM ran there
+
+
 def _cublas_block_device(index: int) -> bool:
-    """cuBLASLt's block-scaled FP8 GEMM exists on sm_90 from CUDA 12.9 (torch's _scaled_mm takes it there)."""
+    """cuBLASLt's block-scaled FP8 GEMM exists on sm_90 from CUDA 12.9 (torch's _scaled_mm takes it there); the
+    first call on a device also runs one small such GEMM, since the cuBLAS library loaded may still refuse it
+    (then the Triton kernel runs, and the log says why). Never probed inside a CUDA-graph capture: the start-up's
+    eager passes come first, and a capture before any of them gets the Triton kernel."""
+    known = _CUBLAS_BLOCK_DEVICES.get(index)
+    if known is not None:
+        return known
+    if torch.cuda.is_current_stream_capturing():
+        return False
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
+    ok = torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
+    if ok:
+        dev = torch.device("cuda", index)
+        try:  # M 4, N 128, K 512: the smallest shapes the rules below let through
+            fp8_block_gemm_cublas(torch.zeros(4, 512, dtype=FP8_DTYPE, device=dev),
+                                  torch.ones(4, 4, device=dev).t(), torch.zeros(128, 512, dtype=FP8_DTYPE, device=dev),
+                                  torch.ones(1, 4, device=dev), torch.bfloat16)
+        except RuntimeError as e:
+            logger.warning("block-wise FP8 on cuda:%d: cuBLASLt's block-scaled GEMM failed (%s); the Triton "
+                           "kernel runs instead", index, str(e).splitlines()[0][:200])
+            ok = False
+    _CUBLAS_BLOCK_DEVICES[index] = ok
+    return ok
 
 
 def cublas_block_shape_ok(n: int, k: int, block: tuple[int, int]) -> bool:

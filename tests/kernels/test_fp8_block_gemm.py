@@ -94,6 +94,40 @@ def test_cublas_block_shape_rule():
     assert not cublas_block_shape_ok(4096, 384, (128, 128))  # 3 K blocks: a grid to pad
 
 
+def test_cublas_block_device_probe(monkeypatch, caplog):
+    # the device rule without a GPU: sm_90 and CUDA >= 12.9, then one probe GEMM whose failure falls back (with a
+    # warning) and is remembered; inside a graph capture nothing is probed or remembered
+    from pagedllm.kernels import fp8_block_gemm as fbg
+
+    calls = []
+
+    def probe(*args, **kwargs):
+        calls.append(args[0].shape)
+        if fail:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+
+    monkeypatch.setattr(fbg, "fp8_block_gemm_cublas", probe)
+    monkeypatch.setattr(fbg, "_CUBLAS_BLOCK_DEVICES", {})
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: torch.empty(a, dtype=k.get("dtype")))
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: torch.empty(a))
+    fail = False
+    assert not fbg._cublas_block_device(0) and calls == [] and fbg._CUBLAS_BLOCK_DEVICES == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert fbg._cublas_block_device(0) and calls == [(4, 512)]
+    assert fbg._cublas_block_device(0) and len(calls) == 1  # remembered
+    fail = True
+    assert not fbg._cublas_block_device(1) and "Triton" in caplog.text and "NOT_SUPPORTED" in caplog.text
+    assert not fbg._cublas_block_device(1) and len(calls) == 2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (10, 0))  # not sm_90: no probe
+    assert not fbg._cublas_block_device(2) and len(calls) == 2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert not fbg._cublas_block_device(3) and len(calls) == 2
+
+
 @pytest.mark.parametrize(("m", "n", "k", "block", "cfg"), [
     (5, 100, 200, (64, 48), Fp8BlockConfig(16, 32, 2, 4, 2)),  # bk 48: BLOCK_K 64 masked; K 200 = 4 x 48 + 8
     (37, 96, 256, (128, 128), Fp8BlockConfig(16, 32, 2, 4, 2)),  # N inside one block row; M 3 row tiles
