@@ -14,8 +14,8 @@ Where each runs (`fp8_block_linear`):
     CPU    `fp8_block_linear_ref`: the activations quantized in torch, both operands dequantized in
            fp32 and multiplied (exact products, fp32 sums): what transformers computes on the
            dequantized weights with the same activation rounding (tests/quantization)
-    sm_90  with 128 x 128 blocks (N whole blocks, K whole groups of 4 blocks) and CUDA >= 12.9: the quantizer
-           below with its scales column-major and rows padded to 4, then cuBLASLt's block-scaled GEMM
+    sm_90  bf16 activations, 128 x 128 blocks (N whole blocks, K whole groups of 4 blocks), CUDA >= 12.9:
+           the quantizer below, its scales column-major, rows padded to 4, then cuBLASLt's block-scaled GEMM
            (`fp8_block_gemm_cublas`; PAGEDLLM_FP8_BLOCK_CUBLAS=0 keeps the Triton GEMM)
     CUDA   `per_token_group_quant_fp8` (Triton, ~1024 inputs of one token a program), then
            `fp8_block_gemm` (Triton): one fp8 `tl.dot` per K group, its fp32 partial scaled by
@@ -318,8 +318,9 @@ def cublas_block_shape_ok(n: int, k: int, block: tuple[int, int]) -> bool:
 
 def cublas_block_ok(x: torch.Tensor, qweight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether `fp8_block_linear` runs cuBLASLt's 1 x 128 x 128 x 128 GEMM: `CUBLAS_BLOCK` on, a CUDA sm_90
-    device with CUDA >= 12.9, bf16 / fp16 activations and `cublas_block_shape_ok`."""
-    return (CUBLAS_BLOCK and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    device with CUDA >= 12.9, bf16 activations (the output dtype measured and probed; fp16 models keep the
+    Triton GEMM) and `cublas_block_shape_ok`."""
+    return (CUBLAS_BLOCK and x.is_cuda and x.dtype == torch.bfloat16
             and cublas_block_shape_ok(*qweight.shape, block) and _cublas_block_device(x.device.index or 0))
 
 
