@@ -184,6 +184,7 @@ def linear() -> None:
 
     torch.manual_seed(1)
     worst = {}
+    default = fbg.CUBLAS_BLOCK
     for cublas in (False, True):
         fbg.CUBLAS_BLOCK = cublas
         for n, k in ((6144, 4096), (4096, 14336)):
@@ -193,13 +194,14 @@ def linear() -> None:
                                    (4099, torch.bfloat16, False)):
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-                assert fbg.cublas_block_ok(x, qw, BLK) == cublas, (cublas, m, dtype)
+                on_cublas = fbg.cublas_block_ok(x, qw, BLK)
+                assert on_cublas == (cublas and dtype == torch.bfloat16), (cublas, m, dtype)  # fp16: Triton
                 err = rel_err(fbg.fp8_block_linear(x, qw, sw, BLK, b), fbg.fp8_block_linear_ref(x, qw, sw, BLK, b))
-                key = "cuBLASLt" if cublas else "Triton"
+                key = "cuBLASLt" if on_cublas else "Triton"
                 worst[key] = max(worst.get(key, 0.0), err)
-    fbg.CUBLAS_BLOCK = False
+    fbg.CUBLAS_BLOCK = default
     for key, err in worst.items():
-        record(f"fp8_block_linear on {key} vs its reference (M 1/7/300/4099, bias, fp16)", f"worst {err:.2e}")
+        record(f"fp8_block_linear on {key} vs its reference (M 1/7/300/4099, bias; fp16 on Triton)", f"worst {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #   fp8         pagedllm W1 Llama-3.1-8B shape: quantization=fp8 (online), and + kv_cache_dtype=fp8
 #               when it is built; then vLLM 0.21 the same (when under /tmp/site), ~6 min
 #   fp8block    block-wise FP8 (128 x 128 weight blocks, dynamic 1 x 128 activation groups: Qwen3-FP8's format),
-#               pagedllm W1 on the Triton GEMM and on cuBLASLt's (PAGEDLLM_FP8_BLOCK_CUBLAS=1), then vLLM, ~4 min
+#               pagedllm W1 on the Triton GEMM (PAGEDLLM_FP8_BLOCK_CUBLAS=0) and on cuBLASLt's (the sm_90
+#               default), then vLLM, ~4 min
 #   int8        W8A8-INT8 (compressed-tensors config), pagedllm then vLLM, ~4 min
 #   awq, gptq   int4 g128 (one section each): W1 and the batch-1 decode step, pagedllm then vLLM, ~4.5 min
 #   72b         Qwen2.5-72B-shaped AWQ (dummy int4 weights) on one H200, max_model_len 4096, W1
@@ -113,8 +114,8 @@ if want fp8; then
   vllm_w1 fp8-kvfp8 $L8 --quantization fp8 --kv-cache-dtype fp8
 fi
 if want fp8block; then
+  PAGEDLLM_FP8_BLOCK_CUBLAS=0 ours_w1 fp8block-triton "$OUT/cfg/llama3-8b-fp8block"
   ours_w1 fp8block "$OUT/cfg/llama3-8b-fp8block"
-  PAGEDLLM_FP8_BLOCK_CUBLAS=1 ours_w1 fp8block-cublas "$OUT/cfg/llama3-8b-fp8block"
   vllm_w1 fp8block "$OUT/cfg/llama3-8b-fp8block"
 fi
 if want int8; then
