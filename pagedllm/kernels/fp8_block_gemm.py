@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.envs import environment_variables
+from pagedllm.kernels.device_info import device_index, is_sm90
 from pagedllm.kernels.tile_order import grouped_tile
 
 __all__ = ["Fp8BlockConfig", "fp8_block_gemm", "fp8_block_gemm_config", "fp8_block_gemm_ref", "fp8_block_linear",
@@ -294,7 +295,7 @@ def _cublas_block_device(index: int) -> bool:
     if torch.cuda.is_current_stream_capturing():
         return False
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    ok = torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
+    ok = is_sm90(index) and cuda >= (12, 9)
     if ok:
         dev = torch.device("cuda", index)
         try:  # M 4, N 128, K 512: the smallest shapes the rules below let through
@@ -321,7 +322,7 @@ def cublas_block_ok(x: torch.Tensor, qweight: torch.Tensor, block: tuple[int, in
     device with CUDA >= 12.9, bf16 activations (the output dtype measured and probed; fp16 models keep the
     Triton GEMM) and `cublas_block_shape_ok`."""
     return (CUBLAS_BLOCK and x.is_cuda and x.dtype == torch.bfloat16
-            and cublas_block_shape_ok(*qweight.shape, block) and _cublas_block_device(x.device.index or 0))
+            and cublas_block_shape_ok(*qweight.shape, block) and _cublas_block_device(device_index(x)))
 
 
 def fp8_block_gemm_cublas(qa: torch.Tensor, a_scales: torch.Tensor, qweight: torch.Tensor,

@@ -55,6 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from pagedllm.kernels.device_info import device_index, is_sm90
 from pagedllm.kernels.gemv import split_k_plan
 from pagedllm.kernels.wna16_wgmma_config import WGMMAConfig
 
@@ -304,18 +305,12 @@ def _out_layout(block_n: int, block_m: int, num_warps: int) -> gl.BlockedLayout:
                             warps_per_cta=[1, num_warps], order=[0, 1])
 
 
-_SM90: dict[int, bool] = {}  # device index -> whether it is sm_90 (asked once: the dispatch runs every call)
-
-
 def wgmma_supported(x: torch.Tensor, k: int, group_size: int, bits: int) -> bool:
     """Whether `wna16_wgmma_linear` may take this call: int4, 16-bit x on an sm_90 GPU, 64-input steps
     dividing K and the group size."""
     if not (bits == 4 and x.is_cuda and x.dtype in _MAGIC and k % 64 == 0 and group_size % 64 == 0):
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _SM90:
-        _SM90[index] = torch.cuda.get_device_capability(index) == (9, 0)
-    return _SM90[index]
+    return is_sm90(device_index(x))
 
 
 def wgmma_dequant_emulation(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

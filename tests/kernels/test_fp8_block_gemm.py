@@ -97,6 +97,7 @@ def test_cublas_block_shape_rule():
 def test_cublas_block_device_probe(monkeypatch, caplog):
     # the device rule without a GPU: sm_90 and CUDA >= 12.9, then one probe GEMM whose failure falls back (with a
     # warning) and is remembered; inside a graph capture nothing is probed or remembered
+    from pagedllm.kernels import device_info
     from pagedllm.kernels import fp8_block_gemm as fbg
 
     calls = []
@@ -108,6 +109,7 @@ def test_cublas_block_device_probe(monkeypatch, caplog):
 
     monkeypatch.setattr(fbg, "fp8_block_gemm_cublas", probe)
     monkeypatch.setattr(fbg, "_CUBLAS_BLOCK_DEVICES", {})
+    monkeypatch.setattr(device_info, "_SM90", {})
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
