@@ -210,6 +210,9 @@ class Processor:
         """Parameters of the index-th of n samples: n=1, and a distinct seed when seeded."""
         child = params.clone()
         child.n = 1
+        # best_of may only equal n (sampling_params.py): a child kept at best_of=n with n=1 was refused
+        # by the engine process's check, a 500 for a request the frontend had accepted.
+        child.best_of = None
         if params.seed is not None:
             child.seed = params.seed + index
         return child

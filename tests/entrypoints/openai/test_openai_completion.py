@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import openai
 import pytest
 
 MODEL = "tiny"
@@ -123,3 +124,17 @@ def test_cache_salt_separates_prefix_caches(client):
     same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert same.usage.prompt_tokens_details.cached_tokens == 48
+
+
+def test_best_of_equal_to_n_is_served(client):
+    """best_of may equal n (beam-style best_of > n is refused): each of the n samples is one request of
+    n=1, which the engine process refused while it kept best_of=n (a 500)."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    r = client.completions.create(n=2, best_of=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    assert [c.text for c in client.completions.create(best_of=1, **kw).choices] == [r.choices[0].text]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          n=2, extra_body={"best_of": 2})
+    assert [c.index for c in chat.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=1, best_of=3, **kw)
