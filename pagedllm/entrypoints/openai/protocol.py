@@ -123,6 +123,8 @@ class _SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     # vLLM: also return the prompt's and each choice's token ids.
     return_token_ids: bool | None = False
+    # vLLM: logprobs name tokens "token_id:N"; None: --return-tokens-as-token-ids decides.
+    return_tokens_as_token_ids: bool | None = None
     use_beam_search: bool = False  # vLLM's field; refused when true (beam search is not built)
     # Constrained output (structured_fields.py reads these with response_format).
     structured_outputs: dict[str, Any] | None = None

@@ -155,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
             events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text, make_parser)
             return EventStream(events, [stream])
         return await self._full(stream, request_id, model_name, params, echo_text, bool(request.return_token_ids),
-                                make_parser)
+                                make_parser, self.tokens_as_ids(request))
 
     # -- input -------------------------------------------------------------------------------------
     def _check_supported(self, request: ChatCompletionRequest) -> None:
@@ -260,6 +260,7 @@ class OpenAIServingChat(OpenAIServing):
         echo_text: str,
         return_token_ids: bool,
         make_parser=None,
+        as_ids: bool = False,
     ) -> ChatCompletionResponse:
         created = int(time.time())
         final = None
@@ -276,7 +277,7 @@ class OpenAIServingChat(OpenAIServing):
         for c in final.outputs:
             num_generated += len(c.token_ids)
             logprobs = (
-                self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
+                self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs, as_ids)
                 if params.logprobs is not None and c.logprobs is not None
                 else None
             )
@@ -321,6 +322,7 @@ class OpenAIServingChat(OpenAIServing):
                    for _ in range(params.n)]
         include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
         return_token_ids = bool(request.return_token_ids)
+        as_ids = self.tokens_as_ids(request)
         completion_tokens = [0] * params.n
         cached_tokens = 0
 
@@ -361,7 +363,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield chat_content_chunk(head, c.index, content)  # the common chunk: text only
                         continue
                     logprobs = (
-                        self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
+                        self.chat_logprobs(c.token_ids, c.logprobs, params.logprobs, as_ids)
                         if params.logprobs is not None and c.logprobs is not None
                         else None
                     )

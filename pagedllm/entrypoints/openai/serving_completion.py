@@ -170,7 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
             events = self._stream(request, streams, request_id, model_name, num_prompt_tokens, params, echoes)
             return EventStream(events, streams)
         try:
-            return await self._full(streams, request_id, model_name, params, echoes, bool(request.return_token_ids))
+            return await self._full(streams, request_id, model_name, params, echoes, bool(request.return_token_ids),
+                                    self.tokens_as_ids(request))
         finally:
             for s in streams:
                 s.abort()
@@ -202,6 +203,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params: SamplingParams,
         echoes: list[str],
         return_token_ids: bool,
+        as_ids: bool = False,
     ) -> CompletionResponse:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -218,7 +220,7 @@ class OpenAIServingCompletion(OpenAIServing):
             cached_tokens += final.num_cached_tokens
             for c in final.outputs:
                 completion_tokens += len(c.token_ids)
-                choice = self._choice(i * params.n + c.index, c, params, echoes[i], 0)
+                choice = self._choice(i * params.n + c.index, c, params, echoes[i], 0, as_ids)
                 if return_token_ids:
                     choice.prompt_token_ids = list(final.prompt_token_ids)
                     choice.token_ids = list(c.token_ids)
@@ -232,10 +234,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     def _choice(
-        self, index: int, c: CompletionOutput, params: SamplingParams, prefix: str, text_offset: int
+        self, index: int, c: CompletionOutput, params: SamplingParams, prefix: str, text_offset: int,
+        as_ids: bool = False,
     ) -> CompletionResponseChoice:
         logprobs = (
-            self.completion_logprobs(c.token_ids, c.logprobs, params.logprobs, text_offset + len(prefix))
+            self.completion_logprobs(c.token_ids, c.logprobs, params.logprobs, text_offset + len(prefix), as_ids)
             if params.logprobs is not None and c.logprobs is not None
             else None
         )
@@ -255,6 +258,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage, continuous_usage = self.stream_usage_flags(request.stream_options)
+        as_ids = self.tokens_as_ids(request)
         completion_tokens = 0
         cached: dict[int, int] = {}  # prompt index -> tokens served from the prefix cache
         # Per choice index: characters sent so far (for logprobs' text_offset) and whether the
@@ -299,7 +303,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             list(c.token_ids) if ids else None, usage,
                         )
                         continue
-                    choice = self._choice(index, c, params, prefix, sent_chars.get(index, 0))
+                    choice = self._choice(index, c, params, prefix, sent_chars.get(index, 0), as_ids)
                     if request.return_token_ids:
                         choice.prompt_token_ids = list(out.prompt_token_ids) if first else None
                         choice.token_ids = list(c.token_ids)

@@ -299,8 +299,13 @@ class OpenAIServing:
         include = bool(stream_options.include_usage) or self.force_include_usage
         return include, include and bool(stream_options.continuous_usage_stats)
 
-    def token_str(self, token_id: int, lp: Logprob | None) -> str:
-        if self.return_tokens_as_token_ids:
+    def tokens_as_ids(self, request: Any) -> bool:
+        """vLLM's return_tokens_as_token_ids: the request's value, else --return-tokens-as-token-ids."""
+        asked = getattr(request, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if asked is None else asked
+
+    def token_str(self, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
+        if as_ids:
             return f"token_id:{token_id}"  # vLLM's spelling, for tokens that are not valid text alone
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
@@ -309,13 +314,13 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def chat_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int, as_ids: bool = False
     ) -> ChatCompletionLogProbs:
         """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
         content = []
         for tid, entry in zip(token_ids, logprobs, strict=True):
             sampled = entry.get(tid)
-            tok = self.token_str(tid, sampled)
+            tok = self.token_str(tid, sampled, as_ids)
             ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
             content.append(
                 ChatCompletionLogProbsContent(
@@ -324,7 +329,7 @@ class OpenAIServing:
                     bytes=list(tok.encode("utf-8", errors="replace")),
                     top_logprobs=[
                         ChatCompletionLogProb(
-                            token=(s := self.token_str(t, lp)),
+                            token=(s := self.token_str(t, lp, as_ids)),
                             logprob=clamp_logprob(lp.logprob),
                             bytes=list(s.encode("utf-8", errors="replace")),
                         )
@@ -335,7 +340,8 @@ class OpenAIServing:
         return ChatCompletionLogProbs(content=content)
 
     def completion_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int, initial_text_offset: int
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int, initial_text_offset: int,
+        as_ids: bool = False,
     ) -> CompletionLogProbs:
         """The legacy completions shape: parallel lists tokens / token_logprobs / top_logprobs /
         text_offset (character offset of each token in the choice's text)."""
@@ -343,13 +349,13 @@ class OpenAIServing:
         offset = initial_text_offset
         for tid, entry in zip(token_ids, logprobs, strict=True):
             sampled = entry.get(tid)
-            tok = self.token_str(tid, sampled)
+            tok = self.token_str(tid, sampled, as_ids)
             out.tokens.append(tok)
             out.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled is not None else MIN_LOGPROB)
             out.text_offset.append(offset)
             offset += len(tok)
             ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
-            top = {self.token_str(t, lp): clamp_logprob(lp.logprob) for t, lp in ranked}
+            top = {self.token_str(t, lp, as_ids): clamp_logprob(lp.logprob) for t, lp in ranked}
             if sampled is not None:
                 top.setdefault(tok, clamp_logprob(sampled.logprob))  # vLLM: the sampled token is always listed
             out.top_logprobs.append(top)

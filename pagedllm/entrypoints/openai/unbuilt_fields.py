@@ -2,9 +2,9 @@
 unconstrained text.
 
 Tool calling and structured outputs are served (structured_fields.py, serving_chat.py); what is
-left here are the deprecated function-calling fields, and OpenAI's output modalities other than text
-(audio answers, web search): a client that asks for them would read a text-only answer as if it had
-what it asked for.
+left here are the deprecated function-calling fields, OpenAI's output modalities other than text
+(audio answers, web search), and vLLM's fields for features not built (priority, prompt_embeds, ...):
+a client that asks for them would read the answer as if it had what it asked for.
 """
 
 from __future__ import annotations
@@ -25,7 +25,19 @@ UNBUILT_FIELDS: dict[str, str] = {
     "audio": "this server answers in text only (no audio output)",
     "modalities": "this server answers in text only: give [\"text\"] or leave it out",
     "web_search_options": "this server has no web search (give retrieved text in the messages)",
+    # vLLM's own request fields for features not built here: each changes the answer (or its order), so
+    # a vLLM client that sets one must hear it is not honoured.
+    "priority": "priority scheduling is not built (first come, first served); send 0 or leave it out",
+    "prompt_embeds": "prompt embeddings are not served; send the prompt as text or token ids",
+    "logits_processors": "per-request logits processors are not built",
+    "logprob_token_ids": "logprobs of chosen token ids are not built; use logprobs / top_logprobs",
+    "truncation_side": "truncate_prompt_tokens keeps the last tokens only: give \"left\" or leave it out",
+    "thinking_token_budget": "a thinking token budget is not built; give -1 or leave it out",
+    "repetition_detection": "repetition detection is not built",
 }
+
+# The value of a vLLM field above that asks for what this server does anyway (vLLM's default).
+_DEFAULTS: dict[str, Any] = {"priority": 0, "truncation_side": "left", "thinking_token_budget": -1}
 
 
 def _asks_for_nothing(name: str, value: Any) -> bool:
@@ -37,6 +49,9 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
         return True
     if name == "modalities" and value == ["text"]:
         return True
+    if name in _DEFAULTS:
+        # bool is an int: priority=false is not priority 0 (vLLM's int field refuses it), nor 0 true
+        return type(value) is type(_DEFAULTS[name]) and value == _DEFAULTS[name]
     return name == "parallel_tool_calls"  # meaningless without tools, which are refused
 
 
@@ -48,4 +63,5 @@ def refuse_unbuilt_fields(request: Any) -> None:
             values[name] = getattr(request, name)
     for name, why in UNBUILT_FIELDS.items():
         if name in values and not _asks_for_nothing(name, values[name]):
-            raise APIError(f"{name} is not supported: {why} (the request would get unconstrained text).", param=name)
+            raise APIError(f"{name} is not supported: {why} (the request would not get what it asked for).",
+                           param=name)

@@ -62,6 +62,13 @@ def test_request_id_header_and_response_role(client):
 def test_tokens_as_token_ids_and_forced_usage(client):
     r = chat(client, logprobs=True, top_logprobs=2)
     assert all(c["token"].startswith("token_id:") for c in r.json()["choices"][0]["logprobs"]["content"])
+    # vLLM's per-request field overrides the flag (it was an unknown field, ignored)
+    r = chat(client, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=False)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert not any(t["token"].startswith("token_id:") for c in content for t in [c, *c["top_logprobs"]]), content
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "logprobs": 1,
+                                              "return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in r.json()["choices"][0]["logprobs"]["tokens"]), r.text
     with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4,
                                                          "stream": True}) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
@@ -74,6 +81,10 @@ def test_tokens_as_token_ids_and_forced_usage(client):
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("structural_tag", '{"type": "structural_tag"}'), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("web_search_options", {"search_context_size": "low"}),
+    # vLLM's fields for features not built: were ignored, the answer read as if they were honoured
+    ("priority", 1), ("priority", False), ("prompt_embeds", "AAAA"), ("logits_processors", ["m.Proc"]),
+    ("logprob_token_ids", [5]), ("truncation_side", "right"), ("thinking_token_budget", 10),
+    ("repetition_detection", {"min_pattern_size": 2}),
 ])
 def test_unbuilt_fields_are_refused_by_name(client, field, value):
     r = chat(client, **{field: value})
@@ -84,6 +95,8 @@ def test_unbuilt_fields_are_refused_by_name(client, field, value):
 def test_fields_that_ask_for_nothing_pass(client):
     assert chat(client, response_format={"type": "text"}, tool_choice="none",
                 modalities=["text"]).status_code == 200
+    assert chat(client, priority=0, truncation_side="left", thinking_token_budget=-1, prompt_embeds=None).status_code \
+        == 200
 
 
 def test_bad_words_and_allowed_token_ids_and_truncation(client, tiny_tokenizer):
