@@ -122,6 +122,13 @@ class SamplingParams:
             raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}.")
         if self.top_k == -1:
             self.top_k = 0
+        # vLLM's spellings: seed=-1 is "no seed" (not a seeded generator started at -1), and
+        # logprobs=True / prompt_logprobs=True ask for the sampled token's logprob alone (1).
+        if _is_int(self.seed) and self.seed == -1:
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding (its older name), not both.")
@@ -191,6 +198,9 @@ class SamplingParams:
                 raise bad(name, "an integer >= 0 or None")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
+        if self.stop and not self.detokenize:
+            # Stop strings are matched in the detokenized text: without it they would never stop anything.
+            raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True to use stop.")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}.")

@@ -107,3 +107,12 @@ def test_clone_shares_nothing_mutable_and_equals_the_original():
     assert p.allowed_token_ids == [1, 2] and p.bad_words == ["no"] and p.bad_words_token_ids == [[4, 5]]
     assert p.all_stop_token_ids == {7}
     assert list(p.structured_outputs.json["properties"]) == ["a"]
+
+
+def test_vllms_spellings_of_no_seed_and_one_logprob():
+    """vLLM reads seed=-1 as no seed (it was a generator seeded with -1: every "unseeded" request the
+    same) and logprobs=True as 1 (it was refused)."""
+    p = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
+    assert p.seed is None and p.logprobs == 1 and p.prompt_logprobs == 1
+    assert roundtrip(p).seed is None
+    assert SamplingParams(seed=-2).seed == -2

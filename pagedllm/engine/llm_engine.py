@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -101,12 +102,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
 
-    def run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+    def run_to_completion(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[Any]:
         """Step until every request in `request_ids` (added, FINAL_ONLY) has finished; their outputs
         in that order. An error (Ctrl-C included) aborts the ones still running before it propagates,
-        so no KV block stays held. Used by `LLM.generate` and the pooling calls alike."""
+        so no KV block stays held. Used by `LLM.generate` and the pooling calls alike. use_tqdm may be
+        a tqdm-like class (vLLM's `use_tqdm: bool | Callable[..., tqdm]`), called as tqdm is."""
         finished: dict[str, Any] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar_cls = use_tqdm if callable(use_tqdm) else tqdm
+        bar = bar_cls(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.has_unfinished_requests():
                 for out in self.step():

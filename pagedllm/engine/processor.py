@@ -174,6 +174,10 @@ class Processor:
             raise ValueError(f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens}).")
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         params.update_from_generation_config(self.config.model_config.generation_config, self.eos_token_ids)
+        if params.stop and self.tokenizer is None:
+            # Stop strings are found in the detokenized text, and there is none without a tokenizer.
+            raise ValueError("stop strings need a tokenizer; this engine runs without one (skip_tokenizer_init): "
+                             "use stop_token_ids.")
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_structured_outputs(params)

@@ -5,19 +5,46 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import unfreeze_gc_heap
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.entrypoints.chat_utils import check_tools, render_chat
+from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, check_tools, render_chat
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.vllm_flags import check_llm_kwargs
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+# LLM.chat's chat_template_content_format values that mean what runs: content rendered as a string.
+_CONTENT_FORMATS = ("auto", "string")
+
+
+def check_lora_request(lora_request: Any) -> None:
+    """vLLM's calls take lora_request=None (a script that passes it explicitly must run); an adapter is
+    refused, never run without it."""
+    if lora_request is not None and lora_request != []:
+        raise ValueError("lora_request is not supported: LoRA adapters are not built; merge the adapter into the "
+                         "weights first.")
+
+
+def check_priority(priority: Any, num_prompts: int) -> None:
+    """vLLM's priority (one per prompt): only 0, the first-come-first-served policy, runs here."""
+    if priority is None:
+        return
+    if not isinstance(priority, Sequence) or isinstance(priority, str) or len(priority) != num_prompts:
+        raise ValueError(f"priority must be a list of one integer per prompt ({num_prompts}), got {priority!r:.60}.")
+    if any(p != 0 for p in priority):
+        raise ValueError(f"priority {list(priority)!r:.60} is not supported: requests are served first come, first "
+                         "served; priority scheduling is not built.")
+
+
+def check_no_kwargs(name: str, value: Any, why: str) -> None:
+    """vLLM's per-call dicts (tokenization_kwargs, mm_processor_kwargs): None or empty asks for nothing."""
+    if value:
+        raise ValueError(f"{name}={value!r:.60} is not supported: {why}.")
 
 
 class LLM:
@@ -66,8 +93,15 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        check_lora_request(lora_request)
+        check_no_kwargs("tokenization_kwargs", tokenization_kwargs,
+                        "prompts are tokenized with the model's defaults; use SamplingParams.truncate_prompt_tokens")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -75,6 +109,7 @@ class LLM:
                 f"prompts must be a string, a token-id list, a prompt dict or a list of them, got {type(prompts).__name__}."
             )
         prompts = list(prompts)
+        check_priority(priority, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -95,54 +130,82 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat, its arguments in vLLM's order. continue_final_message renders the last
+        (assistant) message open, for the model to continue; it takes add_generation_prompt=False."""
         if not isinstance(messages, list):
             raise TypeError(f"messages must be a list of {{role, content}} dicts (or a list of such lists), "
                             f"got {type(messages).__name__}.")
+        check_lora_request(lora_request)
+        check_no_kwargs("mm_processor_kwargs", mm_processor_kwargs,
+                        "multimodal inputs are not built (pagedllm serves text-only models)")
+        if chat_template_content_format not in _CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported: "
+                             "message content is rendered as strings (text parts joined); use 'auto' or 'string'.")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true; set "
+                             "add_generation_prompt=False to continue the final message.")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         check_tools(tools)  # the server's check: a malformed tool is a ValueError naming it, not a template error
+        check_chat_template_kwargs(chat_template_kwargs)  # before it is merged: a list would be no Mapping
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True  # transformers' apply_chat_template argument
         tok = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = render_chat(tok, conv, chat_template, add_generation_prompt, chat_template_kwargs, tools=tools)
+            text = render_chat(tok, conv, chat_template, add_generation_prompt, kwargs or None, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # -- pooling (runner="pooling"): pagedllm/pooling/offline.py --------------------------------------
     def encode(self, prompts: Any, pooling_params: Any = None, *, truncate_prompt_tokens: int | None = None,
-               use_tqdm: bool = True, pooling_task: str | None = None) -> list:
+               use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, pooling_task: str | None = None,
+               tokenization_kwargs: dict[str, Any] | None = None) -> list:
         from pagedllm.pooling import offline
 
+        check_lora_request(lora_request)
+        check_no_kwargs("tokenization_kwargs", tokenization_kwargs,
+                        "prompts are tokenized with the model's defaults; use truncate_prompt_tokens")
         return offline.encode(self, prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, pooling_task=pooling_task)
 
-    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: Any = None) -> list:
+    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable[..., Any] = True, pooling_params: Any = None, lora_request: Any = None) -> list:
         from pagedllm.pooling import offline
 
+        check_lora_request(lora_request)
         return offline.embed(self, prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                              pooling_params=pooling_params)
 
-    def classify(self, prompts: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-                 pooling_params: Any = None) -> list:
+    def classify(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True, pooling_params: Any = None,
+                 lora_request: Any = None) -> list:
         from pagedllm.pooling import offline
 
+        check_lora_request(lora_request)
         return offline.classify(self, prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                                 pooling_params=pooling_params)
 
     def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, pooling_params: Any = None) -> list:
+              use_tqdm: bool | Callable[..., Any] = True, pooling_params: Any = None, lora_request: Any = None) -> list:
         from pagedllm.pooling import offline
 
+        check_lora_request(lora_request)
         return offline.score(self, data_1, data_2, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm, pooling_params=pooling_params)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:

@@ -1,0 +1,96 @@
+"""LLM's calls as a vLLM script makes them: vLLM's keyword arguments (lora_request=None, priority,
+chat's continue_final_message, ...) run or are refused by name, never a TypeError for a keyword
+vLLM takes. Found by exploratory testing of the offline API against vLLM 0.21's signatures."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.utils import assert_pool_idle
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), num_gpu_blocks_override=128, max_model_len=256)
+
+
+def test_generate_takes_vllms_keyword_arguments_at_their_off_values(llm):
+    """lora_request=None / priority=[0, ...] / tokenization_kwargs=None were TypeErrors (unexpected keyword)."""
+    ref = [o.outputs[0].token_ids for o in llm.generate(["a b", "c d"], GREEDY, use_tqdm=False)]
+    outs = llm.generate(["a b", "c d"], GREEDY, use_tqdm=False, lora_request=None, priority=[0, 0],
+                        tokenization_kwargs=None)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"lora_request": object()}, ["lora_request", "LoRA"]),
+    ({"priority": [1]}, ["priority", "not built"]),
+    ({"priority": [0, 0]}, ["priority", "one integer per prompt"]),
+    ({"tokenization_kwargs": {"truncation": True}}, ["tokenization_kwargs"]),
+])
+def test_generate_refuses_what_is_not_built_by_name(llm, kwargs, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate("a b", GREEDY, use_tqdm=False, **kwargs)
+    for w in words:
+        assert w in str(e.value), e.value
+    assert_pool_idle(llm)
+
+
+def test_use_tqdm_may_be_a_progress_bar_class(llm):
+    """vLLM's use_tqdm: bool | Callable[..., tqdm]; a class was read as True and ignored."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            made.append(kwargs["total"])
+
+        def update(self, n):
+            made.append(n)
+
+        def close(self):
+            made.append("closed")
+
+    llm.generate(["a", "b"], GREEDY, use_tqdm=Bar)
+    assert made == [2, 1, 1, "closed"]
+
+
+def test_chat_continue_final_message(llm, tiny_tokenizer):
+    """continue_final_message was a TypeError; the last assistant message is rendered open."""
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, my name"}]
+    out = llm.chat(conv, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    want = tiny_tokenizer.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert out.prompt == want and out.prompt.endswith("Hello, my name")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conv, GREEDY, use_tqdm=False, continue_final_message=True)  # add_generation_prompt defaults True
+
+
+def test_chat_takes_vllms_arguments_in_vllms_order(llm):
+    conv = [{"role": "user", "content": "Hi"}]
+    ref = llm.chat(conv, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    # vLLM's positional order: messages, sampling_params, use_tqdm, lora_request, chat_template
+    out = llm.chat(conv, GREEDY, False, None, None, chat_template_content_format="string",
+                   mm_processor_kwargs=None)[0]
+    assert out.outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="chat_template_content_format='openai'"):
+        llm.chat(conv, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.chat(conv, GREEDY, use_tqdm=False, lora_request=object())
+
+
+def test_stop_strings_without_detokenize_are_refused():
+    """vLLM refuses them; here they were silently never matched (the text is never built)."""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[5], detokenize=False).stop == []
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tiny_model_dir):
+    """skip_tokenizer_init: stop strings were silently never matched (no text is built)."""
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=32, max_model_len=64, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop=["x"]), use_tqdm=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
