@@ -236,7 +236,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
             ).to_json_response()
         return Response(status_code=200)
 
-    @app.get("/ping")
+    # GET and POST, as vLLM's (SageMaker's health check posts).
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         return await health()
 

@@ -57,6 +57,10 @@ class APIError(Exception):
         return JSONResponse(self.to_response().model_dump(), status_code=self.status_code, headers=self.headers)
 
 
+# The tags pydantic gives a union's plain members in an error's loc: ("prompt", "str") for `prompt: str | list[str]`.
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list"})
+
+
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     # ("body", "messages", 0, "content") -> "messages[0].content"
     parts: list[str] = []
@@ -65,8 +69,8 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
             continue
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif "[" in str(p) or "-" in str(p) or "," in str(p):
-            # pydantic names union members ("list[int]", "function-after[...]"): not a field name.
+        elif "[" in str(p) or "-" in str(p) or "," in str(p) or (parts and p in _UNION_MEMBER_TAGS):
+            # pydantic names union members ("list[int]", "function-after[...]", a bare "str"): not a field name.
             continue
         else:
             parts.append(("." if parts else "") + str(p))

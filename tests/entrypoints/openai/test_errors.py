@@ -72,3 +72,24 @@ def test_an_unknown_field_is_named_as_sent():
         except ValidationError as e:
             err = from_validation_error(e)
         assert err.message.startswith(message) and err.param == param, (err.message, err.param)
+
+
+def test_a_union_field_is_named_without_its_member_tag():
+    """`prompt: null` read "Invalid value for 'prompt.str'" with param "prompt.str": pydantic tags the
+    union's plain members (("prompt", "str")), which are no field of the request."""
+    from pydantic import ValidationError
+
+    from pagedllm.entrypoints.openai.errors import from_validation_error
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    for model, raw, param in [(CompletionRequest, '{"prompt": null}', "prompt"),
+                              (CompletionRequest, '{"prompt": ["a", [1]]}', "prompt"),
+                              (CompletionRequest, '{"prompt": "a", "stop": 5}', "stop"),
+                              (ChatCompletionRequest, '{"messages": [], "tool_choice": 5}', "tool_choice"),
+                              (CompletionRequest, '{"prompt": "a", "stream_options": {"include_usage": 1}}',
+                               "stream_options.include_usage")]:
+        try:
+            model.model_validate_json(raw)
+        except ValidationError as e:
+            err = from_validation_error(e)
+        assert err.param == param and err.message.startswith(f"Invalid value for '{param}':"), (err.message, err.param)

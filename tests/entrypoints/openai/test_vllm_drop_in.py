@@ -51,6 +51,12 @@ def test_vllm_api_key_is_required(client):
     assert r.status_code == 401
 
 
+def test_ping_answers_get_and_post_without_the_key(client):
+    """vLLM serves /ping on GET and POST (SageMaker's health check posts); POST was a 405."""
+    for method in ("GET", "POST"):
+        assert client.request(method, "/ping", headers={"Authorization": ""}).status_code == 200
+
+
 def test_request_id_header_and_response_role(client):
     r = chat(client)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "bot"
