@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.inputs import PromptType, TextPrompt, TokensPrompt
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.pooling.outputs import (
         ClassificationRequestOutput,
@@ -32,6 +33,9 @@ _MODULES = {
     "AsyncLLM": "pagedllm.engine.async_llm",
     "EngineArgs": "pagedllm.engine.arg_utils",
     "SamplingParams": "pagedllm.sampling_params",
+    "TextPrompt": "pagedllm.inputs",
+    "TokensPrompt": "pagedllm.inputs",
+    "PromptType": "pagedllm.inputs",
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
@@ -51,6 +55,9 @@ __all__ = [
     "AsyncLLM",
     "EngineArgs",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -19,7 +19,7 @@ from pagedllm.structured_output.params import (
     coerce_structured_outputs,
 )
 
-__all__ = ["GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["BeamSearchParams", "GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 _SAMPLING_EPS = 1e-5
 
@@ -278,3 +278,30 @@ class SamplingParams:
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
         """Build from keyword arguments where None means "use the default" (server requests)."""
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: what `LLM.beam_search` takes (pagedllm/beam_search.py runs it)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # vLLM's field; beam search takes no stop strings
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")

@@ -8,13 +8,14 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagedllm.beam_search import BeamSearchOutput, beam_search
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import unfreeze_gc_heap
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import check_chat_template_kwargs, check_tools, render_chat
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.vllm_flags import check_llm_kwargs
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -166,6 +167,13 @@ class LLM:
             text = render_chat(tok, conv, chat_template, add_generation_prompt, kwargs or None, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[Any], params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: bool | Callable[..., Any] = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search over TextPrompt / TokensPrompt dicts (pagedllm/beam_search.py)."""
+        check_lora_request(lora_request)
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     # -- pooling (runner="pooling"): pagedllm/pooling/offline.py --------------------------------------
     def encode(self, prompts: Any, pooling_params: Any = None, *, truncate_prompt_tokens: int | None = None,

@@ -94,3 +94,12 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_model_dir):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop=["x"]), use_tqdm=False)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_vllms_prompt_types_import_and_run(llm):
+    """`from vllm.inputs import TokensPrompt` / `from vllm import TextPrompt` had no pagedllm module to come from."""
+    from pagedllm import PromptType, TextPrompt  # noqa: F401 - vLLM's top-level names
+    from pagedllm.inputs import TokensPrompt
+
+    a, b = llm.generate([TextPrompt(prompt="a b"), TokensPrompt(prompt_token_ids=[64, 65])], GREEDY, use_tqdm=False)
+    assert a.prompt == "a b" and b.prompt_token_ids == [64, 65]
