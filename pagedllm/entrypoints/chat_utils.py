@@ -121,7 +121,9 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> str:
+    """`documents`: vLLM's RAG documents, given to templates that show them (others ignore them)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this engine has none (skip_tokenizer_init).")
     if chat_template is not None and not isinstance(chat_template, str):
@@ -136,5 +138,6 @@ def render_chat(
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         tools=tools or None,
+        documents=documents,
         **(chat_template_kwargs or {}),
     )

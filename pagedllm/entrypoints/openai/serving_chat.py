@@ -241,7 +241,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["continue_final_message"] = True
         text = render_chat(
             tokenizer, messages, request.chat_template or self.chat_template, request.add_generation_prompt, kwargs,
-            tools=request.tools,
+            tools=request.tools, documents=request.documents,
         )
         self.limits.check_prompt_bytes(len(text.encode()), "messages")  # the whole rendered input
         ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)

@@ -30,7 +30,7 @@ def client(tiny_model_dir):
         "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--max-model-len", "512",
         "--num-gpu-blocks-override", "256", "--enable-request-id-headers", "--response-role", "bot",
         "--return-tokens-as-token-ids", "--enable-force-include-usage", "--enable-log-requests",
-        "--max-log-len", "5",
+        "--max-log-len", "5", "--trust-request-chat-template",
     ])
     engine = AsyncLLM(EngineArgs.from_cli_args(args).create_engine_config())
     app = build_app(args, engine)
@@ -103,6 +103,17 @@ def test_fields_that_ask_for_nothing_pass(client):
                 modalities=["text"]).status_code == 200
     assert chat(client, priority=0, truncation_side="left", thinking_token_budget=-1, prompt_embeds=None).status_code \
         == 200
+
+
+def test_documents_reach_the_template(client, tiny_tokenizer):
+    """vLLM's documents (RAG) are given to the chat template; they were an unknown field, ignored."""
+    template = "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[-1].content }}"
+    docs = [{"title": "Paris", "text": "capital of France"}]
+    r = chat(client, chat_template=template, documents=docs, return_token_ids=True, max_tokens=1)
+    assert tiny_tokenizer.decode(r.json()["prompt_token_ids"]) == "[Paris: capital of France]Hello there", r.text
+    r = chat(client, chat_template=template, return_token_ids=True, max_tokens=1)
+    assert tiny_tokenizer.decode(r.json()["prompt_token_ids"]) == "Hello there", r.text
+    assert chat(client, documents="Paris").json()["error"]["param"] == "documents"
 
 
 def test_bad_words_and_allowed_token_ids_and_truncation(client, tiny_tokenizer):
