@@ -34,6 +34,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    lora_request: None = field(default=None, repr=False)  # vLLM's field: no LoRA adapters are built
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -50,3 +51,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = field(default=None, repr=False)
+    # vLLM's fields for what is not built (LoRA, encoder-decoder and multimodal models): always empty,
+    # there for scripts that read them.
+    lora_request: None = field(default=None, repr=False)
+    encoder_prompt: str | None = field(default=None, repr=False)
+    encoder_prompt_token_ids: list[int] | None = field(default=None, repr=False)
+    multi_modal_placeholders: dict = field(default_factory=dict, repr=False)

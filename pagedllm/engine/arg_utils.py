@@ -106,6 +106,12 @@ class EngineArgs:
         from pagedllm.loader.source import resolve_model
         from pagedllm.quantization.registry import build_quant_config, canonical_method, resolve_quantization
 
+        if self.seed is None:
+            # vLLM V1 read seed=None as 0 (every worker must share one seed); it failed late, in torch.manual_seed.
+            logger.warning("seed=None is read as seed=0, as in vLLM V1; pass an integer seed.")
+            self.seed = 0
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
         if self.quantization is not None:

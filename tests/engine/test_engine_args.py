@@ -123,3 +123,12 @@ def test_attention_backend_names_the_one_built():
         assert sizes(attention_backend=name)
     with pytest.raises(ValueError, match="'NOT_A_BACKEND' is not an attention backend name.*CPU_ATTN"):
         sizes(attention_backend="NOT_A_BACKEND")
+
+
+def test_seed_none_is_vllm_v1s_zero_and_a_bad_seed_is_named():
+    """LLM(seed=None) failed after the weights loaded with TypeError out of torch.manual_seed."""
+    assert EngineArgs(model=tiny_model("llama3")[0], device="cpu", seed=None).create_engine_config(
+    ).model_config.seed == 0
+    for bad in ("1", 1.5, True):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            EngineArgs(model=tiny_model("llama3")[0], device="cpu", seed=bad).create_engine_config()

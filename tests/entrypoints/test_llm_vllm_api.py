@@ -103,3 +103,11 @@ def test_vllms_prompt_types_import_and_run(llm):
 
     a, b = llm.generate([TextPrompt(prompt="a b"), TokensPrompt(prompt_token_ids=[64, 65])], GREEDY, use_tqdm=False)
     assert a.prompt == "a b" and b.prompt_token_ids == [64, 65]
+
+
+def test_outputs_have_vllms_fields(llm):
+    """vLLM's RequestOutput / CompletionOutput fields for LoRA and encoder-decoder / multimodal models
+    were AttributeErrors; they exist, empty, as in vLLM for a text-only model without adapters."""
+    out = llm.generate("a b", GREEDY, use_tqdm=False)[0]
+    assert out.lora_request is None and out.encoder_prompt is None and out.encoder_prompt_token_ids is None
+    assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None
