@@ -142,9 +142,10 @@ class OpenAIServingChat(OpenAIServing):
             self.tool_parser_cls(self.tokenizer) if tool_mode == "auto" else None,
             named,
         )
-        self.log_request(request_id, len(prompt_ids), params, prompt_text)
+        engine_id = self.engine_request_id(request_id, bool(request.request_id))
+        self.log_request(engine_id, len(prompt_ids), params, prompt_text)
         stream = await self.add_request(
-            request_id,
+            engine_id,
             {"prompt": prompt_text, "prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt},
             params,
             arrival_time,

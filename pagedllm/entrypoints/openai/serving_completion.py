@@ -152,9 +152,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(str(e), param="prompt") from None
 
         streams: list[RequestOutputStream] = []
+        engine_id = self.engine_request_id(request_id, bool(request.request_id))
         try:
             for i, (text, ids, _) in enumerate(encoded):
-                sub_id = request_id if len(encoded) == 1 else f"{request_id}-{i}"
+                sub_id = engine_id if len(encoded) == 1 else f"{engine_id}-{i}"
                 self.log_request(sub_id, len(ids), params, text if text is not None else ids)
                 # cache_salt (vLLM): only requests with the same salt share prefix-cache blocks.
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}

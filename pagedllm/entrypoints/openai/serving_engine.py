@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     StreamOptions,
     UsageInfo,
+    random_uuid,
 )
 from pagedllm.entrypoints.openai.request_log import UnknownFieldReporter, for_log
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -189,6 +190,13 @@ class OpenAIServing:
         else:
             ticket.release()
         return result
+
+    @staticmethod
+    def engine_request_id(response_id: str, client_given: bool) -> str:
+        """The engine's id for a request answered as `response_id`. A client's own request_id gets a random
+        suffix, as vLLM (0.14 on) adds one: two requests of one id (a retry, a proxy's id) run side by side,
+        where the second was refused as "already in use". The answer keeps the client's id."""
+        return f"{response_id}-{random_uuid()[:8]}" if client_given else response_id
 
     # -- request checks ----------------------------------------------------------------------------
     def check_engine(self) -> None:

@@ -137,3 +137,23 @@ def test_metrics_count_what_was_served(tiny_server):
     # every token after a sequence's first is one inter-token gap
     assert delta("vllm:inter_token_latency_seconds_count") == served["completion"] - sequences
     assert delta("vllm:prefix_cache_queries_total") > 0
+
+
+def test_requests_of_one_request_id_run_side_by_side(tiny_server):
+    """Two requests with the same request_id at once (a retry, a proxy's id): vLLM (0.14 on) gives each an
+    engine id of its own; the second was refused, a 400 "already in use". Each answer keeps the id."""
+    async def run() -> list:
+        client = tiny_server.async_client()
+        kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"request_id": "mine", "ignore_eos": True})
+        done = await asyncio.gather(
+            *(client.completions.create(prompt=PROMPTS[0], **kw) for _ in range(3)),
+            client.completions.create(prompt=PROMPTS[:2], **kw),
+            *(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw) for _ in range(2)),
+        )
+        await client.close()
+        return done
+
+    done = asyncio.run(run())
+    assert [r.id for r in done] == ["cmpl-mine"] * 4 + ["chatcmpl-mine"] * 2
+    assert len({r.choices[0].text for r in done[:3]}) == 1 and len(done[3].choices) == 2
+    assert tiny_server.wait_idle()[("vllm:num_requests_running", ())] == 0
