@@ -55,7 +55,7 @@ from pagedllm.entrypoints.openai.http_io import (
     cancel_on_disconnect,
     read_request,
 )
-from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.limits import MAX_REQUEST_ID_LEN, ServerLimits
 from pagedllm.entrypoints.openai.middleware import (
     AmbiguousFramingMiddleware,
     APIKeyMiddleware,
@@ -199,6 +199,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         arrival = time.time()
         check_generate_runner(engine)
         request = await read_request(raw, ChatCompletionRequest, max_body, limits)
+        take_header_request_id(raw, request)
         return respond(await cancel_on_disconnect(raw, chat.create_chat_completion(request, arrival)))
 
     @app.post("/v1/completions")
@@ -206,6 +207,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         arrival = time.time()
         check_generate_runner(engine)
         request = await read_request(raw, CompletionRequest, max_body, limits)
+        take_header_request_id(raw, request)
         return respond(await cancel_on_disconnect(raw, completion.create_completion(request, arrival)))
 
     @app.get("/v1/models")
@@ -276,6 +278,18 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM) -> FastAPI:
         allow_headers=args.allowed_headers,
     )
     return app
+
+
+def take_header_request_id(raw: Request, request: ChatCompletionRequest | CompletionRequest) -> None:
+    """vLLM's: an X-Request-Id header names the request, over the body's request_id, so a gateway's id is
+    the answer's id ("cmpl-<id>") and the logs'. Bounded as the body's field is (it is in every chunk)."""
+    given = raw.headers.get("x-request-id")
+    if given is None:
+        return
+    if len(given) > MAX_REQUEST_ID_LEN:
+        raise APIError(f"The X-Request-Id header may be at most {MAX_REQUEST_ID_LEN} characters, got {len(given)}.",
+                       param="X-Request-Id")
+    request.request_id = given
 
 
 # -- running -------------------------------------------------------------------------------------------

@@ -65,6 +65,21 @@ def test_request_id_header_and_response_role(client):
     assert client.get("/health", headers={"X-Request-Id": "mine"}).headers["x-request-id"] == "mine"
 
 
+def test_x_request_id_header_names_the_request(client):
+    """vLLM takes the request's id from X-Request-Id, over the body's request_id (was ignored)."""
+    r = chat(client, request_id="body-id")
+    assert r.json()["id"] == "chatcmpl-body-id"
+    r = client.post("/v1/chat/completions", headers={"X-Request-Id": "gateway-7"},
+                    json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                          "request_id": "body-id"})
+    assert r.json()["id"] == "chatcmpl-gateway-7" and r.headers["x-request-id"] == "gateway-7", r.text
+    r = client.post("/v1/completions", headers={"X-Request-Id": "gateway-8"},
+                    json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert r.json()["id"] == "cmpl-gateway-8", r.text
+    r = client.post("/v1/completions", headers={"X-Request-Id": "g" * 513}, json={"model": "tiny", "prompt": "Hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
+
+
 def test_tokens_as_token_ids_and_forced_usage(client):
     r = chat(client, logprobs=True, top_logprobs=2)
     assert all(c["token"].startswith("token_id:") for c in r.json()["choices"][0]["logprobs"]["content"])
