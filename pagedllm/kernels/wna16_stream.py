@@ -39,6 +39,7 @@ from pagedllm import envs
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.gemv import split_k_workspace
 from pagedllm.kernels.rmsnorm import rms_norm
+from pagedllm.kernels.wna16_mma8 import MMA8Config, mma8_supported, wna16_mma8_linear
 from pagedllm.kernels.wna16_stream_config import (
     StreamConfig,
     program_steps,
@@ -189,6 +190,10 @@ def _stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 
     if isinstance(cfg, TCConfig):
         return wna16_tc_linear(x, qweight, scales, zeros, group_size, bias, perm, config=cfg)
+    if isinstance(cfg, MMA8Config):
+        if mma8_supported(x, k, group_size, 4):
+            return wna16_mma8_linear(unfused_input(), qweight, scales, zeros, group_size, cfg, bias, perm)
+        cfg = StreamConfig(128, 2, 4)  # the table's default launch (the interpreter, or a group size it cannot take)
     block_k = cfg.BLOCK_KW * 8
     if group_size % block_k or k % block_k:
         raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size} and K {k}")

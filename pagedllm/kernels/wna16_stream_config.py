@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.kernels.wna16_mma8 import MMA8Config
 from pagedllm.kernels.wna16_tc import TCConfig
 
 __all__ = ["StreamConfig", "program_steps", "stream_config", "stream_supported"]
@@ -67,7 +68,7 @@ def stream_supported(x: torch.Tensor, bits: int, group_size: int, k: int) -> boo
 #                       (the tensor-core kernel 32.9)
 #   down 4096 x 14336   f16x2, 64 columns, 2 warps, 4 steps, 2 rows    15.9 (fp32 path 19.3)
 # Other shapes: 128 columns, 4 warps, 2 steps (fp32), the best over h40's four shapes together.
-_TABLE: dict[tuple[int, int], StreamConfig | TCConfig] = {
+_TABLE: dict[tuple[int, int], StreamConfig | TCConfig | MMA8Config] = {
     (6144, 4096): StreamConfig(256, 2, 4, MATH="f16x2", ROWS=2, EARLY=True),
     (4096, 4096): StreamConfig(128, 2, 4),
     (28672, 4096): StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),
@@ -76,7 +77,7 @@ _TABLE: dict[tuple[int, int], StreamConfig | TCConfig] = {
 _DEFAULT = StreamConfig(128, 2, 4)
 
 
-def stream_config(n: int, k: int) -> StreamConfig | TCConfig:
-    """The one-row launch for an (N, K) int4 weight: a StreamConfig for this kernel, or a TCConfig
-    where the tensor-core kernel (wna16_tc.py) measured faster."""
+def stream_config(n: int, k: int) -> StreamConfig | TCConfig | MMA8Config:
+    """The one-row launch for an (N, K) int4 weight: a StreamConfig for this kernel, a TCConfig where the
+    tensor-core kernel (wna16_tc.py) measured faster, an MMA8Config where the mma.sync one (wna16_mma8.py) did."""
     return _TABLE.get((n, k), _DEFAULT)

@@ -55,6 +55,7 @@ from pagedllm.kernels import (  # noqa: E402
     wna16_gemm,
     wna16_gemv,
     wna16_mma,
+    wna16_mma8,
     wna16_stream,
     wna16_tc,
     wna16_wgmma,
@@ -157,6 +158,7 @@ def _record(launches: list) -> None:
         (wna16_tc, "_wna16_tc_kernel"),
         (wna16_mma, "_wna16_mma_kernel"),
         (wna16_wgmma, "_wna16_wgmma_kernel"),
+        (wna16_mma8, "_wna16_mma8_kernel"),
         (wna16_stream, "_wna16_stream_kernel"),
         (quant_act, "_quant_row_kernel"),
         (quant_act, "_scale_epilogue_kernel"),
@@ -220,6 +222,11 @@ def _record_quant() -> None:
     launches.append((160, wna16_wgmma.WGMMAConfig(256, 128, 2, 8, 4, 8), torch.float16))
     for m, cfg, dt in launches:
         wna16_wgmma.wna16_wgmma_linear(torch.zeros(m, k, dtype=dt), qw, s.to(dt), z, 128, cfg)
+    # the mma.sync one-row kernel (M <= 8) with and without its vector column order, bf16 and fp16; its compile
+    # checks that the words' and x's layouts are mma.sync's A and B operand layouts (assert_trivial)
+    wna16_mma8._workspaces[torch.device("cpu")] = (torch.zeros(1 << 22), torch.zeros(1 << 15, dtype=torch.int32))
+    for cfg, dt in ((wna16_mma8.MMA8Config(128, 8, 4, True), bf16), (wna16_mma8.MMA8Config(64, 4, 2), torch.float16)):
+        wna16_mma8.wna16_mma8_linear(torch.zeros(1, k, dtype=dt), qw, s.to(dt), z, 128, cfg)
     # the packed fp16 math of the one-row kernel (MATH="f16x2"), plain, with SwiGLU's activation and with
     # residual add + RMSNorm in its x prologue (the norm at qkv / gate_up's K: hidden 4096)
     for cfg in (wna16_stream.StreamConfig(64, 8, 2, MATH="f16x2", ROWS=2),

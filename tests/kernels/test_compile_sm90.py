@@ -32,7 +32,7 @@ _KERNELS = {
     "_topk_softmax_kernel", "_mla_prefill_kernel", "_mla_prep_kernel",
     "_mla_decode_kernel", "_mla_decode_rc_kernel", "_mla_merge_kernel",
     "_wna16_gemv_kernel", "_wna16_gemm_kernel", "_wna16_tc_kernel", "_wna16_stream_kernel", "_wna16_dequant_kernel",
-    "_wna16_mma_kernel", "_wna16_wgmma_kernel",
+    "_wna16_mma_kernel", "_wna16_wgmma_kernel", "_wna16_mma8_kernel",
     "_quant_row_kernel", "_scale_epilogue_kernel", "_rms_norm_quant_kernel", "_silu_and_mul_quant_kernel",
     "_decode_fused_kernel", "_w8a8_gemm_kernel", "_split_k_sum_kernel",
     "_per_token_group_quant_kernel", "_fp8_block_gemm_kernel",
