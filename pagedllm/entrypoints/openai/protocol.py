@@ -184,6 +184,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: false leaves the thinking text (reasoning_content) out of the answer.
+    include_reasoning: bool = True
     # vLLM's RAG documents ({"title", "text"} each), for templates that show them.
     documents: list[dict[str, str]] | None = None
     # Tool calling (serving_chat checks them: tool_choice "none" | "auto" | "required" | a named function).

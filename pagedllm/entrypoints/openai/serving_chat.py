@@ -156,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
             events = self._stream(request, stream, request_id, model_name, prompt_ids, params, echo_text, make_parser)
             return EventStream(events, [stream])
         return await self._full(stream, request_id, model_name, params, echo_text, bool(request.return_token_ids),
-                                make_parser, self.tokens_as_ids(request))
+                                make_parser, self.tokens_as_ids(request), request.include_reasoning)
 
     # -- input -------------------------------------------------------------------------------------
     def _check_supported(self, request: ChatCompletionRequest) -> None:
@@ -262,6 +262,7 @@ class OpenAIServingChat(OpenAIServing):
         return_token_ids: bool,
         make_parser=None,
         as_ids: bool = False,
+        include_reasoning: bool = True,
     ) -> ChatCompletionResponse:
         created = int(time.time())
         final = None
@@ -285,6 +286,8 @@ class OpenAIServingChat(OpenAIServing):
             parser = make_parser() if make_parser is not None else ChoiceOutputParser(None, "none")
             parser.feed(c.text, final=True)
             reasoning, content, tool_calls = parser.message()
+            if not include_reasoning:
+                reasoning = None  # vLLM's include_reasoning=false: the thinking is parsed out, then left out
             if echo_text:
                 content = echo_text + (content or "")
             choices.append(
@@ -355,6 +358,8 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens[c.index] += len(c.token_ids)
                     parser = parsers[c.index]
                     reasoning, content, tool_deltas = parser.feed(c.text, final=c.finish_reason is not None)
+                    if not request.include_reasoning:
+                        reasoning = ""
                     shown = reasoning or content or tool_deltas
                     if not shown and c.finish_reason is None and not c.logprobs and not return_token_ids:
                         continue  # nothing to show yet (half a multibyte character, a tool call in progress)

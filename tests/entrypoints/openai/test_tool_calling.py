@@ -216,6 +216,13 @@ def test_reasoning_then_structured_output(served, model_dir):
             reasoning += getattr(delta, "reasoning_content", None) or ""
             content += delta.content or ""
     assert reasoning == (msg.reasoning_content or "") and content == msg.content
+    # vLLM's include_reasoning=false: the same answer without its thinking text (was an unknown field)
+    assert msg.reasoning_content
+    r = client.chat.completions.create(**body, extra_body={"include_reasoning": False})
+    assert r.choices[0].message.reasoning_content is None and r.choices[0].message.content == msg.content
+    chunks = list(client.chat.completions.create(**body, stream=True, extra_body={"include_reasoning": False}))
+    assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     # enable_thinking=false: the template closes the think block; the answer is constrained at once.
     r = client.chat.completions.create(**{**body, "logit_bias": None},
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
