@@ -197,12 +197,15 @@ class Processor:
         return out
 
     def truncate_prompt(self, pp: ProcessedPrompt, params: SamplingParams) -> ProcessedPrompt:
-        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len - 1)."""
+        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: as many as leave room for
+        max_tokens, max_model_len - max_tokens as vLLM's; without max_tokens, max_model_len - 1)."""
         k = params.truncate_prompt_tokens
         if k is None:
             return pp
         if k == -1:
-            k = self.max_model_len - 1
+            # max_model_len - 1 with max_tokens set was a 400 (prompt + max_tokens over the context) for the
+            # prompts that -1 is for: those longer than the context.
+            k = max(1, self.max_model_len - (params.max_tokens or 1))
         if len(pp.prompt_token_ids) <= k:
             return pp
         ids = pp.prompt_token_ids[-k:]

@@ -142,6 +142,11 @@ def test_bad_words_and_allowed_token_ids_and_truncation(client, tiny_tokenizer):
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(5, 1005)), "max_tokens": 2,
                                               "truncate_prompt_tokens": 10})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10, r.text
+    # -1: as many as leave room for max_tokens (vLLM's max_model_len - max_tokens; was 511 and a 400)
+    for max_tokens, kept in [(2, 510), (None, 511)]:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(5, 1005)), "max_tokens": max_tokens,
+                                                  "truncate_prompt_tokens": -1, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == kept, r.text
 
 
 def test_metrics_have_vllm_names_and_every_grafana_series(client):
