@@ -186,6 +186,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: false leaves the thinking text (reasoning_content) out of the answer.
     include_reasoning: bool = True
+    # OpenAI's; vLLM gives it to the chat template (templates that read it: how long to think).
+    reasoning_effort: str | None = None
     # vLLM's RAG documents ({"title", "text"} each), for templates that show them.
     documents: list[dict[str, str]] | None = None
     # Tool calling (serving_chat checks them: tool_choice "none" | "auto" | "required" | a named function).

@@ -240,6 +240,8 @@ class OpenAIServingChat(OpenAIServing):
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
         if request.continue_final_message:
             kwargs["continue_final_message"] = True
+        if request.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = request.reasoning_effort  # vLLM's: over chat_template_kwargs' own
         text = render_chat(
             tokenizer, messages, request.chat_template or self.chat_template, request.add_generation_prompt, kwargs,
             tools=request.tools, documents=request.documents,

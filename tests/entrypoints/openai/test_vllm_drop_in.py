@@ -129,6 +129,12 @@ def test_documents_reach_the_template(client, tiny_tokenizer):
     r = chat(client, chat_template=template, return_token_ids=True, max_tokens=1)
     assert tiny_tokenizer.decode(r.json()["prompt_token_ids"]) == "Hello there", r.text
     assert chat(client, documents="Paris").json()["error"]["param"] == "documents"
+    # reasoning_effort reaches the template too, as vLLM gives it (was an unknown field)
+    template = "{{ reasoning_effort | default('unset') }}: {{ messages[-1].content }}"
+    for extra, shown in [({"reasoning_effort": "low"}, "low"), ({}, "unset"),
+                         ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}, "high")]:
+        r = chat(client, chat_template=template, return_token_ids=True, max_tokens=1, **extra)
+        assert tiny_tokenizer.decode(r.json()["prompt_token_ids"]) == f"{shown}: Hello there", r.text
 
 
 def test_bad_words_and_allowed_token_ids_and_truncation(client, tiny_tokenizer):
