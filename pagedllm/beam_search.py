@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -21,7 +21,17 @@ from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.outputs import RequestOutput
+
+
+class LLM(Protocol):
+    """What the search asks of `pagedllm.LLM` (named here, not imported: entrypoints/llm.py imports this module)."""
+
+    llm_engine: Any
+
+    def get_tokenizer(self) -> Any: ...
+
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: Any = True) -> list[RequestOutput]: ...
 
 
 @dataclass

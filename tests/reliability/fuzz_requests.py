@@ -455,6 +455,8 @@ class OfflineFuzzer:
                                      "truncate_prompt_tokens", "stop", "stop_token_ids", "allowed_token_ids",
                                      "bad_words", "structured_outputs"):
             return value, ANY  # None is these fields' default
+        if value is True and fld in ("logprobs", "prompt_logprobs"):
+            return value, ANY  # vLLM's spelling of 1 (the sampled token's logprob), as the HTTP field's True
         if kind == NUM and isinstance(value, bool):
             return value, REJECT
         return value, REJECT
