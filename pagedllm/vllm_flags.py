@@ -21,7 +21,9 @@ share it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,12 +41,31 @@ class FlagNote:
     # A note flag's values that ask for what runs here (vLLM's spelling); any other value asks for a
     # feature that is not built and is refused. Empty: every value only warns.
     accepted: tuple[str, ...] = ()
+    # Where a value is structured (a JSON object): whether it asks only for what runs here; `accepted`
+    # then holds one such value (the tests' example), not the whole set.
+    accepts: Callable[[Any], bool] | None = None
 
     def refuses(self, value: Any) -> bool:
+        if self.accepts is not None:
+            return not self.accepts(value)
         return bool(self.accepted) and str(value) not in self.accepted
 
 
+def _xgrammar_config(value: Any) -> bool:
+    """--structured-outputs-config / structured_outputs_config: only {"backend": "xgrammar" or "auto"} asks for
+    what runs (a JSON string on the command line, a dict as an LLM keyword)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    return isinstance(value, dict) and set(value) <= {"backend"} and value.get("backend", "auto") in _XGRAMMAR
+
+
 _GPU_ONLY_ATTN = "pagedllm runs its own attention kernels (TRITON_ATTN on a GPU, CPU_ATTN on the CPU)"
+_XGRAMMAR = ("auto", "xgrammar")
+_STRUCTURED = ("constrained decoding always runs xgrammar, per request (docs/STRUCTURED_OUTPUTS.md); the other "
+               "backends and options are not built")
 _I22 = "not built: tool calling takes --enable-auto-tool-choice / --tool-call-parser, constrained decoding is xgrammar per request (docs/STRUCTURED_OUTPUTS.md)"
 
 NOTE_FLAGS: dict[str, FlagNote] = {
@@ -88,6 +109,9 @@ NOTE_FLAGS: dict[str, FlagNote] = {
     "--api-server-count": FlagNote("one API server process runs; more are not built", accepted=("1",)),
     "-asc": FlagNote("one API server process runs; more are not built", accepted=("1",)),
     "--enable-ssl-refresh": FlagNote("certificates are read once at start-up; restart to pick up new ones", 0),
+    "--guided-decoding-backend": FlagNote(_STRUCTURED, accepted=_XGRAMMAR),
+    "--structured-outputs-config": FlagNote(_STRUCTURED, accepted=('{"backend": "xgrammar"}',),
+                                            accepts=_xgrammar_config),
 }
 
 REFUSED_FLAGS: dict[str, FlagNote] = {
@@ -170,8 +194,6 @@ REFUSED_FLAGS: dict[str, FlagNote] = {
     "--tool-server": FlagNote(_I22),
     "--tool-parser-plugin": FlagNote(_I22),
     "--exclude-tools-when-tool-choice-none": FlagNote(_I22, 0),
-    "--guided-decoding-backend": FlagNote(_I22),
-    "--structured-outputs-config": FlagNote(_I22),
     "--log-config-file": FlagNote("pagedllm logs through Python's logging with its own format; configure it in code"),
     "--enable-tokenizer-info-endpoint": FlagNote("the /tokenizer_info endpoint is not built; /tokenize and /detokenize are", 0),
     "--enable-log-outputs": FlagNote("generated text is not logged", 0),

@@ -126,3 +126,16 @@ def test_vllm_api_key_is_honoured(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")
     assert api_keys(parse_server_args([])) == ["sk-vllm"]
+
+
+def test_structured_output_backend_flags_take_xgrammar_and_refuse_the_rest():
+    # vLLM scripts name the backend that runs here (xgrammar); naming another is refused by name
+    assert check_llm_kwargs({"guided_decoding_backend": "xgrammar", "structured_outputs_config": {"backend": "auto"},
+                             "max_model_len": 8}) == {"max_model_len": 8}
+    parse_server_args(["--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "auto"])
+    for kwargs in ({"guided_decoding_backend": "outlines"}, {"structured_outputs_config": {"backend": "guidance"}},
+                   {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}):
+        with pytest.raises(ValueError, match="is not supported: constrained decoding always runs xgrammar"):
+            check_llm_kwargs(kwargs)
+    with pytest.raises(ValueError, match="--structured-outputs-config not-json is not supported"):
+        parse_server_args(["--structured-outputs-config", "not-json"])
