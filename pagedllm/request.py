@@ -38,6 +38,15 @@ class RequestStatus(enum.IntEnum):
 
 
 class Request:
+    def add_prompt_logprobs(self, start: int, entries: list[tuple[list[int], list[float], int]]) -> None:
+        """A chunk's entries for prompt tokens start .. start + len - 1; positions already known (a prompt
+        recomputed after preemption) are not added again."""
+        if self.prompt_logprobs is None:
+            return
+        known = len(self.prompt_logprobs)  # entries for prompt tokens 1 .. known
+        if start <= known + 1:
+            self.prompt_logprobs.extend(entries[known + 1 - start:])
+
     def __init__(
         self,
         request_id: str,
@@ -73,6 +82,9 @@ class Request:
         # Prefix caching: hash of each *full* block of all_token_ids, appended as blocks fill.
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set at first scheduling
+        # Prompt logprobs by position (entry t predicts prompt token t + 1), until sent with the first output
+        self.prompt_logprobs: list[tuple[list[int], list[float], int]] | None = (
+            [] if self.sampling_params.prompt_logprobs is not None else None)
         self.num_preemptions = 0
         # The part of needs_output_history that never changes (the params are fixed by now), read
         # once per sampling step by the scheduler.

@@ -94,6 +94,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # every prompt position must run to give its logprobs (vLLM skips the cache too)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         if self.sliding_window is not None:

@@ -84,6 +84,9 @@ class ModelRunnerOutput:
     logprobs: list[tuple[list[int], list[float], int]] | None = None
     # Pooling runner: per request, its pooled output (float32 CPU tensor).
     pooler_output: list[torch.Tensor | None] | None = None
+    # Prompt logprobs (worker/prompt_logprobs.py): req_id -> (first predicted prompt position, one
+    # (token ids, logprobs, rank) entry per position), for the rows whose chunk held prompt positions.
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None
 
 
 @dataclass
@@ -95,6 +98,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # with "error": the message
     num_cached_tokens: int = 0
     pooling_output: torch.Tensor | None = None  # a finished pooling request's result
+    # With a request's first output, when it asked for prompt logprobs: one entry per prompt token but the
+    # first, (ids, logprobs, rank) with ids[0] the prompt token
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
     @property
     def finished(self) -> bool:

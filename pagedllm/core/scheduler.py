@@ -311,6 +311,11 @@ class Scheduler:
         sampled_token_ids = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         finished_from = RequestStatus.FINISHED_STOPPED
+        if runner_output.prompt_logprobs:  # chunks mid-prefill too: kept on the request until its first output
+            for req_id, (start, entries) in runner_output.prompt_logprobs.items():
+                req = requests.get(req_id)
+                if req is not None and req.status < finished_from:
+                    req.add_prompt_logprobs(start, entries)
         for row, req_id in enumerate(runner_output.req_ids):
             if req_id not in sampling:
                 continue  # mid-prefill: the sampled token belongs to no position yet
@@ -332,6 +337,8 @@ class Scheduler:
             self._check_stop(req, token)
             lp = [logprobs[row]] if logprobs is not None else None
             out = EngineCoreOutput(req_id, [token], lp, None, None, max(req.num_cached_tokens, 0))
+            if req.prompt_logprobs is not None and req.num_output_tokens == 1:
+                out.prompt_logprobs = req.prompt_logprobs
             if req.status >= finished_from:
                 out.finish_reason = req.get_finished_reason()
                 out.stop_reason = req.stop_reason

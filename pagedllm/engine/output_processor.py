@@ -70,6 +70,9 @@ class RequestState:
         self.num_sent_tokens = 0
         self.num_sent_logprobs = 0
         self.num_cached_tokens = 0
+        # vLLM's RequestOutput.prompt_logprobs: None for the first prompt token, then one dict each
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs_sent = False  # DELTA outputs carry them once, in the first
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -78,6 +81,15 @@ class RequestState:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([tok], skip_special_tokens=False)
+
+    def _logprob_entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        """One position's {token: Logprob}: column 0 the sampled (or prompt) token with its rank, then the
+        top k by rank 1..k (column 0's token may repeat among them: kept once, with its own rank)."""
+        entry: dict[int, Logprob] = {}
+        for j, (t, lp) in enumerate(zip(ids, lps)):
+            if t not in entry:
+                entry[t] = Logprob(lp, rank if j == 0 else j, self._decode_token(t))
+        return entry
 
     def add(self, out: EngineCoreOutput) -> str | None:
         """Apply one core output; returns a stop string if the text hit one."""
@@ -90,12 +102,10 @@ class RequestState:
         self.token_ids.extend(out.new_token_ids)
         if self.logprobs is not None and out.new_logprobs:
             for ids, lps, rank in out.new_logprobs:
-                entry: dict[int, Logprob] = {}
-                for j, (t, lp) in enumerate(zip(ids, lps)):
-                    if t not in entry:  # column 0 is the sampled token; it may repeat in the top-k
-                        entry[t] = Logprob(lp, rank if j == 0 else j, self._decode_token(t))
-                self.logprobs.append(entry)
+                self.logprobs.append(self._logprob_entry(ids, lps, rank))
                 self.cumulative_logprob = (self.cumulative_logprob or 0.0) + lps[0]
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] + [self._logprob_entry(*e) for e in out.prompt_logprobs]
         stop_str = None
         if self.detokenizer is not None:  # detokenize=False (the server's token-id prompts) skips it all
             text_ids = out.new_token_ids
@@ -238,12 +248,16 @@ class OutputProcessor:
 
     @staticmethod
     def _request_output(rid: str, st: RequestState, comps: list[CompletionOutput], finished: bool) -> RequestOutput:
+        prompt_lp = st.prompt_logprobs
+        if prompt_lp is not None and st.output_kind == RequestOutputKind.DELTA:
+            prompt_lp, st.prompt_logprobs_sent = (None if st.prompt_logprobs_sent else prompt_lp), True
         return RequestOutput(
             request_id=rid,
             prompt=st.prompt,
             prompt_token_ids=st.prompt_token_ids,
             outputs=comps,
             finished=finished,
+            prompt_logprobs=prompt_lp,
             metrics=st.metrics,
             num_cached_tokens=st.num_cached_tokens,
         )

@@ -151,8 +151,6 @@ class Processor:
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
                 raise ValueError(f"{name}={v} is more than the server's max_logprobs ({self.config.max_logprobs}).")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet.")
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "

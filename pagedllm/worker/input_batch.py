@@ -62,6 +62,7 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        self.prompt_logprob_ids: set[str] = set()  # requests asking for prompt logprobs (most steps: none)
         # Seeded requests draw from their own generator, so the batch around them does not matter.
         # It lives here, on the sampling device, from a request's first step to its end: a
         # preempted request's state is rebuilt when it resumes, its generator carries on.
@@ -89,6 +90,7 @@ class InputBatch:
             # Another set of request states: what was cached for the old one is stale.
             self.membership += 1
         for req_id in so.finished_req_ids:
+            self.prompt_logprob_ids.discard(req_id)
             st = self.requests.pop(req_id, None)
             if st is not None:
                 self._release_row(st)
@@ -109,6 +111,8 @@ class InputBatch:
                 num_computed_tokens=new.num_computed_tokens,
             )
             self._write_blocks(st)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprob_ids.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
             if cached.new_block_ids:

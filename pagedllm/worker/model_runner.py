@@ -26,6 +26,7 @@ from pagedllm.sample.metadata import RowInputs, SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
 from pagedllm.structured_output.bitmask import GrammarOutput, apply_grammar_bitmask
 from pagedllm.structured_output.gate import GrammarGate
+from pagedllm.worker import prompt_logprobs
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.gated_cpu_sample import GatedCpuSample
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
@@ -56,6 +57,8 @@ class ModelRunner:
         self.step_id = 0
         self.last_sampled: torch.Tensor | None = None  # device ids of the newest step's samples
         self._deferred: tuple[StepInputs, torch.Tensor] | None = None  # a step waiting for its bitmask
+        self._hidden_all: torch.Tensor | None = None  # this forward's hidden states, every token's row
+        self._prompt_lp: tuple | None = None  # this step's prompt logprobs, until its PendingOutput takes them
         # Launched steps that sampled, oldest first, until the input batch has taken their tokens.
         self._uncollected: list[PendingOutput] = []
         # (membership, sampling req ids) -> the SamplingMetadata built for them (_sampling_metadata).
@@ -150,6 +153,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(inp):
             # One token per request. A 1-token prefill chunk among decodes samples nothing: its row goes.
             hidden = self.graph_runner.run(inp, self._fill_pending)
+            self._hidden_all = hidden  # one row per request (one token each): the prompt logprobs' rows
             if hidden is None or len(inp.sample_rows) == len(inp.req_ids):
                 return hidden
             return hidden[inp.sample_rows]
@@ -164,6 +168,7 @@ class ModelRunner:
             hidden = forward_stage(self.model, input_ids, positions, md, self.pp_group)
             if hidden is None:  # an earlier pipeline stage: its activations went to the next one
                 return None
+        self._hidden_all = hidden
         last = to_device_async(torch.from_numpy(inp.query_start_loc[1:][inp.sample_rows] - 1), dev)
         return hidden[last]
 
@@ -192,9 +197,18 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return PendingOutput(self.step_id, [], [], None, None, [])
         inp = self.input_batch.prepare_inputs(so)
+        job = None
+        if self.input_batch.prompt_logprob_ids:
+            job = prompt_logprobs.plan(inp.req_ids, inp.query_start_loc, inp.positions, self.input_batch.requests.get)
+        self._hidden_all = None
         hidden = self.forward(inp)
+        self._prompt_lp = None
+        if job is not None and self._hidden_all is not None:
+            self._prompt_lp = (job, *prompt_logprobs.compute(job, self._hidden_all, self.model.compute_logits,
+                                                              self.vocab_size))
+        self._hidden_all = None
         if not inp.sample_rows:
-            return PendingOutput(self.step_id, inp.req_ids, [], None, None, [])
+            return self._with_prompt_logprobs(PendingOutput(self.step_id, inp.req_ids, [], None, None, []))
         if hidden is None:
             # A stage before the last: its activations went on; it waits for nothing back, so it
             # can start the next batch at once (the sampled tokens reach it in a later
@@ -325,12 +339,19 @@ class ModelRunner:
         out = self.sampler(logits, self._sampling_metadata(inp, states), mask)
         return self._finish_sample(inp, states, out.sampled_token_ids, out.logprobs)
 
+    def _with_prompt_logprobs(self, pending: PendingOutput) -> PendingOutput:
+        """The step's prompt logprobs (execute_model computed them beside the forward) go with its output."""
+        if self._prompt_lp is not None:
+            pending.attach_prompt_logprobs(*self._prompt_lp)
+            self._prompt_lp = None
+        return pending
+
     def _finish_sample(self, inp: StepInputs, states: list[CachedRequestState], sampled: torch.Tensor | None,
                        logprobs: LogprobsTensors | None) -> PendingOutput:
         """The step's PendingOutput and the states' in-flight marks (sampled None: a gated CPU
         step, whose tokens `GatedCpuSample.sample` sets later)."""
-        pending = PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, sampled, logprobs,
-                                [st.sampling_params.logprobs for st in states])
+        pending = self._with_prompt_logprobs(PendingOutput(self.step_id, inp.req_ids, inp.sample_rows, sampled,
+                                                           logprobs, [st.sampling_params.logprobs for st in states]))
         if self.pp_group.world_size > 1:
             # Pipeline parallel: every stage, this one too, takes the tokens from the scheduler's
             # next step for the request (CachedRequestData.new_token_ids); none is in flight.

@@ -48,6 +48,26 @@ class PendingOutput:
         self.sampled_ids: list[int] | None = None  # one per sample row, once read
         self._output: ModelRunnerOutput | None = None
         self.before_read = None  # a gated CPU step: samples it (gated_cpu_sample.py)
+        self._prompt_lp: tuple | None = None  # (job, ids, logprobs, ranks, event): attach_prompt_logprobs
+
+    def attach_prompt_logprobs(self, job, ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor) -> None:
+        """The step's prompt logprobs (worker/prompt_logprobs.py), copied to the host behind the step."""
+        event = None
+        if ids.is_cuda:
+            ids, lps, ranks = (t.to("cpu", non_blocking=True) for t in (ids, lps, ranks))
+            event = torch.cuda.Event()
+            event.record()
+        self._prompt_lp = (job, ids, lps, ranks, event)
+
+    def _prompt_logprobs(self) -> dict | None:
+        if self._prompt_lp is None:
+            return None
+        from pagedllm.worker.prompt_logprobs import to_lists
+
+        job, ids, lps, ranks, event = self._prompt_lp
+        if event is not None:
+            event.synchronize()
+        return to_lists(job, ids, lps, ranks)
 
     def get(self) -> ModelRunnerOutput:
         if self._output is None:
@@ -61,7 +81,8 @@ class PendingOutput:
             self.event.synchronize()
         logprobs: list | None = None
         if self.sampled is None:
-            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=[0] * len(self.req_ids))
+            return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=[0] * len(self.req_ids),
+                                     prompt_logprobs=self._prompt_logprobs())
         ids = self.sampled.tolist()
         if len(ids) == len(self.req_ids):  # every row sampled (sample_rows is 0..R-1): no scatter
             sampled = list(ids)
@@ -76,4 +97,5 @@ class PendingOutput:
             for j, (row, k) in enumerate(zip(self.sample_rows, self.num_logprobs)):
                 if k is not None:
                     logprobs[row] = (lp_ids[j][: k + 1], lps[j][: k + 1], ranks[j])
-        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=self._prompt_logprobs())

@@ -262,6 +262,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, with the prompt_logprobs field
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):
@@ -320,12 +321,19 @@ class CompletionResponseChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
+class CompletionResponseFullChoice(CompletionResponseChoice):
+    """A whole (not streamed) answer's choice: vLLM's prompt_logprobs too (None for the first prompt token,
+    then {token id: {logprob, rank, decoded_token}}), with the prompt_logprobs field."""
+
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
 class CompletionResponse(BaseModel):
     id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionResponseFullChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
 

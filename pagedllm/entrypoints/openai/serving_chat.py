@@ -310,6 +310,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=self.usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
             prompt_token_ids=list(final.prompt_token_ids) if return_token_ids else None,
+            prompt_logprobs=self.prompt_logprobs_json(final),
         )
 
     async def _stream(

@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionResponseFullChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
     UsageInfo,
@@ -122,7 +123,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("suffix is not supported.", param="suffix")
         if request.echo and request.logprobs is not None:
             raise APIError(
-                "echo together with logprobs needs prompt logprobs, which are not supported yet.", param="echo"
+                "echo together with logprobs (the echoed prompt's logprobs) is not supported; prompt_logprobs gives "
+                "the prompt's.", param="echo"
             )
         self.limits.check_sampling(request, logprobs_field="logprobs")
         params = self.sampling_params(request)
@@ -221,7 +223,9 @@ class OpenAIServingCompletion(OpenAIServing):
             cached_tokens += final.num_cached_tokens
             for c in final.outputs:
                 completion_tokens += len(c.token_ids)
-                choice = self._choice(i * params.n + c.index, c, params, echoes[i], 0, as_ids)
+                choice = CompletionResponseFullChoice(
+                    **vars(self._choice(i * params.n + c.index, c, params, echoes[i], 0, as_ids)),
+                    prompt_logprobs=self.prompt_logprobs_json(final))
                 if return_token_ids:
                     choice.prompt_token_ids = list(final.prompt_token_ids)
                     choice.token_ids = list(c.token_ids)

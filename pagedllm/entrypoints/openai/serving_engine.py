@@ -209,7 +209,20 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
         if request.use_beam_search:
             raise APIError("use_beam_search is not supported.", param="use_beam_search")
+        if request.stream and request.prompt_logprobs is not None:
+            # vLLM's rule and message: they come with the whole answer only
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         refuse_unbuilt_fields(request)
+
+    @staticmethod
+    def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """RequestOutput.prompt_logprobs as vLLM's responses carry them: per prompt token None (the first)
+        or {token id: {"logprob", "rank", "decoded_token"}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in e.items()}
+                for e in out.prompt_logprobs]
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -138,3 +138,22 @@ def test_best_of_equal_to_n_is_served(client):
     assert [c.index for c in chat.choices] == [0, 1]
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(n=1, best_of=3, **kw)
+
+
+def test_prompt_logprobs_in_whole_answers(client, tiny_tokenizer):
+    # vLLM's extra field: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    ids = tiny_tokenizer.encode(PROMPT)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    plp = full.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for t in range(1, len(ids)):
+        entry = plp[t]
+        assert str(ids[t]) in entry and 2 <= len(entry) <= 3
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 and isinstance(v["decoded_token"], str) for v in entry.values())
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    cplp = chat.model_extra["prompt_logprobs"]
+    assert cplp[0] is None and all(len(e) == 1 for e in cplp[1:]) and chat.usage.prompt_tokens == len(cplp)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert plain.choices[0].model_extra.get("prompt_logprobs") is None

@@ -198,7 +198,8 @@ CMPL = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         ("/v1/completions", {**CMPL, "truncate_prompt_tokens": 10**30}, "truncate_prompt_tokens",
          ["truncate_prompt_tokens"]),
         # param was "prompt" (the message starts with "prompt")
-        ("/v1/completions", {**CMPL, "prompt_logprobs": 1}, "prompt_logprobs", ["prompt_logprobs"]),
+        ("/v1/completions", {**CMPL, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+         ["`prompt_logprobs` are not available when `stream=True`"]),
         # named structured_outputs.regex / .grammar / .json, param null: not what was sent
         ("/v1/completions", {**CMPL, "guided_regex": "("}, "guided_regex", ["guided_regex cannot be compiled"]),
         ("/v1/chat/completions", {**CHAT, "guided_grammar": "root ::= "}, "guided_grammar",
@@ -234,7 +235,7 @@ def test_fuzzer_finds_are_400_naming_the_field_sent(tiny_server, path, body, par
 
 @pytest.mark.parametrize("message, param", [
     ("request id 'cmpl-x' is already in use.", "request_id"),  # two requests of one id tokenizing at once
-    ("prompt_logprobs is not supported yet.", "prompt_logprobs"),
+    ("prompt_logprobs=30 is more than the server's max_logprobs (20).", "prompt_logprobs"),
     ("the prompt is empty; it needs at least one token.", "prompt"),
     ("truncate_prompt_tokens (9) is larger than the model's max_model_len (8).", "truncate_prompt_tokens"),
     ("bad_words needs a tokenizer; this engine runs without one (skip_tokenizer_init).", "bad_words"),
