@@ -110,3 +110,24 @@ def test_long_chunks_are_scored_in_slices(monkeypatch):
     lists = pl.to_lists(job, *sliced)
     assert lists["a"][0] == 1 and len(lists["a"][1]) == 20 and len(lists["a"][1][0][0]) == 4
     assert lists["b"][0] == 4 and len(lists["b"][1]) == 13 and len(lists["b"][1][0][0]) == 2
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model_dir, hf_logprobs):
+    # 14 blocks of 16 hold two of the four 110-token requests: the others are preempted and recomputed,
+    # and a recomputed prompt's positions are not added twice
+    from pagedllm import LLM, SamplingParams
+    from tests.utils import assert_pool_idle
+
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=14, max_model_len=128, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 5000, (70,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+                           strict=True):
+        assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs[0].token_ids) == 40
+        ref = hf_logprobs(prompt)
+        err = max(abs(out.prompt_logprobs[t][prompt[t]].logprob - ref[t - 1, prompt[t]].item())
+                  for t in range(1, len(prompt)))
+        assert err < 2e-3
+    assert_pool_idle(llm)
