@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.admission import AdmissionController
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -121,13 +122,12 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_common(request)
         if request.suffix:
             raise APIError("suffix is not supported.", param="suffix")
-        if request.echo and request.logprobs is not None:
-            raise APIError(
-                "echo together with logprobs (the echoed prompt's logprobs) is not supported; prompt_logprobs gives "
-                "the prompt's.", param="echo"
-            )
         self.limits.check_sampling(request, logprobs_field="logprobs")
         params = self.sampling_params(request)
+        if request.echo and request.logprobs is not None:
+            # the echoed prompt's tokens get logprobs too (vLLM's; lm-eval's loglikelihood requests): its
+            # prompt logprobs, the first token's None
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         self.limits.check_max_tokens(params.max_tokens, "max_tokens")
         prompts = normalize_prompts(request.prompt)
         self.limits.check_prompt_bytes(sum(len(p.encode()) for p in prompts if isinstance(p, str)), "prompt")
@@ -174,7 +174,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return EventStream(events, streams)
         try:
             return await self._full(streams, request_id, model_name, params, echoes, bool(request.return_token_ids),
-                                    self.tokens_as_ids(request))
+                                    self.tokens_as_ids(request), request)
         finally:
             for s in streams:
                 s.abort()
@@ -207,6 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoes: list[str],
         return_token_ids: bool,
         as_ids: bool = False,
+        request: CompletionRequest | None = None,
     ) -> CompletionResponse:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -225,7 +226,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 choice = CompletionResponseFullChoice(
                     **vars(self._choice(i * params.n + c.index, c, params, echoes[i], 0, as_ids)),
-                    prompt_logprobs=self.prompt_logprobs_json(final))
+                    prompt_logprobs=(self.prompt_logprobs_json(final)
+                                     if request is None or request.prompt_logprobs is not None else None))
+                if request is not None and request.echo and choice.logprobs is not None:
+                    choice.logprobs = self._with_echoed(final, choice.logprobs, request.logprobs, as_ids)
                 if return_token_ids:
                     choice.prompt_token_ids = list(final.prompt_token_ids)
                     choice.token_ids = list(c.token_ids)
@@ -237,6 +241,19 @@ class OpenAIServingCompletion(OpenAIServing):
             choices=choices,
             usage=self.usage(prompt_tokens, completion_tokens, cached_tokens),
         )
+
+    def _with_echoed(self, out: RequestOutput, logprobs: CompletionLogProbs, top_n: int,
+                     as_ids: bool) -> CompletionLogProbs:
+        """The echoed prompt's logprobs (vLLM's shape: its first token None) before the answer's."""
+        ids, plp = out.prompt_token_ids, out.prompt_logprobs
+        if not ids or plp is None:
+            return logprobs
+        first = self.token_str(ids[0], None, as_ids)
+        echoed = self.completion_logprobs(ids[1:], plp[1:], top_n, len(first), as_ids)
+        return CompletionLogProbs(text_offset=[0] + echoed.text_offset + logprobs.text_offset,
+                                  token_logprobs=[None] + echoed.token_logprobs + logprobs.token_logprobs,
+                                  tokens=[first] + echoed.tokens + logprobs.tokens,
+                                  top_logprobs=[None] + echoed.top_logprobs + logprobs.top_logprobs)
 
     def _choice(
         self, index: int, c: CompletionOutput, params: SamplingParams, prefix: str, text_offset: int,
@@ -309,6 +326,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                         continue
                     choice = self._choice(index, c, params, prefix, sent_chars.get(index, 0), as_ids)
+                    if first and request.echo and choice.logprobs is not None:
+                        choice.logprobs = self._with_echoed(out, choice.logprobs, request.logprobs, as_ids)
                     if request.return_token_ids:
                         choice.prompt_token_ids = list(out.prompt_token_ids) if first else None
                         choice.token_ids = list(c.token_ids)

@@ -157,3 +157,23 @@ def test_prompt_logprobs_in_whole_answers(client, tiny_tokenizer):
     assert cplp[0] is None and all(len(e) == 1 for e in cplp[1:]) and chat.usage.prompt_tokens == len(cplp)
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
     assert plain.choices[0].model_extra.get("prompt_logprobs") is None
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, tiny_tokenizer):
+    # lm-eval's loglikelihood request to an OpenAI-compatible server: echo, logprobs=1, max_tokens=1; the
+    # echoed prompt's tokens come first in logprobs, the first with None (vLLM's shape)
+    ids = tiny_tokenizer.encode(PROMPT)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert full.choices[0].text.startswith(PROMPT[:10])
+    # the same prompt positions as prompt_logprobs gives them
+    plp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    for t in range(1, len(ids)):
+        assert math.isclose(lp.token_logprobs[t], plp[t][str(ids[t])]["logprob"], abs_tol=1e-5)
+    chunks = streamed(client, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.token_logprobs]
+    assert tokens[0] is None and len(tokens) == len(ids) + 2
