@@ -89,6 +89,24 @@ class LLM:
         """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); False while requests run."""
         return self.llm_engine.reset_prefix_cache()
 
+    # vLLM's LLM methods for what is not built here: each refuses by name and says why (an AttributeError
+    # would read as a typo in the caller's script).
+    def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError("LLM.sleep is not built: pagedllm keeps its weights and KV cache resident for the "
+                                  "LLM's life; delete the LLM to free the GPU.")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError("LLM.wake_up is not built (LLM.sleep is not either): the LLM never sleeps.")
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        raise NotImplementedError("LLM.collective_rpc is not built: the workers take no calls from outside the "
+                                  "engine (weights are loaded once, at start).")
+
+    def apply_model(self, func: Callable[..., Any]) -> list:
+        raise NotImplementedError("LLM.apply_model is not built: the model may run in another process, out of "
+                                  "the caller's reach.")
+
     # -- generation --------------------------------------------------------------------------------
     def generate(
         self,

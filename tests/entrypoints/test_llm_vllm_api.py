@@ -111,3 +111,12 @@ def test_outputs_have_vllms_fields(llm):
     out = llm.generate("a b", GREEDY, use_tqdm=False)[0]
     assert out.lora_request is None and out.encoder_prompt is None and out.encoder_prompt_token_ids is None
     assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None
+
+
+def test_vllm_methods_not_built_refuse_by_name(llm):
+    # RLHF loops call these on vLLM's LLM; here each says what is not built instead of an AttributeError
+    for call, name in ((lambda: llm.sleep(level=1), "LLM.sleep"), (lambda: llm.wake_up(), "LLM.wake_up"),
+                       (lambda: llm.collective_rpc("report"), "LLM.collective_rpc"),
+                       (lambda: llm.apply_model(lambda m: m), "LLM.apply_model")):
+        with pytest.raises(NotImplementedError, match=f"{name} is not built"):
+            call()
