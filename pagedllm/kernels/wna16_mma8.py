@@ -57,12 +57,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedllm.kernels.gemv import split_k_workspace
+from pagedllm.kernels.gluon_split_k import store_transposed_output
 
 __all__ = ["MMA8Config", "kk_of", "mma8_dequant_emulation", "mma8_supported", "pair_constants", "wna16_mma8_linear"]
 
 MAX_M = 8  # mma.sync's n: rows of x a launch takes
 STEP_K = 128  # inputs a step: 16 word rows, the permutation's span
-_block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name from Triton 3.7 on
 _WS_FLOATS = 1 << 22  # 16 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -244,30 +244,10 @@ def _wna16_mma8_kernel(
         if step + 1 < STEPS:
             words, z, s, xv = words_n, z_n, s_n, xv_n
 
-    # epilogue: out[m, n] = acc[n, m] (+ bias[n]) for m < M; stored from the MMA layout itself
-    on = s_rows
+    # out[m, n] = acc[n, m] (+ bias[n]) for m < M, stored from the MMA layout itself
     om = gl.arange(0, 8, gl.SliceLayout(0, mma))
-    o_mask = s_mask[:, None] & (om < M)[None, :]
-    out_ptrs = out_ptr + om.to(gl.int64)[None, :] * stride_om + on[:, None]
-    if not USE_SPLIT:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + on, mask=s_mask, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptrs, acc.to(DTYPE), mask=o_mask)
-    else:
-        part_ptrs = ws_ptr + (om[None, :] * N + on[:, None])  # split s adds s * M * N
-        gl.store(part_ptrs + pid_k * M * N, acc, mask=o_mask)
-        # every thread's partial is written (block barrier) before one release-acquire increment
-        # publishes it at GPU scope; the last arrival reads all partials from L2, in split order
-        _block_barrier()
-        arrived = gl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([BLOCK_N, 8], gl.float32, mma)
-            for sp in range(0, SPLIT_K):
-                total += gl.load(part_ptrs + sp * M * N, mask=o_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += gl.load(bias_ptr + on, mask=s_mask, other=0.0).to(gl.float32)[:, None]
-            gl.store(out_ptrs, total.to(DTYPE), mask=o_mask)
-            gl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, no memset needed
+    store_transposed_output(acc, out_ptr, ws_ptr, counter_ptr, bias_ptr, pid_n, pid_k, s_rows, om, M, N, stride_om,
+                            SPLIT_K, HAS_BIAS, USE_SPLIT)
 
 
 @gluon.jit

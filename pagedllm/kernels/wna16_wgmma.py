@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from pagedllm.kernels.device_info import device_index, is_sm90
 from pagedllm.kernels.gemv import split_k_plan
+from pagedllm.kernels.gluon_split_k import block_barrier, store_transposed_output
 from pagedllm.kernels.wna16_wgmma_config import WGMMAConfig
 
 __all__ = ["WGMMAConfig", "a_operand_bases", "wgmma_dequant_emulation", "wgmma_supported", "wna16_wgmma_linear",
@@ -64,7 +65,6 @@ __all__ = ["WGMMAConfig", "a_operand_bases", "wgmma_dequant_emulation", "wgmma_s
 
 # cp.async of a pointer tensor into shared memory: `async_load` from Triton 3.7 on (3.9 removed the old name)
 _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-_block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name from Triton 3.7 on
 _WS_FLOATS = 1 << 23  # 32 MB of fp32 split-K partials per device, allocated once
 _WS_COUNTERS = 1 << 15
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -173,7 +173,7 @@ def _step(i, acc, s_next, z_next, w_smem, x_smem, qw_ptr, x_ptr, s_ptr, z_ptr, s
     # x came by cp.async (the generic proxy) and wgmma reads it through the async proxy: each thread
     # fences its own writes, then the block barrier makes every thread's words and x visible
     fence_async_shared()
-    _block_barrier()
+    block_barrier()
     slot = i % STAGES
     words = w_smem.index(slot).permute((1, 0)).load(w_l)  # (BLOCK_N, BLOCK_KW)
     words = gl.reshape(gl.expand_dims(words, 2).broadcast_to(BLOCK_N, BLOCK_KW, 8), [BLOCK_N, BLOCK_K])
@@ -267,27 +267,8 @@ def _wna16_wgmma_kernel(
     res = gl.convert_layout(acc, OUT_L)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, OUT_L))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, OUT_L))
-    o_mask = (on < N)[:, None] & (om < M)[None, :]
-    out_ptrs = out_ptr + om.to(gl.int64)[None, :] * stride_om + on[:, None]
-    if not USE_SPLIT:
-        if HAS_BIAS:
-            res += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptrs, res.to(DTYPE), mask=o_mask)
-    else:
-        part_ptrs = ws_ptr + (om[None, :] * N + on[:, None])  # split s adds s * M * N
-        gl.store(part_ptrs + pid_k * M * N, res, mask=o_mask)
-        # every thread's partial is written (block barrier) before one release-acquire increment
-        # publishes it at GPU scope; the last arrival reads all partials from L2, in split order
-        _block_barrier()
-        arrived = gl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, OUT_L)
-            for part in range(0, SPLIT_K):
-                total += gl.load(part_ptrs + part * M * N, mask=o_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
-            gl.store(out_ptrs, total.to(DTYPE), mask=o_mask)
-            gl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call, no memset needed
+    store_transposed_output(res, out_ptr, ws_ptr, counter_ptr, bias_ptr, pid, pid_k, on, om, M, N, stride_om, SPLIT_K,
+                            HAS_BIAS, USE_SPLIT)
 
 
 def _copy_layout(rows: int, cols: int, elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
