@@ -40,7 +40,7 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def add_prompt_logprobs(self, start: int, entries: list[tuple[list[int], list[float], int]]) -> None:
         """A chunk's entries for prompt tokens start .. start + len - 1; positions already known (a prompt
-        recomputed after preemption) are not added again."""
+        recomputed after preemption) are not added again, nor anything once they went out (None)."""
         if self.prompt_logprobs is None:
             return
         known = len(self.prompt_logprobs)  # entries for prompt tokens 1 .. known
@@ -83,6 +83,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set at first scheduling
         # Prompt logprobs by position (entry t predicts prompt token t + 1), until sent with the first output
+        # (then None: a recomputed prompt adds nothing)
         self.prompt_logprobs: list[tuple[list[int], list[float], int]] | None = (
             [] if self.sampling_params.prompt_logprobs is not None else None)
         self.num_preemptions = 0

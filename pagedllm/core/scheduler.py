@@ -337,8 +337,8 @@ class Scheduler:
             self._check_stop(req, token)
             lp = [logprobs[row]] if logprobs is not None else None
             out = EngineCoreOutput(req_id, [token], lp, None, None, max(req.num_cached_tokens, 0))
-            if req.prompt_logprobs is not None and req.num_output_tokens == 1:
-                out.prompt_logprobs = req.prompt_logprobs
+            if req.prompt_logprobs is not None:  # the first output: they go with it, once
+                out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             if req.status >= finished_from:
                 out.finish_reason = req.get_finished_reason()
                 out.stop_reason = req.stop_reason

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.sample.sampler import LogprobsTensors
+from pagedllm.worker.prompt_logprobs import to_lists
 
 
 class PendingOutput:
@@ -62,8 +63,6 @@ class PendingOutput:
     def _prompt_logprobs(self) -> dict | None:
         if self._prompt_lp is None:
             return None
-        from pagedllm.worker.prompt_logprobs import to_lists
-
         job, ids, lps, ranks, event = self._prompt_lp
         if event is not None:
             event.synchronize()

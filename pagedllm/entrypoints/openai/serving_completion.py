@@ -206,8 +206,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params: SamplingParams,
         echoes: list[str],
         return_token_ids: bool,
-        as_ids: bool = False,
-        request: CompletionRequest | None = None,
+        as_ids: bool,
+        request: CompletionRequest,
     ) -> CompletionResponse:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -226,9 +226,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 choice = CompletionResponseFullChoice(
                     **vars(self._choice(i * params.n + c.index, c, params, echoes[i], 0, as_ids)),
-                    prompt_logprobs=(self.prompt_logprobs_json(final)
-                                     if request is None or request.prompt_logprobs is not None else None))
-                if request is not None and request.echo and choice.logprobs is not None:
+                    prompt_logprobs=self.prompt_logprobs_json(final) if request.prompt_logprobs is not None else None)
+                if request.echo and choice.logprobs is not None:
                     choice.logprobs = self._with_echoed(final, choice.logprobs, request.logprobs, as_ids)
                 if return_token_ids:
                     choice.prompt_token_ids = list(final.prompt_token_ids)
