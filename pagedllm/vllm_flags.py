@@ -63,7 +63,7 @@ def _xgrammar_config(value: Any) -> bool:
 
 
 _GPU_ONLY_ATTN = "pagedllm runs its own attention kernels (TRITON_ATTN on a GPU, CPU_ATTN on the CPU)"
-_XGRAMMAR = ("auto", "xgrammar")
+_XGRAMMAR = ("auto", "xgrammar")  # structured_output/params.SUPPORTED_BACKENDS (this module imports none of pagedllm)
 _STRUCTURED = ("constrained decoding always runs xgrammar, per request (docs/STRUCTURED_OUTPUTS.md); the other "
                "backends and options are not built")
 _I22 = "not built: tool calling takes --enable-auto-tool-choice / --tool-call-parser, constrained decoding is xgrammar per request (docs/STRUCTURED_OUTPUTS.md)"

@@ -130,6 +130,10 @@ def test_vllm_api_key_is_honoured(monkeypatch):
 
 def test_structured_output_backend_flags_take_xgrammar_and_refuse_the_rest():
     # vLLM scripts name the backend that runs here (xgrammar); naming another is refused by name
+    from pagedllm.structured_output.params import SUPPORTED_BACKENDS
+    from pagedllm.vllm_flags import _XGRAMMAR
+
+    assert _XGRAMMAR == SUPPORTED_BACKENDS  # the table's copy (it imports none of pagedllm) and the engine's
     assert check_llm_kwargs({"guided_decoding_backend": "xgrammar", "structured_outputs_config": {"backend": "auto"},
                              "max_model_len": 8}) == {"max_model_len": 8}
     parse_server_args(["--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "auto"])

@@ -314,7 +314,7 @@ def _mma_bases(block_n: int, num_warps: int) -> tuple[list, list, list, list, li
 def _launch_constants(cfg: MMA8Config, dtype: torch.dtype) -> dict:
     """The kernel's constexprs that follow from the launch and x's dtype (layouts, the pair's PTX), built
     once each: the wrapper runs on every eager call."""
-    magic, off, shifts, masks, ones, c = pair_constants(dtype)
+    magic, _, shifts, masks, ones, c = pair_constants(dtype)
     fma = "fma.rn.bf16x2" if dtype == torch.bfloat16 else "fma.rn.f16x2"
     asm = f"""{{
 .reg .b32 t;
